@@ -1,0 +1,154 @@
+"""One bridge from a pure ``fwd``/``bwd`` pair to a ``torch.autograd.Function``.
+
+The contract, stated once (it is JAX's ``custom_vjp`` contract)::
+
+    fwd(*args)             -> (out, residuals)
+    bwd(residuals, d_out)  -> d_args          # one cotangent per arg, same structure
+
+``args``, ``out``, ``residuals`` and ``d_args`` are pytrees. Tensor leaves of ``args`` are the
+differentiable inputs; a ``d_args`` leaf may be ``None`` (no gradient). ``residuals`` is
+usually a record made with :func:`functional_dw.residuals.residuals`: its tensor leaves are
+activations, everything else is context held by reference.
+
+Example::
+
+    @residuals
+    class SinResiduals:
+        x: torch.Tensor = saved()
+
+    def sin_fwd(x):
+        return torch.sin(x), SinResiduals(x)
+
+    def sin_bwd(res, dy):
+        return (dy * torch.cos(res.x),)       # a tuple: one cotangent per argument
+
+    sin = custom_vjp(sin_fwd, sin_bwd)
+    torch.func.grad(lambda x: sin(x).sum())(torch.ones(3))   # cos(1) three times
+
+NOTE: [What goes where]
+  Tensor leaves of the residuals go through ``ctx.save_for_backward``, so saved-tensor hooks
+  (offloading, ``save_on_cpu``) see them and only them. A residual tensor that is one of the
+  inputs is saved as that input; any other residual tensor is returned from ``forward`` as an
+  extra, non-differentiable output (what ``torch.func`` requires of intermediates). Non-tensor
+  leaves and the record's context (weights, DistributedWeight objects, splits, flags) stay on
+  ``ctx`` by reference.
+
+NOTE: [Backward is re-entrant]
+  ``backward`` reads ``ctx.saved_tensors`` exactly once (unpack hooks run on every read),
+  rebuilds the residuals and calls ``bwd``. It never clears or mutates ``ctx``, so a second
+  ``backward(retain_graph=True)`` repeats exactly the same work.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["custom_vjp"]
+
+Fwd = Callable[..., tuple[Any, Any]]
+Bwd = Callable[..., Any]
+
+
+class _Stash:
+    """Carries non-tensor results of ``forward`` to ``setup_context`` (see make_function)."""
+
+    __slots__ = ("value",)
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _split_residuals(res: Any, in_leaves: tuple) -> tuple[list, list[torch.Tensor], Any]:
+    """Plan how each residual leaf is kept: ("in", i), ("out", j) or ("ref", obj)."""
+    leaves, spec = pytree.tree_flatten(res)
+    plan, extra = [], []
+    for leaf in leaves:
+        if not _is_tensor(leaf):
+            plan.append(("ref", leaf))
+            continue
+        i = next((i for i, t in enumerate(in_leaves) if t is leaf), None)
+        if i is not None:
+            plan.append(("in", i))
+        else:
+            plan.append(("out", len(extra)))
+            extra.append(leaf)
+    return plan, extra, spec
+
+
+def _cotangent_leaves(d: Any, spec: pytree.TreeSpec, name: str) -> list:
+    """Flatten ``d`` along ``spec``; ``None`` stands for "no cotangent" for a whole subtree."""
+    if d is None:
+        return [None] * spec.num_leaves
+    if spec.is_leaf():
+        return [d]
+    node = pytree.SUPPORTED_NODES.get(spec.type)
+    children = node.flatten_fn(d)[0] if node is not None and isinstance(d, spec.type) else None
+    specs = spec.children() if hasattr(spec, "children") else spec.children_specs  # torch >= 2.13
+    if children is None or len(children) != len(specs):
+        raise TypeError(
+            f"custom_vjp({name}): bwd must return one cotangent per argument of fwd, shaped like "
+            f"the arguments (None for no gradient); expected {spec}, got {pytree.tree_structure(d)}"
+        )
+    return [leaf for c, s in zip(children, specs) for leaf in _cotangent_leaves(c, s, name)]
+
+
+def custom_vjp(fwd: Fwd, bwd: Bwd, *, name: str | None = None) -> Callable[..., Any]:
+    """Turn a pure ``fwd``/``bwd`` pair into a differentiable callable.
+
+    The returned function ``f(*args)`` computes ``fwd(*args)[0]`` and, under autograd or
+    ``torch.func``, differentiates through ``bwd``. See the module docstring for the contract.
+    """
+    name = name or getattr(fwd, "__name__", "fwd")
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(stash: _Stash, in_spec: Any, *in_leaves: Any) -> tuple:  # type: ignore[override]
+            args = pytree.tree_unflatten(in_leaves, in_spec)
+            out, res = fwd(*args)
+            out_leaves, out_spec = pytree.tree_flatten(out)
+            if not all(_is_tensor(t) for t in out_leaves):
+                raise TypeError(f"custom_vjp({name}): fwd's output must be tensors; got {out_spec}")
+            plan, extra, res_spec = _split_residuals(res, in_leaves)
+            stash.value = (out_spec, len(out_leaves), plan, res_spec)
+            return (*out_leaves, *extra)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+            stash, in_spec, *in_leaves = inputs
+            out_spec, n_out, plan, res_spec = stash.value
+            extra = output[n_out:]
+            ctx.mark_non_differentiable(*extra)
+            saved = [in_leaves[i] if kind == "in" else extra[i] for kind, i in plan if kind != "ref"]
+            ctx.save_for_backward(*saved)
+            ctx.plan, ctx.res_spec, ctx.in_spec, ctx.out_spec = plan, res_spec, in_spec, out_spec
+            ctx.set_materialize_grads(True)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> tuple:
+            saved = iter(ctx.saved_tensors)  # read once: unpack hooks run on every read
+            leaves = [value if kind == "ref" else next(saved) for kind, value in ctx.plan]
+            res = pytree.tree_unflatten(leaves, ctx.res_spec)
+            n_out = ctx.out_spec.num_leaves
+            d_out = pytree.tree_unflatten(list(grads[:n_out]), ctx.out_spec)
+            d_args = _cotangent_leaves(bwd(res, d_out), ctx.in_spec, name)
+            d_leaves = [g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(d_args)]
+            return (None, None, *d_leaves)
+
+    Function.__name__ = Function.__qualname__ = f"CustomVJP[{name}]"
+
+    @functools.wraps(fwd)
+    def apply(*args: Any) -> Any:
+        in_leaves, in_spec = pytree.tree_flatten(args)
+        stash = _Stash()
+        flat = Function.apply(stash, in_spec, *in_leaves)
+        out_spec, n_out = stash.value[:2]
+        return pytree.tree_unflatten(list(flat[:n_out]), out_spec)
+
+    apply.fwd, apply.bwd, apply.Function = fwd, bwd, Function  # type: ignore[attr-defined]
+    return apply

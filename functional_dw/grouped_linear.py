@@ -1,0 +1,245 @@
+"""GroupedLinear as a pure fwd/bwd pair: expert ``e`` computes ``y_e = x_e W_e^T + b_e`` on
+its own rows of ``x``.
+
+Legend: ``T`` tokens, ``K`` in-features, ``N`` out-features, ``E`` experts.
+``splits_E`` token counts per expert (rows of x in expert order).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+
+from . import _checks, distributed_weight as dwp
+from .custom_vjp import custom_vjp
+from .kernels import Kernels, Splits, get_kernels
+from .residuals import residuals, saved
+
+__all__ = [
+    "GroupedLinearResiduals", "grouped_linear", "grouped_linear_fwd", "grouped_linear_bwd",
+    "grouped_linear_bwd_dgrad", "grouped_linear_bwd_wgrad",
+]
+
+WeightsArg = Union[Sequence[torch.Tensor], torch.Tensor]
+SplitsArg = Union[Sequence[int], torch.Tensor]
+
+
+@residuals
+class GroupedLinearResiduals:
+    x_TK: torch.Tensor = saved()  # the only tensor saved for backward
+    weights: tuple[torch.Tensor, ...]  # the parameters by reference: E x [N, K], or one [E, N, K]
+    stacked: bool  # weights is one [E, N, K] tensor
+    weight_version: tuple[int, ...]
+    distributed: bool  # weights[0] is a DistributedWeight leader acting for the group
+    weight_shapes: tuple[tuple[int, ...], ...]  # of the materialized weights, checked in backward
+    splits: Splits
+    bias: str | None  # None, "list" (E x [N]) or "stacked" ([E, N])
+    out_features: int
+    path: str  # the GEMM path that ran: "split" (per-expert GEMMs) or "grouped" (one kernel)
+    fuse_wgrad_accumulation: bool
+    kernels: Kernels
+
+
+def _as_params(weights: WeightsArg) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """The parameters autograd sees, and whether they are one stacked ``[E, N, K]`` tensor."""
+    if isinstance(weights, torch.Tensor):
+        _checks.tensor("weights", weights, ndim=3)
+        return (weights,), True
+    if not isinstance(weights, (list, tuple)) or not weights:
+        raise TypeError(
+            "weights must be a non-empty sequence of [out, in] tensors or one [E, out, in] tensor, "
+            f"got {type(weights).__name__}"
+        )
+    for e, w in enumerate(weights):
+        _checks.tensor(f"weights[{e}]", w, ndim=2)
+    return tuple(weights), False
+
+
+def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
+    T = x.shape[0]
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype not in (torch.int32, torch.int64) or splits.dim() != 1:
+            raise TypeError(f"splits tensor must be 1-D int32 or int64, got {splits.dtype} of shape {tuple(splits.shape)}")
+        host = None if splits.is_cuda else tuple(splits.tolist())
+        tensor = splits
+    elif isinstance(splits, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in splits):
+        host, tensor = tuple(splits), None
+    else:
+        raise TypeError(f"splits must be a list/tuple of ints or a 1-D integer tensor, got {type(splits).__name__}")
+    n = len(host) if host is not None else splits.shape[0]
+    if n != num_experts:
+        raise ValueError(f"splits has {n} entries but there are {num_experts} experts (weights): give one count per expert")
+    out = Splits(host=host, tensor=tensor, device=x.device, num_tokens=T, num_experts=num_experts)
+    if host is not None:
+        _check_sizes(host, T)
+    return out
+
+
+def _check_sizes(sizes: tuple[int, ...], T: int) -> None:
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"splits must be non-negative, got {list(sizes)}")
+    if sum(sizes) != T:
+        raise ValueError(f"splits sum to {sum(sizes)} but x has {T} rows (tokens): they must sum to x.shape[0]")
+
+
+def _as_bias(bias: Any, E: int, N: int, x: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
+    if bias is None:
+        return None, None
+    if isinstance(bias, torch.Tensor):
+        _checks.tensor("bias", bias, ndim=2)
+        _checks.shape("bias", bias, (E, N))
+        _checks.like("bias", bias, x)
+        return bias, "stacked"
+    if not isinstance(bias, (list, tuple)) or len(bias) != E:
+        raise ValueError(f"bias must be None, a sequence of {E} [{N}] tensors or one [{E}, {N}] tensor")
+    for e, b in enumerate(bias):
+        _checks.tensor(f"bias[{e}]", b, ndim=1)
+        _checks.shape(f"bias[{e}]", b, (N,))
+        _checks.like(f"bias[{e}]", b, x)
+    return torch.stack(list(bias)), "list"
+
+
+def _weight_shapes(w_ENK: WeightsArg, stacked: bool) -> list[tuple[int, ...]]:
+    return [tuple(w_ENK.shape)] if stacked else [tuple(w.shape) for w in w_ENK]
+
+
+_warned: set[str] = set()
+
+
+def _choose_path(kernels: Kernels, x_TK: torch.Tensor, w_ENK: WeightsArg, use_grouped_tensor: bool | None) -> str:
+    """``None``: the grouped path where it can run; ``True``: grouped, or split with a warning
+    (once per reason) where it cannot; ``False``: split. The path taken is on the residuals."""
+    if use_grouped_tensor is False:
+        return "split"
+    why_not = kernels.grouped_path_unsupported(x_TK, w_ENK)
+    if why_not is None:
+        return "grouped"
+    if use_grouped_tensor and why_not not in _warned:
+        _warned.add(why_not)
+        warnings.warn(f"grouped_linear: use_grouped_tensor=True but {why_not}; running the split path", stacklevel=4)
+    return "split"
+
+
+def grouped_linear_fwd(
+    x: torch.Tensor, weights: WeightsArg, splits: SplitsArg, bias: Any = None, *,
+    fuse_wgrad_accumulation: bool = False, use_grouped_tensor: bool | None = None,
+    backend: str | Kernels | None = None,
+) -> tuple[torch.Tensor, GroupedLinearResiduals]:
+    """``y`` ``[T, N]`` and the residuals. x ``[T, K]``; weights E ``[N, K]`` or ``[E, N, K]``."""
+    _checks.tensor("x", x, ndim=2)
+    _checks.flag("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
+    if use_grouped_tensor is not None:
+        _checks.flag("use_grouped_tensor", use_grouped_tensor)
+    params, stacked = _as_params(weights)
+    distributed = dwp.is_distributed_weight(params[0])
+    full = dwp.materialize(params, distributed, for_backward=False)
+    w_ENK = full[0] if stacked else full
+    shapes = _weight_shapes(w_ENK, stacked)
+    E = shapes[0][0] if stacked else len(shapes)
+    N, K = shapes[0][-2:]
+    for e, w in enumerate([w_ENK] if stacked else w_ENK):
+        name = "weights" if stacked else f"weights[{e}]"
+        _checks.tensor(name, w, ndim=3 if stacked else 2)
+        if tuple(w.shape[-2:]) != (N, K):
+            raise ValueError(f"{name} is {tuple(w.shape)}; every expert's weight must be [{N}, {K}] like weights[0]")
+        _checks.like(name, w, x)
+    if x.shape[1] != K:
+        raise ValueError(f"x has {x.shape[1]} features but the weights are [{N}, {K}]: x must be [T, {K}]")
+    split = _as_splits(splits, E, x)
+    b_EN, bias_form = _as_bias(bias, E, N, x)
+    kernels = get_kernels(backend, x)
+    x_TK = x.contiguous()
+    path = _choose_path(kernels, x_TK, w_ENK, use_grouped_tensor)
+    if path == "split" and split.host is None:
+        _check_sizes(split.sizes(), x.shape[0])  # the split path syncs for host sizes anyway
+    y_TN = kernels.grouped_fprop(x_TK, w_ENK, b_EN, split, path == "grouped")
+    res = GroupedLinearResiduals(
+        x_TK=x_TK, weights=params, stacked=stacked, weight_version=dwp.versions(params),
+        distributed=distributed, weight_shapes=tuple(shapes), splits=split, bias=bias_form, out_features=N, path=path,
+        fuse_wgrad_accumulation=fuse_wgrad_accumulation, kernels=kernels,
+    )
+    return y_TN, res
+
+
+def _dy_TN(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
+    _checks.shape("dy", dy, (res.x_TK.shape[0], res.out_features))
+    return dy.contiguous()
+
+
+def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
+    """dx ``[T, K]``, with the weights materialized again (never kept from forward)."""
+    dwp.check_versions(res.weights, res.weight_version)
+    full = dwp.materialize(res.weights, res.distributed, for_backward=True)
+    dwp.check_materialized(full, res.weight_shapes, "materialize_group_for_backward()")
+    w_ENK = full[0] if res.stacked else full
+    return res.kernels.grouped_dgrad(_dy_TN(res, dy), w_ENK, res.splits, res.path == "grouped")
+
+
+def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[Any, Any]:
+    """(dweights, dbiases) shaped like the weights and bias arguments (see finalize)."""
+    dwp.check_versions(res.weights, res.weight_version)
+    fused = res.fuse_wgrad_accumulation
+    out = None
+    if fused:
+        targets = dwp.grad_targets(res.weights, res.distributed)
+        out = targets[0] if res.stacked else targets
+    dw, db_EN = res.kernels.grouped_wgrad(
+        res.x_TK, _dy_TN(res, dy), res.splits, res.path == "grouped", out=out,
+        accumulate=fused and dwp.accumulates(res.weights, res.distributed), with_dbias=res.bias is not None,
+    )
+    wgrads = dwp.finalize(res.weights, res.distributed, fused, [dw] if res.stacked else list(dw))
+    dweights = wgrads[0] if res.stacked else wgrads
+    dbias = list(db_EN.unbind(0)) if res.bias == "list" else db_EN
+    return dweights, dbias
+
+
+def grouped_linear_bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
+    """(dx, dweights, dbiases): dgrad then wgrad."""
+    dx = grouped_linear_bwd_dgrad(res, dy)
+    return (dx, *grouped_linear_bwd_wgrad(res, dy))
+
+
+def _fwd(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend):
+    return grouped_linear_fwd(
+        x, weights, splits, bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        use_grouped_tensor=use_grouped_tensor, backend=backend,
+    )
+
+
+def _bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple:
+    dx, dweights, dbias = grouped_linear_bwd(res, dy)
+    return dx, dweights, None, dbias, None, None, None
+
+
+_grouped_linear = custom_vjp(_fwd, _bwd, name="grouped_linear")
+
+
+def grouped_linear(
+    x: torch.Tensor, weights: WeightsArg, splits: SplitsArg, bias: Any = None, *,
+    fuse_wgrad_accumulation: bool = False, use_grouped_tensor: bool | None = None,
+    backend: str | Kernels | None = None,
+) -> torch.Tensor:
+    """Differentiable GroupedLinear (TE ``GroupedLinear`` semantics).
+
+    Args:
+        x: ``[T, K]`` tokens, sorted by expert.
+        weights: E ``[N, K]`` tensors (``weights[0]`` may be a DistributedWeight leader of the
+            group) or one ``[E, N, K]`` tensor.
+        splits: E non-negative token counts summing to T: a list/tuple of ints or a 1-D
+            integer tensor on any device (a CUDA tensor never syncs on the grouped path).
+        bias: None, E ``[N]`` tensors, or one ``[E, N]`` tensor.
+        fuse_wgrad_accumulation: accumulate weight grads into each weight's fp32 ``main_grad``.
+        use_grouped_tensor: True for the one-kernel grouped path, False for per-expert GEMMs,
+            None to take the grouped path wherever the backend can run it.
+        backend: None (TE on CUDA when installed, else torch), "te", "torch".
+    """
+    if isinstance(weights, (list, tuple)):
+        weights = list(weights)
+    if isinstance(bias, (list, tuple)):
+        bias = list(bias)
+    if isinstance(splits, list):
+        splits = tuple(splits)
+    return _grouped_linear(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend)

@@ -1,0 +1,137 @@
+"""The GEMM seam: every matrix product of ``linear`` and ``grouped_linear`` goes through one
+of these methods, and nothing else in the package calls a GEMM.
+
+Shape legend (torchtitan style): ``T`` tokens, ``K`` in-features, ``N`` out-features,
+``E`` experts. ``w_NK`` is one weight; ``w_ENK`` is a group, either a sequence of E ``[N, K]``
+tensors or one ``[E, N, K]`` tensor (both index as ``w_ENK[e]``).
+
+=============  ======================  =======================================
+method         math                    notes
+=============  ======================  =======================================
+fprop          y_TN = x_TK w_NK^T + b
+dgrad          dx_TK = dy_TN w_NK
+wgrad          dw_NK = dy_TN^T x_TK    ``out``/``accumulate`` write into main_grad;
+                                       ``db_N = sum_T dy`` when ``with_dbias``
+grouped_*      the same per expert     rows of x/dy split by ``splits``;
+                                       ``grouped=True`` asks for the one-kernel path
+=============  ======================  =======================================
+
+``grouped_wgrad`` returns ``(dw, db_EN)``: ``dw`` is ``out`` when given (filled in place),
+else a fresh ``[E, N, K]`` tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, Protocol, Union
+
+import torch
+
+__all__ = ["Kernels", "Splits", "get_kernels", "te_available"]
+
+Weights = Union[Sequence[torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Splits:
+    """Token counts per expert, as the user gave them.
+
+    ``host`` is a tuple of ints when the counts are known on the host (a list, or a CPU
+    tensor); the split path needs it. ``tensor`` is the user's splits tensor, if any. The
+    grouped path reads only :meth:`on_device`, so a CUDA splits tensor never syncs there.
+    Derived tensors (device counts, offsets) are cached on the record, so forward and
+    backward build them once.
+    """
+
+    host: tuple[int, ...] | None
+    tensor: torch.Tensor | None
+    device: torch.device
+    num_tokens: int
+    num_experts: int
+    _cache: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def sizes(self) -> tuple[int, ...]:
+        """Host split sizes; a device-only splits tensor is copied to the host once (a sync)."""
+        if self.host is not None:
+            return self.host
+        return self.cached("host", lambda: tuple(int(s) for s in self.tensor.tolist()))
+
+    def on_device(self) -> torch.Tensor:
+        """int64 ``[E]`` counts on the activations' device (no sync for a CUDA tensor)."""
+        def make() -> torch.Tensor:
+            if self.tensor is not None:
+                return self.tensor.to(self.device, torch.int64, non_blocking=True)
+            return torch.tensor(self.host, dtype=torch.int64, device=self.device)
+
+        return self.cached("device", make)
+
+    def cached(self, key: Any, make: Any) -> Any:
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+
+class Kernels(Protocol):
+    """The backend interface. Implementations: ``torch_ref.TorchKernels``, ``te.TEKernels``."""
+
+    name: str
+
+    def fprop(self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None) -> torch.Tensor: ...
+    def dgrad(self, dy_TN: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor: ...
+    def wgrad(
+        self, x_TK: torch.Tensor, dy_TN: torch.Tensor, *, out: torch.Tensor | None = None,
+        accumulate: bool = False, with_dbias: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def grouped_path_unsupported(self, x_TK: torch.Tensor, w_ENK: Weights) -> str | None:
+        """Why the one-kernel grouped path cannot run these operands, or None if it can."""
+        ...
+
+    def grouped_fprop(
+        self, x_TK: torch.Tensor, w_ENK: Weights, b_EN: torch.Tensor | None, splits: Splits, grouped: bool
+    ) -> torch.Tensor: ...
+    def grouped_dgrad(self, dy_TN: torch.Tensor, w_ENK: Weights, splits: Splits, grouped: bool) -> torch.Tensor: ...
+    def grouped_wgrad(
+        self, x_TK: torch.Tensor, dy_TN: torch.Tensor, splits: Splits, grouped: bool, *,
+        out: Weights | None = None, accumulate: bool = False, with_dbias: bool = False,
+    ) -> tuple[Weights, torch.Tensor | None]: ...
+
+
+@functools.cache
+def te_available() -> bool:
+    """True when Transformer Engine's PyTorch extension imports (checked once)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+_TE_INSTALL = (
+    "backend='te' needs Transformer Engine for PyTorch: `pip install "
+    "'functional_dw[te]'` (or `pip install 'transformer-engine[pytorch]>=2.20'`) on a machine "
+    "with CUDA; use backend='torch' for the plain-PyTorch reference"
+)
+
+
+def get_kernels(backend: str | Kernels | None, x: torch.Tensor) -> Kernels:
+    """Resolve ``backend``: None picks TE when ``x`` is on CUDA and TE imports, else torch."""
+    if backend is None:
+        backend = "te" if x.is_cuda and te_available() else "torch"
+    if not isinstance(backend, str):
+        return backend
+    if backend == "torch":
+        from .torch_ref import TORCH
+
+        return TORCH
+    if backend == "te":
+        if not te_available():
+            raise ValueError(_TE_INSTALL)
+        if not x.is_cuda:
+            raise ValueError(f"backend='te' runs on CUDA tensors; x is on {x.device}. Use backend='torch'")
+        from .te import TE
+
+        return TE
+    raise ValueError(f"backend must be None, 'torch', 'te' or a Kernels object; got {backend!r}")

@@ -1,0 +1,116 @@
+"""Linear as a pure fwd/bwd pair: ``y = x W^T + b``.
+
+Legend: ``T`` tokens (x's leading dims flattened), ``K`` in-features, ``N`` out-features.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _checks, distributed_weight as dwp
+from .custom_vjp import custom_vjp
+from .kernels import Kernels, get_kernels
+from .residuals import residuals, saved
+
+__all__ = ["LinearResiduals", "linear", "linear_fwd", "linear_bwd", "linear_bwd_dgrad", "linear_bwd_wgrad"]
+
+
+@residuals
+class LinearResiduals:
+    x: torch.Tensor = saved()  # the input as the GEMM read it (contiguous): the only saved tensor
+    weight: torch.Tensor  # the parameter itself (plain or DistributedWeight), by reference
+    weight_version: tuple[int, ...]
+    distributed: bool
+    x_shape: tuple[int, ...]
+    has_bias: bool
+    fuse_wgrad_accumulation: bool
+    kernels: Kernels
+
+
+def linear_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    fuse_wgrad_accumulation: bool = False, backend: str | Kernels | None = None,
+) -> tuple[torch.Tensor, LinearResiduals]:
+    """``y = x @ W^T + b`` and the residuals its backward needs. x ``[..., K]``, weight ``[N, K]``."""
+    _checks.tensor("x", x, ndim=tuple(range(1, 9)))
+    _checks.tensor("weight", weight, ndim=2)
+    _checks.flag("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
+    distributed = dwp.is_distributed_weight(weight)
+    w_NK = dwp.materialize([weight], distributed, for_backward=False)[0]
+    _checks.tensor("weight (materialized)", w_NK, ndim=2)
+    N, K = w_NK.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} features but weight is [{N}, {K}]: x must be [..., {K}]")
+    _checks.like("weight", w_NK, x)
+    if bias is not None:
+        _checks.tensor("bias", bias, ndim=1)
+        _checks.shape("bias", bias, (N,))
+        _checks.like("bias", bias, x)
+    kernels = get_kernels(backend, x)
+    x = x.contiguous()
+    y = kernels.fprop(x.view(-1, K), w_NK, bias).view(*x.shape[:-1], N)
+    res = LinearResiduals(
+        x=x, weight=weight, weight_version=dwp.versions([weight]), distributed=distributed,
+        x_shape=tuple(x.shape), has_bias=bias is not None,
+        fuse_wgrad_accumulation=fuse_wgrad_accumulation, kernels=kernels,
+    )
+    return y, res
+
+
+def _dy_TN(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
+    if tuple(dy.shape[:-1]) != res.x_shape[:-1]:
+        raise ValueError(f"dy must be [..., N] with x's leading dims {res.x_shape[:-1]}, got {tuple(dy.shape)}")
+    return dy.reshape(-1, dy.shape[-1]).contiguous()
+
+
+def linear_bwd_dgrad(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
+    """dx = dy @ W, with W materialized again (never kept from forward)."""
+    dwp.check_versions([res.weight], res.weight_version)
+    w_NK = dwp.materialize([res.weight], res.distributed, for_backward=True)[0]
+    dwp.check_materialized([w_NK], [(dy.shape[-1], res.x_shape[-1])], "materialize_group_for_backward()")
+    return res.kernels.dgrad(_dy_TN(res, dy), w_NK).view(res.x_shape)
+
+
+def linear_bwd_wgrad(res: LinearResiduals, dy: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
+    """(dweight, dbias); dweight is what autograd gets for the parameter (see finalize)."""
+    dwp.check_versions([res.weight], res.weight_version)
+    params, fused = [res.weight], res.fuse_wgrad_accumulation
+    out = dwp.grad_targets(params, res.distributed)[0] if fused else None
+    dw, db = res.kernels.wgrad(
+        res.x.view(-1, res.x_shape[-1]), _dy_TN(res, dy), out=out, accumulate=fused and dwp.accumulates(params, res.distributed),
+        with_dbias=res.has_bias,
+    )
+    return dwp.finalize(params, res.distributed, fused, [dw])[0], db
+
+
+def linear_bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+    """(dx, dweight, dbias): :func:`linear_bwd_dgrad` then :func:`linear_bwd_wgrad`."""
+    dx = linear_bwd_dgrad(res, dy)
+    return (dx, *linear_bwd_wgrad(res, dy))
+
+
+def _bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple:
+    dx, dw, db = linear_bwd(res, dy)
+    return dx, dw, db, None, None  # cotangents of (x, weight, bias, fuse, backend)
+
+
+def _fwd(x, weight, bias, fuse_wgrad_accumulation, backend):  # positional form for custom_vjp
+    return linear_fwd(x, weight, bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation, backend=backend)
+
+
+_linear = custom_vjp(_fwd, _bwd, name="linear")
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    fuse_wgrad_accumulation: bool = False, backend: str | Kernels | None = None,
+) -> torch.Tensor:
+    """Differentiable ``y = x @ weight^T + bias`` (TE ``Linear`` semantics).
+
+    ``weight`` may be a DistributedWeight: it is materialized for forward and again for
+    backward, and its grads go through ``finalize_group_grads``. Saved-tensor hooks see only
+    ``x``. ``fuse_wgrad_accumulation`` accumulates dW into ``weight.main_grad``.
+    """
+    return _linear(x, weight, bias, fuse_wgrad_accumulation, backend)

@@ -1,0 +1,88 @@
+"""Residual records: what a forward keeps for its backward, stated as data.
+
+A residual record is a frozen dataclass registered as a ``torch.utils._pytree`` node.
+Fields declared with :func:`saved` are the pytree *children*: activation tensors that the
+autograd bridge hands to ``ctx.save_for_backward`` (and so to any saved-tensor hooks).
+Every other field is pytree *context*, held by reference: weights (plain or
+DistributedWeight), split sizes, dtypes, flags, the kernel backend.
+
+NOTE: [Why weights are context, not leaves]
+  A saved-tensor hook (``save_on_cpu``, Megatron's activation offloading) replaces a saved
+  tensor with whatever its unpack returns: a fresh plain tensor. A DistributedWeight saved
+  that way comes back without its subclass or its ``is_distributed_weight`` marker, and TE's
+  backward then takes the plain-weight branch. Weights are parameters that outlive the graph,
+  so holding them by reference costs nothing, keeps their identity, and keeps them out of
+  the hooks' traffic (an offloading hook would otherwise copy every weight to the host).
+
+Example::
+
+    @residuals
+    class ScaleResiduals:
+        x: torch.Tensor = saved()   # goes through save_for_backward
+        scale: float                # context, by reference
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["residuals", "saved", "saved_activations"]
+
+_SAVED = "functional_dw.saved"
+T = TypeVar("T")
+
+
+def saved(**kwargs: Any) -> Any:
+    """Declare a residual field as a saved activation (a pytree leaf)."""
+    return dataclasses.field(metadata={_SAVED: True}, **kwargs)
+
+
+def residuals(cls: type[T]) -> type[T]:
+    """Make ``cls`` a frozen residual record and register it as a pytree node."""
+    cls = dataclasses.dataclass(frozen=True, repr=False, eq=False)(cls)
+    leaves = tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get(_SAVED))
+    static = tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get(_SAVED))
+
+    def flatten(r: Any) -> tuple[list, tuple]:
+        return [getattr(r, n) for n in leaves], tuple(getattr(r, n) for n in static)
+
+    def flatten_with_keys(r: Any) -> tuple[list, tuple]:
+        return [(pytree.GetAttrKey(n), getattr(r, n)) for n in leaves], flatten(r)[1]
+
+    def unflatten(values: Any, context: tuple) -> Any:
+        return cls(**dict(zip(leaves, values)), **dict(zip(static, context)))
+
+    pytree.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
+    cls.__repr__ = _describe  # type: ignore[method-assign]
+    return cls
+
+
+def saved_activations(res: Any) -> list[torch.Tensor]:
+    """The tensors of ``res`` that go through ``save_for_backward`` (and saved-tensor hooks)."""
+    return [t for t in pytree.tree_leaves(res) if isinstance(t, torch.Tensor)]
+
+
+def _describe_value(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        kind = type(v).__name__
+        return f"{kind}{list(v.shape)} {str(v.dtype).removeprefix('torch.')} {v.numel() * v.element_size()} B"
+    if isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) for t in v):
+        shapes = {tuple(t.shape) for t in v}
+        shape = list(shapes.pop()) if len(shapes) == 1 else "mixed"
+        return f"{len(v)} x {type(v[0]).__name__}{shape} (by reference)"
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _describe(self: Any) -> str:
+    lines = [f"{type(self).__name__}("]
+    for f in dataclasses.fields(self):
+        tag = "saved" if f.metadata.get(_SAVED) else "ref  "
+        lines.append(f"  [{tag}] {f.name} = {_describe_value(getattr(self, f.name))}")
+    total = sum(t.numel() * t.element_size() for t in saved_activations(self))
+    lines.append(f")  # {total} B through save_for_backward")
+    return "\n".join(lines)
