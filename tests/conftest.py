@@ -1,0 +1,192 @@
+"""Shared test fixtures: a fake DistributedWeight, saved-tensor hooks, float64 references."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+FWD_SCALE, BWD_SCALE = 2.0, 4.0
+
+
+class FakeDW(torch.nn.Parameter):
+    """A DistributedWeight in TE's protocol, as TE's own tests build one: an ``nn.Parameter``
+    subclass holding this rank's *shard* (the first ``N // 2`` rows of a full ``[N, K]``
+    weight). The leader of a group gathers every member's full weight, scaled by a different
+    factor in forward (x2) and backward (x4) so a test can tell which one a GEMM used.
+    ``finalize_group_grads`` keeps the shard rows of each full gradient; when fused it adds
+    them into ``main_grad``, sets ``grad_added_to_main_grad`` and returns zero dummies."""
+
+    is_distributed_weight = True
+
+    def __new__(cls, full: torch.Tensor, requires_grad: bool = True):
+        shard = full[: full.shape[0] // 2].detach().clone()
+        self = super().__new__(cls, shard, requires_grad)
+        self.full = full.detach().clone()
+        self.group: list[FakeDW] = [self]
+        self.calls = {"forward": 0, "backward": 0, "finalize": 0}
+        self.materialized: list[torch.Tensor] = []
+        self.fused = False
+        return self
+
+    @classmethod
+    def group_of(cls, fulls: Sequence[torch.Tensor], fused: bool = False) -> list["FakeDW"]:
+        members = [cls(f) for f in fulls]
+        for m in members:
+            m.group = members
+            m.fused = fused
+            if fused:
+                m.main_grad = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
+                m.buffer = torch.zeros(m.full.shape, dtype=torch.float32, device=m.device)
+                m.grad_added_to_main_grad = False
+        return members
+
+    def _gather(self, scale: float) -> list[torch.Tensor]:
+        out = [m.full * scale for m in self.group]
+        self.materialized += out
+        return out if len(out) > 1 else out[0]  # TE's fakes return a bare tensor for one
+
+    def materialize_group_for_forward(self):
+        self.calls["forward"] += 1
+        return self._gather(FWD_SCALE)
+
+    def materialize_group_for_backward(self, **kwargs):
+        self.calls["backward"] += 1
+        return self._gather(BWD_SCALE)
+
+    def grad_buffer(self) -> torch.Tensor:
+        return self.buffer
+
+    def finalize_group_grads(self, wgrads):
+        self.calls["finalize"] += 1
+        wgrads = wgrads if isinstance(wgrads, list) else [wgrads]
+        shards = [g[: m.shape[0]] for m, g in zip(self.group, wgrads)]
+        if not self.fused:
+            return [s.to(m.dtype) for m, s in zip(self.group, shards)]
+        for m, s in zip(self.group, shards):
+            m.main_grad += s
+            m.buffer.zero_()
+            m.grad_added_to_main_grad = True
+        return [torch.zeros_like(m) for m in self.group]
+
+    def __repr__(self) -> str:
+        return f"FakeDW(shard={tuple(self.shape)}, full={tuple(self.full.shape)})"
+
+
+# --- saved-tensor hooks --------------------------------------------------------------------
+
+
+class Recorder:
+    """Wraps a pack/unpack pair and records what the pack hook saw."""
+
+    def __init__(self, pack: Callable, unpack: Callable):
+        self.packed: list[torch.Tensor] = []
+        self.unpacks = 0
+        self._pack, self._unpack = pack, unpack
+
+    def pack(self, t):
+        self.packed.append(t)
+        return self._pack(t)
+
+    def unpack(self, p):
+        self.unpacks += 1
+        return self._unpack(p)
+
+    def __enter__(self) -> "Recorder":
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+
+    def __call__(self) -> "Recorder":  # `with rec():` reads as well as `with rec:`
+        return self
+
+
+class MegatronStyleOffload:
+    """Megatron-Core fine-grained offloading, in miniature: tensors of at least ``min_numel``
+    elements are copied into fresh host buffers (the pack keeps no reference to the original,
+    so its storage is freed once the caller drops it); small ones are kept as they are; each
+    saved tensor is handed back exactly once."""
+
+    def __init__(self, min_numel: int = 64):
+        self.min_numel, self.stash, self.next_id = min_numel, {}, 0
+
+    def pack(self, t: torch.Tensor):
+        if t.numel() < self.min_numel:
+            return ("kept", t)
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+        host.copy_(t)
+        self.next_id += 1
+        self.stash[self.next_id] = (host, t.device)
+        return ("offloaded", self.next_id)
+
+    def unpack(self, packed):
+        kind, value = packed
+        if kind == "kept":
+            return value
+        host, device = self.stash.pop(value)  # KeyError on a second read: handed back once
+        return host.to(device, non_blocking=True)
+
+
+def _identity(t):
+    return t
+
+
+HOOKS: dict[str, Callable[[], Recorder]] = {
+    "identity": lambda: Recorder(_identity, _identity),
+    "clone": lambda: Recorder(lambda t: t.clone(), _identity),
+    "save_on_cpu": lambda: _save_on_cpu_recorder(),
+    "megatron_offload": lambda: _offload_recorder(),
+}
+
+
+def _offload_recorder() -> Recorder:
+    off = MegatronStyleOffload()
+    return Recorder(off.pack, off.unpack)
+
+
+def _save_on_cpu_recorder() -> Recorder:
+    s = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+    return Recorder(s.pack_hook, s.unpack_hook)
+
+
+@pytest.fixture(params=list(HOOKS))
+def hook_name(request) -> str:
+    return request.param
+
+
+# --- references ----------------------------------------------------------------------------
+
+
+def ref_grouped(x, ws, splits, bs=None):
+    """A loop of F.linear: the semantics grouped_linear must match."""
+    xs = x.split(list(splits))
+    return torch.cat([F.linear(xe, ws[e], None if bs is None else bs[e]) for e, xe in enumerate(xs)])
+
+
+def assert_same(a, b, what=""):
+    """Bitwise equality for tensors, lists of tensors and None."""
+    if isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), what
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert_same(u, v, f"{what}[{i}]")
+        return
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    assert torch.equal(a, b), f"{what}: max diff {(a.double() - b.double()).abs().max().item()}"
+
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def assert_close(actual, expected, dtype, what=""):
+    """Relative error against a float64 reference, scaled by the reference's magnitude."""
+    err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    scale = expected.double().abs().max().item() if expected.numel() else 0.0
+    assert err <= TOL[dtype] * max(scale, 1.0), f"{what}: error {err} vs scale {scale} ({dtype})"
