@@ -106,19 +106,16 @@ def _weight_shapes(w_ENK: WeightsArg, stacked: bool) -> list[tuple[int, ...]]:
     return [tuple(w_ENK.shape)] if stacked else [tuple(w.shape) for w in w_ENK]
 
 
-_warned: set[str] = set()
-
-
 def _choose_path(kernels: Kernels, x_TK: torch.Tensor, w_ENK: WeightsArg, use_grouped_tensor: bool | None) -> str:
     """``None``: the grouped path where it can run; ``True``: grouped, or split with a warning
-    (once per reason) where it cannot; ``False``: split. The path taken is on the residuals."""
+    where it cannot (Python's default filter shows it once per reason); ``False``: split.
+    The path taken is recorded on the residuals."""
     if use_grouped_tensor is False:
         return "split"
     why_not = kernels.grouped_path_unsupported(x_TK, w_ENK)
     if why_not is None:
         return "grouped"
-    if use_grouped_tensor and why_not not in _warned:
-        _warned.add(why_not)
+    if use_grouped_tensor:
         warnings.warn(f"grouped_linear: use_grouped_tensor=True but {why_not}; running the split path", stacklevel=4)
     return "split"
 

@@ -1,0 +1,140 @@
+"""Numerics of both layers on the reference backend against a float64 reference."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import functional_dw as fd
+from conftest import assert_close, assert_same, ref_grouped
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+PATHS = [False, True, None]
+
+
+def _make(E, K, N, splits, dtype, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(splits)
+    x = torch.randn(T, K, generator=g).to(dtype).requires_grad_()
+    ws = [(torch.randn(N, K, generator=g) / K**0.5).to(dtype).requires_grad_() for _ in range(E)]
+    bs = [torch.randn(N, generator=g).to(dtype).requires_grad_() for _ in range(E)] if bias else None
+    dy = torch.randn(T, N, generator=g).to(dtype)
+    return x, ws, bs, dy
+
+
+def _grads(y, inputs, dy):
+    return torch.autograd.grad(y, inputs, dy, allow_unused=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", PATHS, ids=["split", "grouped", "auto"])
+@pytest.mark.parametrize("splits", [[5, 0, 11, 3], [0, 0, 0, 0], [19, 0, 0, 0], [1, 2, 3, 4]],
+                         ids=["uneven", "T=0", "one-expert", "small"])
+def test_grouped_matches_float64_and_F_linear(dtype, path, splits):
+    x, ws, bs, dy = _make(4, 16, 8, splits, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # float64 on the grouped path warns and runs split
+        y = fd.grouped_linear(x, ws, splits, bs, use_grouped_tensor=path)
+    got = _grads(y, [x, *ws, *bs], dy)
+    # float64 reference: the semantics
+    d = [t.detach().double().requires_grad_() for t in [x, *ws, *bs]]
+    y64 = ref_grouped(d[0], d[1:5], splits, d[5:])
+    want = _grads(y64, d, dy.double())
+    assert_close(y, y64, dtype, "y")
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a is not None and a.dtype == dtype, f"grad {i} is {a if a is None else a.dtype}"
+        assert_close(a, b, dtype, f"grad {i}")
+    # same dtype: a loop of F.linear per expert
+    y_loop = ref_grouped(x, ws, splits, bs)
+    assert_close(y, y_loop, dtype, "y vs F.linear loop")
+    assert not got[2].any() if splits[1] == 0 else True, "a zero-token expert's wgrad is zeros"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(7, 16), (2, 3, 16), (0, 16), (16,)], ids=["2d", "3d", "empty", "1d"])
+def test_linear_matches_float64(dtype, shape):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(8, 16, generator=g) / 4).to(dtype).requires_grad_()
+    b = torch.randn(8, generator=g).to(dtype).requires_grad_()
+    y = fd.linear(x, w, b)
+    assert y.shape == (*shape[:-1], 8)
+    dy = torch.randn(y.shape, generator=g).to(dtype)
+    got = _grads(y, [x, w, b], dy)
+    d = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    y64 = F.linear(*d)
+    want = _grads(y64, d, dy.double())
+    assert_close(y, y64, dtype, "y")
+    for a, e in zip(got, want):
+        assert_close(a, e, dtype, "grad")
+
+
+def test_path_is_recorded_and_auto_picks_a_supported_one():
+    x, ws, bs, _ = _make(3, 16, 8, [2, 3, 4], torch.float32)
+    assert fd.grouped_linear_fwd(x, ws, [2, 3, 4])[1].path == "grouped"
+    assert fd.grouped_linear_fwd(x, ws, [2, 3, 4], use_grouped_tensor=False)[1].path == "split"
+    x64, ws64, _, _ = _make(3, 16, 8, [2, 3, 4], torch.float64)
+    assert fd.grouped_linear_fwd(x64, ws64, [2, 3, 4])[1].path == "split"  # no warning for None
+    with pytest.warns(UserWarning, match="float64"):
+        fd.grouped_linear_fwd(x64, ws64, [2, 3, 4], use_grouped_tensor=True)
+    xb, wsb, _, _ = _make(3, 12, 8, [2, 3, 4], torch.bfloat16)  # 24-byte rows: misaligned
+    assert "16-byte" in fd.kernels.get_kernels("torch", xb).grouped_path_unsupported(xb, wsb)
+
+
+@pytest.mark.parametrize("splits_kind", ["list", "tuple", "int64", "int32"])
+@pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])
+def test_splits_forms_agree(splits_kind, path):
+    sizes = [4, 0, 6]
+    x, ws, bs, dy = _make(3, 16, 8, sizes, torch.float32)
+    conv = {"list": list, "tuple": tuple, "int64": lambda s: torch.tensor(s), "int32": lambda s: torch.tensor(s, dtype=torch.int32)}
+    y = fd.grouped_linear(x, ws, conv[splits_kind](sizes), bs, use_grouped_tensor=path)
+    assert_same(y, fd.grouped_linear(x, ws, sizes, bs, use_grouped_tensor=path))
+
+
+@pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])
+def test_stacked_weight_and_bias(path):
+    sizes = [3, 0, 5]
+    x, ws, bs, dy = _make(3, 16, 8, sizes, torch.float32)
+    w3 = torch.stack([w.detach() for w in ws]).requires_grad_()
+    b2 = torch.stack([b.detach() for b in bs]).requires_grad_()
+    y = fd.grouped_linear(x, w3, sizes, b2, use_grouped_tensor=path)
+    dx, dw3, db2 = _grads(y, [x, w3, b2], dy)
+    y_l = fd.grouped_linear(x, ws, sizes, bs, use_grouped_tensor=path)
+    g = _grads(y_l, [x, *ws, *bs], dy)
+    torch.testing.assert_close(y, y_l)
+    torch.testing.assert_close(dx, g[0])
+    torch.testing.assert_close(dw3, torch.stack(g[1:4]))
+    torch.testing.assert_close(db2, torch.stack(g[4:7]))
+
+
+def test_frozen_weight_trainable_bias():
+    sizes = [3, 4]
+    x, ws, bs, dy = _make(2, 16, 8, sizes, torch.float32)
+    for w in ws:
+        w.requires_grad_(False)
+    y = fd.grouped_linear(x, ws, sizes, bs)
+    y.backward(dy)
+    assert all(w.grad is None for w in ws)
+    for b, d in zip(bs, dy.split(sizes)):
+        torch.testing.assert_close(b.grad, d.sum(0))
+    w = torch.randn(8, 16)
+    b = torch.zeros(8, requires_grad=True)
+    fd.linear(torch.randn(5, 16), w, b).sum().backward()
+    torch.testing.assert_close(b.grad, torch.full((8,), 5.0))
+
+
+@pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])
+def test_split_backward_combines_to_bwd(path):
+    sizes = [3, 0, 5]
+    x, ws, bs, dy = _make(3, 16, 8, sizes, torch.float32)
+    y, res = fd.grouped_linear_fwd(x, ws, sizes, bs, use_grouped_tensor=path)
+    dx, dws, dbs = fd.grouped_linear_bwd(res, dy)
+    assert_same(fd.grouped_linear_bwd_dgrad(res, dy), dx)
+    assert_same(list(fd.grouped_linear_bwd_wgrad(res, dy)), [dws, dbs])
+    assert_same([dx, dws, dbs], list(_grads(fd.grouped_linear(x, ws, sizes, bs, use_grouped_tensor=path), [x], dy)) + [dws, dbs])
+    y1, r1 = fd.linear_fwd(x, ws[0], bs[0])
+    full = fd.linear_bwd(r1, y1)
+    assert_same(list(full), [fd.linear_bwd_dgrad(r1, y1), *fd.linear_bwd_wgrad(r1, y1)])
