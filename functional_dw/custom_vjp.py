@@ -52,12 +52,19 @@ __all__ = ["custom_vjp"]
 
 Fwd = Callable[..., tuple[Any, Any]]
 Bwd = Callable[..., Any]
+VmapRule = Callable[..., Any]
 
 
 class _Stash:
-    """Carries non-tensor results of ``forward`` to ``setup_context`` (see make_function)."""
+    """Carries non-tensor results of ``forward`` to ``setup_context``: ``value`` is
+    ``(out_spec, n_out, plan, res_spec)``, or a callable that makes it (see NOTE: [vmap])."""
 
     __slots__ = ("value",)
+
+    def get(self) -> tuple:
+        if callable(self.value):
+            self.value = self.value()
+        return self.value
 
 
 def _is_tensor(x: Any) -> bool:
@@ -98,11 +105,27 @@ def _cotangent_leaves(d: Any, spec: pytree.TreeSpec, name: str) -> list:
     return [leaf for c, s in zip(children, specs) for leaf in _cotangent_leaves(c, s, name)]
 
 
-def custom_vjp(fwd: Fwd, bwd: Bwd, *, name: str | None = None) -> Callable[..., Any]:
+def _forward_ad_active() -> bool:
+    """True inside ``torch.func.jvp`` or an eager ``forward_ad.dual_level``."""
+    return torch.autograd.forward_ad._current_level >= 0
+
+
+def custom_vjp(
+    fwd: Fwd, bwd: Bwd, *, jvp: Callable[..., Any] | None = None, vmap: VmapRule | None = None,
+    name: str | None = None,
+) -> Callable[..., Any]:
     """Turn a pure ``fwd``/``bwd`` pair into a differentiable callable.
 
     The returned function ``f(*args)`` computes ``fwd(*args)[0]`` and, under autograd or
     ``torch.func``, differentiates through ``bwd``. See the module docstring for the contract.
+
+    Optional rules for the other transforms:
+
+    * ``jvp(residuals, tangent_args) -> tangent_out`` for forward mode (``torch.func.jvp``);
+      ``tangent_args`` has the arguments' structure, with None where there is no tangent.
+    * ``vmap(batch_size, in_dims, *args) -> (new_args, unfold) | None`` folds a batch into one
+      unbatched call: ``f(*new_args)`` runs once and ``unfold(out) -> (out, out_dims)`` puts the
+      batch back. Returning None (or giving no rule) runs ``f`` once per batch element.
     """
     name = name or getattr(fwd, "__name__", "fwd")
 
@@ -121,33 +144,84 @@ def custom_vjp(fwd: Fwd, bwd: Bwd, *, name: str | None = None) -> Callable[..., 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
             stash, in_spec, *in_leaves = inputs
-            out_spec, n_out, plan, res_spec = stash.value
+            out_spec, n_out, plan, res_spec = stash.get()
             extra = output[n_out:]
             ctx.mark_non_differentiable(*extra)
             saved = [in_leaves[i] if kind == "in" else extra[i] for kind, i in plan if kind != "ref"]
             ctx.save_for_backward(*saved)
+            if jvp is not None and _forward_ad_active():
+                ctx.save_for_forward(*saved)  # only then: a strong ref would defeat offloading
             ctx.plan, ctx.res_spec, ctx.in_spec, ctx.out_spec = plan, res_spec, in_spec, out_spec
             ctx.set_materialize_grads(True)
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> tuple:
-            saved = iter(ctx.saved_tensors)  # read once: unpack hooks run on every read
-            leaves = [value if kind == "ref" else next(saved) for kind, value in ctx.plan]
-            res = pytree.tree_unflatten(leaves, ctx.res_spec)
+            res = _residuals_of(ctx)
             n_out = ctx.out_spec.num_leaves
             d_out = pytree.tree_unflatten(list(grads[:n_out]), ctx.out_spec)
             d_args = _cotangent_leaves(bwd(res, d_out), ctx.in_spec, name)
             d_leaves = [g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(d_args)]
             return (None, None, *d_leaves)
 
+        @staticmethod
+        def jvp(ctx: Any, *tangents: Any) -> tuple:
+            if jvp is None:
+                raise NotImplementedError(f"custom_vjp({name}) has no forward-mode rule: pass jvp=...")
+            t_args = pytree.tree_unflatten(list(tangents[2:]), ctx.in_spec)
+            t_out = ctx.out_spec.flatten_up_to(jvp(_residuals_of(ctx), t_args))
+            n_extra = sum(kind == "out" for kind, _ in ctx.plan)
+            return (*t_out, *[None] * n_extra)
+
+        @staticmethod
+        def vmap(info: Any, in_dims: tuple, stash: _Stash, in_spec: Any, *in_leaves: Any) -> tuple:
+            args = pytree.tree_unflatten(in_leaves, in_spec)
+            folded = vmap(info.batch_size, pytree.tree_unflatten(list(in_dims[2:]), in_spec), *args) if vmap else None
+            if folded is not None:  # one call with the batch folded in
+                new_args, unfold = folded
+                flat, n_out, out_spec = _call(new_args, _Stash())
+                stash.value = functools.partial(_element_plan, in_leaves, in_dims[2:], in_spec, len(flat) - n_out)
+                out, out_dims = unfold(pytree.tree_unflatten(list(flat[:n_out]), out_spec))
+                dims = out_spec.flatten_up_to(out_dims)
+                return (*pytree.tree_leaves(out), *flat[n_out:]), (*dims, *[None] * (len(flat) - n_out))
+            results = []  # fallback: one call per batch element
+            for i in range(info.batch_size):
+                sliced = [t if d is None else t.select(d, i) for t, d in zip(in_leaves, in_dims[2:])]
+                results.append(_call(pytree.tree_unflatten(sliced, in_spec), stash)[0])
+            flat = tuple(torch.stack(column) for column in zip(*results))
+            return flat, (0,) * len(flat)
+
+    def _residuals_of(ctx: Any) -> Any:
+        saved = iter(ctx.saved_tensors)  # read once: unpack hooks run on every read
+        leaves = [value if kind == "ref" else next(saved) for kind, value in ctx.plan]
+        return pytree.tree_unflatten(leaves, ctx.res_spec)
+
+    def _element_plan(in_leaves: tuple, dims: tuple, in_spec: Any, n_extra: int) -> tuple:
+        """NOTE: [vmap] Under ``vmap(grad(f))`` the grad level runs ``setup_context`` on the
+        outputs of our vmap rule, with per-element semantics. A folded call's residuals hold
+        folded context (e.g. splits * B), so the grad level needs the context of one element:
+        run ``fwd`` on element 0 (only when asked; plain ``vmap`` never asks)."""
+        sliced = tuple(t if d is None else t.select(d, 0) for t, d in zip(in_leaves, dims))
+        with torch.no_grad():
+            out, res = fwd(*pytree.tree_unflatten(list(sliced), in_spec))
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        plan, extra, res_spec = _split_residuals(res, sliced)
+        if extra:
+            raise NotImplementedError(f"custom_vjp({name}): a vmap fold rule needs residuals that are inputs")
+        return out_spec, len(out_leaves), plan, res_spec
+
+    def _call(args: Any, stash: _Stash) -> tuple[tuple, int, Any]:
+        in_leaves, in_spec = pytree.tree_flatten(args)
+        inner = _Stash()
+        flat = Function.apply(inner, in_spec, *in_leaves)
+        stash.value = inner.value
+        out_spec, n_out = inner.get()[:2]
+        return flat, n_out, out_spec
+
     Function.__name__ = Function.__qualname__ = f"CustomVJP[{name}]"
 
     @functools.wraps(fwd)
     def apply(*args: Any) -> Any:
-        in_leaves, in_spec = pytree.tree_flatten(args)
-        stash = _Stash()
-        flat = Function.apply(stash, in_spec, *in_leaves)
-        out_spec, n_out = stash.value[:2]
+        flat, n_out, out_spec = _call(args, _Stash())
         return pytree.tree_unflatten(list(flat[:n_out]), out_spec)
 
     apply.fwd, apply.bwd, apply.Function = fwd, bwd, Function  # type: ignore[attr-defined]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any, Union
 
 import torch
+import torch.utils._pytree as pytree
 
 from . import _checks, distributed_weight as dwp
 from .custom_vjp import custom_vjp
@@ -211,7 +212,45 @@ def _bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple:
     return dx, dweights, None, dbias, None, None, None
 
 
-_grouped_linear = custom_vjp(_fwd, _bwd, name="grouped_linear")
+def _jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
+    """Forward mode, per expert ``dy_e = dx_e W_e^T + x_e dW_e^T + db_e``."""
+    tx, tw, _, tb = tangents[:4]
+    grouped, E = res.path == "grouped", res.splits.num_experts
+    T, K = res.x_TK.shape
+    if tw is not None and res.distributed:
+        raise ValueError("forward-mode (jvp) tangents for a DistributedWeight are not supported: "
+                         "take the tangent with respect to x or bias, or use plain weights")
+    b_EN = None
+    if tb is not None:
+        zeros = res.x_TK.new_zeros(res.out_features)
+        b_EN = tb if isinstance(tb, torch.Tensor) else torch.stack([zeros if b is None else b for b in tb])
+    full = dwp.materialize(res.weights, res.distributed, for_backward=False)
+    dy = res.kernels.grouped_fprop(
+        tx if tx is not None else torch.zeros_like(res.x_TK), full[0] if res.stacked else full, b_EN, res.splits, grouped)
+    if tw is not None:
+        if not isinstance(tw, torch.Tensor):
+            tw = [torch.zeros_like(w) if t is None else t for t, w in zip(tw, full)]
+        dy = dy + res.kernels.grouped_fprop(res.x_TK, tw, None, res.splits, grouped)
+    return dy
+
+
+def _vmap(batch_size: int, in_dims: tuple, x, weights, splits, bias, fuse, use_grouped_tensor, backend):
+    """Fold a batch of x (shared weights, host splits) into the token dimension: sort the B*T
+    rows by (expert, batch), run one grouped GEMM with splits*B, and unsort the output."""
+    x_dim, *rest = pytree.tree_leaves(in_dims, is_leaf=lambda d: d is None)
+    if x_dim is None or any(d is not None for d in rest) or not isinstance(splits, tuple):
+        return None  # batched weights/bias/splits, or device splits: one call per element
+    xb = x.movedim(x_dim, 0)
+    B, T, K = xb.shape
+    E = len(splits)
+    expert_T = torch.repeat_interleave(torch.arange(E, device=x.device), torch.tensor(splits, device=x.device), output_size=T)
+    keys_BT = expert_T[None, :] * B + torch.arange(B, device=x.device)[:, None]
+    order = torch.argsort(keys_BT.flatten(), stable=True)
+    new_args = (xb.reshape(B * T, K)[order], weights, tuple(s * B for s in splits), bias, fuse, use_grouped_tensor, backend)
+    return new_args, lambda y: (y[torch.argsort(order)].view(B, T, -1), 0)
+
+
+_grouped_linear = custom_vjp(_fwd, _bwd, jvp=_jvp, vmap=_vmap, name="grouped_linear")
 
 
 def grouped_linear(

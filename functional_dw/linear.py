@@ -100,7 +100,35 @@ def _fwd(x, weight, bias, fuse_wgrad_accumulation, backend):  # positional form 
     return linear_fwd(x, weight, bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation, backend=backend)
 
 
-_linear = custom_vjp(_fwd, _bwd, name="linear")
+def _jvp(res: LinearResiduals, tangents: tuple) -> torch.Tensor:
+    """Forward mode: the layer is bilinear, so ``dy = dx W^T + x dW^T + db``."""
+    tx, tw, tb = tangents[:3]
+    if tw is not None and res.distributed:
+        raise ValueError("forward-mode (jvp) tangents for a DistributedWeight are not supported: "
+                         "take the tangent with respect to x or bias, or use a plain weight")
+    K, N = res.x_shape[-1], res.weight.shape[0] if not res.distributed else None
+    dy = None
+    if tx is not None or tb is not None:
+        w_NK = dwp.materialize([res.weight], res.distributed, for_backward=False)[0]
+        N = w_NK.shape[0]
+        tx_TK = tx.reshape(-1, K) if tx is not None else res.x.new_zeros(res.x.numel() // K, K)
+        dy = res.kernels.fprop(tx_TK, w_NK, tb)
+    if tw is not None:
+        part = res.kernels.fprop(res.x.view(-1, K), tw, None)
+        dy = part if dy is None else dy + part
+    if dy is None:
+        return res.x.new_zeros(*res.x_shape[:-1], N)
+    return dy.view(*res.x_shape[:-1], -1)
+
+
+def _vmap(batch_size: int, in_dims: tuple, x, weight, bias, fuse, backend):
+    """A batch of x with shared weights is just more leading dims: one GEMM for the batch."""
+    if in_dims[0] is None or in_dims[1] is not None or in_dims[2] is not None:
+        return None  # batched weights or bias (an ensemble): one call per element
+    return (x.movedim(in_dims[0], 0), weight, bias, fuse, backend), lambda y: (y, 0)
+
+
+_linear = custom_vjp(_fwd, _bwd, jvp=_jvp, vmap=_vmap, name="linear")
 
 
 def linear(

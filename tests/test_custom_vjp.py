@@ -1,0 +1,185 @@
+"""The custom_vjp bridge and residual records on their own, with user-defined fwd/bwd pairs."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+from conftest import HOOKS
+from functional_dw import custom_vjp, residuals, saved, saved_activations
+
+
+@residuals
+class SinResiduals:
+    x: torch.Tensor = saved()
+
+
+def sin_fwd(x):
+    return torch.sin(x), SinResiduals(x)
+
+
+sin = custom_vjp(sin_fwd, lambda res, dy: (dy * torch.cos(res.x),))
+
+
+@residuals
+class TwoResiduals:
+    x: torch.Tensor = saved()  # an input
+    cos_x: torch.Tensor = saved()  # an intermediate: not one of the inputs
+    w: torch.Tensor  # context, by reference
+    scale: int
+    tag: str
+    unused: torch.Tensor | None = saved(default=None)
+
+
+SEEN = []  # the non-tensor arguments fwd received
+
+
+def two_fwd(x, w, scale, tag):
+    SEEN.append((scale, tag))
+    res = TwoResiduals(x=x, cos_x=torch.cos(x), w=w, scale=scale, tag=tag)
+    return (x * w * scale, torch.sin(x)), res
+
+
+def two_bwd(res, d_out):
+    da, db = d_out
+    return (da * res.w * res.scale + db * res.cos_x, da * res.x * res.scale, None, None)
+
+
+two = custom_vjp(two_fwd, two_bwd)
+
+
+def plain_two(x, w, scale):
+    return x * w * scale, torch.sin(x)
+
+
+def inputs(seed=0, grad=True):  # float64 (x, w); seed=1, grad=False: the cotangents (da, db)
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, dtype=torch.float64, generator=g, requires_grad=grad) for _ in range(2)]
+
+
+def test_gradients_match_autograd_of_the_plain_expression():
+    x, w = inputs()
+    ga, gb = inputs(1, False)
+    got = torch.autograd.grad(two(x, w, 3, "t"), (x, w), (ga, gb))
+    want = torch.autograd.grad(plain_two(x, w, 3), (x, w), (ga, gb))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-14)
+    torch.testing.assert_close(torch.autograd.grad(sin(x).sum(), x)[0], torch.cos(x).detach())
+    assert torch.autograd.gradcheck(sin, (x,))
+    assert torch.autograd.gradcheck(lambda x, w: two(x, w, 3, "t"), (x, w))
+
+
+def test_intermediate_residual_goes_through_save_for_backward():
+    x, w = inputs()
+    with HOOKS["identity"]()() as rec:
+        two(x, w, 3, "t")
+    assert len(rec.packed) == 2, "exactly x and cos(x) are saved; w is context"
+    assert rec.packed[0] is x
+    torch.testing.assert_close(rec.packed[1], torch.cos(x).detach())
+    assert not any(p is w for p in rec.packed)
+
+
+@pytest.mark.parametrize("junk", [False, True], ids=["bwd-returns-None", "bwd-returns-junk"])
+def test_non_tensor_args_pass_through_and_get_no_cotangent(junk):
+    tag = "a string argument"
+
+    def bwd(res, d_out):
+        dx, dw, _, _ = two_bwd(res, d_out)
+        return (dx, dw, torch.ones(()), torch.ones(())) if junk else (dx, dw, None, None)
+
+    f = custom_vjp(two_fwd, bwd)
+    x, w = inputs()
+    SEEN.clear()
+    a, b = f(x, w, 7, tag)
+    assert SEEN == [(7, tag)] and SEEN[0][1] is tag
+    # the node hands autograd None for the int and the str (a plain Function returning
+    # a tensor there would raise "returned a gradient different than None")
+    assert a.grad_fn.apply(*inputs(1, False))[-2:] == (None, None)
+    (a.sum() + b.sum()).backward()
+    want = torch.autograd.grad(sum(t.sum() for t in plain_two(x, w, 7)), (x, w))
+    torch.testing.assert_close((x.grad, w.grad), want)
+
+
+@pytest.mark.parametrize("fwd, bwd", [
+    pytest.param(two_fwd, lambda r, d: two_bwd(r, d)[:2], id="too-few"),
+    pytest.param(two_fwd, lambda r, d: list(two_bwd(r, d)), id="list-not-tuple"),
+    pytest.param(sin_fwd, lambda r, dy: dy * torch.cos(r.x), id="bare-tensor-not-tuple"),
+])
+def test_wrongly_structured_cotangent_raises_type_error(fwd, bwd):
+    x, w = inputs()
+    outs = custom_vjp(fwd, bwd)(*((x, w, 3, "t") if fwd is two_fwd else (x,)))
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    with pytest.raises(TypeError, match="cotangent"):
+        sum(o.sum() for o in outs).backward()
+
+
+def test_retain_graph_three_backwards_give_three_times_the_grads():
+    x, w = inputs()
+    with HOOKS["identity"]()() as rec:
+        a, b = two(x, w, 3, "t")
+    loss = a.sum() + b.sum()
+    for _ in range(3):
+        loss.backward(retain_graph=True)
+    want = torch.autograd.grad(sum(t.sum() for t in plain_two(x, w, 3)), (x, w))
+    torch.testing.assert_close((x.grad, w.grad), tuple(3 * g for g in want))
+    assert rec.unpacks == 3 * len(rec.packed) == 6, "each backward unpacks each saved tensor once"
+
+
+def test_torch_func_grad_and_vjp_match_autograd():
+    x, w = inputs()
+    ga, gb = inputs(1, False)
+    want = torch.autograd.grad(plain_two(x, w, 3), (x, w), (ga, gb))
+    x, w = x.detach(), w.detach()
+
+    def loss(x, w):
+        a, b = two(x, w, 3, "t")
+        return (a * ga).sum() + (b * gb).sum()
+
+    torch.testing.assert_close(torch.func.grad(loss, argnums=(0, 1))(x, w), want)
+    out, vjp_fn = torch.func.vjp(lambda x, w: two(x, w, 3, "t"), x, w)
+    torch.testing.assert_close(out, plain_two(x, w, 3))
+    torch.testing.assert_close(vjp_fn((ga, gb)), want)
+
+
+def record(unused=None):
+    x, w = inputs(grad=False)
+    return TwoResiduals(x=x, cos_x=torch.cos(x), w=w, scale=3, tag="t", unused=unused)
+
+
+def test_saved_activations_are_exactly_the_saved_fields():
+    r = record()
+    assert [id(t) for t in saved_activations(r)] == [id(r.x), id(r.cos_x)]  # None field and w excluded
+    r = record(unused=torch.zeros(2))
+    assert [id(t) for t in saved_activations(r)] == [id(r.x), id(r.cos_x), id(r.unused)]
+
+
+def test_repr_lists_every_field_with_shape_dtype_and_bytes():
+    text = repr(record())
+    for field, tag in [("x", "saved"), ("cos_x", "saved"), ("w", "ref  ")]:
+        assert re.search(rf"\[{tag}\] {field} = Tensor\[5\] float64 40 B", text), text
+    assert "[ref  ] scale = 3" in text and "[ref  ] tag = 't'" in text and "[saved] unused = None" in text
+    assert text.endswith("# 80 B through save_for_backward")
+
+
+def test_pytree_round_trip_keeps_static_fields_by_identity():
+    r = record()
+    leaves, spec = pytree.tree_flatten(r)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    assert [id(t) for t in tensors] == [id(r.x), id(r.cos_x)]
+    fresh = [t.clone() if isinstance(t, torch.Tensor) else t for t in leaves]  # as an unpack hook would
+    r2 = pytree.tree_unflatten(fresh, spec)
+    assert type(r2) is TwoResiduals
+    assert r2.w is r.w and r2.tag is r.tag and r2.scale is r.scale and r2.unused is None
+    assert r2.x is fresh[0] and r2.cos_x is fresh[1]
+
+
+def test_records_are_frozen():
+    r = record()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.x = torch.zeros(5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.scale = 4

@@ -1,0 +1,159 @@
+"""A catalogue of invalid inputs: each gets a specific exception type and a message naming the
+offending argument. NaN/Inf are data, not errors: they pass through to the output."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import functional_dw as fdw
+from conftest import FakeDW
+from functional_dw.kernels import te_available
+
+T, K, N, E = 6, 4, 8, 3
+SPLITS = [2, 1, 3]
+f64, i32 = torch.float64, torch.int32
+
+
+def t(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype) if dtype.is_floating_point else torch.ones(*shape, dtype=dtype)
+
+
+def ws(*shapes):
+    return [t(*s).requires_grad_() for s in shapes or [(N, K)] * E]
+
+
+def G(x=None, weights=None, splits=SPLITS, bias=None, **kw):  # grouped_linear with valid defaults
+    return fdw.grouped_linear(t(T, K) if x is None else x, weights if weights is not None else ws(), splits, bias, **kw)
+
+
+def L(x=None, weight=None, bias=None, **kw):  # linear with valid defaults
+    return fdw.linear(t(T, K) if x is None else x, ws((N, K))[0] if weight is None else weight, bias, **kw)
+
+
+class CountMismatchDW(FakeDW):
+    def materialize_group_for_forward(self):
+        return [self.full, self.full]  # two tensors for a group of one
+
+
+class BadShapeBackwardDW(FakeDW):
+    def materialize_group_for_backward(self, **kwargs):
+        return [m.full[:, :-1] for m in self.group]  # [N, K-1]: not the [N, K] forward used
+
+
+class FinalizeError(Exception):
+    pass
+
+
+class RaisingFinalizeDW(FakeDW):
+    def finalize_group_grads(self, wgrads):
+        raise FinalizeError("raised by finalize_group_grads")
+
+
+NOT_A_TENSOR_DW = types.SimpleNamespace(is_distributed_weight=True)
+BUG_BACKEND = pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
+    "kernels/__init__.py get_kernels returns any non-str backend unchecked: AttributeError 'int' has no 'fprop'"))
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="a device mismatch needs CUDA")
+HAS_TE = pytest.mark.skipif(te_available(), reason="Transformer Engine is installed")
+
+FORWARD = [  # id, call, exception, message (regex)
+    ("splits-sum", lambda: G(splits=[2, 1, 2]), ValueError, "splits sum to 5 but x has 6 rows"),
+    ("splits-negative", lambda: G(splits=[4, -1, 3]), ValueError, "splits must be non-negative"),
+    ("splits-negative-tensor", lambda: G(splits=torch.tensor([4, -1, 3])), ValueError, "splits must be non-negative"),
+    ("splits-count", lambda: G(splits=[3, 3]), ValueError, "splits has 2 entries but there are 3 experts"),
+    ("splits-float-tensor", lambda: G(splits=torch.tensor([2.0, 1, 3])), TypeError, "splits tensor must be 1-D int"),
+    ("splits-2d-tensor", lambda: G(splits=torch.tensor([SPLITS])), TypeError, "splits tensor must be 1-D int"),
+    ("splits-str", lambda: G(splits="213"), TypeError, "splits must be a list/tuple of ints"),
+    ("splits-float-list", lambda: G(splits=[2.0, 1.0, 3.0]), TypeError, "splits must be a list/tuple of ints"),
+    ("linear-in-features", lambda: L(x=t(T, K + 1)), ValueError, "x has 5 features but weight is"),
+    ("grouped-in-features", lambda: G(x=t(T, K + 1)), ValueError, "x has 5 features but the weights are"),
+    ("linear-dtype", lambda: L(x=t(T, K, dtype=f64)), TypeError, "weight has dtype"),
+    ("grouped-dtype", lambda: G(x=t(T, K, dtype=f64)), TypeError, r"weights\[0\] has dtype"),
+    ("linear-0d-x", lambda: L(x=torch.tensor(1.0)), ValueError, "x must be 1-D"),
+    ("grouped-1d-x", lambda: G(x=t(K)), ValueError, "x must be 2-D"),
+    ("grouped-3d-x", lambda: G(x=t(2, 3, K)), ValueError, "x must be 2-D"),
+    ("linear-int-x", lambda: L(x=t(T, K, dtype=torch.int64)), TypeError, "x must be float32"),
+    ("linear-int-weight", lambda: L(weight=t(N, K, dtype=i32)), TypeError, "weight must be float32"),
+    ("grouped-int-x", lambda: G(x=t(T, K, dtype=i32)), TypeError, "x must be float32"),
+    ("grouped-int-weights", lambda: G(weights=[t(N, K, dtype=i32)] * E), TypeError, r"weights\[0\] must be float32"),
+    ("linear-bias-shape", lambda: L(bias=t(N + 1)), ValueError, r"bias must have shape \(8,\)"),
+    ("linear-bias-dtype", lambda: L(bias=t(N, dtype=f64)), TypeError, "bias has dtype"),
+    ("grouped-bias-shape", lambda: G(bias=t(E, N + 1)), ValueError, r"bias must have shape \(3, 8\)"),
+    ("grouped-bias-list-length", lambda: G(bias=[t(N)] * 2), ValueError, "bias must be None, a sequence of 3"),
+    ("grouped-bias-list-element", lambda: G(bias=[t(N), t(N + 1), t(N)]), ValueError, r"bias\[1\] must have shape"),
+    ("grouped-bias-dtype", lambda: G(bias=t(E, N, dtype=f64)), TypeError, "bias has dtype"),
+    ("weights-empty", lambda: G(weights=[]), TypeError, "weights must be a non-empty sequence"),
+    ("weights-ragged", lambda: G(weights=ws((N, K), (N, K + 1), (N, K))), ValueError, r"weights\[1\] is \(8, 5\)"),
+    ("weights-2d-tensor", lambda: G(weights=t(N, K)), ValueError, "weights must be 3-D"),
+    ("linear-non-tensor-dw", lambda: L(weight=NOT_A_TENSOR_DW), TypeError, "weight must be a torch.Tensor"),
+    ("grouped-non-tensor-dw", lambda: G(weights=[NOT_A_TENSOR_DW] * E), TypeError, r"weights\[0\] must be a torch"),
+    ("is-dw-non-tensor", lambda: fdw.is_distributed_weight(NOT_A_TENSOR_DW), TypeError, "must be a torch.Tensor sub"),
+    ("dw-forward-count", lambda: L(weight=CountMismatchDW(t(N, K))), ValueError,
+     r"materialize_group_for_forward\(\) .* returned 2 tensor\(s\) for a group of 1"),
+    ("use-grouped-tensor-int", lambda: G(use_grouped_tensor=1), TypeError, "use_grouped_tensor must be a bool"),
+    ("fuse-int", lambda: L(fuse_wgrad_accumulation=1), TypeError, "fuse_wgrad_accumulation must be a bool"),
+    ("backend-nonsense", lambda: L(backend="nonsense"), ValueError, "backend must be None, 'torch', 'te'"),
+    ("backend-te-on-cpu", lambda: L(backend="te"), ValueError, r"pip install .*backend='torch'", HAS_TE),
+    ("backend-int", lambda: L(backend=3), (TypeError, ValueError), "backend", BUG_BACKEND),
+    ("device-mismatch", lambda: L(x=t(T, K).cuda(), backend="torch"), ValueError, "weight is on cpu but x is on cuda",
+     NO_CUDA),
+]
+
+
+@pytest.mark.parametrize("call, exc, match", [pytest.param(*c[1:4], id=c[0], marks=c[4:]) for c in FORWARD])
+def test_forward_rejects(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def stale(layer):
+    w = ws() if layer is G else ws((N, K))
+    loss = (G(weights=w) if layer is G else L(weight=w[0])).sum()
+    with torch.no_grad():  # what an optimizer step does (`w.data.add_` is invisible to the check)
+        w[-1].add_(1)
+    return loss
+
+
+def main_grad_too_big():
+    w = ws((N, K))[0]
+    w.main_grad = torch.zeros(2, N, K)  # add_ broadcasts dW [N, K] into both halves without complaint
+    return L(weight=w, fuse_wgrad_accumulation=True).sum()
+
+
+BUG_MAIN_GRAD = pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
+    "distributed_weight.py grad_targets never checks main_grad's shape (its docstring says it must match)"))
+
+BACKWARD = [  # id, make the loss (forward succeeds), exception at backward, message
+    ("linear-no-main-grad", lambda: L(fuse_wgrad_accumulation=True).sum(), ValueError, "needs a `main_grad` buffer"),
+    ("grouped-no-main-grad", lambda: G(fuse_wgrad_accumulation=True).sum(), ValueError, "needs a `main_grad` buffer"),
+    ("dw-backward-shape", lambda: L(weight=BadShapeBackwardDW(t(N, K))).sum(), ValueError,
+     r"materialize_group_for_backward\(\) returned \(8, 3\) for weight 0, expected \(8, 4\)"),
+    ("grouped-dw-backward-shape", lambda: G(weights=BadShapeBackwardDW.group_of([t(N, K)] * E)).sum(), ValueError,
+     r"materialize_group_for_backward\(\) returned \(8, 3\)"),
+    ("dw-finalize-raises", lambda: L(weight=RaisingFinalizeDW(t(N, K))).sum(), FinalizeError, "raised by finalize"),
+    ("linear-weight-modified", lambda: stale(L), RuntimeError, "modified in place between forward and backward"),
+    ("grouped-weight-modified", lambda: stale(G), RuntimeError, r"weights\[2\] was modified in place"),
+    ("main-grad-wrong-shape", main_grad_too_big, ValueError, "main_grad", BUG_MAIN_GRAD),
+]
+
+
+@pytest.mark.parametrize("make_loss, exc, match", [pytest.param(*c[1:4], id=c[0], marks=c[4:]) for c in BACKWARD])
+def test_backward_rejects(make_loss, exc, match):
+    loss = make_loss()
+    with pytest.raises(exc, match=match):
+        loss.backward()
+
+
+@pytest.mark.parametrize("use_grouped_tensor", [False, True], ids=["split", "grouped"])
+def test_nan_and_inf_pass_through_row_by_row(use_grouped_tensor):
+    x = t(T, 2 * K)  # 8 float32 features: 16-byte rows, so the grouped path can run
+    x[1, 3] = float("nan")  # row 1: expert 0 (splits [2, 1, 3])
+    x[4, 0] = float("inf")  # row 4: expert 2
+    w = [torch.rand(N, 2 * K) + 0.5 for _ in range(E)]  # positive, so inf * w stays inf
+    y = fdw.grouped_linear(x, w, SPLITS, use_grouped_tensor=use_grouped_tensor)
+    assert torch.isnan(y[1]).all() and torch.isinf(y[4]).all() and not torch.isnan(y[4]).any()
+    clean = [0, 2, 3, 5]
+    assert torch.isfinite(y[clean]).all(), "NaN/Inf leaked into other rows"
+    torch.testing.assert_close(y[clean], torch.cat([x[r:r + 1] @ w[e].T for r, e in zip(clean, [0, 1, 2, 2])]))

@@ -1,0 +1,128 @@
+"""functional_dw.nn.Linear / GroupedLinear: TE's parameter names, TE state dicts, and a
+forward/backward that is the functional call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import functional_dw as fdw
+from conftest import assert_close, assert_same, ref_grouped
+
+E, K, N, SPLITS = 3, 4, 8, [2, 0, 4]
+T = sum(SPLITS)
+
+
+def te_linear_state_dict(bias=True):  # the parameters of te.Linear(K, N, bias=bias).state_dict()
+    return {"weight": torch.randn(N, K), **({"bias": torch.randn(N)} if bias else {})}
+
+
+def te_grouped_state_dict(bias=True):  # ... and of te.GroupedLinear(E, K, N, bias=bias)
+    return {k: v for e in range(E) for k, v in [(f"weight{e}", torch.randn(N, K)), (f"bias{e}", torch.randn(N))]
+            if bias or k.startswith("weight")}
+
+
+def test_parameter_names_are_te_names():
+    lin = fdw.nn.Linear(K, N)
+    assert {n: tuple(p.shape) for n, p in lin.named_parameters()} == {"weight": (N, K), "bias": (N,)}
+    grp = fdw.nn.GroupedLinear(E, K, N)
+    want = {**{f"weight{e}": (N, K) for e in range(E)}, **{f"bias{e}": (N,) for e in range(E)}}
+    assert {n: tuple(p.shape) for n, p in grp.named_parameters()} == want
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_linear_loads_te_state_dict_and_matches_functional(bias):
+    sd = te_linear_state_dict(bias)
+    m = fdw.nn.Linear(K, N, bias=bias)
+    m.load_state_dict(sd, strict=True)
+    assert set(m.state_dict()) == set(sd)
+    x = torch.randn(2, 3, K)
+    y = m(x)
+    assert_same(y, fdw.linear(x, sd["weight"], sd.get("bias")))
+    assert_close(y, F.linear(x.double(), sd["weight"].double(), sd["bias"].double() if bias else None), torch.float32)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_grouped_loads_te_state_dict_and_matches_functional(bias):
+    sd = te_grouped_state_dict(bias)
+    m = fdw.nn.GroupedLinear(E, K, N, bias=bias)
+    m.load_state_dict(sd, strict=True)
+    assert set(m.state_dict()) == set(sd)
+    ws = [sd[f"weight{e}"] for e in range(E)]
+    bs = [sd[f"bias{e}"] for e in range(E)] if bias else None
+    x = torch.randn(T, K)
+    y = m(x, SPLITS)
+    assert_same(y, fdw.grouped_linear(x, ws, SPLITS, bs))
+    ref = ref_grouped(x.double(), [w.double() for w in ws], SPLITS, None if bs is None else [b.double() for b in bs])
+    assert_close(y, ref, torch.float32)
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "nn.py claims a TE module's state_dict loads unchanged, but TE modules also save an "
+    "'_extra_state' entry (FP8 metadata; an empty uint8 tensor without FP8), which strict loading rejects"))
+def test_te_state_dict_with_extra_state_loads_strictly():
+    sd = {**te_linear_state_dict(), "_extra_state": torch.empty(0, dtype=torch.uint8)}
+    fdw.nn.Linear(K, N).load_state_dict(sd, strict=True)
+
+
+def test_no_bias_means_no_bias_parameters():
+    lin, grp = fdw.nn.Linear(K, N, bias=False), fdw.nn.GroupedLinear(E, K, N, bias=False)
+    assert lin.bias is None and [n for n, _ in lin.named_parameters()] == ["weight"]
+    assert "bias" not in lin.state_dict()
+    assert [n for n, _ in grp.named_parameters()] == [f"weight{e}" for e in range(E)]
+    assert "bias0" not in grp.state_dict() and grp.biases() is None
+
+
+def _reference_grads(params, run):
+    """Grads of the same loss through plain torch ops, on float64 copies of the parameters."""
+    copies = [p.detach().double().requires_grad_() for p in params]
+    run(copies).backward()
+    return [c.grad for c in copies]
+
+
+def test_linear_forward_and_grads():
+    m = fdw.nn.Linear(K, N)
+    x = torch.randn(5, K)
+    dy = torch.randn(5, N)
+    (m(x) * dy).sum().backward()
+    want = _reference_grads([m.weight, m.bias], lambda p: (F.linear(x.double(), *p) * dy.double()).sum())
+    for p, g in zip([m.weight, m.bias], want):
+        assert p.grad is not None and p.grad.shape == p.shape
+        assert_close(p.grad, g, torch.float32)
+
+
+@pytest.mark.parametrize("use_grouped_tensor", [False, None], ids=["split", "default"])
+def test_grouped_forward_and_grads(use_grouped_tensor):
+    m = fdw.nn.GroupedLinear(E, K, N, use_grouped_tensor=use_grouped_tensor)
+    x = torch.randn(T, K)
+    dy = torch.randn(T, N)
+    y = m(x, torch.tensor(SPLITS))
+    params = [*m.weights(), *m.biases()]
+    assert_close(y, ref_grouped(x.double(), [p.double() for p in params[:E]], SPLITS,
+                                [p.double() for p in params[E:]]), torch.float32)
+    (y * dy).sum().backward()
+    want = _reference_grads(params, lambda p: (ref_grouped(x.double(), p[:E], SPLITS, p[E:]) * dy.double()).sum())
+    for name, p, g in zip([f"weight{e}" for e in range(E)] + [f"bias{e}" for e in range(E)], params, want):
+        assert p.grad is not None, name
+        assert_close(p.grad, g, torch.float32, name)
+    assert not m.weight1.grad.any() and not m.bias1.grad.any(), "expert 1 got no tokens"
+
+
+def test_fused_wgrad_accumulates_into_main_grad():
+    lin = fdw.nn.Linear(K, N, fuse_wgrad_accumulation=True)
+    grp = fdw.nn.GroupedLinear(E, K, N, fuse_wgrad_accumulation=True)
+    for w in [lin.weight, *grp.weights()]:
+        w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+    x, xg = torch.randn(5, K), torch.randn(T, K)
+    for _ in range(2):
+        lin(x).sum().backward()
+        grp(xg, SPLITS).sum().backward()
+    dw = _reference_grads([lin.weight], lambda p: F.linear(x.double(), p[0]).sum())[0]
+    assert_close(lin.weight.main_grad, 2 * dw, torch.float32)
+    assert lin.weight.grad is None, "fused dW goes to main_grad, not .grad"
+    assert_close(lin.bias.grad, torch.full((N,), 2.0 * 5), torch.float32)
+    dws = _reference_grads(grp.weights(), lambda p: ref_grouped(xg.double(), p, SPLITS).sum())
+    for e, (w, g) in enumerate(zip(grp.weights(), dws)):
+        assert w.grad is None
+        assert_close(w.main_grad, 2 * g, torch.float32, f"weight{e}.main_grad")
