@@ -72,11 +72,12 @@ def check_materialized(full: Sequence[torch.Tensor], shapes: Sequence[tuple], wh
             raise ValueError(f"weights: {what} returned {got} for weight {e}, expected {tuple(shape)}")
 
 
-def grad_targets(params: Sequence[torch.Tensor], dw: bool) -> list[torch.Tensor]:
+def grad_targets(params: Sequence[torch.Tensor], dw: bool, shapes: Sequence[tuple], name: str) -> list[torch.Tensor]:
     """Where the fused wgrad GEMM writes: ``grad_buffer()`` (DW), ``get_main_grad()``
     (Megatron FSDP) or ``main_grad``; each must have the gathered weight's shape."""
     out = []
-    for e, p in enumerate(params):
+    for e, (p, shape) in enumerate(zip(params, shapes)):
+        where = name if len(params) == 1 else f"{name}[{e}]"
         if dw:
             buf = p.grad_buffer()
         elif hasattr(p, "__fsdp_param__") and hasattr(p, "get_main_grad"):
@@ -85,10 +86,13 @@ def grad_targets(params: Sequence[torch.Tensor], dw: bool) -> list[torch.Tensor]
             buf = getattr(p, "main_grad", None)
             if buf is None:
                 raise ValueError(
-                    f"weights[{e}]: fuse_wgrad_accumulation=True needs a `main_grad` buffer on the "
+                    f"{where}: fuse_wgrad_accumulation=True needs a `main_grad` buffer on the "
                     "weight (e.g. `w.main_grad = torch.zeros_like(w, dtype=torch.float32)`)"
                 )
             p.main_grad = buf  # TE writes it back; harmless for a plain attribute
+        if not isinstance(buf, torch.Tensor) or tuple(buf.shape) != tuple(shape) or not buf.is_contiguous():
+            got = tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__
+            raise ValueError(f"{where}: main_grad/grad_buffer() must be a contiguous {tuple(shape)} tensor, got {got}")
         out.append(buf)
     return out
 
@@ -131,12 +135,13 @@ def versions(params: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return tuple(p._version for p in params)
 
 
-def check_versions(params: Sequence[torch.Tensor], recorded: tuple[int, ...]) -> None:
+def check_versions(params: Sequence[torch.Tensor], recorded: tuple[int, ...], name: str) -> None:
     """The check autograd's version counter would have done had the weights been saved."""
     for e, (p, v) in enumerate(zip(params, recorded)):
         if p._version != v:
+            where = name if len(params) == 1 else f"{name}[{e}]"
             raise RuntimeError(
-                f"weights[{e}] was modified in place between forward and backward (version {v} -> "
+                f"{where} was modified in place between forward and backward (version {v} -> "
                 f"{p._version}), e.g. by an optimizer step. Its gradient would be computed with the "
                 "new values; run backward before updating the weights."
             )

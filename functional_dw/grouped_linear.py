@@ -169,7 +169,7 @@ def _dy_TN(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
 
 def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     """dx ``[T, K]``, with the weights materialized again (never kept from forward)."""
-    dwp.check_versions(res.weights, res.weight_version)
+    dwp.check_versions(res.weights, res.weight_version, "weights")
     full = dwp.materialize(res.weights, res.distributed, for_backward=True)
     dwp.check_materialized(full, res.weight_shapes, "materialize_group_for_backward()")
     w_ENK = full[0] if res.stacked else full
@@ -178,11 +178,11 @@ def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> t
 
 def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[Any, Any]:
     """(dweights, dbiases) shaped like the weights and bias arguments (see finalize)."""
-    dwp.check_versions(res.weights, res.weight_version)
+    dwp.check_versions(res.weights, res.weight_version, "weights")
     fused = res.fuse_wgrad_accumulation
     out = None
     if fused:
-        targets = dwp.grad_targets(res.weights, res.distributed)
+        targets = dwp.grad_targets(res.weights, res.distributed, res.weight_shapes, "weights")
         out = targets[0] if res.stacked else targets
     dw, db_EN = res.kernels.grouped_wgrad(
         res.x_TK, _dy_TN(res, dy), res.splits, res.path == "grouped", out=out,

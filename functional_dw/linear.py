@@ -67,7 +67,7 @@ def _dy_TN(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
 
 def linear_bwd_dgrad(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     """dx = dy @ W, with W materialized again (never kept from forward)."""
-    dwp.check_versions([res.weight], res.weight_version)
+    dwp.check_versions([res.weight], res.weight_version, "weight")
     w_NK = dwp.materialize([res.weight], res.distributed, for_backward=True)[0]
     dwp.check_materialized([w_NK], [(dy.shape[-1], res.x_shape[-1])], "materialize_group_for_backward()")
     return res.kernels.dgrad(_dy_TN(res, dy), w_NK).view(res.x_shape)
@@ -75,9 +75,10 @@ def linear_bwd_dgrad(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
 
 def linear_bwd_wgrad(res: LinearResiduals, dy: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
     """(dweight, dbias); dweight is what autograd gets for the parameter (see finalize)."""
-    dwp.check_versions([res.weight], res.weight_version)
+    dwp.check_versions([res.weight], res.weight_version, "weight")
     params, fused = [res.weight], res.fuse_wgrad_accumulation
-    out = dwp.grad_targets(params, res.distributed)[0] if fused else None
+    shape = (dy.shape[-1], res.x_shape[-1])
+    out = dwp.grad_targets(params, res.distributed, [shape], "weight")[0] if fused else None
     dw, db = res.kernels.wgrad(
         res.x.view(-1, res.x_shape[-1]), _dy_TN(res, dy), out=out, accumulate=fused and dwp.accumulates(params, res.distributed),
         with_dbias=res.has_bias,

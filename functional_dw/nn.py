@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -21,7 +22,19 @@ def _init_(w: torch.Tensor, b: torch.Tensor | None, fan_in: int) -> None:
         torch.nn.init.uniform_(b, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
 
 
-class Linear(torch.nn.Module):
+class _TEStateDict:
+    """TE modules save an ``_extra_state`` entry (FP8 metadata; empty without FP8). Accept it
+    so a TE ``state_dict`` loads with ``strict=True``; FP8 state has no meaning here."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        if isinstance(state, torch.Tensor) and state.numel():
+            warnings.warn(f"{type(self).__name__}: ignoring TE's FP8 extra state (functional_dw runs without FP8)")
+
+
+class Linear(_TEStateDict, torch.nn.Module):
     """``y = x W^T + b`` with parameters ``weight [out, in]`` and ``bias [out]``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -43,7 +56,7 @@ class Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class GroupedLinear(torch.nn.Module):
+class GroupedLinear(_TEStateDict, torch.nn.Module):
     """E experts with parameters ``weight0..weight{E-1}`` ``[out, in]`` and ``bias0..``."""
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,

@@ -121,7 +121,9 @@ def get_kernels(backend: str | Kernels | None, x: torch.Tensor) -> Kernels:
     if backend is None:
         backend = "te" if x.is_cuda and te_available() else "torch"
     if not isinstance(backend, str):
-        return backend
+        if all(callable(getattr(backend, m, None)) for m in ("fprop", "dgrad", "wgrad", "grouped_fprop")):
+            return backend
+        raise ValueError(f"backend must be None, 'torch', 'te' or a Kernels object; got {backend!r}")
     if backend == "torch":
         from .torch_ref import TORCH
 
