@@ -56,15 +56,20 @@ VmapRule = Callable[..., Any]
 
 
 class _Stash:
-    """Carries non-tensor results of ``forward`` to ``setup_context``: ``value`` is
-    ``(out_spec, n_out, plan, res_spec)``, or a callable that makes it (see NOTE: [vmap])."""
+    """Carries non-tensor results of ``forward`` to ``setup_context`` and ``apply``:
+    ``out = (out_spec, n_out)`` and ``plan = (plan, res_spec)``, or a callable that makes the
+    plan when first asked (see NOTE: [vmap])."""
 
-    __slots__ = ("value",)
+    __slots__ = ("out", "_plan")
 
-    def get(self) -> tuple:
-        if callable(self.value):
-            self.value = self.value()
-        return self.value
+    def set(self, out: tuple, plan: Any) -> None:
+        self.out, self._plan = out, plan
+
+    @property
+    def plan(self) -> tuple:
+        if callable(self._plan):
+            self._plan = self._plan()
+        return self._plan
 
 
 def _is_tensor(x: Any) -> bool:
@@ -138,13 +143,13 @@ def custom_vjp(
             if not all(_is_tensor(t) for t in out_leaves):
                 raise TypeError(f"custom_vjp({name}): fwd's output must be tensors; got {out_spec}")
             plan, extra, res_spec = _split_residuals(res, in_leaves)
-            stash.value = (out_spec, len(out_leaves), plan, res_spec)
+            stash.set((out_spec, len(out_leaves)), (plan, res_spec))
             return (*out_leaves, *extra)
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
             stash, in_spec, *in_leaves = inputs
-            out_spec, n_out, plan, res_spec = stash.get()
+            (out_spec, n_out), (plan, res_spec) = stash.out, stash.plan
             extra = output[n_out:]
             ctx.mark_non_differentiable(*extra)
             saved = [in_leaves[i] if kind == "in" else extra[i] for kind, i in plan if kind != "ref"]
@@ -178,8 +183,8 @@ def custom_vjp(
             folded = vmap(info.batch_size, pytree.tree_unflatten(list(in_dims[2:]), in_spec), *args) if vmap else None
             if folded is not None:  # one call with the batch folded in
                 new_args, unfold = folded
-                flat, n_out, out_spec = _call(new_args, _Stash())
-                stash.value = functools.partial(_element_plan, in_leaves, in_dims[2:], in_spec, len(flat) - n_out)
+                flat, n_out, out_spec = _call(new_args, stash)
+                stash.set(stash.out, functools.partial(_element_plan, in_leaves, in_dims[2:], in_spec))
                 out, out_dims = unfold(pytree.tree_unflatten(list(flat[:n_out]), out_spec))
                 dims = out_spec.flatten_up_to(out_dims)
                 return (*pytree.tree_leaves(out), *flat[n_out:]), (*dims, *[None] * (len(flat) - n_out))
@@ -195,7 +200,7 @@ def custom_vjp(
         leaves = [value if kind == "ref" else next(saved) for kind, value in ctx.plan]
         return pytree.tree_unflatten(leaves, ctx.res_spec)
 
-    def _element_plan(in_leaves: tuple, dims: tuple, in_spec: Any, n_extra: int) -> tuple:
+    def _element_plan(in_leaves: tuple, dims: tuple, in_spec: Any) -> tuple:
         """NOTE: [vmap] Under ``vmap(grad(f))`` the grad level runs ``setup_context`` on the
         outputs of our vmap rule, with per-element semantics. A folded call's residuals hold
         folded context (e.g. splits * B), so the grad level needs the context of one element:
@@ -203,18 +208,17 @@ def custom_vjp(
         sliced = tuple(t if d is None else t.select(d, 0) for t, d in zip(in_leaves, dims))
         with torch.no_grad():
             out, res = fwd(*pytree.tree_unflatten(list(sliced), in_spec))
-        out_leaves, out_spec = pytree.tree_flatten(out)
         plan, extra, res_spec = _split_residuals(res, sliced)
         if extra:
             raise NotImplementedError(f"custom_vjp({name}): a vmap fold rule needs residuals that are inputs")
-        return out_spec, len(out_leaves), plan, res_spec
+        return plan, res_spec
 
     def _call(args: Any, stash: _Stash) -> tuple[tuple, int, Any]:
         in_leaves, in_spec = pytree.tree_flatten(args)
         inner = _Stash()
         flat = Function.apply(inner, in_spec, *in_leaves)
-        stash.value = inner.value
-        out_spec, n_out = inner.get()[:2]
+        stash.set(inner.out, inner._plan)
+        out_spec, n_out = inner.out
         return flat, n_out, out_spec
 
     Function.__name__ = Function.__qualname__ = f"CustomVJP[{name}]"

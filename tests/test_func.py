@@ -1,0 +1,143 @@
+"""torch.func over both layers on the reference backend: grad, vjp, jacrev, vmap, jvp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
+
+import functional_dw as fd
+from conftest import HOOKS, FakeDW, ref_grouped
+from functional_dw.kernels.torch_ref import TorchKernels
+
+D = torch.float64
+SPLITS = (2, 0, 4)
+E, K, N, T = 3, 8, 4, sum(SPLITS)
+
+
+def _data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=g, dtype=D)
+    ws = [torch.randn(N, K, generator=g, dtype=D) for _ in range(E)]
+    bs = [torch.randn(N, generator=g, dtype=D) for _ in range(E)]
+    return x, ws, bs
+
+
+def _loss(x, ws, bs):
+    return fd.grouped_linear(x, ws, SPLITS, bs).sin().sum()
+
+
+def _autograd(x, ws, bs):
+    leaves = [t.clone().requires_grad_() for t in (x, *ws, *bs)]
+    return torch.autograd.grad(_loss(leaves[0], leaves[1:4], leaves[4:]), leaves)
+
+
+def test_grad_vjp_jacrev_match_autograd():
+    x, ws, bs = _data()
+    want = _autograd(x, ws, bs)
+    dx, dws, dbs = grad(_loss, argnums=(0, 1, 2))(x, ws, bs)
+    torch.testing.assert_close([dx, *dws, *dbs], list(want))
+    y, pullback = vjp(lambda x, ws, bs: fd.grouped_linear(x, ws, SPLITS, bs).sin(), x, ws, bs)
+    got = pullback(torch.ones_like(y))
+    torch.testing.assert_close([got[0], *got[1], *got[2]], list(want))
+    J = jacrev(lambda w: fd.linear(x, w, bs[0]))(ws[0])
+    J_ref = jacrev(lambda w: torch.nn.functional.linear(x, w, bs[0]))(ws[0])
+    torch.testing.assert_close(J, J_ref)
+
+
+class CountingKernels(TorchKernels):
+    def __init__(self):
+        self.calls = 0
+
+    def grouped_fprop(self, *args):
+        self.calls += 1
+        return super().grouped_fprop(*args)
+
+    def fprop(self, *args):
+        self.calls += 1
+        return super().fprop(*args)
+
+
+@pytest.mark.parametrize("in_dim", [0, 1])
+def test_vmap_over_x_folds_into_one_gemm_call(in_dim):
+    x, ws, bs = _data()
+    xb = torch.randn(5, T, K, dtype=D).movedim(0, in_dim)
+    k = CountingKernels()
+    y = vmap(lambda x: fd.grouped_linear(x, ws, SPLITS, bs, backend=k), in_dims=in_dim)(xb)
+    assert k.calls == 1, "the batch is folded into the token dimension"
+    loop = torch.stack([ref_grouped(xe, ws, SPLITS, bs) for xe in xb.movedim(in_dim, 0)])
+    torch.testing.assert_close(y, loop)
+    k.calls = 0
+    y = vmap(lambda x: fd.linear(x, ws[0], bs[0], backend=k), in_dims=in_dim)(xb)
+    assert k.calls == 1
+    torch.testing.assert_close(y, torch.nn.functional.linear(xb.movedim(in_dim, 0), ws[0], bs[0]))
+
+
+def test_vmap_over_weights_ensemble_loops():
+    x, ws, bs = _data()
+    W = torch.stack([torch.stack(ws) + i for i in range(3)])  # 3 ensembles of [E, N, K]
+    y = vmap(lambda w: fd.grouped_linear(x, w, SPLITS))(W)
+    torch.testing.assert_close(y, torch.stack([ref_grouped(x, list(w), SPLITS) for w in W]))
+
+
+def test_per_example_gradients_vmap_of_grad():
+    x, ws, bs = _data()
+    xb = torch.randn(4, T, K, dtype=D)
+    f = lambda w0, xe: fd.grouped_linear(xe, [w0, *ws[1:]], SPLITS).pow(2).sum()
+    per_example = vmap(grad(f), in_dims=(None, 0))(ws[0], xb)
+    loop = torch.stack([grad(f)(ws[0], xe) for xe in xb])
+    torch.testing.assert_close(per_example, loop)
+
+
+@pytest.mark.parametrize("layer", ["linear", "grouped"])
+def test_jvp_matches_finite_differences(layer):
+    x, ws, bs = _data()
+    g = torch.Generator().manual_seed(3)
+    tx, tws, tbs = _data(seed=7)
+    if layer == "linear":
+        f = lambda x, w, b: fd.linear(x, w, b)
+        primals, tangents = (x, ws[0], bs[0]), (tx, tws[0], tbs[0])
+    else:
+        f = lambda x, w, b: fd.grouped_linear(x, w, SPLITS, b)
+        primals, tangents = (x, ws, bs), (tx, tws, tbs)
+    _, t_out = jvp(f, primals, tangents)
+    eps = 1e-6
+    shift = lambda s: torch.utils._pytree.tree_map(lambda p, t: p + s * t, primals, tangents)
+    fd_ = (f(*shift(eps)) - f(*shift(-eps))) / (2 * eps)
+    torch.testing.assert_close(t_out, fd_, rtol=1e-6, atol=1e-6)
+
+
+def test_distributed_weight_under_grad_and_functional_call():
+    x, ws, bs = _data()
+    group = FakeDW.group_of(ws)
+    eager_leaves = [x.clone().requires_grad_()]
+    fd.grouped_linear(eager_leaves[0], group, SPLITS).sum().backward()
+    eager = [w.grad.clone() for w in group]
+    calls = dict(group[0].calls)
+    dws = grad(lambda ws: fd.grouped_linear(x, ws, SPLITS).sum())(list(group))
+    assert group[0].calls == {k: 2 * v for k, v in calls.items()}, "hooks fire under torch.func.grad"
+    torch.testing.assert_close(list(dws), eager)
+
+    module = fd.nn.GroupedLinear(E, K, N, bias=False, params_dtype=D)
+    params = {f"weight{e}": w for e, w in enumerate(FakeDW.group_of(ws))}
+    got = grad(lambda p: functional_call(module, p, (x, list(SPLITS))).sum())(params)
+    torch.testing.assert_close([got[f"weight{e}"] for e in range(E)], eager)
+    assert params["weight0"].calls["finalize"] == 1
+
+
+def test_torch_func_grad_refuses_saved_tensor_hooks():
+    x, ws, bs = _data()
+    with HOOKS["identity"]():
+        with pytest.raises(RuntimeError, match="saved tensor hooks"):
+            grad(_loss)(x, ws, bs)
+
+
+def test_vmap_and_jvp_under_hooks_pack_activations_only():
+    x, ws, bs = _data()
+    params = [w.clone().requires_grad_() for w in ws]
+    rec = HOOKS["identity"]()
+    with rec:
+        y = vmap(lambda xe: fd.grouped_linear(xe, params, SPLITS))(torch.randn(2, T, K, dtype=D))
+    y.sum().backward()
+    assert rec.packed and all(all(t is not p for p in params) for t in rec.packed)
+    assert all(p.grad is not None for p in params)
