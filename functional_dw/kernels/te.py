@@ -1,0 +1,314 @@
+"""Transformer Engine 2.20 kernels: the GEMMs ``te.Linear`` and ``te.GroupedLinear`` run, called
+with the same arguments (bitwise equal results, except the atomics-based grouped bias grad).
+
+Legend: ``T`` tokens, ``K`` in-features, ``N`` out-features, ``E`` experts; a suffix names a
+tensor's dims (``x_TK`` is ``[T, K]``, ``offs_E1`` is ``[E + 1]``). ``w_ENK`` is E ``[N, K]``
+tensors or one ``[E, N, K]`` tensor.
+
+* ``fprop`` / ``dgrad`` / ``wgrad``: ``general_gemm`` TN / NN / NT; bias in the fprop epilogue,
+  bias grad fused into the wgrad GEMM, ``out=main_grad`` for fused accumulation.
+* ``grouped_*`` split path: ``general_grouped_gemm``, one cuBLASLt call per expert on host sizes.
+* ``grouped_*`` grouped path: ``general_grouped_gemm_for_grouped_tensor``, one kernel; the split
+  sizes and every offset stay on the device (no sync, CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import transformer_engine.pytorch  # noqa: F401  (loads libtransformer_engine before the extension)
+import transformer_engine_torch as tex
+from transformer_engine.pytorch.cpp_extensions import gemm as te_gemm
+from transformer_engine.pytorch.cpp_extensions.gemm import (
+    general_gemm, general_grouped_gemm, general_grouped_gemm_for_grouped_tensor, get_cublas_workspace,
+)
+from transformer_engine.pytorch.module.base import _2X_ACC_DGRAD, _2X_ACC_FPROP, _2X_ACC_WGRAD
+from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage
+from transformer_engine.pytorch.utils import _empty_tensor
+
+from . import Splits, Weights
+from .torch_ref import _expert_sums, _row_expert, _write
+
+try:  # TE's Triton kernel for per-expert bias grads (what GroupedLinear's grouped path uses)
+    from transformer_engine.pytorch.triton.grouped_dbias_dscales import compute_grouped_dbias
+except Exception:  # no Triton: fall back to the reference's device-side index_add_
+    compute_grouped_dbias = None
+
+__all__ = ["TE", "TEKernels"]
+
+# NOTE: [64 tensors per kernel]
+#   The grouped kernel takes list operands (per-expert weights, per-expert wgrad outputs) for at
+#   most 64 experts (``kMaxGroups``); a single GroupedTensor operand has no limit. Up to 64 we
+#   pass lists exactly as te.GroupedLinear does (bitwise parity). Beyond 64 we pass one uniform
+#   [E, N, K] GroupedTensor instead: a zero-copy view when the tensors are consecutive slices of
+#   one buffer (a stacked parameter, Megatron's contiguous main_grad buffer), else a stacked
+#   copy (weights) or a scratch output that is then added/copied into the caller's tensors
+#   (scattered main_grads). (Calls on chunks of <= 64 experts with sliced device offsets would
+#   also avoid a sync, but rely on offsets not starting at 0, which TE does not promise.)
+_MAX_LIST = 64
+
+
+def _packed(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """An [E, ...] view over ``ts`` when they are consecutive contiguous slices of one
+    buffer (no copy), else None."""
+    t0 = ts[0]
+    step = t0.numel() * t0.element_size()
+    for e, t in enumerate(ts):
+        if not (t.is_contiguous() and t.shape == t0.shape and t.dtype == t0.dtype
+                and t.data_ptr() == t0.data_ptr() + e * step
+                and t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr()):
+            return None
+    return t0.detach().as_strided((len(ts), *t0.shape), (t0.numel(), *t0.stride()))
+
+
+def _stacked(w_ENK: Weights) -> torch.Tensor:
+    if isinstance(w_ENK, torch.Tensor):
+        return w_ENK.contiguous()
+    packed = _packed(w_ENK)
+    return packed if packed is not None else torch.stack(list(w_ENK))
+
+
+def _uniform(data: torch.Tensor, E: int, shape: tuple[int, int]) -> GroupedTensorStorage:
+    """E same-shape members packed in ``data`` (contiguous; wrapped, not copied)."""
+    rows, cols = shape
+    return GroupedTensorStorage(
+        shape=(E * rows, cols), dtype=data.dtype, num_tensors=E, shapes=[tuple(shape)] * E,
+        quantizer=None, data=data.reshape(-1),
+    )
+
+
+def _rows(data_TC: torch.Tensor, sizes_E: torch.Tensor, offs_E1: torch.Tensor) -> GroupedTensorStorage:
+    """Token rows split by expert: what ``_GroupedLinear._make_grouped_tensor`` builds."""
+    return GroupedTensorStorage(
+        shape=tuple(data_TC.shape), dtype=data_TC.dtype, num_tensors=sizes_E.shape[0], quantizer=None,
+        data=data_TC.reshape(-1), first_dims=sizes_E, tensor_offsets=offs_E1,
+    )
+
+
+def _offsets(splits: Splits, K: int, N: int) -> tuple[torch.Tensor, ...]:
+    """(sizes_E, rows_E1, elems_K_E1, elems_N_E1): int64, on the device, one kernel, no sync;
+    cached on the Splits record so forward and backward compute them once."""
+    def make() -> tuple[torch.Tensor, ...]:
+        sizes_E, offs = tex.splits_to_offsets_multi(
+            splits.on_device().contiguous(), splits.device, strides=[1, K, N],
+            include_leading_zero=[True, True, True], dtypes=[torch.int64] * 3, bulk_allocate=True,
+        )
+        return (sizes_E, *offs)
+
+    return splits.cached(("te_offsets", K, N), make)
+
+
+def _host_sizes(splits: Splits) -> list[int]:
+    return [0] * splits.num_experts if splits.num_tokens == 0 else list(splits.sizes())
+
+
+def _grouped_dbias(dy_TN: torch.Tensor, splits: Splits, rows_E1: torch.Tensor) -> torch.Tensor:
+    """db_EN in dy's dtype, accumulated in fp32 on the device (no sync)."""
+    # NOTE: TE's Triton kernel (te.GroupedLinear's choice) adds partial sums with fp32 atomics,
+    # so its last bits can vary run to run; under NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 TE refuses
+    # it, and we take the reference's index_add_ instead.
+    if compute_grouped_dbias is not None and bool(int(os.getenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1"))):
+        return compute_grouped_dbias(dy_TN, rows_E1, splits.num_experts).to(dy_TN.dtype)
+    return _expert_sums(dy_TN, splits)
+
+
+class TEKernels:
+    name = "te"
+
+    def __init__(self) -> None:
+        self._prepared: set[tuple] = set()
+
+    def __repr__(self) -> str:
+        return "TEKernels()"
+
+    # NOTE: [Workspaces before CUDA graph capture]
+    #   TE caches its cuBLAS workspaces, the grouped GEMM's setup workspace and its alpha/beta
+    #   scalars (torch.ones/zeros) on first use. Made inside a capture, the scalars would be
+    #   filled only on replay, so ``prepare`` makes them eagerly and refuses to run in a capture.
+    def prepare(self, device: torch.device | str | int, num_experts: int | None = None, grouped: bool = False) -> None:
+        """Allocate TE's cached workspaces on ``device``: the single GEMM's; with ``num_experts``
+        the split path's, or with ``grouped=True`` the grouped path's. Runs on first use."""
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        idx = torch.cuda.current_device() if device.index is None else device.index
+        key = (idx, num_experts, grouped)
+        if key in self._prepared:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "functional_dw's TE kernels were first used inside CUDA graph capture: run one eager "
+                f"step first, or call functional_dw.kernels.te.TE.prepare({device}, num_experts={num_experts}, "
+                f"grouped={grouped}) before capturing"
+            )
+        with torch.cuda.device(idx):
+            get_cublas_workspace(idx, False, False)
+            if num_experts is not None and not grouped:
+                get_cublas_workspace(idx, False, True)  # one per internal stream
+                _empty_tensor()
+            if num_experts is not None and grouped:
+                for layout in ("TN", "NN", "NT"):
+                    te_gemm._get_grouped_cublas_workspace(idx, layout)
+                te_gemm._get_grouped_gemm_setup_workspace(idx, num_experts)
+                n = num_experts if torch.cuda.get_device_capability(idx) >= (10, 0) else 1
+                te_gemm._get_fp32_ones_tensor(n, torch.device("cuda", idx))
+                te_gemm._get_fp32_zeros_tensor(n, torch.device("cuda", idx))
+        self._prepared.add(key)
+
+    # --- one GEMM (te.Linear) -------------------------------------------------------------
+    def fprop(self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None) -> torch.Tensor:
+        self.prepare(x_TK.device)
+        y_TN, *_ = general_gemm(w_NK, x_TK, out_dtype=x_TK.dtype, bias=b_N, use_split_accumulator=_2X_ACC_FPROP)
+        return y_TN
+
+    def dgrad(self, dy_TN: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+        self.prepare(dy_TN.device)
+        dx_TK, *_ = general_gemm(
+            w_NK, dy_TN, out_dtype=dy_TN.dtype, layout="NN", grad=True, use_split_accumulator=_2X_ACC_DGRAD,
+        )
+        return dx_TK
+
+    def wgrad(self, x_TK, dy_TN, *, out=None, accumulate=False, with_dbias=False):
+        self.prepare(x_TK.device)
+        # NOTE: with grad=True the bias tensor's values are ignored; passing one switches on the
+        # fused bias grad (BGRADB epilogue), in the GEMM's output dtype (fp32 into main_grad).
+        dw_NK, db_N, *_ = general_gemm(
+            x_TK, dy_TN, out_dtype=x_TK.dtype if out is None else out.dtype, layout="NT", grad=True,
+            out=out, accumulate=accumulate and out is not None,
+            bias=dy_TN.new_empty(dy_TN.shape[-1]) if with_dbias else None, use_split_accumulator=_2X_ACC_WGRAD,
+        )
+        return dw_NK, (db_N.to(dy_TN.dtype) if with_dbias else None)
+
+    # --- a group (te.GroupedLinear) -------------------------------------------------------
+    def grouped_path_unsupported(self, x_TK: torch.Tensor, w_ENK: Weights) -> str | None:
+        """The checks of TE's ``is_module_grouped_tensor_path_supported`` (BF16 recipe), plus
+        alignment: each expert's rows must start 16-byte aligned."""
+        dt = x_TK.dtype
+        if dt not in (torch.bfloat16, torch.float16):
+            return f"TE's grouped GEMM takes bfloat16 or float16 activations, got {dt}"
+        cc = torch.cuda.get_device_capability(x_TK.device)
+        if not (9, 0) <= cc <= (11, 0):
+            return f"TE's grouped GEMM needs compute capability 9.0 to 11.0 (Hopper, Blackwell); this GPU is {cc[0]}.{cc[1]}"
+        have, need = tex.get_cublasLt_version(), (130400 if cc < (10, 0) else 130300)
+        if have < need:
+            ver = lambda v: f"{v // 10000}.{v // 100 % 100}.{v % 100}"  # noqa: E731
+            return (
+                f"cuBLASLt {ver(have)} is too old for TE's grouped GEMM, which needs cuBLAS >= {ver(need)} "
+                f"on {'Hopper' if cc < (10, 0) else 'this GPU'}: install a newer cuBLAS (CUDA 13 toolkit or "
+                "the nvidia-cublas wheel) and make sure it is the one loaded (LD_LIBRARY_PATH or LD_PRELOAD)"
+            )
+        N, K = w_ENK[0].shape[-2:]
+        if K % 8 or N % 8:
+            return f"TE's grouped GEMM needs in/out features that are multiples of 8 (16-byte aligned rows); got in={K}, out={N}"
+        return None
+
+    def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
+        E, (N, K) = splits.num_experts, w_ENK[0].shape[-2:]
+        y_TN = x_TK.new_empty(x_TK.shape[0], N)
+        if grouped and splits.num_tokens:
+            self.prepare(x_TK.device, E, grouped=True)
+            sizes_E, _, offs_K, offs_N = _offsets(splits, K, N)
+            # NOTE: the grouped kernel has no bias epilogue: TE adds the bias after the GEMM
+            # (nvte_grouped_bias_add, output already rounded), as te.GroupedLinear does. That
+            # add takes at most 64 groups, so beyond 64 we add it the same way ourselves
+            # (y + b in fp32, rounded once): a row->expert gather on the device, no sync.
+            te_bias = b_EN is not None and E <= _MAX_LIST
+            general_grouped_gemm_for_grouped_tensor(
+                self._weights(w_ENK), _rows(x_TK, sizes_E, offs_K), _rows(y_TN, sizes_E, offs_N),
+                layout="TN", bias=_uniform(_stacked(b_EN), E, (1, N)) if te_bias else None,
+                use_split_accumulator=_2X_ACC_FPROP,
+            )
+            if b_EN is not None and not te_bias:
+                y_TN.add_(_stacked(b_EN)[_row_expert(splits)])
+            return y_TN
+        self.prepare(x_TK.device, E)
+        sizes = _host_sizes(splits)
+        general_grouped_gemm(
+            list(w_ENK), list(x_TK.split(sizes)), [y_TN], [None] * E, x_TK.dtype, single_output=True,
+            m_splits=sizes, bias=None if b_EN is None else list(b_EN), use_bias=b_EN is not None,
+            use_split_accumulator=_2X_ACC_FPROP,
+        )
+        return y_TN
+
+    def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
+        E, (N, K) = splits.num_experts, w_ENK[0].shape[-2:]
+        dx_TK = dy_TN.new_empty(dy_TN.shape[0], K)
+        if grouped and splits.num_tokens:
+            self.prepare(dy_TN.device, E, grouped=True)
+            sizes_E, _, offs_K, offs_N = _offsets(splits, K, N)
+            general_grouped_gemm_for_grouped_tensor(
+                self._weights(w_ENK), _rows(dy_TN, sizes_E, offs_N), _rows(dx_TK, sizes_E, offs_K),
+                layout="NN", use_split_accumulator=_2X_ACC_DGRAD,
+            )
+            return dx_TK
+        self.prepare(dy_TN.device, E)
+        sizes = _host_sizes(splits)
+        general_grouped_gemm(
+            list(w_ENK), list(dy_TN.split(sizes)), [dx_TK], [None] * E, dy_TN.dtype, single_output=True,
+            layout="NN", m_splits=sizes, grad=True, use_split_accumulator=_2X_ACC_DGRAD,
+        )
+        return dx_TK
+
+    def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
+        E, K, N = splits.num_experts, x_TK.shape[1], dy_TN.shape[1]
+        grouped = grouped and splits.num_tokens > 0
+        accumulate = accumulate and out is not None
+        # NOTE: te.GroupedLinear allocates dw with torch.empty; on the grouped path we zero it so
+        # a zero-token expert reads zeros whether or not cuBLAS writes its (K=0) GEMM.
+        dw = out if out is not None else (x_TK.new_zeros if grouped else x_TK.new_empty)(E, N, K)
+        targets = list(dw)  # E [N, K] tensors (views of dw, or the caller's), written in place
+        if any(not t.is_contiguous() for t in targets):
+            raise ValueError("grouped_wgrad: the weight-gradient outputs (main_grad) must be contiguous")
+        if not grouped:
+            self.prepare(x_TK.device, E)
+            sizes = _host_sizes(splits)
+            _, db_E, _ = general_grouped_gemm(
+                list(x_TK.split(sizes)), list(dy_TN.split(sizes)), targets, [None] * E, x_TK.dtype,
+                layout="NT", grad=True, m_splits=sizes, use_bias=with_dbias, accumulate=accumulate,
+                use_split_accumulator=_2X_ACC_WGRAD,
+            )  # bias grads come in the output dtype (fp32 into main_grad); empty experts get zeros
+            return dw, (torch.stack(db_E).to(dy_TN.dtype) if with_dbias else None)
+        self.prepare(x_TK.device, E, grouped=True)
+        sizes_E, rows_E1, offs_K, offs_N = _offsets(splits, K, N)
+        db_EN = _grouped_dbias(dy_TN, splits, rows_E1) if with_dbias else None
+        D, scratch = self._wgrad_out(dw, targets, stacked=isinstance(out, torch.Tensor))
+        # NOTE: fp32 main_grad from bf16/fp16 inputs is supported by the grouped kernel (outputs
+        # may be bf16, fp16 or fp32); accumulate=True makes TE pass beta = 1 (D += dy^T x).
+        general_grouped_gemm_for_grouped_tensor(
+            _rows(x_TK, sizes_E, offs_K), _rows(dy_TN, sizes_E, offs_N), D, layout="NT",
+            accumulate=accumulate and scratch is None, use_split_accumulator=_2X_ACC_WGRAD,
+        )
+        if scratch is not None:
+            for t, s in zip(targets, scratch):
+                _write(t, s, accumulate)
+        return dw, db_EN
+
+    # --- grouped-path operands ------------------------------------------------------------
+    def _weights(self, w_ENK: Weights) -> list[torch.Tensor] | GroupedTensorStorage:
+        """A list of E weights (discrete_in, as te.GroupedLinear) up to 64 experts and for
+        separate tensors; one uniform GroupedTensor for a stacked [E, N, K] or E > 64."""
+        if not isinstance(w_ENK, torch.Tensor) and len(w_ENK) <= _MAX_LIST:
+            return [w.contiguous() for w in w_ENK]
+        w = _stacked(w_ENK)
+        return _uniform(w, w.shape[0], tuple(w.shape[1:]))
+
+    def _wgrad_out(self, dw, targets: list[torch.Tensor], stacked: bool) -> tuple[object, torch.Tensor | None]:
+        """(D operand, scratch). Separate per-expert outputs up to 64 experts: the list itself
+        (discrete_out, as te.GroupedLinear). A stacked [E, N, K] output, or outputs that are
+        consecutive slices of one buffer: one uniform GroupedTensor over it. Otherwise one over a
+        zeroed scratch buffer, which the caller then adds (or copies) into ``targets``."""
+        E, (N, K) = len(targets), targets[0].shape
+        if not stacked and E <= _MAX_LIST and self._discrete_out_ok():
+            return targets, None
+        packed = dw if stacked and dw.is_contiguous() else _packed(targets)
+        if packed is not None:
+            return _uniform(packed, E, (N, K)), None
+        scratch = targets[0].new_zeros(E, N, K)
+        return _uniform(scratch, E, (N, K)), scratch
+
+    def _discrete_out_ok(self) -> bool:
+        # NOTE: TE upstream refuses list outputs on cuBLAS 13.7.0 - 13.8.0 (a data-corruption bug).
+        return not 130700 <= tex.get_cublasLt_version() < 130801
+
+
+TE = TEKernels()
