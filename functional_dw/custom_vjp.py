@@ -221,10 +221,38 @@ def custom_vjp(
         out_spec, n_out = inner.out
         return flat, n_out, out_spec
 
+    class TracedFunction(torch.autograd.Function):
+        """NOTE: [torch.compile] Dynamo traces an autograd.Function's forward and backward into
+        subgraphs, but not one that writes to a side channel (our ``_Stash``). Under
+        ``torch.compile`` we use this ctx-style twin: forward keeps the residual plan on ``ctx``
+        itself and saves every residual tensor. (``torch.func`` needs the setup_context style
+        above, and dynamo needs this one; the plan and ``bwd`` are shared.) Here ``fwd``'s
+        output must be a tensor or a flat tuple of tensors, since no stash carries its spec."""
+
+        @staticmethod
+        def forward(ctx: Any, in_spec: Any, *in_leaves: Any) -> tuple:  # type: ignore[override]
+            out, res = fwd(*pytree.tree_unflatten(in_leaves, in_spec))
+            out_leaves, ctx.out_spec = pytree.tree_flatten(out)
+            res_leaves, ctx.res_spec = pytree.tree_flatten(res)
+            ctx.save_for_backward(*[t for t in res_leaves if _is_tensor(t)])
+            ctx.plan = [("saved", None) if _is_tensor(t) else ("ref", t) for t in res_leaves]
+            ctx.in_spec = in_spec
+            return tuple(out_leaves)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> tuple:
+            d_out = pytree.tree_unflatten(list(grads), ctx.out_spec)
+            return (None, *_cotangent_leaves(bwd(_residuals_of(ctx), d_out), ctx.in_spec, name))
+
     Function.__name__ = Function.__qualname__ = f"CustomVJP[{name}]"
+    TracedFunction.__name__ = TracedFunction.__qualname__ = f"CustomVJP[{name}].traced"
 
     @functools.wraps(fwd)
     def apply(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            in_leaves, in_spec = pytree.tree_flatten(args)
+            flat = TracedFunction.apply(in_spec, *in_leaves)  # out: a tensor or a flat tuple
+            return flat[0] if len(flat) == 1 else tuple(flat)
         flat, n_out, out_spec = _call(args, _Stash())
         return pytree.tree_unflatten(list(flat[:n_out]), out_spec)
 

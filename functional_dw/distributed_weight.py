@@ -132,7 +132,9 @@ def finalize(params: Sequence[torch.Tensor], dw: bool, fused: bool, wgrads: list
 
 
 def versions(params: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    return tuple(p._version for p in params)
+    # NOTE: under torch.compile a traced graph has no version counters to read (and the
+    # compiled graph owns its inputs): the check is eager-only.
+    return () if torch.compiler.is_compiling() else tuple(p._version for p in params)
 
 
 def check_versions(params: Sequence[torch.Tensor], recorded: tuple[int, ...], name: str) -> None:

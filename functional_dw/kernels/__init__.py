@@ -68,6 +68,8 @@ class Splits:
         return self.cached("device", make)
 
     def cached(self, key: Any, make: Any) -> Any:
+        if torch.compiler.is_compiling():  # a traced backward may not mutate forward's objects;
+            return make()  # the compiler dedupes the recomputation anyway
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]

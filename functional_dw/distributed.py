@@ -1,0 +1,328 @@
+"""Sharded weights for :func:`linear` and :func:`grouped_linear` over ``torch.distributed``
+(ZeRO-3 / FSDP style): a :class:`ShardedWeight` implements the DistributedWeight protocol.
+
+Semantics are data parallel: every rank runs its own tokens through the full weights, which
+live sharded across the ranks. A rank's weight gradient is therefore the sum over ranks of the
+full gradient, restricted to its rows: a reduce-scatter.
+
+Layout. An ``[N, K]`` (``[out, in]``) weight is sharded along dim 0 (out features) in blocks
+of ``R = ceil(N / W)`` rows (``W`` ranks): rank ``r`` holds rows ``[r*R, min((r+1)*R, N))``, so
+the last ranks may hold fewer rows, or none (N=5, W=4: 2, 2, 1, 0 rows). A group of E experts
+talks through one flat rank-major buffer ``[W, E, R, K]`` (zero rows pad each shard to R), so
+rank r's part is the contiguous slab ``[r]`` and ONE collective serves the whole group::
+
+    materialize (forward, backward)  all_gather_single     [E, R, K] -> [W, E, R, K] -> E x [N, K]
+    finalize_group_grads             reduce_scatter_single [W, E, R, K] (SUM) -> [E, R, K] -> E shard grads
+
+Runnable recipe (``torchrun --standalone --nproc-per-node 2 recipe.py``; gloo on CPU)::
+
+    import torch, torch.distributed as dist, functional_dw as fd
+    from functional_dw.distributed import shard_grouped_weights
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)                                   # the same full weights on every rank
+    ws = shard_grouped_weights([torch.randn(64, 32) for _ in range(4)])
+    torch.manual_seed(1 + dist.get_rank())                 # this rank's own tokens
+    x = torch.randn(10, 32, requires_grad=True)
+    fd.grouped_linear(x, ws, [3, 0, 5, 2]).sum().backward()
+    print(dist.get_rank(), [tuple(w.grad.shape) for w in ws])   # each rank: its shards' grads
+    dist.destroy_process_group()
+
+or, without torchrun, ``functional_dw.distributed.launch(fn, world_size, *args)``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.utils._pytree as pytree
+
+__all__ = ["ShardedWeight", "shard_grouped_weights", "shard_weight", "prefetch_for_backward",
+           "prefetch_on_grad", "wait_for_grads", "launch"]
+
+
+def _collective(new: str, old: str) -> Callable:
+    # NOTE: torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of
+    # the *_single names (which older torch lacks). Looked up per call so tests can count them.
+    return getattr(dist, new, None) or getattr(dist, old)
+
+
+class _Group:
+    """What a group of ShardedWeights shares: the process group, the layout, the collectives
+    in flight, and the fused-wgrad buffer while a backward runs."""
+
+    def __init__(self, fulls: list[torch.Tensor], pg: Any, async_grads: bool):
+        self.pg, self.async_grads = pg, async_grads
+        self.world, self.rank = dist.get_world_size(pg), dist.get_rank(pg)
+        self.E, (self.N, self.K) = len(fulls), fulls[0].shape
+        self.R = -(-self.N // self.world)
+        self.rows = max(0, min(self.R, self.N - self.rank * self.R))
+        self.members: list[ShardedWeight] = []
+        self.prefetched: tuple | None = None  # (work, gathered, versions) of an early all-gather
+        self.grad_buf: torch.Tensor | None = None  # [E, W*R, K] fp32, from grad_buffer() to finalize
+        self.pending: list[tuple] = []  # async reduce-scatters: (work, out, fused, flat)
+        self.stats: Counter = Counter()  # collectives issued: all_gather, reduce_scatter
+
+    def versions(self) -> tuple[int, ...]:
+        return tuple(m._version for m in self.members)
+
+    def gather(self, async_op: bool = False) -> tuple[Any, torch.Tensor]:
+        m0 = self.members[0]
+        if self.E == 1 and self.rows == self.R:
+            slab = m0.detach().view(1, self.R, self.K)  # Linear, even split: no copy
+        else:
+            slab = m0.detach().new_zeros(self.E, self.R, self.K)
+            for e, m in enumerate(self.members):
+                slab[e, : self.rows].copy_(m.detach())
+        out = slab.new_empty(self.world, self.E, self.R, self.K)
+        self.stats["all_gather"] += 1
+        work = _collective("all_gather_single", "all_gather_into_tensor")(
+            out.view(-1), slab.reshape(-1), group=self.pg, async_op=async_op)  # 1-D: what every backend takes
+        return work, out
+
+    def unpack(self, out: torch.Tensor) -> list[torch.Tensor]:
+        # NOTE: [W, E, R, K] -> [E, W*R, K] is a view for E == 1 and one copy for a group: each
+        # expert's full weight must be one contiguous [N, K] block for the GEMMs.
+        full = out.transpose(0, 1).reshape(self.E, self.world * self.R, self.K)
+        return [full[e, : self.N] for e in range(self.E)]
+
+    def reduce_scatter(self, flat_EPK: torch.Tensor, fused: bool) -> list | None:
+        """Reduce-scatter a padded ``[E, W*R, K]`` grad and hand each member its rows."""
+        flat = flat_EPK.view(self.E, self.world, self.R, self.K).transpose(0, 1).contiguous()
+        out = flat.new_empty(self.E, self.R, self.K)
+        self.stats["reduce_scatter"] += 1
+        work = _collective("reduce_scatter_single", "reduce_scatter_tensor")(
+            out.view(-1), flat.view(-1), op=dist.ReduceOp.SUM, group=self.pg, async_op=self.async_grads)
+        if self.async_grads:
+            self.pending.append((work, out, fused, flat))
+            return None  # the protocol's "async": wait_for_grads() delivers
+        return self.deliver(out, fused)
+
+    def deliver(self, out: torch.Tensor, fused: bool, into_grad: bool = False) -> list | None:
+        shards = [out[e, : self.rows] for e in range(self.E)]
+        if not fused:
+            if not into_grad:
+                return [s.to(m.dtype) for s, m in zip(shards, self.members)]
+            for m, s in zip(self.members, shards):  # async: accumulate as autograd would have
+                m.grad = s.to(m.dtype).clone() if m.grad is None else m.grad.add_(s)
+            return None
+        for m, s in zip(self.members, shards):
+            if getattr(m, "main_grad", None) is None:
+                m.main_grad = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
+            m.main_grad.add_(s)
+            if hasattr(m, "grad_added_to_main_grad"):
+                m.grad_added_to_main_grad = True
+        # TE's rule: a zero dummy keeps DDP hooks firing where grad_added_to_main_grad exists
+        return [torch.zeros_like(m) if hasattr(m, "grad_added_to_main_grad") else None for m in self.members]
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, []
+        for work, out, fused, _flat in pending:
+            work.wait()
+            self.deliver(out, fused, into_grad=True)
+
+
+class ShardedWeight(torch.nn.Parameter):
+    """This rank's shard ``[rows, K]`` of a full ``[N, K]`` weight (see the module docstring
+    for the layout). The first member of a group (``weights[0]``) acts for the group; any
+    member's method acts on the whole group."""
+
+    is_distributed_weight = True
+    _dw: _Group
+    _dw_index: int
+
+    def __new__(cls, shard: torch.Tensor, group: _Group, index: int, requires_grad: bool = True):
+        self = super().__new__(cls, shard, requires_grad)
+        self._dw, self._dw_index = group, index
+        return self
+
+    def __repr__(self) -> str:
+        g = self._dw
+        return (f"ShardedWeight(expert {self._dw_index} of {g.E}, rank {g.rank}/{g.world}, "
+                f"rows {g.rank * g.R}:{g.rank * g.R + g.rows} of [{g.N}, {g.K}], {self.dtype})")
+
+    def materialize_group_for_forward(self) -> list[torch.Tensor]:
+        return self._dw.unpack(self._dw.gather()[1])
+
+    def materialize_group_for_backward(self, **kwargs: Any) -> list[torch.Tensor]:
+        g, pre = self._dw, self._dw.prefetched
+        g.prefetched = None
+        if pre is not None:
+            work, out, versions = pre
+            work.wait()
+            if versions == g.versions():  # else the shards changed since: gather them again
+                return g.unpack(out)
+        return g.unpack(g.gather()[1])
+
+    def prefetch_for_backward(self) -> None:
+        """Start the backward all-gather now (async); the next backward waits for it just
+        before its dgrad GEMM instead of gathering then. One prefetch serves one backward."""
+        g = self._dw
+        if g.prefetched is None:
+            work, out = g.gather(async_op=True)
+            g.prefetched = (work, out, g.versions())
+
+    def grad_buffer(self) -> torch.Tensor:
+        g = self._dw
+        if g.grad_buf is None:  # one zeroed fp32 buffer for the group, freed in finalize
+            g.grad_buf = torch.zeros(g.E, g.world * g.R, g.K, dtype=torch.float32, device=self.device)
+        return g.grad_buf[self._dw_index, : g.N]
+
+    def finalize_group_grads(self, wgrads: Any) -> list | None:
+        """Reduce-scatter the full weight grads: returns the shard grads; fused (after
+        ``grad_buffer()``), adds them into each fp32 ``main_grad`` instead; with
+        ``async_grad_reduce`` returns None and :func:`wait_for_grads` delivers."""
+        g = self._dw
+        wgrads = list(wgrads) if isinstance(wgrads, (list, tuple)) else [wgrads]
+        if len(wgrads) != g.E:
+            raise ValueError(f"finalize_group_grads: got {len(wgrads)} grads for a group of {g.E}")
+        fused, buf = g.grad_buf is not None, g.grad_buf
+        g.grad_buf = None
+        if fused:
+            for e, w in enumerate(wgrads):  # the GEMM wrote into the buffer; copy if it did not
+                if w.data_ptr() != buf[e].data_ptr():
+                    buf[e, : g.N].copy_(w)
+        elif g.E == 1 and g.N == g.world * g.R:
+            buf = wgrads[0].contiguous().view(1, g.N, g.K)  # Linear, even split: no copy
+        else:
+            buf = wgrads[0].new_zeros(g.E, g.world * g.R, g.K)
+            for e, w in enumerate(wgrads):
+                buf[e, : g.N].copy_(w)
+        return g.reduce_scatter(buf, fused)
+
+
+def shard_grouped_weights(
+    weights: Sequence[torch.Tensor] | torch.Tensor, group: Any = None, *,
+    requires_grad: bool = True, async_grad_reduce: bool = False,
+) -> list[ShardedWeight]:
+    """This rank's shards of E full ``[N, K]`` weights (a list, or one ``[E, N, K]`` tensor):
+    pass the result as grouped_linear's ``weights``; ``weights[0]`` leads the group.
+
+    Every rank must pass the same full weights (e.g. made from the same seed). ``group`` is
+    the process group (default: the world). ``async_grad_reduce``: finalize starts the
+    reduce-scatter and returns; call :func:`wait_for_grads` before reading the grads.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("shard_grouped_weights needs a process group: call "
+                           "torch.distributed.init_process_group first (or use functional_dw.distributed.launch)")
+    fulls = list(weights.unbind(0)) if isinstance(weights, torch.Tensor) else list(weights)
+    if not fulls or any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in fulls):
+        raise ValueError("weights: give one or more [out, in] tensors, or one [E, out, in] tensor")
+    for e, w in enumerate(fulls):
+        if w.shape != fulls[0].shape or w.dtype != fulls[0].dtype or w.device != fulls[0].device:
+            raise ValueError(f"weights[{e}] is {w.dtype}{tuple(w.shape)} on {w.device}; every expert must match "
+                             f"weights[0] ({fulls[0].dtype}{tuple(fulls[0].shape)} on {fulls[0].device})")
+    # NOTE: out features that do not divide by the world size are padded (zero rows in the
+    # collective buffers only); the parameters hold exactly this rank's rows, maybe none.
+    g = _Group(fulls, group, async_grad_reduce)
+    start = g.rank * g.R
+    g.members = [ShardedWeight(w.detach()[start : start + g.rows].clone(), g, e, requires_grad)
+                 for e, w in enumerate(fulls)]
+    return list(g.members)
+
+
+def shard_weight(weight: torch.Tensor, group: Any = None, **kwargs: Any) -> ShardedWeight:
+    """This rank's shard of one full ``[N, K]`` weight, for :func:`linear`."""
+    return shard_grouped_weights([weight], group, **kwargs)[0]
+
+
+def _groups(params: Iterable[torch.Tensor]) -> list[_Group]:
+    out: dict[int, _Group] = {}
+    for p in params:
+        if isinstance(p, ShardedWeight):
+            out.setdefault(id(p._dw), p._dw)
+    return list(out.values())
+
+
+def prefetch_for_backward(params: Iterable[torch.Tensor]) -> None:
+    """Start the backward all-gather of each group among ``params`` (any members) now."""
+    for g in _groups(params):
+        g.members[0].prefetch_for_backward()
+
+
+def prefetch_on_grad(tensor: torch.Tensor, params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """When backward reaches ``tensor`` (e.g. the output of the layer after ``params``'s),
+    start the all-gather for ``params``'s backward, so it runs while that later layer's
+    backward computes: FSDP's backward prefetch. Returns ``tensor``."""
+    params = list(params)
+    tensor.register_hook(lambda grad: prefetch_for_backward(params))
+    return tensor
+
+
+def wait_for_grads(params: Iterable[torch.Tensor]) -> None:
+    """Wait for the async reduce-scatters of the groups among ``params`` (e.g.
+    ``model.parameters()``) and deliver them: into ``main_grad`` (fused) or ``.grad``.
+    Call it after backward and before the optimizer step."""
+    for g in _groups(params):
+        g.wait()
+
+
+# --- local multi-process launcher ------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, backend: str, port: int, timeout: float, queue: Any, fn: Callable, args: tuple) -> None:
+    loopback = next((n for _, n in socket.if_nameindex() if n.startswith("lo")), "lo")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # NOTE: loopback only, never a real NIC
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:  # W processes share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
+    try:
+        result = fn(*args)
+        result = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), result)
+        queue.put((rank, pickle.dumps(result)))
+        dist.barrier()  # no rank tears down the store while another still uses it
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None,
+           timeout: float = 60.0, deadline: float | None = None) -> list:
+    """Run ``fn(*args)`` on ``world_size`` local processes (spawned), each inside an initialized
+    default process group over 127.0.0.1; return the ranks' return values, by rank.
+
+    ``backend``: None picks NCCL when there are ``world_size`` GPUs (rank r on ``cuda:r``),
+    else gloo. ``fn`` must be importable (module level); its return value is pickled (tensors
+    go to the CPU). ``timeout`` (s) bounds every collective; ``deadline`` (s) the whole run.
+    If any rank raises, the others are terminated and the error is raised here
+    (``torch.multiprocessing.ProcessRaisedException`` with that rank's traceback).
+    """
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    queue = mp.get_context("spawn").SimpleQueue()
+    ctx = mp.start_processes(_worker, args=(world_size, backend, _free_port(), timeout, queue, fn, args),
+                             nprocs=world_size, join=False, start_method="spawn")
+    results: dict[int, Any] = {}
+    end = None if deadline is None else time.monotonic() + deadline
+    while True:
+        done = ctx.join(timeout=0.05)  # raises as soon as one rank fails, terminating the others
+        while not queue.empty():
+            rank, blob = queue.get()
+            results[rank] = pickle.loads(blob)
+        if done:
+            break
+        if end is not None and time.monotonic() > end:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"launch: {world_size} ranks still running after {deadline} s (killed)")
+    return [results.get(r) for r in range(world_size)]
