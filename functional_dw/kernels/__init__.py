@@ -135,6 +135,10 @@ def get_kernels(backend: str | Kernels | None, x: torch.Tensor) -> Kernels:
             raise ValueError(_TE_INSTALL)
         if not x.is_cuda:
             raise ValueError(f"backend='te' runs on CUDA tensors; x is on {x.device}. Use backend='torch'")
+        if torch.compiler.is_compiling():  # the same kernels as custom ops dynamo can trace
+            from .te_ops import TRACED_TE
+
+            return TRACED_TE
         from .te import TE
 
         return TE

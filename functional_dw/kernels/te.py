@@ -14,6 +14,7 @@ tensors or one ``[E, N, K]`` tensor.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -114,6 +115,28 @@ def _grouped_dbias(dy_TN: torch.Tensor, splits: Splits, rows_E1: torch.Tensor) -
     return _expert_sums(dy_TN, splits)
 
 
+def _batched(*operands) -> bool:
+    leaves = [t for o in operands for t in (o if isinstance(o, (list, tuple)) else [o])]
+    return any(isinstance(t, torch.Tensor) and torch._C._functorch.is_batchedtensor(t) for t in leaves)
+
+
+def _unbatched(method):
+    """NOTE: [vmap without a fold] TE's C++ kernels read raw pointers, so they cannot take
+    functorch's batched tensors (e.g. the backward inside ``vmap(grad(f))``). Such calls run
+    on the reference kernels' split path, which torch's batching rules handle."""
+    from .torch_ref import TORCH
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if _batched(*args, *kwargs.values()):
+            if method.__name__.startswith("grouped_"):
+                args = (*args[:-1], False)  # the last positional argument is `grouped`
+            return getattr(TORCH, method.__name__)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return run
+
+
 class TEKernels:
     name = "te"
 
@@ -156,11 +179,13 @@ class TEKernels:
         self._prepared.add(key)
 
     # --- one GEMM (te.Linear) -------------------------------------------------------------
+    @_unbatched
     def fprop(self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None) -> torch.Tensor:
         self.prepare(x_TK.device)
         y_TN, *_ = general_gemm(w_NK, x_TK, out_dtype=x_TK.dtype, bias=b_N, use_split_accumulator=_2X_ACC_FPROP)
         return y_TN
 
+    @_unbatched
     def dgrad(self, dy_TN: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
         self.prepare(dy_TN.device)
         dx_TK, *_ = general_gemm(
@@ -168,6 +193,7 @@ class TEKernels:
         )
         return dx_TK
 
+    @_unbatched
     def wgrad(self, x_TK, dy_TN, *, out=None, accumulate=False, with_dbias=False):
         self.prepare(x_TK.device)
         # NOTE: with grad=True the bias tensor's values are ignored; passing one switches on the
@@ -202,6 +228,7 @@ class TEKernels:
             return f"TE's grouped GEMM needs in/out features that are multiples of 8 (16-byte aligned rows); got in={K}, out={N}"
         return None
 
+    @_unbatched
     def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
         E, (N, K) = splits.num_experts, w_ENK[0].shape[-2:]
         y_TN = x_TK.new_empty(x_TK.shape[0], N)
@@ -230,6 +257,7 @@ class TEKernels:
         )
         return y_TN
 
+    @_unbatched
     def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
         E, (N, K) = splits.num_experts, w_ENK[0].shape[-2:]
         dx_TK = dy_TN.new_empty(dy_TN.shape[0], K)
@@ -249,6 +277,7 @@ class TEKernels:
         )
         return dx_TK
 
+    @_unbatched
     def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
         E, K, N = splits.num_experts, x_TK.shape[1], dy_TN.shape[1]
         grouped = grouped and splits.num_tokens > 0
