@@ -147,8 +147,9 @@ class ShardedWeight(torch.nn.Parameter):
 
     def __repr__(self) -> str:
         g = self._dw
+        start = min(g.rank * g.R, g.N)
         return (f"ShardedWeight(expert {self._dw_index} of {g.E}, rank {g.rank}/{g.world}, "
-                f"rows {g.rank * g.R}:{g.rank * g.R + g.rows} of [{g.N}, {g.K}], {self.dtype})")
+                f"rows {start}:{start + g.rows} of [{g.N}, {g.K}], {self.dtype})")
 
     def materialize_group_for_forward(self) -> list[torch.Tensor]:
         return self._dw.unpack(self._dw.gather()[1])
@@ -211,9 +212,6 @@ def shard_grouped_weights(
     the process group (default: the world). ``async_grad_reduce``: finalize starts the
     reduce-scatter and returns; call :func:`wait_for_grads` before reading the grads.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("shard_grouped_weights needs a process group: call "
-                           "torch.distributed.init_process_group first (or use functional_dw.distributed.launch)")
     fulls = list(weights.unbind(0)) if isinstance(weights, torch.Tensor) else list(weights)
     if not fulls or any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in fulls):
         raise ValueError("weights: give one or more [out, in] tensors, or one [E, out, in] tensor")
@@ -221,6 +219,9 @@ def shard_grouped_weights(
         if w.shape != fulls[0].shape or w.dtype != fulls[0].dtype or w.device != fulls[0].device:
             raise ValueError(f"weights[{e}] is {w.dtype}{tuple(w.shape)} on {w.device}; every expert must match "
                              f"weights[0] ({fulls[0].dtype}{tuple(fulls[0].shape)} on {fulls[0].device})")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("shard_grouped_weights needs a process group: call "
+                           "torch.distributed.init_process_group first (or use functional_dw.distributed.launch)")
     # NOTE: out features that do not divide by the world size are padded (zero rows in the
     # collective buffers only); the parameters hold exactly this rank's rows, maybe none.
     g = _Group(fulls, group, async_grad_reduce)

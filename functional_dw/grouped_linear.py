@@ -148,7 +148,7 @@ def grouped_linear_fwd(
         raise ValueError(f"x has {x.shape[1]} features but the weights are [{N}, {K}]: x must be [T, {K}]")
     split = _as_splits(splits, E, x)
     b_EN, bias_form = _as_bias(bias, E, N, x)
-    kernels = get_kernels(backend, x)
+    kernels = get_kernels(backend, x, w_ENK if use_grouped_tensor is not False else None)
     x_TK = x.contiguous()
     path = _choose_path(kernels, x_TK, w_ENK, use_grouped_tensor)
     if path == "split" and split.host is None:
@@ -270,7 +270,8 @@ def grouped_linear(
         fuse_wgrad_accumulation: accumulate weight grads into each weight's fp32 ``main_grad``.
         use_grouped_tensor: True for the one-kernel grouped path, False for per-expert GEMMs,
             None to take the grouped path wherever the backend can run it.
-        backend: None (TE on CUDA when installed, else torch), "te", "torch".
+        backend: None (TE on CUDA when installed, else torch), "te", "torch", or "auto" (the
+            fastest measured: torch's grouped GEMM on CUDA where it can run, else as None).
     """
     if isinstance(weights, (list, tuple)):
         weights = list(weights)

@@ -92,7 +92,7 @@ FORWARD = [  # id, call, exception, message (regex)
      r"materialize_group_for_forward\(\) .* returned 2 tensor\(s\) for a group of 1"),
     ("use-grouped-tensor-int", lambda: G(use_grouped_tensor=1), TypeError, "use_grouped_tensor must be a bool"),
     ("fuse-int", lambda: L(fuse_wgrad_accumulation=1), TypeError, "fuse_wgrad_accumulation must be a bool"),
-    ("backend-nonsense", lambda: L(backend="nonsense"), ValueError, "backend must be None, 'torch', 'te'"),
+    ("backend-nonsense", lambda: L(backend="nonsense"), ValueError, "backend must be None, 'auto', 'torch', 'te'"),
     ("backend-te-on-cpu", lambda: L(backend="te"), ValueError, r"pip install .*backend='torch'", HAS_TE),
     ("backend-int", lambda: L(backend=3), (TypeError, ValueError), "backend"),
     ("device-mismatch", lambda: L(x=t(T, K).cuda(), backend="torch"), ValueError, "weight is on cpu but x is on cuda",

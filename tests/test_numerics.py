@@ -138,3 +138,10 @@ def test_split_backward_combines_to_bwd(path):
     y1, r1 = fd.linear_fwd(x, ws[0], bs[0])
     full = fd.linear_bwd(r1, y1)
     assert_same(list(full), [fd.linear_bwd_dgrad(r1, y1), *fd.linear_bwd_wgrad(r1, y1)])
+
+
+def test_auto_backend_on_cpu_is_the_reference():
+    x, ws, _, _ = _make(2, 16, 8, [3, 4], torch.float32)
+    y, res = fd.grouped_linear_fwd(x, ws, [3, 4], backend="auto")
+    assert res.kernels.name == "torch" and res.path == "grouped"
+    assert_same(y, fd.grouped_linear(x, ws, [3, 4], backend="torch"))

@@ -118,14 +118,24 @@ _TE_INSTALL = (
 )
 
 
-def get_kernels(backend: str | Kernels | None, x: torch.Tensor) -> Kernels:
-    """Resolve ``backend``: None picks TE when ``x`` is on CUDA and TE imports, else torch."""
+def get_kernels(backend: str | Kernels | None, x: torch.Tensor, w_ENK: Weights | None = None) -> Kernels:
+    """Resolve ``backend``: None picks TE when ``x`` is on CUDA and TE imports, else torch.
+
+    ``"auto"`` picks the fastest measured (benchmarks/results): for a group on CUDA, torch's
+    grouped GEMM wherever it can run these operands, since it beat both of TE's paths at every
+    MoE shape measured on the H200; otherwise what None picks (one GEMM: the same cuBLAS)."""
+    if backend == "auto":
+        from .torch_ref import TORCH
+
+        if w_ENK is not None and x.is_cuda and TORCH.grouped_path_unsupported(x, w_ENK) is None:
+            return TORCH
+        backend = None
     if backend is None:
         backend = "te" if x.is_cuda and te_available() else "torch"
     if not isinstance(backend, str):
         if all(callable(getattr(backend, m, None)) for m in ("fprop", "dgrad", "wgrad", "grouped_fprop")):
             return backend
-        raise ValueError(f"backend must be None, 'torch', 'te' or a Kernels object; got {backend!r}")
+        raise ValueError(f"backend must be None, 'auto', 'torch', 'te' or a Kernels object; got {backend!r}")
     if backend == "torch":
         from .torch_ref import TORCH
 
@@ -142,4 +152,4 @@ def get_kernels(backend: str | Kernels | None, x: torch.Tensor) -> Kernels:
         from .te import TE
 
         return TE
-    raise ValueError(f"backend must be None, 'torch', 'te' or a Kernels object; got {backend!r}")
+    raise ValueError(f"backend must be None, 'auto', 'torch', 'te' or a Kernels object; got {backend!r}")
