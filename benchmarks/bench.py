@@ -6,7 +6,8 @@ Measures, in one run (bf16): forward+backward time and TFLOP/s of GroupedLinear 
 shapes (balanced and Zipf-skewed splits with zero-token experts), Linear at two shapes, host
 overhead at launch-bound shapes, bytes through saved-tensor hooks and time under
 ``save_on_cpu(pin_memory=True)``, peak device memory; and the card's dense bf16 peak.
-Timing: CUDA events after warm-up, median of repeats, inputs rotated between repeats.
+Timing: CUDA events after warm-up around bursts of back-to-back steps, median of repeats,
+inputs rotated between steps.
 Writes ``results.md``, ``results.json`` and ``tflops.png`` under ``--out``.
 """
 
@@ -32,8 +33,10 @@ DEV = "cuda"
 # --- timing --------------------------------------------------------------------------------
 
 
-def cuda_time(step, inputs, warmup=3, repeats=15):
-    """Median milliseconds of ``step(inputs[i % len(inputs)])`` over ``repeats`` (CUDA events)."""
+def cuda_time(step, inputs, warmup=3, repeats=15, burst=4):
+    """Median milliseconds per ``step`` (CUDA events around ``burst`` back-to-back steps, so
+    the host runs ahead as in training and launch latency is not counted once per step; the
+    inputs rotate between steps so caches do not flatter)."""
     for i in range(warmup):
         step(inputs[i % len(inputs)])
     torch.cuda.synchronize()
@@ -41,10 +44,11 @@ def cuda_time(step, inputs, warmup=3, repeats=15):
     for i in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step(inputs[i % len(inputs)])
+        for j in range(burst):
+            step(inputs[(i + j) % len(inputs)])
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / burst)
     return statistics.median(times)
 
 

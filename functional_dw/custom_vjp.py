@@ -134,7 +134,7 @@ def custom_vjp(
     """
     name = name or getattr(fwd, "__name__", "fwd")
 
-    class Function(torch.autograd.Function):
+    class FuncFunction(torch.autograd.Function):
         @staticmethod
         def forward(stash: _Stash, in_spec: Any, *in_leaves: Any) -> tuple:  # type: ignore[override]
             args = pytree.tree_unflatten(in_leaves, in_spec)
@@ -216,45 +216,53 @@ def custom_vjp(
     def _call(args: Any, stash: _Stash) -> tuple[tuple, int, Any]:
         in_leaves, in_spec = pytree.tree_flatten(args)
         inner = _Stash()
-        flat = Function.apply(inner, in_spec, *in_leaves)
+        flat = FuncFunction.apply(inner, in_spec, *in_leaves)
         stash.set(inner.out, inner._plan)
         out_spec, n_out = inner.out
         return flat, n_out, out_spec
 
-    class TracedFunction(torch.autograd.Function):
-        """NOTE: [torch.compile] Dynamo traces an autograd.Function's forward and backward into
-        subgraphs, but not one that writes to a side channel (our ``_Stash``). Under
-        ``torch.compile`` we use this ctx-style twin: forward keeps the residual plan on ``ctx``
-        itself and saves every residual tensor. (``torch.func`` needs the setup_context style
-        above, and dynamo needs this one; the plan and ``bwd`` are shared.) Here ``fwd``'s
-        output must be a tensor or a flat tuple of tensors, since no stash carries its spec."""
+    class Function(torch.autograd.Function):
+        """NOTE: [Two Functions] ``torch.func`` needs the setup_context style (``FuncFunction``
+        above), whose residual plan reaches ``setup_context`` through a side channel (the
+        stash). Dynamo cannot trace that side channel, and the setup_context style costs an
+        ``inspect.signature`` bind on every ``apply``. So eager autograd and ``torch.compile``
+        use this ctx-style twin: forward keeps the plan on ``ctx`` and saves every residual
+        tensor itself; the plan and ``bwd`` are shared. Under ``torch.compile`` no stash
+        carries the output's structure, so ``fwd``'s output must be a tensor or a flat tuple."""
 
         @staticmethod
-        def forward(ctx: Any, in_spec: Any, *in_leaves: Any) -> tuple:  # type: ignore[override]
+        def forward(ctx: Any, stash: _Stash | None, in_spec: Any, *in_leaves: Any) -> tuple:  # type: ignore[override]
             out, res = fwd(*pytree.tree_unflatten(in_leaves, in_spec))
             out_leaves, ctx.out_spec = pytree.tree_flatten(out)
             res_leaves, ctx.res_spec = pytree.tree_flatten(res)
             ctx.save_for_backward(*[t for t in res_leaves if _is_tensor(t)])
             ctx.plan = [("saved", None) if _is_tensor(t) else ("ref", t) for t in res_leaves]
             ctx.in_spec = in_spec
+            if stash is not None:
+                stash.out = (ctx.out_spec, len(out_leaves))
             return tuple(out_leaves)
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> tuple:
             d_out = pytree.tree_unflatten(list(grads), ctx.out_spec)
-            return (None, *_cotangent_leaves(bwd(_residuals_of(ctx), d_out), ctx.in_spec, name))
+            d_args = _cotangent_leaves(bwd(_residuals_of(ctx), d_out), ctx.in_spec, name)
+            return (None, None, *[g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(d_args)])
 
+    FuncFunction.__name__ = FuncFunction.__qualname__ = f"CustomVJP[{name}].func"
     Function.__name__ = Function.__qualname__ = f"CustomVJP[{name}]"
-    TracedFunction.__name__ = TracedFunction.__qualname__ = f"CustomVJP[{name}].traced"
 
     @functools.wraps(fwd)
     def apply(*args: Any) -> Any:
+        in_leaves, in_spec = pytree.tree_flatten(args)
         if torch.compiler.is_compiling():
-            in_leaves, in_spec = pytree.tree_flatten(args)
-            flat = TracedFunction.apply(in_spec, *in_leaves)  # out: a tensor or a flat tuple
+            flat = Function.apply(None, in_spec, *in_leaves)
             return flat[0] if len(flat) == 1 else tuple(flat)
-        flat, n_out, out_spec = _call(args, _Stash())
-        return pytree.tree_unflatten(list(flat[:n_out]), out_spec)
+        if torch._C._functorch.peek_interpreter_stack() is not None or _forward_ad_active():
+            flat, n_out, out_spec = _call(args, _Stash())
+            return pytree.tree_unflatten(list(flat[:n_out]), out_spec)
+        stash = _Stash()
+        flat = Function.apply(stash, in_spec, *in_leaves)
+        return pytree.tree_unflatten(list(flat), stash.out[0])
 
-    apply.fwd, apply.bwd, apply.Function = fwd, bwd, Function  # type: ignore[attr-defined]
+    apply.fwd, apply.bwd, apply.Function, apply.FuncFunction = fwd, bwd, Function, FuncFunction  # type: ignore[attr-defined]
     return apply

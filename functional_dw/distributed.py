@@ -37,6 +37,7 @@ import os
 import pickle
 import socket
 import time
+import traceback
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable
@@ -293,6 +294,9 @@ def _worker(rank: int, world: int, backend: str, port: int, timeout: float, queu
         result = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), result)
         queue.put((rank, pickle.dumps(result)))
         dist.barrier()  # no rank tears down the store while another still uses it
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))  # in the order the ranks failed
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -314,12 +318,29 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     ctx = mp.start_processes(_worker, args=(world_size, backend, _free_port(), timeout, queue, fn, args),
                              nprocs=world_size, join=False, start_method="spawn")
     results: dict[int, Any] = {}
+    errors: list[tuple[int, str]] = []
+
+    def drain() -> None:
+        while not queue.empty():
+            rank, item = queue.get()
+            if isinstance(item, str):
+                errors.append((rank, item))
+            else:
+                results[rank] = pickle.loads(item)
+
     end = None if deadline is None else time.monotonic() + deadline
     while True:
-        done = ctx.join(timeout=0.05)  # raises as soon as one rank fails, terminating the others
-        while not queue.empty():
-            rank, blob = queue.get()
-            results[rank] = pickle.loads(blob)
+        try:
+            done = ctx.join(timeout=0.05)  # raises as soon as one rank fails, terminating the others
+        except mp.ProcessRaisedException as exc:
+            drain()  # NOTE: report the rank that failed first, not the first one spawn noticed
+            if not errors:
+                raise
+            first, tb = errors[0]
+            others = ", ".join(str(r) for r, _ in errors[1:]) or "none"
+            raise mp.ProcessRaisedException(
+                f"\n\n-- rank {first} failed first (then ranks: {others}):\n{tb}", first, ctx.processes[first].pid) from exc
+        drain()
         if done:
             break
         if end is not None and time.monotonic() > end:

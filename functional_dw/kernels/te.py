@@ -115,26 +115,37 @@ def _grouped_dbias(dy_TN: torch.Tensor, splits: Splits, rows_E1: torch.Tensor) -
     return _expert_sums(dy_TN, splits)
 
 
-def _batched(*operands) -> bool:
+def _wrapped(*operands) -> bool:
+    """True if an operand is a functorch wrapper (vmap's batched or jvp/grad's tracking tensor)."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return False  # no transform active: the common, fast case
     leaves = [t for o in operands for t in (o if isinstance(o, (list, tuple)) else [o])]
-    return any(isinstance(t, torch.Tensor) and torch._C._functorch.is_batchedtensor(t) for t in leaves)
+    return any(isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in leaves)
 
 
 def _unbatched(method):
-    """NOTE: [vmap without a fold] TE's C++ kernels read raw pointers, so they cannot take
-    functorch's batched tensors (e.g. the backward inside ``vmap(grad(f))``). Such calls run
-    on the reference kernels' split path, which torch's batching rules handle."""
+    """NOTE: [Transforms without a rule] TE's C++ kernels read raw pointers, so they cannot
+    take functorch's wrapper tensors: the batched tensors of the backward inside
+    ``vmap(grad(f))``, or jvp's tangents. Such calls run on the reference kernels' split path,
+    which torch's transforms handle (same math, reference numerics)."""
     from .torch_ref import TORCH
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        if _batched(*args, *kwargs.values()):
+        if _wrapped(*args, *kwargs.values()):
             if method.__name__.startswith("grouped_"):
                 args = (*args[:-1], False)  # the last positional argument is `grouped`
             return getattr(TORCH, method.__name__)(*args, **kwargs)
         return method(self, *args, **kwargs)
 
     return run
+
+
+@torch._dynamo.assume_constant_result
+@functools.cache
+def _te_env(device_index: int) -> tuple[tuple[int, int], int]:
+    """(compute capability, cuBLASLt version): facts of the machine, constants to dynamo."""
+    return torch.cuda.get_device_capability(device_index), tex.get_cublasLt_version()
 
 
 class TEKernels:
@@ -212,10 +223,10 @@ class TEKernels:
         dt = x_TK.dtype
         if dt not in (torch.bfloat16, torch.float16):
             return f"TE's grouped GEMM takes bfloat16 or float16 activations, got {dt}"
-        cc = torch.cuda.get_device_capability(x_TK.device)
+        cc, have = _te_env(x_TK.device.index if x_TK.device.index is not None else torch.cuda.current_device())
         if not (9, 0) <= cc <= (11, 0):
             return f"TE's grouped GEMM needs compute capability 9.0 to 11.0 (Hopper, Blackwell); this GPU is {cc[0]}.{cc[1]}"
-        have, need = tex.get_cublasLt_version(), (130400 if cc < (10, 0) else 130300)
+        need = 130400 if cc < (10, 0) else 130300
         if have < need:
             ver = lambda v: f"{v // 10000}.{v // 100 % 100}.{v % 100}"  # noqa: E731
             return (
@@ -337,7 +348,7 @@ class TEKernels:
 
     def _discrete_out_ok(self) -> bool:
         # NOTE: TE upstream refuses list outputs on cuBLAS 13.7.0 - 13.8.0 (a data-corruption bug).
-        return not 130700 <= tex.get_cublasLt_version() < 130801
+        return not 130700 <= _te_env(torch.cuda.current_device())[1] < 130801
 
 
 TE = TEKernels()
