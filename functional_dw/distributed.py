@@ -14,7 +14,7 @@ rank r's part is the contiguous slab ``[r]`` and ONE collective serves the whole
     materialize (forward, backward)  all_gather_single     [E, R, K] -> [W, E, R, K] -> E x [N, K]
     finalize_group_grads             reduce_scatter_single [W, E, R, K] (SUM) -> [E, R, K] -> E shard grads
 
-Runnable recipe (``torchrun --standalone --nproc-per-node 2 recipe.py``; gloo on CPU)::
+Runnable recipe (``GLOO_SOCKET_IFNAME=lo torchrun --standalone --nproc-per-node 2 recipe.py``)::
 
     import torch, torch.distributed as dist, functional_dw as fd
     from functional_dw.distributed import shard_grouped_weights
@@ -287,8 +287,9 @@ def _worker(rank: int, world: int, backend: str, port: int, timeout: float, queu
         torch.cuda.set_device(rank)
     else:  # W processes share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
+                            timeout=datetime.timedelta(seconds=timeout), **device)
     try:
         result = fn(*args)
         result = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), result)
@@ -346,5 +347,6 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
         if end is not None and time.monotonic() > end:
             for p in ctx.processes:
                 p.kill()
+                p.join()
             raise TimeoutError(f"launch: {world_size} ranks still running after {deadline} s (killed)")
     return [results.get(r) for r in range(world_size)]

@@ -25,6 +25,12 @@ __all__ = [
 ]
 
 WeightsArg = Union[Sequence[torch.Tensor], torch.Tensor]
+
+
+class _HostSplits(tuple):
+    """Host split sizes as ONE pytree leaf (a tuple subclass is not a registered pytree node),
+    so the autograd bridge does not flatten E ints on every call."""
+
 SplitsArg = Union[Sequence[int], torch.Tensor]
 
 
@@ -55,8 +61,28 @@ def _as_params(weights: WeightsArg) -> tuple[tuple[torch.Tensor, ...], bool]:
             f"got {type(weights).__name__}"
         )
     for e, w in enumerate(weights):
-        _checks.tensor(f"weights[{e}]", w, ndim=2)
-    return tuple(weights), False
+        if not isinstance(w, torch.Tensor):
+            _checks.tensor(f"weights[{e}]", w)  # raises, naming it; the rest is checked once
+    return tuple(weights), False  # materialized (_check_weights)
+
+
+def _check_weights(ws: Sequence[torch.Tensor], ndim: int, x: torch.Tensor) -> None:
+    """One cheap pass over the experts' weights; the slow path names the first bad one."""
+    w0 = ws[0]
+    ok = isinstance(w0, torch.Tensor) and w0.dim() == ndim
+    if ok:
+        shape, dtype, device = w0.shape[-2:], x.dtype, x.device
+        ok = all(isinstance(w, torch.Tensor) and w.dim() == ndim and w.shape[-2:] == shape
+                 and w.dtype == dtype and w.device == device for w in ws)
+    if ok:
+        return
+    for e, w in enumerate(ws):
+        name = "weights" if ndim == 3 else f"weights[{e}]"
+        _checks.tensor(name, w, ndim=ndim)
+        if w.shape[-2:] != ws[0].shape[-2:]:
+            N, K = ws[0].shape[-2:]
+            raise ValueError(f"{name} is {tuple(w.shape)}; every expert's weight must be [{N}, {K}] like weights[0]")
+        _checks.like(name, w, x)
 
 
 def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
@@ -135,15 +161,10 @@ def grouped_linear_fwd(
     distributed = dwp.is_distributed_weight(params[0])
     full = dwp.materialize(params, distributed, for_backward=False)
     w_ENK = full[0] if stacked else full
+    _check_weights([w_ENK] if stacked else w_ENK, 3 if stacked else 2, x)
     shapes = _weight_shapes(w_ENK, stacked)
     E = shapes[0][0] if stacked else len(shapes)
     N, K = shapes[0][-2:]
-    for e, w in enumerate([w_ENK] if stacked else w_ENK):
-        name = "weights" if stacked else f"weights[{e}]"
-        _checks.tensor(name, w, ndim=3 if stacked else 2)
-        if tuple(w.shape[-2:]) != (N, K):
-            raise ValueError(f"{name} is {tuple(w.shape)}; every expert's weight must be [{N}, {K}] like weights[0]")
-        _checks.like(name, w, x)
     if x.shape[1] != K:
         raise ValueError(f"x has {x.shape[1]} features but the weights are [{N}, {K}]: x must be [T, {K}]")
     split = _as_splits(splits, E, x)
@@ -246,7 +267,7 @@ def _vmap(batch_size: int, in_dims: tuple, x, weights, splits, bias, fuse, use_g
     expert_T = torch.repeat_interleave(torch.arange(E, device=x.device), torch.tensor(splits, device=x.device), output_size=T)
     keys_BT = expert_T[None, :] * B + torch.arange(B, device=x.device)[:, None]
     order = torch.argsort(keys_BT.flatten(), stable=True)
-    new_args = (xb.reshape(B * T, K)[order], weights, tuple(s * B for s in splits), bias, fuse, use_grouped_tensor, backend)
+    new_args = (xb.reshape(B * T, K)[order], weights, _HostSplits(s * B for s in splits), bias, fuse, use_grouped_tensor, backend)
     return new_args, lambda y: (y[torch.argsort(order)].view(B, T, -1), 0)
 
 
@@ -277,6 +298,6 @@ def grouped_linear(
         weights = list(weights)
     if isinstance(bias, (list, tuple)):
         bias = list(bias)
-    if isinstance(splits, list):
-        splits = tuple(splits)
+    if isinstance(splits, (list, tuple)):
+        splits = _HostSplits(splits)
     return _grouped_linear(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend)

@@ -88,8 +88,8 @@ def test_func_grad_and_vmap_on_te(path):
     got = torch.func.grad(f)(w1, x)
     leaves = [w.clone().requires_grad_() for w in w1]
     want = torch.autograd.grad(f(leaves, x), leaves)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
+    for a, b in zip(got, want):  # torch.func's backward runs on the reference kernels (see te.py)
+        torch.testing.assert_close(a, b)
     xb = torch.stack([x, x.flip(0), 2 * x])
     y = torch.func.vmap(lambda x: fd.grouped_linear(x, w1, SPLITS, b1, use_grouped_tensor=path, backend="te"))(xb)
     loop = torch.stack([fd.grouped_linear(xe, w1, SPLITS, b1, use_grouped_tensor=path, backend="te") for xe in xb])

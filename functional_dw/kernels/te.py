@@ -141,11 +141,15 @@ def _unbatched(method):
     return run
 
 
-@torch._dynamo.assume_constant_result
-@functools.cache
+# Facts of the machine, read once at import: plain constants to dynamo (which cannot call the
+# pybind version query) and to the per-call path check.
+_CUBLASLT = tex.get_cublasLt_version()
+_CAPABILITY = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+
+
 def _te_env(device_index: int) -> tuple[tuple[int, int], int]:
-    """(compute capability, cuBLASLt version): facts of the machine, constants to dynamo."""
-    return torch.cuda.get_device_capability(device_index), tex.get_cublasLt_version()
+    """(compute capability, cuBLASLt version)."""
+    return _CAPABILITY[device_index], _CUBLASLT
 
 
 class TEKernels:
@@ -293,9 +297,10 @@ class TEKernels:
         E, K, N = splits.num_experts, x_TK.shape[1], dy_TN.shape[1]
         grouped = grouped and splits.num_tokens > 0
         accumulate = accumulate and out is not None
-        # NOTE: te.GroupedLinear allocates dw with torch.empty; on the grouped path we zero it so
-        # a zero-token expert reads zeros whether or not cuBLAS writes its (K=0) GEMM.
-        dw = out if out is not None else (x_TK.new_zeros if grouped else x_TK.new_empty)(E, N, K)
+        # NOTE: torch.empty, as te.GroupedLinear: both paths write zeros for a zero-token expert
+        # (TE's split path zero-fills it; the grouped GEMM computes its K=0 product as zeros,
+        # measured on the H200 with benchmarks/probe_zero_experts.py; tested in test_te_gpu.py).
+        dw = out if out is not None else x_TK.new_empty(E, N, K)
         targets = list(dw)  # E [N, K] tensors (views of dw, or the caller's), written in place
         if any(not t.is_contiguous() for t in targets):
             raise ValueError("grouped_wgrad: the weight-gradient outputs (main_grad) must be contiguous")
@@ -348,7 +353,7 @@ class TEKernels:
 
     def _discrete_out_ok(self) -> bool:
         # NOTE: TE upstream refuses list outputs on cuBLAS 13.7.0 - 13.8.0 (a data-corruption bug).
-        return not 130700 <= _te_env(torch.cuda.current_device())[1] < 130801
+        return not 130700 <= _CUBLASLT < 130801
 
 
 TE = TEKernels()

@@ -45,7 +45,7 @@ def _row_expert(splits: Splits) -> torch.Tensor:
 def _expert_sums(dy_TN: torch.Tensor, splits: Splits) -> torch.Tensor:
     """db_EN: per-expert column sums of dy, accumulated in fp32 (or fp64)."""
     db = torch.zeros(splits.num_experts, dy_TN.shape[1], dtype=_acc_dtype(dy_TN.dtype), device=dy_TN.device)
-    return db.index_add_(0, _row_expert(splits), dy_TN.to(db.dtype)).to(dy_TN.dtype)
+    return db.index_add(0, _row_expert(splits), dy_TN.to(db.dtype)).to(dy_TN.dtype)  # out of place: vmap-safe
 
 
 def _write(out: torch.Tensor, value: torch.Tensor, accumulate: bool) -> torch.Tensor:
