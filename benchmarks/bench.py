@@ -325,6 +325,17 @@ def markdown(meta, peak, grouped, linear, overhead, offload):
     return "\n".join(lines) + "\n"
 
 
+def _te_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("transformer_engine", "transformer-engine-torch", "transformer_engine_torch"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    return "?"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="three MoE shapes, one Linear shape")
@@ -338,7 +349,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.date.today().isoformat(), "card": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "te": getattr(te, "__version__", "?"), "cublaslt": tex.get_cublasLt_version(), "dense_n": 8192, "quick": args.quick}
+            "te": _te_version(), "cublaslt": tex.get_cublasLt_version(), "dense_n": 8192, "quick": args.quick}
     peak = dense_peak_tflops(meta["dense_n"])
     print(meta, f"peak {peak:.0f} TFLOP/s", flush=True)
     overhead = overhead_rows(te)
