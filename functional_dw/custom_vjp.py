@@ -157,13 +157,17 @@ def custom_vjp(
             if jvp is not None and _forward_ad_active():
                 ctx.save_for_forward(*saved)  # only then: a strong ref would defeat offloading
             ctx.plan, ctx.res_spec, ctx.in_spec, ctx.out_spec = plan, res_spec, in_spec, out_spec
-            ctx.set_materialize_grads(True)
+            # Not materialized: jvp must see None (not zeros) for inputs without a tangent;
+            # backward fills missing output grads itself.
+            ctx.set_materialize_grads(False)
+            ctx.out_meta = [(o.shape, o.dtype, o.device) for o in output[:n_out]]
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> tuple:
             res = _residuals_of(ctx)
             n_out = ctx.out_spec.num_leaves
-            d_out = pytree.tree_unflatten(list(grads[:n_out]), ctx.out_spec)
+            grads = [torch.zeros(s, dtype=d, device=v) if g is None else g for g, (s, d, v) in zip(grads[:n_out], ctx.out_meta)]
+            d_out = pytree.tree_unflatten(grads, ctx.out_spec)
             d_args = _cotangent_leaves(bwd(res, d_out), ctx.in_spec, name)
             d_leaves = [g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(d_args)]
             return (None, None, *d_leaves)
@@ -248,8 +252,11 @@ def custom_vjp(
             d_args = _cotangent_leaves(bwd(_residuals_of(ctx), d_out), ctx.in_spec, name)
             return (None, None, *[g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(d_args)])
 
-    FuncFunction.__name__ = FuncFunction.__qualname__ = f"CustomVJP[{name}].func"
-    Function.__name__ = Function.__qualname__ = f"CustomVJP[{name}]"
+    # autograd names a Function's backward node after the class when the class is created:
+    # subclass under the pair's name so grad_fn reads e.g. `CustomVJP_linearBackward`.
+    tag = "".join(c if c.isalnum() else "_" for c in name)
+    FuncFunction = type(f"CustomVJP_{tag}_func", (FuncFunction,), {})
+    Function = type(f"CustomVJP_{tag}", (Function,), {})
 
     @functools.wraps(fwd)
     def apply(*args: Any) -> Any:

@@ -28,6 +28,9 @@ Runnable recipe (``GLOO_SOCKET_IFNAME=lo torchrun --standalone --nproc-per-node 
     dist.destroy_process_group()
 
 or, without torchrun, ``functional_dw.distributed.launch(fn, world_size, *args)``.
+
+Every rank must run the same sharded layers in the same order (forward and backward), even a
+rank with no tokens: the collectives are matched across ranks by order, as in FSDP.
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ class _Group:
             if not into_grad:
                 return [s.to(m.dtype) for s, m in zip(shards, self.members)]
             for m, s in zip(self.members, shards):  # async: accumulate as autograd would have
-                m.grad = s.to(m.dtype).clone() if m.grad is None else m.grad.add_(s)
+                m.grad = s.to(m.dtype).clone() if m.grad is None else m.grad.add_(s.to(m.dtype))
             return None
         for m, s in zip(self.members, shards):
             if getattr(m, "main_grad", None) is None:
@@ -187,6 +190,9 @@ class ShardedWeight(torch.nn.Parameter):
         wgrads = list(wgrads) if isinstance(wgrads, (list, tuple)) else [wgrads]
         if len(wgrads) != g.E:
             raise ValueError(f"finalize_group_grads: got {len(wgrads)} grads for a group of {g.E}")
+        # NOTE: fused is recognised by grad_buffer() having been called since the last finalize
+        # (the layer calls it only with fuse_wgrad_accumulation); the fp32 buffer is reduced in
+        # fp32. Unfused grads are reduced in their own dtype (bf16 stays bf16, as in TE/FSDP).
         fused, buf = g.grad_buf is not None, g.grad_buf
         g.grad_buf = None
         if fused:

@@ -33,8 +33,18 @@ class DistributedWeight(Protocol):
     def grad_buffer(self) -> torch.Tensor: ...
 
 
+def unwrap(w: Any) -> Any:
+    """The object under functorch's wrappers: ``torch.func.jvp`` (unlike ``grad``) hands the
+    function a wrapper that hides a DistributedWeight's subclass and methods."""
+    while isinstance(w, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(w):
+        w = torch._C._functorch.get_unwrapped(w)
+    return w
+
+
 def is_distributed_weight(w: Any) -> bool:
     """True for an object that declares ``is_distributed_weight``; it must be a tensor."""
+    if not torch.compiler.is_compiling() and isinstance(w, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(w):
+        w = unwrap(w)
     if not getattr(w, "is_distributed_weight", False):
         return False
     if not isinstance(w, torch.Tensor):
@@ -52,7 +62,7 @@ def materialize(params: Sequence[torch.Tensor], dw: bool, *, for_backward: bool)
     """The weights the GEMMs use: ``params`` themselves, or what the DW leader gathers."""
     if not dw:
         return list(params)
-    leader = params[0]
+    leader = params[0] if torch.compiler.is_compiling() else unwrap(params[0])
     full = leader.materialize_group_for_backward() if for_backward else leader.materialize_group_for_forward()
     full = _as_list(full)
     if len(full) != len(params):

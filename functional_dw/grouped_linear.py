@@ -238,6 +238,8 @@ def _jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
     tx, tw, _, tb = tangents[:4]
     grouped, E = res.path == "grouped", res.splits.num_experts
     T, K = res.x_TK.shape
+    if isinstance(tw, (list, tuple)) and all(t is None for t in tw):
+        tw = None
     if tw is not None and res.distributed:
         raise ValueError("forward-mode (jvp) tangents for a DistributedWeight are not supported: "
                          "take the tangent with respect to x or bias, or use plain weights")

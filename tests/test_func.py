@@ -141,3 +141,21 @@ def test_vmap_and_jvp_under_hooks_pack_activations_only():
     y.sum().backward()
     assert rec.packed and all(all(t is not p for p in params) for t in rec.packed)
     assert all(p.grad is not None for p in params)
+
+
+def test_jvp_in_x_with_a_distributed_weight_materializes_it():
+    """jvp hides the subclass behind a wrapper; the weight must still be gathered (x2 fake)."""
+    x, ws, bs = _data()
+    group = FakeDW.group_of(ws)
+    y, t = jvp(lambda x: fd.grouped_linear(x, group, SPLITS), (x,), (x,))
+    want = ref_grouped(x, [2 * w for w in ws], SPLITS)
+    torch.testing.assert_close(y, want)
+    torch.testing.assert_close(t, want)  # linear in x: the tangent along x is f(x)
+    w = FakeDW(ws[0])
+    y, t = jvp(lambda x: fd.linear(x, w), (x,), (x,))
+    assert y.shape == (T, N)
+
+
+def test_grad_fn_is_named_after_the_pair():
+    y = fd.linear(torch.randn(2, K, requires_grad=True), torch.randn(N, K))
+    assert type(y.grad_fn).__name__ == "CustomVJP_linearBackward"

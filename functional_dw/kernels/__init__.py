@@ -23,7 +23,6 @@ else a fresh ``[E, N, K]`` tensor.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any, Protocol, Union
 
@@ -101,14 +100,19 @@ class Kernels(Protocol):
     ) -> tuple[Weights, torch.Tensor | None]: ...
 
 
-@functools.cache
+_TE_AVAILABLE: list[bool] = []  # filled once; a plain global read under torch.compile
+
+
 def te_available() -> bool:
     """True when Transformer Engine's PyTorch extension imports (checked once)."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:
-        return False
-    return True
+    if not _TE_AVAILABLE:
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+
+            _TE_AVAILABLE.append(True)
+        except Exception:
+            _TE_AVAILABLE.append(False)
+    return _TE_AVAILABLE[0]
 
 
 _TE_INSTALL = (

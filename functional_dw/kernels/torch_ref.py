@@ -77,6 +77,8 @@ class TorchKernels:
         if _grouped_mm is None:
             return f"torch {torch.__version__} has no grouped_mm"
         dt = x_TK.dtype
+        if torch.compiler.is_compiling() and dt != torch.bfloat16:
+            return f"under torch.compile, grouped_mm's shape rule takes bfloat16 only, got {dt}"
         if x_TK.is_cuda:
             if dt != torch.bfloat16:
                 return f"torch's CUDA grouped_mm takes bfloat16 only, got {dt}"
