@@ -48,6 +48,13 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+try:  # NOTE: [Fast pytrees] torch's C++ pytree (optree) flattens several times faster than
+    # the Python one; eager calls use it when installed. Compiled code and torch.func keep the
+    # Python one (dynamo traces it). Both read the same registrations (our residual records).
+    import torch.utils._cxx_pytree as fast_pytree
+except ImportError:  # optree is not installed
+    fast_pytree = pytree
+
 __all__ = ["custom_vjp"]
 
 Fwd = Callable[..., tuple[Any, Any]]
@@ -108,6 +115,21 @@ def _cotangent_leaves(d: Any, spec: pytree.TreeSpec, name: str) -> list:
             f"the arguments (None for no gradient); expected {spec}, got {pytree.tree_structure(d)}"
         )
     return [leaf for c, s in zip(children, specs) for leaf in _cotangent_leaves(c, s, name)]
+
+
+def _tree(spec: Any) -> Any:
+    """The pytree module that made ``spec``."""
+    return pytree if isinstance(spec, pytree.TreeSpec) else fast_pytree
+
+
+def _flatten_cotangents(d: Any, spec: Any, name: str) -> list:
+    """Fast path: ``d`` has the arguments' full structure; else allow None for a subtree."""
+    try:
+        return spec.flatten_up_to(d)
+    except (ValueError, TypeError, RuntimeError):
+        if _tree(spec) is not pytree:  # redo the structure with the Python pytree
+            spec = pytree.tree_structure(fast_pytree.tree_unflatten([0] * spec.num_leaves, spec))
+        return _cotangent_leaves(d, spec, name)
 
 
 def _forward_ad_active() -> bool:
@@ -202,7 +224,7 @@ def custom_vjp(
     def _residuals_of(ctx: Any) -> Any:
         saved = iter(ctx.saved_tensors)  # read once: unpack hooks run on every read
         leaves = [value if kind == "ref" else next(saved) for kind, value in ctx.plan]
-        return pytree.tree_unflatten(leaves, ctx.res_spec)
+        return _tree(ctx.res_spec).tree_unflatten(leaves, ctx.res_spec)
 
     def _element_plan(in_leaves: tuple, dims: tuple, in_spec: Any) -> tuple:
         """NOTE: [vmap] Under ``vmap(grad(f))`` the grad level runs ``setup_context`` on the
@@ -236,9 +258,10 @@ def custom_vjp(
 
         @staticmethod
         def forward(ctx: Any, stash: _Stash | None, in_spec: Any, *in_leaves: Any) -> tuple:  # type: ignore[override]
-            out, res = fwd(*pytree.tree_unflatten(in_leaves, in_spec))
-            out_leaves, ctx.out_spec = pytree.tree_flatten(out)
-            res_leaves, ctx.res_spec = pytree.tree_flatten(res)
+            tree = _tree(in_spec)
+            out, res = fwd(*tree.tree_unflatten(in_leaves, in_spec))
+            out_leaves, ctx.out_spec = tree.tree_flatten(out)
+            res_leaves, ctx.res_spec = tree.tree_flatten(res)
             ctx.save_for_backward(*[t for t in res_leaves if _is_tensor(t)])
             ctx.plan = [("saved", None) if _is_tensor(t) else ("ref", t) for t in res_leaves]
             ctx.in_spec = in_spec
@@ -248,8 +271,8 @@ def custom_vjp(
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> tuple:
-            d_out = pytree.tree_unflatten(list(grads), ctx.out_spec)
-            d_args = _cotangent_leaves(bwd(_residuals_of(ctx), d_out), ctx.in_spec, name)
+            d_out = _tree(ctx.out_spec).tree_unflatten(list(grads), ctx.out_spec)
+            d_args = _flatten_cotangents(bwd(_residuals_of(ctx), d_out), ctx.in_spec, name)
             return (None, None, *[g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(d_args)])
 
     # autograd names a Function's backward node after the class when the class is created:
@@ -260,16 +283,17 @@ def custom_vjp(
 
     @functools.wraps(fwd)
     def apply(*args: Any) -> Any:
-        in_leaves, in_spec = pytree.tree_flatten(args)
         if torch.compiler.is_compiling():
+            in_leaves, in_spec = pytree.tree_flatten(args)
             flat = Function.apply(None, in_spec, *in_leaves)
             return flat[0] if len(flat) == 1 else tuple(flat)
         if torch._C._functorch.peek_interpreter_stack() is not None or _forward_ad_active():
             flat, n_out, out_spec = _call(args, _Stash())
             return pytree.tree_unflatten(list(flat[:n_out]), out_spec)
+        in_leaves, in_spec = fast_pytree.tree_flatten(args)
         stash = _Stash()
         flat = Function.apply(stash, in_spec, *in_leaves)
-        return pytree.tree_unflatten(list(flat), stash.out[0])
+        return fast_pytree.tree_unflatten(list(flat), stash.out[0])
 
     apply.fwd, apply.bwd, apply.Function, apply.FuncFunction = fwd, bwd, Function, FuncFunction  # type: ignore[attr-defined]
     return apply
