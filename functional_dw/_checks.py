@@ -39,3 +39,20 @@ def flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
+
+
+def dense(t: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
+    """``t`` contiguous (and reshaped to ``shape``). An empty tensor may keep odd strides
+    through ``.contiguous()``, which grouped GEMMs reject: it gets fresh storage instead."""
+    shape = tuple(t.shape) if shape is None else tuple(shape)
+    if t.numel() == 0:
+        return t if tuple(t.shape) == shape and t.stride() == _row_major(shape) else t.new_empty(shape)
+    return t.contiguous() if tuple(t.shape) == shape else t.reshape(shape).contiguous()
+
+
+def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))

@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from . import _checks, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from .kernels import Kernels, Splits, get_kernels
+from .kernels.torch_ref import expert_sums
 from .residuals import residuals, saved
 
 __all__ = [
@@ -170,7 +171,7 @@ def grouped_linear_fwd(
     split = _as_splits(splits, E, x)
     b_EN, bias_form = _as_bias(bias, E, N, x)
     kernels = get_kernels(backend, x, w_ENK if use_grouped_tensor is not False else None)
-    x_TK = x.contiguous()
+    x_TK = _checks.dense(x)
     path = _choose_path(kernels, x_TK, w_ENK, use_grouped_tensor)
     if path == "split" and split.host is None:
         _check_sizes(split.sizes(), x.shape[0])  # the split path syncs for host sizes anyway
@@ -185,7 +186,7 @@ def grouped_linear_fwd(
 
 def _dy_TN(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     _checks.shape("dy", dy, (res.x_TK.shape[0], res.out_features))
-    return dy.contiguous()
+    return _checks.dense(dy)
 
 
 def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
@@ -201,6 +202,9 @@ def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> t
     """(dweights, dbiases) shaped like the weights and bias arguments (see finalize)."""
     dwp.check_versions(res.weights, res.weight_version, "weights")
     fused = res.fuse_wgrad_accumulation
+    if fused and not any(p.requires_grad for p in res.weights):  # frozen: no wgrad, main_grad untouched
+        db_EN = expert_sums(_dy_TN(res, dy), res.splits) if res.bias is not None else None
+        return (None if res.stacked else [None] * len(res.weights)), _bias_grads(res, db_EN)
     out = None
     if fused:
         targets = dwp.grad_targets(res.weights, res.distributed, res.weight_shapes, "weights")
@@ -211,8 +215,11 @@ def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> t
     )
     wgrads = dwp.finalize(res.weights, res.distributed, fused, [dw] if res.stacked else list(dw))
     dweights = wgrads[0] if res.stacked else wgrads
-    dbias = list(db_EN.unbind(0)) if res.bias == "list" else db_EN
-    return dweights, dbias
+    return dweights, _bias_grads(res, db_EN)
+
+
+def _bias_grads(res: GroupedLinearResiduals, db_EN: torch.Tensor | None) -> Any:
+    return list(db_EN.unbind(0)) if res.bias == "list" else db_EN
 
 
 def grouped_linear_bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:

@@ -5,6 +5,7 @@ Legend: ``T`` tokens (x's leading dims flattened), ``K`` in-features, ``N`` out-
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -49,8 +50,8 @@ def linear_fwd(
         _checks.shape("bias", bias, (N,))
         _checks.like("bias", bias, x)
     kernels = get_kernels(backend, x)
-    x = x.contiguous()
-    y = kernels.fprop(x.view(-1, K), w_NK, bias).view(*x.shape[:-1], N)
+    x = _checks.dense(x)
+    y = kernels.fprop(_checks.dense(x, (_tokens(x.shape), K)), w_NK, bias).view(*x.shape[:-1], N)
     res = LinearResiduals(
         x=x, weight=weight, weight_version=dwp.versions([weight]), distributed=distributed,
         x_shape=tuple(x.shape), has_bias=bias is not None,
@@ -62,7 +63,11 @@ def linear_fwd(
 def _dy_TN(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     if tuple(dy.shape[:-1]) != res.x_shape[:-1]:
         raise ValueError(f"dy must be [..., N] with x's leading dims {res.x_shape[:-1]}, got {tuple(dy.shape)}")
-    return dy.reshape(-1, dy.shape[-1]).contiguous()
+    return _checks.dense(dy, (_tokens(dy.shape), dy.shape[-1]))
+
+
+def _tokens(shape: tuple[int, ...]) -> int:
+    return math.prod(shape[:-1])  # not view(-1, K): ambiguous when K == 0
 
 
 def linear_bwd_dgrad(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
@@ -77,10 +82,13 @@ def linear_bwd_wgrad(res: LinearResiduals, dy: torch.Tensor) -> tuple[Any, torch
     """(dweight, dbias); dweight is what autograd gets for the parameter (see finalize)."""
     dwp.check_versions([res.weight], res.weight_version, "weight")
     params, fused = [res.weight], res.fuse_wgrad_accumulation
+    if fused and not res.weight.requires_grad:  # a frozen weight: no wgrad, main_grad untouched
+        dy_TN = _dy_TN(res, dy)
+        return None, (dy_TN.sum(0, dtype=torch.promote_types(dy.dtype, torch.float32)).to(dy.dtype) if res.has_bias else None)
     shape = (dy.shape[-1], res.x_shape[-1])
     out = dwp.grad_targets(params, res.distributed, [shape], "weight")[0] if fused else None
     dw, db = res.kernels.wgrad(
-        res.x.view(-1, res.x_shape[-1]), _dy_TN(res, dy), out=out, accumulate=fused and dwp.accumulates(params, res.distributed),
+        _checks.dense(res.x, (_tokens(res.x_shape), res.x_shape[-1])), _dy_TN(res, dy), out=out, accumulate=fused and dwp.accumulates(params, res.distributed),
         with_dbias=res.has_bias,
     )
     return dwp.finalize(params, res.distributed, fused, [dw])[0], db
@@ -112,10 +120,11 @@ def _jvp(res: LinearResiduals, tangents: tuple) -> torch.Tensor:
     if tx is not None or tb is not None:
         w_NK = dwp.materialize([res.weight], res.distributed, for_backward=False)[0]
         N = w_NK.shape[0]
-        tx_TK = tx.reshape(-1, K) if tx is not None else res.x.new_zeros(res.x.numel() // K, K)
+        T = _tokens(res.x_shape)
+        tx_TK = _checks.dense(tx, (T, K)) if tx is not None else res.x.new_zeros(T, K)
         dy = res.kernels.fprop(tx_TK, w_NK, tb)
     if tw is not None:
-        part = res.kernels.fprop(res.x.view(-1, K), tw, None)
+        part = res.kernels.fprop(_checks.dense(res.x, (_tokens(res.x_shape), K)), tw, None)
         dy = part if dy is None else dy + part
     if dy is None:
         return res.x.new_zeros(*res.x_shape[:-1], N)

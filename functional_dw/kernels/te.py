@@ -30,7 +30,7 @@ from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import Gro
 from transformer_engine.pytorch.utils import _empty_tensor
 
 from . import Splits, Weights
-from .torch_ref import _expert_sums, _row_expert, _write
+from .torch_ref import expert_sums, _row_expert, _write
 
 try:  # TE's Triton kernel for per-expert bias grads (what GroupedLinear's grouped path uses)
     from transformer_engine.pytorch.triton.grouped_dbias_dscales import compute_grouped_dbias
@@ -112,7 +112,7 @@ def _grouped_dbias(dy_TN: torch.Tensor, splits: Splits, rows_E1: torch.Tensor) -
     # it, and we take the reference's index_add_ instead.
     if compute_grouped_dbias is not None and bool(int(os.getenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1"))):
         return compute_grouped_dbias(dy_TN, rows_E1, splits.num_experts).to(dy_TN.dtype)
-    return _expert_sums(dy_TN, splits)
+    return expert_sums(dy_TN, splits)
 
 
 def _wrapped(*operands) -> bool:
@@ -239,7 +239,7 @@ class TEKernels:
                 "the nvidia-cublas wheel) and make sure it is the one loaded (LD_LIBRARY_PATH or LD_PRELOAD)"
             )
         N, K = w_ENK[0].shape[-2:]
-        if K % 8 or N % 8:
+        if not N or not K or K % 8 or N % 8:
             return f"TE's grouped GEMM needs in/out features that are multiples of 8 (16-byte aligned rows); got in={K}, out={N}"
         return None
 

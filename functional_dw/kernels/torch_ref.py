@@ -42,7 +42,7 @@ def _row_expert(splits: Splits) -> torch.Tensor:
     return splits.cached("ref_rows", make)
 
 
-def _expert_sums(dy_TN: torch.Tensor, splits: Splits) -> torch.Tensor:
+def expert_sums(dy_TN: torch.Tensor, splits: Splits) -> torch.Tensor:
     """db_EN: per-expert column sums of dy, accumulated in fp32 (or fp64)."""
     db = torch.zeros(splits.num_experts, dy_TN.shape[1], dtype=_acc_dtype(dy_TN.dtype), device=dy_TN.device)
     return db.index_add(0, _row_expert(splits), dy_TN.to(db.dtype)).to(dy_TN.dtype)  # out of place: vmap-safe
@@ -86,7 +86,9 @@ class TorchKernels:
                 return "torch's CUDA grouped_mm needs compute capability >= 8.0"
         elif dt not in (torch.float32, torch.bfloat16, torch.float16):
             return f"torch's grouped_mm takes float32/bfloat16/float16, got {dt}"
-        N, K = w_ENK[0].shape
+        N, K = w_ENK[0].shape[-2:]
+        if not N or not K:
+            return "grouped_mm takes no zero-size features"
         if (K * x_TK.element_size()) % 16 or (N * x_TK.element_size()) % 16:
             return f"grouped_mm needs rows of 16-byte multiples; in={K}, out={N} in {dt} are not"
         return None
@@ -106,7 +108,7 @@ class TorchKernels:
         return _grouped_mm(dy_TN, _stack(w_ENK), offs=_end_offsets(splits))
 
     def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
-        db_EN = _expert_sums(dy_TN, splits) if with_dbias else None
+        db_EN = expert_sums(dy_TN, splits) if with_dbias else None
         dt = x_TK.dtype if out is None else out[0].dtype
         if grouped:
             dy_T, x = dy_TN.t(), x_TK
