@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
 import os
 import warnings
 from datetime import timedelta
@@ -40,7 +41,6 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import functional_dw as fd
-import math
 from conftest import BWD_SCALE, FWD_SCALE, HOOKS, FakeDW, assert_close, assert_same
 
 # --- profiles ----------------------------------------------------------------------------
