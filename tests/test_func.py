@@ -159,3 +159,16 @@ def test_jvp_in_x_with_a_distributed_weight_materializes_it():
 def test_grad_fn_is_named_after_the_pair():
     y = fd.linear(torch.randn(2, K, requires_grad=True), torch.randn(N, K))
     assert type(y.grad_fn).__name__ == "CustomVJP_linearBackward"
+
+
+def test_second_order_on_the_reference_backend():
+    """grad of grad (create_graph=True) matches plain torch: bwd is made of differentiable ops."""
+    x, ws, _ = _data()
+    f = lambda x: fd.grouped_linear(x, ws, SPLITS).pow(2).sum()
+    g = lambda x: ref_grouped(x, ws, SPLITS).pow(2).sum()
+    hvp = grad(lambda x: grad(f)(x).sin().sum())(x)
+    torch.testing.assert_close(hvp, grad(lambda x: grad(g)(x).sin().sum())(x))
+    xl = x.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(f(xl), xl, create_graph=True)
+    (h,) = torch.autograd.grad(gx.sin().sum(), xl)
+    torch.testing.assert_close(h, hvp)

@@ -123,6 +123,16 @@ def _wrapped(*operands) -> bool:
     return any(isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in leaves)
 
 
+def _in_create_graph_backward() -> bool:
+    """Inside a backward pass that records a graph (create_graph=True)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+
+
+def _requires_grad(*operands) -> bool:
+    leaves = [t for o in operands for t in (o if isinstance(o, (list, tuple)) else [o])]
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
 def _unbatched(method):
     """NOTE: [Transforms without a rule] TE's C++ kernels read raw pointers, so they cannot
     take functorch's wrapper tensors: the batched tensors of the backward inside
@@ -136,6 +146,12 @@ def _unbatched(method):
             if method.__name__.startswith("grouped_"):
                 args = (*args[:-1], False)  # the last positional argument is `grouped`
             return getattr(TORCH, method.__name__)(*args, **kwargs)
+        if _in_create_graph_backward() and _requires_grad(*args, *kwargs.values()):
+            raise RuntimeError(
+                "functional_dw: differentiating through TE's GEMMs (a backward with create_graph=True, "
+                "grad of grad) is not supported: TE's kernels have no derivative of their own, so the "
+                "higher-order gradient would be silently missing. Use backend='torch' for it."
+            )
         return method(self, *args, **kwargs)
 
     return run
