@@ -417,11 +417,16 @@ def _run_grouped(case: GroupedCase, inp: Inputs, hook: str | None):
     leaves = _leaves(case, inp, stacked=stacked, bias_form=case.bias)
     weights = leaves.params[0] if stacked else list(leaves.params)
     bias = None if case.bias is None else (leaves.bias[0] if case.bias == "stacked" else list(leaves.bias))
+    return _run(lambda: fd.grouped_linear(leaves.x, weights, _splits_arg(case), bias, fuse_wgrad_accumulation=case.fused,
+                                          use_grouped_tensor=case.path), case, inp, leaves, hook)
+
+
+def _run(call, case, inp: Inputs, leaves, hook: str | None):
+    """Forward under ``hook`` (recording warnings), then the case's backward passes."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with _hooked(hook) as rec:
-            y = fd.grouped_linear(leaves.x, weights, _splits_arg(case), bias, fuse_wgrad_accumulation=case.fused,
-                                  use_grouped_tensor=case.path)
+            y = call()
         _backward(y, inp.dy, case.backwards)
     return _results(y, leaves, case.fused), leaves, rec, [str(w.message) for w in caught]
 
@@ -491,13 +496,8 @@ def test_grouped_linear_matches_reference_and_unhooked_run(hook, data):
 
 def _run_linear(case: LinearCase, inp: Inputs, hook: str | None):
     leaves = _leaves(case, inp, bias_form="list" if case.bias else None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with _hooked(hook) as rec:
-            y = fd.linear(leaves.x, leaves.params[0], leaves.bias[0] if case.bias else None,
-                          fuse_wgrad_accumulation=case.fused)
-        _backward(y, inp.dy, case.backwards)
-    return _results(y, leaves, case.fused), leaves, rec, [str(w.message) for w in caught]
+    return _run(lambda: fd.linear(leaves.x, leaves.params[0], leaves.bias[0] if case.bias else None,
+                                  fuse_wgrad_accumulation=case.fused), case, inp, leaves, hook)
 
 
 @pytest.mark.parametrize("hook", HOOK_NAMES, ids=str)
