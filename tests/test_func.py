@@ -172,3 +172,20 @@ def test_second_order_on_the_reference_backend():
     (gx,) = torch.autograd.grad(f(xl), xl, create_graph=True)
     (h,) = torch.autograd.grad(gx.sin().sum(), xl)
     torch.testing.assert_close(h, hvp)
+
+
+def test_vmap_over_splits_runs_one_call_per_routing():
+    x, ws, bs = _data()
+    routings = torch.tensor([[2, 0, 4], [1, 1, 4], [6, 0, 0]])
+    y = vmap(lambda s: fd.grouped_linear(x, ws, s, bs))(routings)
+    torch.testing.assert_close(y, torch.stack([ref_grouped(x, ws, s.tolist(), bs) for s in routings]))
+
+
+def test_jvp_under_hooks_packs_activations_only():
+    x, ws, bs = _data()
+    params = [w.clone().requires_grad_() for w in ws]
+    rec = HOOKS["identity"]()
+    with rec:
+        _, t = jvp(lambda x: fd.grouped_linear(x, params, SPLITS), (x,), (torch.ones_like(x),))
+    assert all(all(p is not w for w in params) for p in rec.packed)
+    torch.testing.assert_close(t, ref_grouped(torch.ones_like(x), ws, SPLITS))
