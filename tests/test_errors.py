@@ -153,3 +153,34 @@ def test_nan_and_inf_pass_through_row_by_row(use_grouped_tensor):
     clean = [0, 2, 3, 5]
     assert torch.isfinite(y[clean]).all(), "NaN/Inf leaked into other rows"
     torch.testing.assert_close(y[clean], torch.cat([x[r:r + 1] @ w[e].T for r, e in zip(clean, [0, 1, 2, 2])]))
+
+
+# --- inputs that are odd but valid: accepted, and the numbers are right --------------------
+
+def _odd_inputs():
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 16, generator=g)
+    w = torch.randn(8, 16, generator=g)
+    return {
+        "x-transposed-view": (base.t().contiguous().t(), [w, w.clone()]),  # non-contiguous x
+        "x-expanded-rows": (base[:1].expand(6, 16), [w, w.clone()]),  # overlapping memory, stride 0
+        "weights-aliased": (base, [w, w]),  # the same tensor for both experts
+        "weight-transposed-view": (base, [w.t().contiguous().t(), w.clone()]),
+    }
+
+
+@pytest.mark.parametrize("case", list(_odd_inputs()))
+@pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])
+def test_odd_but_valid_inputs_are_computed_right(case, path):
+    x, ws = _odd_inputs()[case]
+    ws = [w.requires_grad_() if not w.requires_grad else w for w in ws]
+    x = x.requires_grad_() if x.is_leaf else x
+    splits = [2, 4]
+    y = fdw.grouped_linear(x, ws, splits, use_grouped_tensor=path)
+    ref = torch.cat([xe @ w.t() for xe, w in zip(x.split(splits), ws)])
+    torch.testing.assert_close(y, ref)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, *dict.fromkeys(ws)], dy)
+    want = torch.autograd.grad(ref, [x, *dict.fromkeys(ws)], dy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
