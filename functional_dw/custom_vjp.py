@@ -27,11 +27,11 @@ Example::
 
 NOTE: [What goes where]
   Tensor leaves of the residuals go through ``ctx.save_for_backward``, so saved-tensor hooks
-  (offloading, ``save_on_cpu``) see them and only them. A residual tensor that is one of the
-  inputs is saved as that input; any other residual tensor is returned from ``forward`` as an
-  extra, non-differentiable output (what ``torch.func`` requires of intermediates). Non-tensor
-  leaves and the record's context (weights, DistributedWeight objects, splits, flags) stay on
-  ``ctx`` by reference.
+  (offloading, ``save_on_cpu``) see them and only them. Non-tensor leaves and the record's
+  context (weights, DistributedWeight objects, splits, flags) stay on ``ctx`` by reference.
+  Under ``torch.func`` (see NOTE: [Two Functions]) a residual tensor that is not an input is
+  also returned from ``forward`` as an extra, non-differentiable output, which is what
+  ``torch.func`` requires of intermediates.
 
 NOTE: [Backward is re-entrant]
   ``backward`` reads ``ctx.saved_tensors`` exactly once (unpack hooks run on every read),
