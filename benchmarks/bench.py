@@ -52,6 +52,28 @@ def cuda_time(step, inputs, warmup=3, repeats=15, burst=4):
     return statistics.median(times)
 
 
+def cuda_times(steps: dict, inputs, warmup=3, repeats=15, burst=4) -> dict:
+    """Like :func:`cuda_time` for several implementations at once, interleaved: each repeat
+    times every implementation (in a rotating order), so clock and thermal drift and the
+    allocator's state fall on all of them alike rather than on whichever ran first."""
+    names = list(steps)
+    for name in names:
+        for i in range(warmup):
+            steps[name](inputs[i % len(inputs)])
+    torch.cuda.synchronize()
+    times = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for j in range(burst):
+                steps[name](inputs[(r + j) % len(inputs)])
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / burst)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
 def host_us(step, inp, iters=200):
     """CPU microseconds per call at launch-bound sizes (the GPU idles: the host is the limit)."""
     for _ in range(20):
@@ -157,12 +179,10 @@ def grouped_rows(args, te, peak):
             inputs = [(torch.randn(T, H, device=DEV, dtype=BF16, requires_grad=True),
                        torch.randn(T, FF, device=DEV, dtype=BF16)) for _ in range(2)]
             flops = 3 * 2 * T * H * FF
-            res = {}
-            for name, step in impls_grouped(E, H, FF, splits, te).items():
-                if isinstance(step, str):
-                    res[name] = step
-                    continue
-                ms = cuda_time(step, inputs, repeats=args.repeats)
+            impls = impls_grouped(E, H, FF, splits, te)
+            res = {name: step for name, step in impls.items() if isinstance(step, str)}  # cannot run
+            timed = cuda_times({n: s for n, s in impls.items() if not isinstance(s, str)}, inputs, repeats=args.repeats)
+            for name, ms in timed.items():
                 res[name] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1), "frac_peak": round(flops / ms / 1e9 / peak, 3)}
             x0 = inputs[0][0]
             res["chosen"] = {
@@ -193,11 +213,10 @@ def linear_rows(args, te, peak):
             m.weight.copy_(w)
         inputs = [(torch.randn(T, K, device=DEV, dtype=BF16, requires_grad=True), torch.randn(T, N, device=DEV, dtype=BF16)) for _ in range(2)]
         flops = 3 * 2 * T * K * N
-        res = {}
-        for name, step in {"fd linear (te)": grads_step(lambda x: fd.linear(x, w, backend="te"), [w]),
-                           "te.Linear": grads_step(m, [m.weight])}.items():
-            ms = cuda_time(step, inputs, repeats=args.repeats)
-            res[name] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1), "frac_peak": round(flops / ms / 1e9 / peak, 3)}
+        timed = cuda_times({"fd linear (te)": grads_step(lambda x: fd.linear(x, w, backend="te"), [w]),
+                            "te.Linear": grads_step(m, [m.weight])}, inputs, repeats=args.repeats)
+        res = {name: {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1), "frac_peak": round(flops / ms / 1e9 / peak, 3)}
+               for name, ms in timed.items()}
         rows.append({"tokens": T, "in": K, "out": N, "results": res})
         print("linear", T, K, N, res, flush=True)
     return rows
@@ -246,24 +265,28 @@ def offload_rows(args, te):
     impls = {"fd te split": (lambda x: fd.grouped_linear(x, ws, splits, use_grouped_tensor=False, backend="te"), ws),
              "te split": (lambda x: m(x, splits), list(m.parameters()))}
     inputs = [(torch.randn(T, H, device=DEV, dtype=BF16, requires_grad=True), torch.randn(T, FF, device=DEV, dtype=BF16)) for _ in range(2)]
-    out = {}
+    out, steps, offloaded = {}, {}, {}
     for name, (f, params) in impls.items():
         c = PackCounter()
         with torch.autograd.graph.saved_tensors_hooks(c.pack, c.unpack):
             y = f(inputs[0][0])
         torch.autograd.grad(y, [inputs[0][0], *params], inputs[0][1])
-        step = grads_step(f, params)
+        steps[name] = step = grads_step(f, params)
 
-        def offloaded(inp, step=step):
+        def off(inp, step=step):
             with torch.autograd.graph.save_on_cpu(pin_memory=True):
                 step(inp)
+        offloaded[name] = off
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        ms_plain = cuda_time(step, inputs, repeats=args.repeats)
-        peak = torch.cuda.max_memory_allocated() - base
-        ms_off = cuda_time(offloaded, inputs, repeats=max(5, args.repeats // 2))
-        out[name] = {"hook_tensors": c.count, "hook_bytes": c.bytes, "ms": round(ms_plain, 3),
-                     "ms_save_on_cpu": round(ms_off, 3), "peak_mem_bytes": peak}
+        step(inputs[0])
+        torch.cuda.synchronize()
+        out[name] = {"hook_tensors": c.count, "hook_bytes": c.bytes, "peak_mem_bytes": torch.cuda.max_memory_allocated() - base}
+    plain = cuda_times(steps, inputs, repeats=args.repeats)
+    off_ms = cuda_times(offloaded, inputs, repeats=max(5, args.repeats // 2))
+    for name in impls:
+        out[name].update(ms=round(plain[name], 3), ms_save_on_cpu=round(off_ms[name], 3))
     print("offload", out, flush=True)
     return {"shape": {"E": E, "hidden": H, "ffn": FF, "tokens": T}, "results": out}
 
