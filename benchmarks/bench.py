@@ -169,7 +169,8 @@ def impls_grouped(E, H, FF, splits, te):
 
 
 def grouped_rows(args, te, peak):
-    shapes = [(8, 4096, 2048, 16384), (32, 4096, 1536, 32768), (128, 2048, 1536, 65536)] if args.quick else [
+    shapes = [(4, 64, 64, 256), (80, 64, 64, 1024)] if args.smoke else [
+        (8, 4096, 2048, 16384), (32, 4096, 1536, 32768), (128, 2048, 1536, 65536)] if args.quick else [
         (E, 4096, FF, T) for E in (8, 32, 128) for FF in (1536, 4096) for T in (8192, 32768, 65536)
         if not (E == 128 and FF == 4096 and T == 65536)] + [(64, 4096, 1536, 32768), (128, 2048, 1536, 65536)]
     rows = []
@@ -206,7 +207,8 @@ def _auto_choice(x, E, FF, H, splits):
 
 def linear_rows(args, te, peak):
     rows = []
-    for (T, K, N) in ([(8192, 4096, 4096), (8192, 8192, 28672)] if not args.quick else [(8192, 4096, 4096)]):
+    for (T, K, N) in ([(64, 64, 64)] if args.smoke else [(8192, 4096, 4096)] if args.quick
+                      else [(8192, 4096, 4096), (8192, 8192, 28672)]):
         w = torch.nn.Parameter(torch.randn(N, K, device=DEV, dtype=BF16) * 0.02)
         m = te.Linear(K, N, bias=False, params_dtype=BF16, device=DEV)
         with torch.no_grad():
@@ -258,7 +260,7 @@ class PackCounter:
 
 
 def offload_rows(args, te):
-    E, H, FF, T = 32, 4096, 1536, 32768
+    E, H, FF, T = (4, 64, 64, 256) if args.smoke else (32, 4096, 1536, 32768)
     splits = make_splits(E, T, "balanced")
     ws = [torch.nn.Parameter(torch.randn(FF, H, device=DEV, dtype=BF16) * 0.02) for _ in range(E)]
     m = te.GroupedLinear(E, H, FF, bias=False, params_dtype=BF16, device=DEV)
@@ -362,6 +364,7 @@ def _te_version() -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="three MoE shapes, one Linear shape")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script, measures nothing")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args()
@@ -373,6 +376,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.date.today().isoformat(), "card": torch.cuda.get_device_name(), "torch": torch.__version__,
             "te": _te_version(), "cublaslt": tex.get_cublasLt_version(), "dense_n": 8192, "quick": args.quick}
+    meta["dense_n"] = 256 if args.smoke else 8192
     peak = dense_peak_tflops(meta["dense_n"])
     print(meta, f"peak {peak:.0f} TFLOP/s", flush=True)
     overhead = overhead_rows(te)

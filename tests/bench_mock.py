@@ -1,0 +1,44 @@
+"""Dry-run benchmarks/bench.py on the CPU (used by test_bench_script.py): CUDA timing, TE
+modules and the "te" backend are stood in for, so the script's flow and tables are checked;
+nothing here measures anything."""
+import sys
+import time
+import types
+
+import torch
+
+import functional_dw as fd
+gl, ll = sys.modules["functional_dw.grouped_linear"], sys.modules["functional_dw.linear"]
+from functional_dw.kernels import get_kernels as real_get
+class Ev:
+    def __init__(self, enable_timing=True): self.t = None
+    def record(self): self.t = time.perf_counter()
+    def synchronize(self): pass
+    def elapsed_time(self, other): return (other.t - self.t) * 1e3
+torch.cuda.Event = Ev
+torch.cuda.synchronize = lambda *a: None
+torch.cuda.reset_peak_memory_stats = lambda *a: None
+torch.cuda.memory_allocated = lambda *a: 0
+torch.cuda.max_memory_allocated = lambda *a: 0
+torch.cuda.empty_cache = lambda: None
+torch.cuda.get_device_name = lambda *a: "CPU (mock)"
+def fake_get(backend, x, w=None):
+    return real_get("torch" if backend == "te" else backend, x, w)
+gl.get_kernels = ll.get_kernels = fake_get
+te = types.ModuleType("transformer_engine.pytorch")
+class GL(fd.nn.GroupedLinear):
+    def __init__(self, *a, use_grouped_tensor=None, **k):
+        super().__init__(*a, use_grouped_tensor=use_grouped_tensor, backend="torch", **k)
+        if use_grouped_tensor and a[0] > 64: raise RuntimeError("A_list supports up to 64 tensors per kernel")
+te.GroupedLinear, te.Linear = GL, fd.nn.Linear
+pkg = types.ModuleType("transformer_engine"); pkg.pytorch = te
+sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"] = pkg, te
+tex = types.ModuleType("transformer_engine_torch"); tex.get_cublasLt_version = lambda: 0
+sys.modules["transformer_engine_torch"] = tex
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench
+bench.DEV = "cpu"
+_orig_save_on_cpu = torch.autograd.graph.save_on_cpu
+torch.autograd.graph.save_on_cpu = lambda pin_memory=False: _orig_save_on_cpu(pin_memory=False)
+sys.argv = ["bench", "--smoke", "--repeats", "2", "--out", sys.argv[1]]
+bench.main()
