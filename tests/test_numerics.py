@@ -145,3 +145,17 @@ def test_auto_backend_on_cpu_is_the_reference():
     y, res = fd.grouped_linear_fwd(x, ws, [3, 4], backend="auto")
     assert res.kernels.name == "torch" and res.path == "grouped"
     assert_same(y, fd.grouped_linear(x, ws, [3, 4], backend="torch"))
+
+
+def test_device_only_splits_are_made_memory_safe():
+    """Splits known only on the device (a CUDA tensor) are not validated (that would sync):
+    they are clamped so that no kernel reads past x."""
+    from functional_dw.kernels import Splits
+
+    bad = torch.tensor([5, -3, 9, 4])
+    s = Splits(host=None, tensor=bad, device=torch.device("cpu"), num_tokens=10, num_experts=4)
+    sizes = s.on_device()
+    assert sizes.tolist() == [5, 0, 5, 0] and int(sizes.sum()) <= 10
+    good = torch.tensor([3, 0, 7])
+    s = Splits(host=None, tensor=good, device=torch.device("cpu"), num_tokens=10, num_experts=3)
+    assert s.on_device().tolist() == [3, 0, 7]

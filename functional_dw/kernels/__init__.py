@@ -58,11 +58,17 @@ class Splits:
         return self.cached("host", lambda: tuple(int(s) for s in self.tensor.tolist()))
 
     def on_device(self) -> torch.Tensor:
-        """int64 ``[E]`` counts on the activations' device (no sync for a CUDA tensor)."""
+        """int64 ``[E]`` counts on the activations' device (no sync for a CUDA tensor).
+
+        Counts known only on the device cannot be validated without a sync, so they are made
+        memory-safe instead: negatives become 0 and the running sum stops at T, so no kernel
+        can read or write past x (the caller's bad splits give wrong rows, never a crash)."""
         def make() -> torch.Tensor:
-            if self.tensor is not None:
-                return self.tensor.to(self.device, torch.int64, non_blocking=True)
-            return torch.tensor(self.host, dtype=torch.int64, device=self.device)
+            if self.host is not None:
+                return torch.tensor(self.host, dtype=torch.int64, device=self.device)
+            sizes = self.tensor.to(self.device, torch.int64, non_blocking=True).clamp(min=0)
+            ends = sizes.cumsum(0).clamp_(max=self.num_tokens)
+            return torch.diff(ends, prepend=ends.new_zeros(1))
 
         return self.cached("device", make)
 
