@@ -121,6 +121,7 @@ def te_available() -> bool:
     return _TE_AVAILABLE[0]
 
 
+_TE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TE_INSTALL = (
     "backend='te' needs Transformer Engine for PyTorch: `pip install "
     "'functional_dw[te]'` (or `pip install 'transformer-engine[pytorch]>=2.20'`) on a machine "
@@ -140,8 +141,8 @@ def get_kernels(backend: str | Kernels | None, x: torch.Tensor, w_ENK: Weights |
         if w_ENK is not None and x.is_cuda and TORCH.grouped_path_unsupported(x, w_ENK) is None:
             return TORCH
         backend = None
-    if backend is None:
-        backend = "te" if x.is_cuda and te_available() else "torch"
+    if backend is None:  # TE's GEMMs take fp32 (as TF32), bf16 and fp16; float64 stays on torch
+        backend = "te" if x.is_cuda and x.dtype in _TE_DTYPES and te_available() else "torch"
     if not isinstance(backend, str):
         if all(callable(getattr(backend, m, None)) for m in ("fprop", "dgrad", "wgrad", "grouped_fprop")):
             return backend
@@ -155,6 +156,8 @@ def get_kernels(backend: str | Kernels | None, x: torch.Tensor, w_ENK: Weights |
             raise ValueError(_TE_INSTALL)
         if not x.is_cuda:
             raise ValueError(f"backend='te' runs on CUDA tensors; x is on {x.device}. Use backend='torch'")
+        if x.dtype not in _TE_DTYPES:
+            raise TypeError(f"backend='te' takes float32, bfloat16 or float16; x is {x.dtype}. Use backend='torch'")
         if torch.compiler.is_compiling():  # the same kernels as custom ops dynamo can trace
             from .te_ops import TRACED_TE
 
