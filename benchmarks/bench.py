@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import statistics
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import functional_dw as fd
 

@@ -243,8 +243,7 @@ def _bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple:
 def _jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
     """Forward mode, per expert ``dy_e = dx_e W_e^T + x_e dW_e^T + db_e``."""
     tx, tw, _, tb = tangents[:4]
-    grouped, E = res.path == "grouped", res.splits.num_experts
-    T, K = res.x_TK.shape
+    grouped = res.path == "grouped"
     if isinstance(tw, (list, tuple)) and all(t is None for t in tw):
         tw = None
     if tw is not None and res.distributed:

@@ -92,7 +92,6 @@ def test_per_example_gradients_vmap_of_grad():
 @pytest.mark.parametrize("layer", ["linear", "grouped"])
 def test_jvp_matches_finite_differences(layer):
     x, ws, bs = _data()
-    g = torch.Generator().manual_seed(3)
     tx, tws, tbs = _data(seed=7)
     if layer == "linear":
         f = lambda x, w, b: fd.linear(x, w, b)
