@@ -190,7 +190,7 @@ def custom_vjp(
             n_out = ctx.out_spec.num_leaves
             grads = [torch.zeros(s, dtype=d, device=v) if g is None else g for g, (s, d, v) in zip(grads[:n_out], ctx.out_meta)]
             d_out = pytree.tree_unflatten(grads, ctx.out_spec)
-            d_args = _cotangent_leaves(bwd(res, d_out), ctx.in_spec, name)
+            d_args = _flatten_cotangents(bwd(res, d_out), ctx.in_spec, name)
             d_leaves = [g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(d_args)]
             return (None, None, *d_leaves)
 

@@ -253,12 +253,14 @@ def _jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
     if tb is not None:
         zeros = res.x_TK.new_zeros(res.out_features)
         b_EN = tb if isinstance(tb, torch.Tensor) else torch.stack([zeros if b is None else b for b in tb])
-    full = dwp.materialize(res.weights, res.distributed, for_backward=False)
-    dy = res.kernels.grouped_fprop(
-        tx if tx is not None else torch.zeros_like(res.x_TK), full[0] if res.stacked else full, b_EN, res.splits, grouped)
-    if tw is not None:
+    dy = res.x_TK.new_zeros(res.x_TK.shape[0], res.out_features)
+    if tx is not None or b_EN is not None:  # dx W^T + db, with the weights gathered again
+        full = dwp.materialize(res.weights, res.distributed, for_backward=False)
+        tx = tx if tx is not None else torch.zeros_like(res.x_TK)
+        dy = res.kernels.grouped_fprop(tx, full[0] if res.stacked else full, b_EN, res.splits, grouped)
+    if tw is not None:  # + x dW^T
         if not isinstance(tw, torch.Tensor):
-            tw = [torch.zeros_like(w) if t is None else t for t, w in zip(tw, full)]
+            tw = [torch.zeros_like(w) if t is None else t for t, w in zip(tw, res.weights)]
         dy = dy + res.kernels.grouped_fprop(res.x_TK, tw, None, res.splits, grouped)
     return dy
 

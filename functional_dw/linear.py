@@ -13,6 +13,7 @@ import torch
 from . import _checks, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from .kernels import Kernels, get_kernels
+from .kernels.torch_ref import column_sums
 from .residuals import residuals, saved
 
 __all__ = ["LinearResiduals", "linear", "linear_fwd", "linear_bwd", "linear_bwd_dgrad", "linear_bwd_wgrad"]
@@ -70,6 +71,10 @@ def _tokens(shape: tuple[int, ...]) -> int:
     return math.prod(shape[:-1])  # not view(-1, K): ambiguous when K == 0
 
 
+def _x_TK(res: LinearResiduals) -> torch.Tensor:
+    return _checks.dense(res.x, (_tokens(res.x_shape), res.x_shape[-1]))
+
+
 def linear_bwd_dgrad(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     """dx = dy @ W, with W materialized again (never kept from forward)."""
     dwp.check_versions([res.weight], res.weight_version, "weight")
@@ -83,12 +88,11 @@ def linear_bwd_wgrad(res: LinearResiduals, dy: torch.Tensor) -> tuple[Any, torch
     dwp.check_versions([res.weight], res.weight_version, "weight")
     params, fused = [res.weight], res.fuse_wgrad_accumulation
     if fused and not res.weight.requires_grad:  # a frozen weight: no wgrad, main_grad untouched
-        dy_TN = _dy_TN(res, dy)
-        return None, (dy_TN.sum(0, dtype=torch.promote_types(dy.dtype, torch.float32)).to(dy.dtype) if res.has_bias else None)
+        return None, (column_sums(_dy_TN(res, dy)) if res.has_bias else None)
     shape = (dy.shape[-1], res.x_shape[-1])
     out = dwp.grad_targets(params, res.distributed, [shape], "weight")[0] if fused else None
     dw, db = res.kernels.wgrad(
-        _checks.dense(res.x, (_tokens(res.x_shape), res.x_shape[-1])), _dy_TN(res, dy), out=out, accumulate=fused and dwp.accumulates(params, res.distributed),
+        _x_TK(res), _dy_TN(res, dy), out=out, accumulate=fused and dwp.accumulates(params, res.distributed),
         with_dbias=res.has_bias,
     )
     return dwp.finalize(params, res.distributed, fused, [dw])[0], db
@@ -124,7 +128,7 @@ def _jvp(res: LinearResiduals, tangents: tuple) -> torch.Tensor:
         tx_TK = _checks.dense(tx, (T, K)) if tx is not None else res.x.new_zeros(T, K)
         dy = res.kernels.fprop(tx_TK, w_NK, tb)
     if tw is not None:
-        part = res.kernels.fprop(_checks.dense(res.x, (_tokens(res.x_shape), K)), tw, None)
+        part = res.kernels.fprop(_x_TK(res), tw, None)
         dy = part if dy is None else dy + part
     if dy is None:
         return res.x.new_zeros(*res.x_shape[:-1], N)

@@ -26,9 +26,8 @@ def _stack(w_ENK: Weights) -> torch.Tensor:
 
 
 def _end_offsets(splits: Splits) -> torch.Tensor:
-    """int32 end offsets [s0, s0+s1, ...], clamped to T so a bad device split cannot read
-    out of bounds (validated on the host wherever the splits are known there)."""
-    return splits.cached("ref_offs", lambda: splits.on_device().cumsum(0).clamp_(max=splits.num_tokens).to(torch.int32))
+    """int32 end offsets [s0, s0+s1, ...] (in bounds: see ``Splits.on_device``)."""
+    return splits.cached("ref_offs", lambda: splits.on_device().cumsum(0).to(torch.int32))
 
 
 def _row_expert(splits: Splits) -> torch.Tensor:
@@ -37,9 +36,14 @@ def _row_expert(splits: Splits) -> torch.Tensor:
 
     def make() -> torch.Tensor:
         experts = torch.arange(E, device=splits.device)
-        return torch.repeat_interleave(experts, splits.on_device().clamp(min=0), output_size=T)
+        return torch.repeat_interleave(experts, splits.on_device(), output_size=T)
 
     return splits.cached("ref_rows", make)
+
+
+def column_sums(dy_TN: torch.Tensor) -> torch.Tensor:
+    """db_N: column sums of dy, accumulated in fp32 (or fp64)."""
+    return dy_TN.sum(0, dtype=_acc_dtype(dy_TN.dtype)).to(dy_TN.dtype)
 
 
 def expert_sums(dy_TN: torch.Tensor, splits: Splits) -> torch.Tensor:
@@ -66,7 +70,7 @@ class TorchKernels:
         return dy_TN @ w_NK
 
     def wgrad(self, x_TK, dy_TN, *, out=None, accumulate=False, with_dbias=False):
-        db_N = dy_TN.sum(0, dtype=_acc_dtype(dy_TN.dtype)).to(dy_TN.dtype) if with_dbias else None
+        db_N = column_sums(dy_TN) if with_dbias else None
         if out is None:
             return dy_TN.t() @ x_TK, db_N
         dw = dy_TN.t().to(out.dtype) @ x_TK.to(out.dtype)
