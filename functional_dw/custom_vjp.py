@@ -260,7 +260,8 @@ def custom_vjp(
         def forward(ctx: Any, stash: _Stash | None, in_spec: Any, *in_leaves: Any) -> tuple:  # type: ignore[override]
             tree = _tree(in_spec)
             out, res = fwd(*tree.tree_unflatten(in_leaves, in_spec))
-            out_leaves, ctx.out_spec = tree.tree_flatten(out)
+            # A single tensor output (every layer here) needs no pytree: spec None stands for it.
+            out_leaves, ctx.out_spec = ((out,), None) if _is_tensor(out) else tree.tree_flatten(out)
             res_leaves, ctx.res_spec = tree.tree_flatten(res)
             ctx.save_for_backward(*[t for t in res_leaves if _is_tensor(t)])
             ctx.plan = [("saved", None) if _is_tensor(t) else ("ref", t) for t in res_leaves]
@@ -271,7 +272,7 @@ def custom_vjp(
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> tuple:
-            d_out = _tree(ctx.out_spec).tree_unflatten(list(grads), ctx.out_spec)
+            d_out = grads[0] if ctx.out_spec is None else _tree(ctx.out_spec).tree_unflatten(list(grads), ctx.out_spec)
             d_args = _flatten_cotangents(bwd(_residuals_of(ctx), d_out), ctx.in_spec, name)
             return (None, None, *[g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(d_args)])
 
@@ -293,7 +294,8 @@ def custom_vjp(
         in_leaves, in_spec = fast_pytree.tree_flatten(args)
         stash = _Stash()
         flat = Function.apply(stash, in_spec, *in_leaves)
-        return fast_pytree.tree_unflatten(list(flat), stash.out[0])
+        out_spec = stash.out[0]
+        return flat[0] if out_spec is None else fast_pytree.tree_unflatten(list(flat), out_spec)
 
     apply.fwd, apply.bwd, apply.Function, apply.FuncFunction = fwd, bwd, Function, FuncFunction  # type: ignore[attr-defined]
     return apply

@@ -54,7 +54,10 @@ def residuals(cls: type[T]) -> type[T]:
         return [(pytree.GetAttrKey(n), getattr(r, n)) for n in leaves], flatten(r)[1]
 
     def unflatten(values: Any, context: tuple) -> Any:
-        return cls(**dict(zip(leaves, values)), **dict(zip(static, context)))
+        record = object.__new__(cls)  # the fields were checked when forward made the record:
+        record.__dict__.update(zip(leaves, values))  # skip the frozen __init__'s per-field
+        record.__dict__.update(zip(static, context))  # object.__setattr__ (backward's hot path)
+        return record
 
     pytree.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
     cls.__repr__ = _describe  # type: ignore[method-assign]

@@ -159,3 +159,8 @@ def test_device_only_splits_are_made_memory_safe():
     good = torch.tensor([3, 0, 7])
     s = Splits(host=None, tensor=good, device=torch.device("cpu"), num_tokens=10, num_experts=3)
     assert s.on_device().tolist() == [3, 0, 7]
+    for dtype in (torch.int32, torch.int64):  # the end offsets grouped GEMMs read: monotone, <= T
+        ends = Splits(host=None, tensor=bad, device=torch.device("cpu"), num_tokens=10, num_experts=4).ends(dtype)
+        assert ends.dtype == dtype and ends.tolist() == [5, 5, 10, 10]
+    host = Splits(host=(3, 0, 7), tensor=None, device=torch.device("cpu"), num_tokens=10, num_experts=3)
+    assert host.ends().tolist() == [3, 3, 10] and host.on_device().tolist() == [3, 0, 7]

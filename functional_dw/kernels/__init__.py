@@ -23,6 +23,7 @@ else a fresh ``[E, N, K]`` tensor.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any, Protocol, Union
 
@@ -58,19 +59,29 @@ class Splits:
         return self.cached("host", lambda: tuple(int(s) for s in self.tensor.tolist()))
 
     def on_device(self) -> torch.Tensor:
-        """int64 ``[E]`` counts on the activations' device (no sync for a CUDA tensor).
-
-        Counts known only on the device cannot be validated without a sync, so they are made
-        memory-safe instead: negatives become 0 and the running sum stops at T, so no kernel
-        can read or write past x (the caller's bad splits give wrong rows, never a crash)."""
+        """int64 ``[E]`` counts on the activations' device, made memory-safe (see :meth:`ends`)."""
         def make() -> torch.Tensor:
             if self.host is not None:
-                return torch.tensor(self.host, dtype=torch.int64, device=self.device)
-            sizes = self.tensor.to(self.device, torch.int64, non_blocking=True).clamp(min=0)
-            ends = sizes.cumsum(0).clamp_(max=self.num_tokens)
+                return _to_device(self.host, torch.int64, self.device)
+            ends = self.ends(torch.int64)
             return torch.diff(ends, prepend=ends.new_zeros(1))
 
         return self.cached("device", make)
+
+    def ends(self, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """``[E]`` end offsets ``[s0, s0+s1, ...]`` on the activations' device, no sync.
+
+        NOTE: [Device splits are clamped] Counts known only on the device cannot be validated
+        without a sync, so they are made memory-safe instead: negatives count as 0 and the
+        running sum stops at T, so no kernel can read or write past x (the caller's bad splits
+        give wrong rows, never a crash). Three small kernels; host counts are copied once."""
+        def make() -> torch.Tensor:
+            if self.host is not None:
+                return _to_device(list(itertools.accumulate(self.host)), dtype, self.device)
+            sizes = self.tensor.to(self.device, non_blocking=True).clamp(min=0)
+            return sizes.cumsum(0, dtype=dtype).clamp_(max=self.num_tokens)
+
+        return self.cached(("ends", dtype), make)
 
     def cached(self, key: Any, make: Any) -> Any:
         if torch.compiler.is_compiling():  # a traced backward may not mutate forward's objects;
@@ -78,6 +89,15 @@ class Splits:
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
+
+
+def _to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host ints as a tensor on ``device`` without a host sync: a CUDA copy goes through pinned
+    memory, asynchronously (``torch.tensor(..., device="cuda")`` waits for the stream)."""
+    cpu = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return cpu.to(device)
+    return cpu.pin_memory().to(device, non_blocking=True)
 
 
 class Kernels(Protocol):

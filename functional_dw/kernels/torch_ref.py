@@ -7,6 +7,7 @@ host loop and no host sync. Bias add and bias gradients use a device-side row->e
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -17,17 +18,18 @@ from . import Splits, Weights
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability, read once per device (the per-call query costs microseconds)."""
+    return torch.cuda.get_device_capability(device)
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
 def _stack(w_ENK: Weights) -> torch.Tensor:
     return w_ENK if isinstance(w_ENK, torch.Tensor) else torch.stack(list(w_ENK))
-
-
-def _end_offsets(splits: Splits) -> torch.Tensor:
-    """int32 end offsets [s0, s0+s1, ...] (in bounds: see ``Splits.on_device``)."""
-    return splits.cached("ref_offs", lambda: splits.on_device().cumsum(0).to(torch.int32))
 
 
 def _row_expert(splits: Splits) -> torch.Tensor:
@@ -86,7 +88,7 @@ class TorchKernels:
         if x_TK.is_cuda:
             if dt != torch.bfloat16:
                 return f"torch's CUDA grouped_mm takes bfloat16 only, got {dt}"
-            if torch.cuda.get_device_capability(x_TK.device) < (8, 0):
+            if _capability(x_TK.device) < (8, 0):
                 return "torch's CUDA grouped_mm needs compute capability >= 8.0"
         elif dt not in (torch.float32, torch.bfloat16, torch.float16):
             return f"torch's grouped_mm takes float32/bfloat16/float16, got {dt}"
@@ -101,7 +103,7 @@ class TorchKernels:
         if not grouped:
             xs = x_TK.split(splits.sizes())
             return torch.cat([F.linear(x, w_ENK[e], None if b_EN is None else b_EN[e]) for e, x in enumerate(xs)])
-        y_TN = _grouped_mm(x_TK, _stack(w_ENK).transpose(-2, -1), offs=_end_offsets(splits))
+        y_TN = _grouped_mm(x_TK, _stack(w_ENK).transpose(-2, -1), offs=splits.ends(torch.int32))
         if b_EN is not None:
             y_TN = y_TN + b_EN[_row_expert(splits)]
         return y_TN
@@ -109,7 +111,7 @@ class TorchKernels:
     def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
         if not grouped:
             return torch.cat([dy @ w_ENK[e] for e, dy in enumerate(dy_TN.split(splits.sizes()))])
-        return _grouped_mm(dy_TN, _stack(w_ENK), offs=_end_offsets(splits))
+        return _grouped_mm(dy_TN, _stack(w_ENK), offs=splits.ends(torch.int32))
 
     def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
         db_EN = expert_sums(dy_TN, splits) if with_dbias else None
@@ -119,10 +121,12 @@ class TorchKernels:
             if dt != x_TK.dtype and not x_TK.is_cuda:  # output dtype follows the inputs;
                 # CUDA grouped_mm is bf16-only, so there the fp32 main_grad gets a bf16 dw
                 dy_T, x = dy_T.to(dt), x.to(dt)
-            dw_ENK: Sequence[torch.Tensor] = _grouped_mm(dy_T, x, offs=_end_offsets(splits))
+            dw_ENK: Sequence[torch.Tensor] = _grouped_mm(dy_T, x, offs=splits.ends(torch.int32))
         else:
             sizes = splits.sizes()
-            dw_ENK = [dy.t().to(dt) @ x.to(dt) for x, dy in zip(x_TK.split(sizes), dy_TN.split(sizes))]
+            if dt != x_TK.dtype:  # fp32 main_grad: the product in its dtype
+                x_TK, dy_TN = x_TK.to(dt), dy_TN.to(dt)
+            dw_ENK = [dy.t() @ x for x, dy in zip(x_TK.split(sizes), dy_TN.split(sizes))]
             if out is None:
                 dw_ENK = torch.stack(dw_ENK) if dw_ENK else x_TK.new_zeros(0, dy_TN.shape[1], x_TK.shape[1])
         if out is None:
