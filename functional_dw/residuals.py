@@ -54,6 +54,8 @@ def residuals(cls: type[T]) -> type[T]:
         return [(pytree.GetAttrKey(n), getattr(r, n)) for n in leaves], flatten(r)[1]
 
     def unflatten(values: Any, context: tuple) -> Any:
+        if torch.compiler.is_compiling():  # dynamo traces the constructor, not __dict__.update
+            return cls(**dict(zip(leaves, values)), **dict(zip(static, context)))
         record = object.__new__(cls)  # the fields were checked when forward made the record:
         record.__dict__.update(zip(leaves, values))  # skip the frozen __init__'s per-field
         record.__dict__.update(zip(static, context))  # object.__setattr__ (backward's hot path)

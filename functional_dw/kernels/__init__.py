@@ -29,9 +29,15 @@ from typing import Any, Protocol, Union
 
 import torch
 
-__all__ = ["Kernels", "Splits", "get_kernels", "te_available"]
+__all__ = ["Kernels", "Splits", "get_kernels", "te_available", "out_in"]
 
 Weights = Union[Sequence[torch.Tensor], torch.Tensor]
+
+
+def out_in(w_ENK: Weights) -> tuple[int, int]:
+    """(N, K) of a group's weights (no ``w_ENK[0]`` view of a stacked tensor: that is an op)."""
+    N, K = (w_ENK if isinstance(w_ENK, torch.Tensor) else w_ENK[0]).shape[-2:]
+    return N, K
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -63,8 +69,7 @@ class Splits:
         def make() -> torch.Tensor:
             if self.host is not None:
                 return _to_device(self.host, torch.int64, self.device)
-            ends = self.ends(torch.int64)
-            return torch.diff(ends, prepend=ends.new_zeros(1))
+            return torch.nn.functional.pad(self.ends(torch.int64), (1, 0)).diff()  # two kernels
 
         return self.cached("device", make)
 
@@ -74,21 +79,29 @@ class Splits:
         NOTE: [Device splits are clamped] Counts known only on the device cannot be validated
         without a sync, so they are made memory-safe instead: negatives count as 0 and the
         running sum stops at T, so no kernel can read or write past x (the caller's bad splits
-        give wrong rows, never a crash). Three small kernels; host counts are copied once."""
+        give wrong rows, never a crash: torch's grouped GEMM would hit a device-side assert,
+        which ends the process). Four small launches (clamp, a two-kernel scan, a
+        capping cast), each tens of microseconds of host time on a busy GPU, so no more are spent;
+        host counts are copied once."""
         def make() -> torch.Tensor:
             if self.host is not None:
                 return _to_device(list(itertools.accumulate(self.host)), dtype, self.device)
             sizes = self.tensor.to(self.device, non_blocking=True).clamp(min=0)
-            return sizes.cumsum(0, dtype=dtype).clamp_(max=self.num_tokens)
+            running = sizes.cumsum(0, dtype=sizes.dtype)  # two scan kernels, no widening copy
+            if running.dtype == dtype:
+                return running.clamp_(max=self.num_tokens)
+            cap = torch.tensor(self.num_tokens)  # a CPU scalar: minimum caps and casts in one kernel
+            return torch.minimum(running, cap, out=torch.empty_like(running, dtype=dtype))
 
         return self.cached(("ends", dtype), make)
 
     def cached(self, key: Any, make: Any) -> Any:
-        if torch.compiler.is_compiling():  # a traced backward may not mutate forward's objects;
-            return make()  # the compiler dedupes the recomputation anyway
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
+        value = self._cache.get(key)
+        if value is None:
+            value = make()
+            if not torch.compiler.is_compiling():  # a traced backward may not mutate forward's
+                self._cache[key] = value  # objects; the compiler dedupes the recomputation anyway
+        return value
 
 
 def _to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -29,7 +29,7 @@ from transformer_engine.pytorch.module.base import _2X_ACC_DGRAD, _2X_ACC_FPROP,
 from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage
 from transformer_engine.pytorch.utils import _empty_tensor
 
-from . import Splits, Weights
+from . import Splits, Weights, out_in
 from .torch_ref import expert_sums, _row_expert, _write
 
 try:  # TE's Triton kernel for per-expert bias grads (what GroupedLinear's grouped path uses)
@@ -254,14 +254,14 @@ class TEKernels:
                 f"on {'Hopper' if cc < (10, 0) else 'this GPU'}: install a newer cuBLAS (CUDA 13 toolkit or "
                 "the nvidia-cublas wheel) and make sure it is the one loaded (LD_LIBRARY_PATH or LD_PRELOAD)"
             )
-        N, K = w_ENK[0].shape[-2:]
+        N, K = out_in(w_ENK)
         if not N or not K or K % 8 or N % 8:
             return f"TE's grouped GEMM needs in/out features that are multiples of 8 (16-byte aligned rows); got in={K}, out={N}"
         return None
 
     @_unbatched
     def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
-        E, (N, K) = splits.num_experts, w_ENK[0].shape[-2:]
+        E, (N, K) = splits.num_experts, out_in(w_ENK)
         y_TN = x_TK.new_empty(x_TK.shape[0], N)
         if grouped and splits.num_tokens:
             self.prepare(x_TK.device, E, grouped=True)
@@ -290,7 +290,7 @@ class TEKernels:
 
     @_unbatched
     def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
-        E, (N, K) = splits.num_experts, w_ENK[0].shape[-2:]
+        E, (N, K) = splits.num_experts, out_in(w_ENK)
         dx_TK = dy_TN.new_empty(dy_TN.shape[0], K)
         if grouped and splits.num_tokens:
             self.prepare(dy_TN.device, E, grouped=True)

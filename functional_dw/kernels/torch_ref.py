@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import Splits, Weights
+from . import Splits, Weights, out_in
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -92,7 +92,7 @@ class TorchKernels:
                 return "torch's CUDA grouped_mm needs compute capability >= 8.0"
         elif dt not in (torch.float32, torch.bfloat16, torch.float16):
             return f"torch's grouped_mm takes float32/bfloat16/float16, got {dt}"
-        N, K = w_ENK[0].shape[-2:]
+        N, K = out_in(w_ENK)
         if not N or not K:
             return "grouped_mm takes no zero-size features"
         if (K * x_TK.element_size()) % 16 or (N * x_TK.element_size()) % 16:
