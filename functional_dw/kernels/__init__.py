@@ -69,6 +69,9 @@ class Splits:
         def make() -> torch.Tensor:
             if self.host is not None:
                 return _to_device(self.host, torch.int64, self.device)
+            fused = self._fused()
+            if fused is not None:
+                return fused[0]
             return torch.nn.functional.pad(self.ends(torch.int64), (1, 0)).diff()  # two kernels
 
         return self.cached("device", make)
@@ -80,12 +83,15 @@ class Splits:
         without a sync, so they are made memory-safe instead: negatives count as 0 and the
         running sum stops at T, so no kernel can read or write past x (the caller's bad splits
         give wrong rows, never a crash: torch's grouped GEMM would hit a device-side assert,
-        which ends the process). Four small launches (clamp, a two-kernel scan, a
-        capping cast), each tens of microseconds of host time on a busy GPU, so no more are spent;
-        host counts are copied once."""
+        which ends the process). On CUDA one Triton launch does it (``triton_splits``); else
+        four torch launches (clamp, a two-kernel scan, a capping cast). Host counts are
+        copied once."""
         def make() -> torch.Tensor:
             if self.host is not None:
                 return _to_device(list(itertools.accumulate(self.host)), dtype, self.device)
+            fused = self._fused() if dtype == torch.int32 else None
+            if fused is not None:
+                return fused[1]
             sizes = self.tensor.to(self.device, non_blocking=True).clamp(min=0)
             running = sizes.cumsum(0, dtype=sizes.dtype)  # two scan kernels, no widening copy
             if running.dtype == dtype:
@@ -94,6 +100,14 @@ class Splits:
             return torch.minimum(running, cap, out=torch.empty_like(running, dtype=dtype))
 
         return self.cached(("ends", dtype), make)
+
+    def _fused(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(counts int64, ends int32) of device-only splits in one Triton launch, or None."""
+        if self.device.type != "cuda" or torch.compiler.is_compiling():
+            return None
+        from .triton_splits import clamp_splits
+
+        return self.cached("fused", lambda: clamp_splits(self.tensor.to(self.device, non_blocking=True), self.num_tokens))
 
     def cached(self, key: Any, make: Any) -> Any:
         value = self._cache.get(key)
