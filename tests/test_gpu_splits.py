@@ -53,3 +53,13 @@ def test_grouped_mm_layer_with_bad_device_splits_does_not_assert():
     torch.cuda.synchronize()
     good = fd.grouped_linear(x.detach(), w.detach(), [48, 0, 16], backend="torch")
     torch.testing.assert_close(y.detach().float(), good.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_device_splits_on_a_second_gpu_while_the_first_is_current():
+    """The one-launch kernel runs on the splits' GPU and its stream, not the current device's."""
+    torch.cuda.set_device(0)
+    x = torch.randn(64, 32, device="cuda:1", dtype=torch.bfloat16)
+    w = torch.randn(3, 16, 32, device="cuda:1", dtype=torch.bfloat16)
+    y = fd.grouped_linear(x, w, torch.tensor([16, 0, 48], device="cuda:1"), backend="auto")
+    torch.testing.assert_close(y, fd.grouped_linear(x, w, [16, 0, 48], backend="auto"), rtol=0, atol=0)

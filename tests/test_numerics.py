@@ -162,5 +162,8 @@ def test_device_only_splits_are_made_memory_safe():
     for dtype in (torch.int32, torch.int64):  # the end offsets grouped GEMMs read: monotone, <= T
         ends = Splits(host=None, tensor=bad, device=torch.device("cpu"), num_tokens=10, num_experts=4).ends(dtype)
         assert ends.dtype == dtype and ends.tolist() == [5, 5, 10, 10]
+    huge = torch.tensor([2**31 - 1, 5], dtype=torch.int32)  # the running sum overflows int32
+    s = Splits(host=None, tensor=huge, device=torch.device("cpu"), num_tokens=7, num_experts=2)
+    assert s.ends(torch.int32).tolist() == [7, 7] and s.on_device().tolist() == [7, 0]
     host = Splits(host=(3, 0, 7), tensor=None, device=torch.device("cpu"), num_tokens=10, num_experts=3)
     assert host.ends().tolist() == [3, 3, 10] and host.on_device().tolist() == [3, 0, 7]

@@ -84,7 +84,7 @@ class Splits:
         running sum stops at T, so no kernel can read or write past x (the caller's bad splits
         give wrong rows, never a crash: torch's grouped GEMM would hit a device-side assert,
         which ends the process). On CUDA one Triton launch does it (``triton_splits``); else
-        four torch launches (clamp, a two-kernel scan, a capping cast). Host counts are
+        four or five torch launches (widen, clamp, a two-kernel scan, a capping cast). Host counts are
         copied once."""
         def make() -> torch.Tensor:
             if self.host is not None:
@@ -92,8 +92,8 @@ class Splits:
             fused = self._fused() if dtype == torch.int32 else None
             if fused is not None:
                 return fused[1]
-            sizes = self.tensor.to(self.device, non_blocking=True).clamp(min=0)
-            running = sizes.cumsum(0, dtype=sizes.dtype)  # two scan kernels, no widening copy
+            sizes = self.tensor.to(self.device, torch.int64, non_blocking=True).clamp(min=0)
+            running = sizes.cumsum(0)  # int64: int32 counts could overflow their running sum
             if running.dtype == dtype:
                 return running.clamp_(max=self.num_tokens)
             cap = torch.tensor(self.num_tokens)  # a CPU scalar: minimum caps and casts in one kernel
