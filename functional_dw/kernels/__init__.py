@@ -84,8 +84,8 @@ class Splits:
         running sum stops at T, so no kernel can read or write past x (the caller's bad splits
         give wrong rows, never a crash: torch's grouped GEMM would hit a device-side assert,
         which ends the process). On CUDA one Triton launch does it (``triton_splits``); else
-        four or five torch launches (widen, clamp, a two-kernel scan, a capping cast). Host counts are
-        copied once."""
+        four or five torch launches (widen, clamp, a two-kernel scan, a capping cast). Host
+        counts are copied once."""
         def make() -> torch.Tensor:
             if self.host is not None:
                 return _to_device(list(itertools.accumulate(self.host)), dtype, self.device)
@@ -94,7 +94,7 @@ class Splits:
                 return fused[1]
             sizes = self.tensor.to(self.device, torch.int64, non_blocking=True).clamp(min=0)
             running = sizes.cumsum(0)  # int64: int32 counts could overflow their running sum
-            if running.dtype == dtype:
+            if dtype == torch.int64:
                 return running.clamp_(max=self.num_tokens)
             cap = torch.tensor(self.num_tokens)  # a CPU scalar: minimum caps and casts in one kernel
             return torch.minimum(running, cap, out=torch.empty_like(running, dtype=dtype))
