@@ -10,9 +10,9 @@ When issue time exceeds the GPU's time, the step is host-bound. Shapes: launch-b
 ``--cprofile`` adds the top of a cProfile of functional_dw's step; ``--trace DIR`` writes
 Chrome traces (torch.profiler, CPU and CUDA) of three steps of each.
 """
+import argparse
 import cProfile
 import pstats
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import torch
 import functional_dw as fd
 
 BF16, DEV = torch.bfloat16, "cuda"
+IMPLS = ["linear", "split", "grouped", "auto"]
 
 
 def issue_and_wall_us(step, iters=60, rounds=7) -> tuple[float, float]:
@@ -70,17 +71,21 @@ def steps(impl, E, H, FF, T):
 
 
 def main():
-    args = sys.argv[1:]
-    impls = [a for a in args if not a.startswith("--") and (not args.index(a) or args[args.index(a) - 1] != "--trace")]
-    impls = impls or ["linear", "split", "grouped", "auto"]
-    trace = Path(args[args.index("--trace") + 1]) if "--trace" in args else None
-    shape = (8, 4096, 1536, 8192) if "--moe8k" in args else (8, 128, 128, 64)
-    for impl in impls:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("impls", nargs="*", help=f"any of {IMPLS} (default: all)")
+    parser.add_argument("--moe8k", action="store_true")
+    parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--trace", type=Path)
+    args = parser.parse_args()
+    if set(args.impls) - set(IMPLS):  # not choices=: argparse rejects an empty "*" list with it
+        parser.error(f"unknown implementation(s) {sorted(set(args.impls) - set(IMPLS))}; choose from {IMPLS}")
+    shape = (8, 4096, 1536, 8192) if args.moe8k else (8, 128, 128, 64)
+    for impl in args.impls or IMPLS:
         ours, peer = steps(impl, *shape)
         for label, step in (("fd", ours), ("peer", peer)):
             issue, wall = issue_and_wall_us(step)
             print(f"=== {impl} {shape} {label:4s}: issue {issue:7.1f} us/step, wall {wall:7.1f} us/step", flush=True)
-        if "--cprofile" in args:
+        if args.cprofile:
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(200):
@@ -88,15 +93,15 @@ def main():
             torch.cuda.synchronize()
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-        if trace is not None:
-            trace.mkdir(parents=True, exist_ok=True)
+        if args.trace is not None:
+            args.trace.mkdir(parents=True, exist_ok=True)
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             for label, step in (("fd", ours), ("peer", peer)):
                 with torch.profiler.profile(activities=acts) as p:
                     for _ in range(3):
                         step()
                     torch.cuda.synchronize()
-                p.export_chrome_trace(str(trace / f"{impl}-{label}.json"))
+                p.export_chrome_trace(str(args.trace / f"{impl}-{label}.json"))
 
 
 if __name__ == "__main__":

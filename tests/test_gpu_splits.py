@@ -52,7 +52,7 @@ def test_grouped_mm_layer_with_bad_device_splits_does_not_assert():
     y.sum().backward()
     torch.cuda.synchronize()
     good = fd.grouped_linear(x.detach(), w.detach(), [48, 0, 16], backend="torch")
-    torch.testing.assert_close(y.detach().float(), good.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y.detach(), good, rtol=0, atol=0)  # the same kernels on the clamped offsets
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
