@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import operator
+import os
+import sys
+import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +18,8 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 def tensor(name: str, t: Any, ndim: int | tuple[int, ...] | None = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}; call .to_dense() first")
     if t.dtype not in _FLOATS:
         raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {t.dtype}")
     dims = (ndim,) if isinstance(ndim, int) else ndim
@@ -56,3 +63,79 @@ def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def sequence(v: Any) -> list | None:
+    """``v`` as a list when it is a sequence of items (list, tuple, ``nn.ParameterList``, any
+    sized iterable that is not a tensor or a string), else None."""
+    if isinstance(v, (list, tuple)):
+        return list(v)
+    if isinstance(v, (torch.Tensor, str, bytes)) or not hasattr(v, "__len__") or not hasattr(v, "__iter__"):
+        return None
+    return list(v)
+
+
+def count(name: str, v: Any) -> int:
+    """A Python int from an int-like element (int, numpy integer); bools, floats and tensors are
+    refused with their position, e.g. ``splits[1] is 1.5 (float)``."""
+    if isinstance(v, torch.Tensor):
+        raise TypeError(f"{name} is a tensor ({v}); give ints, or the counts as one 1-D integer tensor")
+    if isinstance(v, bool):
+        raise TypeError(f"{name} is {v} (bool); each count must be an int")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{name} is {v!r} ({type(v).__name__}); each count must be an int") from None
+
+
+def cotangent(name: str, d: Any, shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """A bwd's incoming gradient: a dense float tensor of the output's shape, dtype and device."""
+    want = f"a [{', '.join(map(str, shape))}] {str(like.dtype).removeprefix('torch.')} tensor (the output's shape and dtype)"
+    if not isinstance(d, torch.Tensor):
+        raise TypeError(f"{name} must be {want}, got {type(d).__name__}")
+    if tuple(d.shape) != tuple(shape):
+        raise ValueError(f"{name} must be {want}, got shape {tuple(d.shape)}")
+    if d.dtype != like.dtype:
+        raise TypeError(f"{name} must be {want}, got dtype {d.dtype}")
+    if d.device != like.device:
+        raise ValueError(f"{name} is on {d.device} but the layer ran on {like.device}; move it there")
+    if not torch.compiler.is_compiling() and d.layout != torch.strided:  # (a traced backward may not ask)
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {d.layout}")
+    return d
+
+
+# --- version stamps: the check autograd's version counter does for saved tensors -----------
+
+Stamp = Any  # (weakref to the tensor, its version), or None where no check is possible
+
+
+def stamp(t: torch.Tensor) -> Stamp:
+    """Remember ``t``'s version. None under torch.compile (no version counters in a traced graph)
+    and for inference tensors (they have none)."""
+    if torch.compiler.is_compiling() or t.is_inference():
+        return None
+    return weakref.ref(t), t._version
+
+
+def check_stamp(name: str, t: torch.Tensor, st: Stamp) -> None:
+    """Raise if ``t`` is the very tensor stamped and changed in place since. A tensor that came
+    back through a saved-tensor hook is a new object: autograd checked the original already."""
+    if st is not None and st[0]() is t and t._version != st[1]:
+        raise RuntimeError(
+            f"{name} was modified in place between forward and backward (version {st[1]} -> "
+            f"{t._version}); its gradient would be computed with the new values"
+        )
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn at the first frame outside functional_dw and torch: the caller's line."""
+    if torch.compiler.is_compiling():
+        warnings.warn(message, category)
+        return
+    level, frame = 2, sys._getframe(1)  # stacklevel 2 is warn's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+_INTERNAL = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)

@@ -137,14 +137,47 @@ def _forward_ad_active() -> bool:
     return torch.autograd.forward_ad._current_level >= 0
 
 
+def _transformed() -> bool:
+    """A torch.func transform or forward-mode AD is active."""
+    return torch._C._functorch.peek_interpreter_stack() is not None or _forward_ad_active()
+
+
+def _needs_grad(in_leaves: Any) -> bool:
+    """Can autograd take a gradient through this call? (grad mode on, a tensor requires grad;
+    autograd records nothing through inference tensors, whatever their ``requires_grad``.
+    Dynamo cannot trace ``is_inference``; a compiled graph sees no inference tensors anyway.)"""
+    if not torch.is_grad_enabled():
+        return False
+    if torch.compiler.is_compiling():
+        return any(_is_tensor(t) and t.requires_grad for t in in_leaves)
+    return any(_is_tensor(t) and t.requires_grad and not t.is_inference() for t in in_leaves)
+
+
+def _pair(result: Any, name: str) -> tuple[Any, Any]:
+    """``fwd``'s result, checked against the contract ``fwd(*args) -> (out, residuals)``."""
+    if not isinstance(result, tuple) or len(result) != 2:
+        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
+        if isinstance(result, torch.Tensor):
+            got = f"a bare Tensor of shape {tuple(result.shape)}"
+        raise TypeError(
+            f"custom_vjp({name}): fwd must return a pair (out, residuals), e.g. `return y, (x,)`; got {got}"
+        )
+    return result
+
+
 def custom_vjp(
-    fwd: Fwd, bwd: Bwd, *, jvp: Callable[..., Any] | None = None, vmap: VmapRule | None = None,
-    name: str | None = None,
+    fwd: Fwd, bwd: Bwd, *, primal: Callable[..., Any] | None = None, jvp: Callable[..., Any] | None = None,
+    vmap: VmapRule | None = None, name: str | None = None,
 ) -> Callable[..., Any]:
     """Turn a pure ``fwd``/``bwd`` pair into a differentiable callable.
 
     The returned function ``f(*args)`` computes ``fwd(*args)[0]`` and, under autograd or
     ``torch.func``, differentiates through ``bwd``. See the module docstring for the contract.
+
+    ``primal(*args) -> out`` (optional, JAX's ``fun``) computes the output alone. It runs
+    when no gradient can be taken (grad mode off, or no tensor argument requires grad, outside
+    ``torch.func`` and forward-mode AD): no residuals, no autograd node. Default:
+    ``fwd(*args)[0]``.
 
     Optional rules for the other transforms:
 
@@ -155,12 +188,13 @@ def custom_vjp(
       batch back. Returning None (or giving no rule) runs ``f`` once per batch element.
     """
     name = name or getattr(fwd, "__name__", "fwd")
+    primal = primal or (lambda *args: _pair(fwd(*args), name)[0])
 
     class FuncFunction(torch.autograd.Function):
         @staticmethod
         def forward(stash: _Stash, in_spec: Any, *in_leaves: Any) -> tuple:  # type: ignore[override]
             args = pytree.tree_unflatten(in_leaves, in_spec)
-            out, res = fwd(*args)
+            out, res = _pair(fwd(*args), name)
             out_leaves, out_spec = pytree.tree_flatten(out)
             if not all(_is_tensor(t) for t in out_leaves):
                 raise TypeError(f"custom_vjp({name}): fwd's output must be tensors; got {out_spec}")
@@ -233,7 +267,7 @@ def custom_vjp(
         run ``fwd`` on element 0 (only when asked; plain ``vmap`` never asks)."""
         sliced = tuple(t if d is None else t.select(d, 0) for t, d in zip(in_leaves, dims))
         with torch.no_grad():
-            out, res = fwd(*pytree.tree_unflatten(list(sliced), in_spec))
+            out, res = _pair(fwd(*pytree.tree_unflatten(list(sliced), in_spec)), name)
         plan, extra, res_spec = _split_residuals(res, sliced)
         if extra:
             raise NotImplementedError(f"custom_vjp({name}): a vmap fold rule needs residuals that are inputs")
@@ -259,7 +293,7 @@ def custom_vjp(
         @staticmethod
         def forward(ctx: Any, stash: _Stash | None, in_spec: Any, *in_leaves: Any) -> tuple:  # type: ignore[override]
             tree = _tree(in_spec)
-            out, res = fwd(*tree.tree_unflatten(in_leaves, in_spec))
+            out, res = _pair(fwd(*tree.tree_unflatten(in_leaves, in_spec)), name)
             # A single tensor output (every layer here) needs no pytree: spec None stands for it.
             out_leaves, ctx.out_spec = ((out,), None) if _is_tensor(out) else tree.tree_flatten(out)
             res_leaves, ctx.res_spec = tree.tree_flatten(res)
@@ -286,16 +320,21 @@ def custom_vjp(
     def apply(*args: Any) -> Any:
         if torch.compiler.is_compiling():
             in_leaves, in_spec = pytree.tree_flatten(args)
+            if not _needs_grad(in_leaves):
+                return primal(*args)
             flat = Function.apply(None, in_spec, *in_leaves)
             return flat[0] if len(flat) == 1 else tuple(flat)
-        if torch._C._functorch.peek_interpreter_stack() is not None or _forward_ad_active():
+        if _transformed():
             flat, n_out, out_spec = _call(args, _Stash())
             return pytree.tree_unflatten(list(flat[:n_out]), out_spec)
         in_leaves, in_spec = fast_pytree.tree_flatten(args)
+        if not _needs_grad(in_leaves):  # inference: just the GEMMs (inference tensors welcome)
+            return primal(*args)
         stash = _Stash()
         flat = Function.apply(stash, in_spec, *in_leaves)
         out_spec = stash.out[0]
         return flat[0] if out_spec is None else fast_pytree.tree_unflatten(list(flat), out_spec)
 
-    apply.fwd, apply.bwd, apply.Function, apply.FuncFunction = fwd, bwd, Function, FuncFunction  # type: ignore[attr-defined]
+    apply.fwd, apply.bwd, apply.primal = fwd, bwd, primal  # type: ignore[attr-defined]
+    apply.Function, apply.FuncFunction = Function, FuncFunction  # type: ignore[attr-defined]
     return apply

@@ -58,19 +58,28 @@ def _as_list(x: Any) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def materialize(params: Sequence[torch.Tensor], dw: bool, *, for_backward: bool) -> list[torch.Tensor]:
-    """The weights the GEMMs use: ``params`` themselves, or what the DW leader gathers."""
+def materialize(
+    params: Sequence[torch.Tensor], dw: bool, *, for_backward: bool, like: torch.Tensor | None = None,
+    name: str = "weights",
+) -> list[torch.Tensor]:
+    """The weights the GEMMs use: ``params`` themselves, or what the DW leader gathers (one
+    tensor per weight, of ``like``'s dtype and device when given)."""
     if not dw:
         return list(params)
     leader = params[0] if torch.compiler.is_compiling() else unwrap(params[0])
     full = leader.materialize_group_for_backward() if for_backward else leader.materialize_group_for_forward()
     full = _as_list(full)
+    what = f"{name}: materialize_group_for_{'backward' if for_backward else 'forward'}() of the DistributedWeight"
     if len(full) != len(params):
-        phase = "backward" if for_backward else "forward"
-        raise ValueError(
-            f"weights: materialize_group_for_{phase}() of the DistributedWeight leader returned "
-            f"{len(full)} tensor(s) for a group of {len(params)}; it must return one per weight"
-        )
+        raise ValueError(f"{what} returned {len(full)} tensor(s) for a group of {len(params)}; it must return one per weight")
+    for e, w in enumerate(full):
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"{what} returned a {type(w).__name__} for weight {e}; it must return tensors")
+        if like is not None and (w.dtype != like.dtype or w.device != like.device):
+            raise TypeError(
+                f"{what} returned a {w.dtype} tensor on {w.device} for weight {e}; the layer runs in "
+                f"{like.dtype} on {like.device} (x's dtype and device): gather into that"
+            )
     return full
 
 
@@ -84,12 +93,17 @@ def check_materialized(full: Sequence[torch.Tensor], shapes: Sequence[tuple], wh
 
 def grad_targets(params: Sequence[torch.Tensor], dw: bool, shapes: Sequence[tuple], name: str) -> list[torch.Tensor]:
     """Where the fused wgrad GEMM writes: ``grad_buffer()`` (DW), ``get_main_grad()``
-    (Megatron FSDP) or ``main_grad``; each must have the gathered weight's shape."""
-    out = []
+    (Megatron FSDP) or ``main_grad``; each must have the gathered weight's shape. A frozen
+    plain weight (``requires_grad=False``) needs no buffer: it gets scratch space, so its
+    ``main_grad`` is never written (the decision is per weight, as in TE)."""
+    out: list[torch.Tensor | None] = []
     for e, (p, shape) in enumerate(zip(params, shapes)):
         where = name if len(params) == 1 else f"{name}[{e}]"
         if dw:
             buf = p.grad_buffer()
+        elif not p.requires_grad:
+            out.append(None)
+            continue
         elif hasattr(p, "__fsdp_param__") and hasattr(p, "get_main_grad"):
             buf = p.get_main_grad()
         else:
@@ -103,8 +117,14 @@ def grad_targets(params: Sequence[torch.Tensor], dw: bool, shapes: Sequence[tupl
         if not isinstance(buf, torch.Tensor) or tuple(buf.shape) != tuple(shape) or not buf.is_contiguous():
             got = tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__
             raise ValueError(f"{where}: main_grad/grad_buffer() must be a contiguous {tuple(shape)} tensor, got {got}")
+        if not buf.dtype.is_floating_point:
+            raise TypeError(f"{where}: main_grad/grad_buffer() is {buf.dtype}; it must be a float tensor (float32)")
+        if buf.device != p.device and not dw:
+            raise ValueError(f"{where}: main_grad is on {buf.device} but the weight is on {p.device}")
         out.append(buf)
-    return out
+    like = next((b for b in out if b is not None), None)
+    return [(torch.empty_like(like) if like is not None else p.new_empty(shape, dtype=torch.float32)) if b is None else b
+            for b, p, shape in zip(out, params, shapes)]
 
 
 def accumulates(params: Sequence[torch.Tensor], dw: bool) -> bool:
@@ -128,12 +148,21 @@ def finalize(params: Sequence[torch.Tensor], dw: bool, fused: bool, wgrads: list
             raise ValueError(
                 f"weights: finalize_group_grads returned {len(got)} grad(s) for {len(params)} weights"
             )
+        for e, (g, p) in enumerate(zip(got, params)):
+            if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape or g.device != p.device):
+                what = f"a {type(g).__name__}" if not isinstance(g, torch.Tensor) else f"{tuple(g.shape)} on {g.device}"
+                raise ValueError(
+                    f"weights: finalize_group_grads returned {what} for weight {e}; each grad must be None "
+                    f"or a tensor shaped like that parameter ({tuple(p.shape)} on {p.device})"
+                )
         return got
     if not fused:
         return wgrads
     grads: list[Any] = []
     for p in params:
-        if hasattr(p, "grad_added_to_main_grad"):
+        if not p.requires_grad:  # frozen: its main_grad was not written
+            grads.append(None)
+        elif hasattr(p, "grad_added_to_main_grad"):
             p.grad_added_to_main_grad = True
             grads.append(torch.zeros_like(p))
         else:
@@ -141,16 +170,19 @@ def finalize(params: Sequence[torch.Tensor], dw: bool, fused: bool, wgrads: list
     return grads
 
 
-def versions(params: Sequence[torch.Tensor]) -> tuple[int, ...]:
+def versions(params: Sequence[torch.Tensor]) -> tuple[int | None, ...]:
     # NOTE: under torch.compile a traced graph has no version counters to read (and the
-    # compiled graph owns its inputs): the check is eager-only.
-    return () if torch.compiler.is_compiling() else tuple(p._version for p in params)
+    # compiled graph owns its inputs): the check is eager-only. Inference tensors have no
+    # version counter (None: nothing to check; they cannot change in place outside inference mode).
+    if torch.compiler.is_compiling():
+        return ()
+    return tuple(None if p.is_inference() else p._version for p in params)
 
 
 def check_versions(params: Sequence[torch.Tensor], recorded: tuple[int, ...], name: str) -> None:
     """The check autograd's version counter would have done had the weights been saved."""
     for e, (p, v) in enumerate(zip(params, recorded)):
-        if p._version != v:
+        if v is not None and p._version != v:
             where = name if len(params) == 1 else f"{name}[{e}]"
             raise RuntimeError(
                 f"{where} was modified in place between forward and backward (version {v} -> "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -38,6 +38,7 @@ SplitsArg = Union[Sequence[int], torch.Tensor]
 @residuals
 class GroupedLinearResiduals:
     x_TK: torch.Tensor = saved()  # the only tensor saved for backward
+    x_version: _checks.Stamp  # x_TK's version at forward: the pure API checks it in backward
     weights: tuple[torch.Tensor, ...]  # the parameters by reference: E x [N, K], or one [E, N, K]
     stacked: bool  # weights is one [E, N, K] tensor
     weight_version: tuple[int, ...]
@@ -56,15 +57,16 @@ def _as_params(weights: WeightsArg) -> tuple[tuple[torch.Tensor, ...], bool]:
     if isinstance(weights, torch.Tensor):
         _checks.tensor("weights", weights, ndim=3)
         return (weights,), True
-    if not isinstance(weights, (list, tuple)) or not weights:
+    ws = _checks.sequence(weights)
+    if not ws:
         raise TypeError(
             "weights must be a non-empty sequence of [out, in] tensors or one [E, out, in] tensor, "
-            f"got {type(weights).__name__}"
+            f"got {type(weights).__name__}{' (empty)' if ws == [] else ''}"
         )
-    for e, w in enumerate(weights):
+    for e, w in enumerate(ws):
         if not isinstance(w, torch.Tensor):
             _checks.tensor(f"weights[{e}]", w)  # raises, naming it; the rest is checked once
-    return tuple(weights), False  # materialized (_check_weights)
+    return tuple(ws), False  # materialized (_check_weights)
 
 
 def _check_weights(ws: Sequence[torch.Tensor], ndim: int, x: torch.Tensor) -> None:
@@ -74,7 +76,7 @@ def _check_weights(ws: Sequence[torch.Tensor], ndim: int, x: torch.Tensor) -> No
     if ok:
         shape, dtype, device = w0.shape[-2:], x.dtype, x.device
         ok = all(isinstance(w, torch.Tensor) and w.dim() == ndim and w.shape[-2:] == shape
-                 and w.dtype == dtype and w.device == device for w in ws)
+                 and w.dtype == dtype and w.device == device and w.layout == torch.strided for w in ws)
     if ok:
         return
     for e, w in enumerate(ws):
@@ -91,12 +93,16 @@ def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
     if isinstance(splits, torch.Tensor):
         if splits.dtype not in (torch.int32, torch.int64) or splits.dim() != 1:
             raise TypeError(f"splits tensor must be 1-D int32 or int64, got {splits.dtype} of shape {tuple(splits.shape)}")
+        if splits.device.type == "meta":
+            raise ValueError("splits is a tensor on the meta device, which holds no counts: give the splits as "
+                             "a list of ints (shape inference needs their values) or a tensor on a real device")
         host = None if splits.is_cuda else tuple(splits.tolist())
         tensor = splits
-    elif isinstance(splits, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in splits):
-        host, tensor = tuple(splits), None
     else:
-        raise TypeError(f"splits must be a list/tuple of ints or a 1-D integer tensor, got {type(splits).__name__}")
+        items = None if isinstance(splits, (str, bytes)) else _checks.sequence(splits)
+        if items is None:
+            raise TypeError(f"splits must be a list/tuple of ints or a 1-D integer tensor, got {type(splits).__name__}")
+        host, tensor = tuple(_checks.count(f"splits[{e}]", s) for e, s in enumerate(items)), None
     n = len(host) if host is not None else splits.shape[0]
     if n != num_experts:
         raise ValueError(f"splits has {n} entries but there are {num_experts} experts (weights): give one count per expert")
@@ -121,13 +127,15 @@ def _as_bias(bias: Any, E: int, N: int, x: torch.Tensor) -> tuple[torch.Tensor |
         _checks.shape("bias", bias, (E, N))
         _checks.like("bias", bias, x)
         return bias, "stacked"
-    if not isinstance(bias, (list, tuple)) or len(bias) != E:
-        raise ValueError(f"bias must be None, a sequence of {E} [{N}] tensors or one [{E}, {N}] tensor")
-    for e, b in enumerate(bias):
+    bs = _checks.sequence(bias)
+    if bs is None or len(bs) != E:
+        got = f"{len(bs)} items" if bs is not None else type(bias).__name__
+        raise ValueError(f"bias must be None, a sequence of {E} [{N}] tensors or one [{E}, {N}] tensor; got {got}")
+    for e, b in enumerate(bs):
         _checks.tensor(f"bias[{e}]", b, ndim=1)
         _checks.shape(f"bias[{e}]", b, (N,))
         _checks.like(f"bias[{e}]", b, x)
-    return torch.stack(list(bias)), "list"
+    return torch.stack(bs), "list"
 
 
 def _weight_shapes(w_ENK: WeightsArg, stacked: bool) -> list[tuple[int, ...]]:
@@ -136,31 +144,43 @@ def _weight_shapes(w_ENK: WeightsArg, stacked: bool) -> list[tuple[int, ...]]:
 
 def _choose_path(kernels: Kernels, x_TK: torch.Tensor, w_ENK: WeightsArg, use_grouped_tensor: bool | None) -> str:
     """``None``: the grouped path where it can run; ``True``: grouped, or split with a warning
-    where it cannot (Python's default filter shows it once per reason); ``False``: split.
-    The path taken is recorded on the residuals."""
+    where it cannot (at the caller's line; Python's default filter shows it once per reason);
+    ``False``: split. The path taken is recorded on the residuals."""
     if use_grouped_tensor is False:
         return "split"
     why_not = kernels.grouped_path_unsupported(x_TK, w_ENK)
     if why_not is None:
         return "grouped"
     if use_grouped_tensor:
-        warnings.warn(f"grouped_linear: use_grouped_tensor=True but {why_not}; running the split path", stacklevel=4)
+        _checks.warn(f"grouped_linear: use_grouped_tensor=True but {why_not}; running the split path")
     return "split"
 
 
-def grouped_linear_fwd(
-    x: torch.Tensor, weights: WeightsArg, splits: SplitsArg, bias: Any = None, *,
-    fuse_wgrad_accumulation: bool = False, use_grouped_tensor: bool | None = None,
-    backend: str | Kernels | None = None,
-) -> tuple[torch.Tensor, GroupedLinearResiduals]:
-    """``y`` ``[T, N]`` and the residuals. x ``[T, K]``; weights E ``[N, K]`` or ``[E, N, K]``."""
+class _Call(NamedTuple):
+    """A checked call: what forward computes with, and what its residuals record."""
+
+    params: tuple[torch.Tensor, ...]
+    stacked: bool
+    distributed: bool
+    w_ENK: WeightsArg  # the materialized weights the GEMMs read
+    shapes: tuple[tuple[int, ...], ...]
+    split: Splits
+    b_EN: torch.Tensor | None
+    bias_form: str | None
+    x_TK: torch.Tensor
+    kernels: Kernels
+    path: str
+
+
+def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend) -> _Call:
+    """Check every argument, materialize the weights, pick the kernels and the GEMM path."""
     _checks.tensor("x", x, ndim=2)
     _checks.flag("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
     if use_grouped_tensor is not None:
         _checks.flag("use_grouped_tensor", use_grouped_tensor)
     params, stacked = _as_params(weights)
     distributed = dwp.is_distributed_weight(params[0])
-    full = dwp.materialize(params, distributed, for_backward=False)
+    full = dwp.materialize(params, distributed, for_backward=False, like=x)
     w_ENK = full[0] if stacked else full
     _check_weights([w_ENK] if stacked else w_ENK, 3 if stacked else 2, x)
     shapes = _weight_shapes(w_ENK, stacked)
@@ -175,42 +195,64 @@ def grouped_linear_fwd(
     path = _choose_path(kernels, x_TK, w_ENK, use_grouped_tensor)
     if path == "split" and split.host is None:
         _check_sizes(split.sizes(), x.shape[0])  # the split path syncs for host sizes anyway
-    y_TN = kernels.grouped_fprop(x_TK, w_ENK, b_EN, split, path == "grouped")
+    return _Call(params, stacked, distributed, w_ENK, tuple(shapes), split, b_EN, bias_form, x_TK, kernels, path)
+
+
+def _fprop(c: _Call) -> torch.Tensor:
+    return c.kernels.grouped_fprop(c.x_TK, c.w_ENK, c.b_EN, c.split, c.path == "grouped")
+
+
+def grouped_linear_fwd(
+    x: torch.Tensor, weights: WeightsArg, splits: SplitsArg, bias: Any = None, *,
+    fuse_wgrad_accumulation: bool = False, use_grouped_tensor: bool | None = None,
+    backend: str | Kernels | None = None,
+) -> tuple[torch.Tensor, GroupedLinearResiduals]:
+    """``y`` ``[T, N]`` and the residuals. x ``[T, K]``; weights E ``[N, K]`` or ``[E, N, K]``."""
+    c = _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend)
     res = GroupedLinearResiduals(
-        x_TK=x_TK, weights=params, stacked=stacked, weight_version=dwp.versions(params),
-        distributed=distributed, weight_shapes=tuple(shapes), splits=split, bias=bias_form, out_features=N, path=path,
-        fuse_wgrad_accumulation=fuse_wgrad_accumulation, kernels=kernels,
+        x_TK=c.x_TK, x_version=_checks.stamp(c.x_TK), weights=c.params, stacked=c.stacked,
+        weight_version=dwp.versions(c.params), distributed=c.distributed, weight_shapes=c.shapes, splits=c.split,
+        bias=c.bias_form, out_features=c.shapes[0][-2], path=c.path,
+        fuse_wgrad_accumulation=fuse_wgrad_accumulation, kernels=c.kernels,
     )
-    return y_TN, res
+    return _fprop(c), res
+
+
+def _check_res(res: Any, fn: str) -> GroupedLinearResiduals:
+    if not isinstance(res, GroupedLinearResiduals):
+        raise TypeError(f"{fn} takes the GroupedLinearResiduals that grouped_linear_fwd returned, got {type(res).__name__}")
+    _checks.check_stamp("x", res.x_TK, res.x_version)
+    return res
 
 
 def _dy_TN(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
-    _checks.shape("dy", dy, (res.x_TK.shape[0], res.out_features))
-    return _checks.dense(dy)
+    return _checks.dense(_checks.cotangent("dy", dy, (res.x_TK.shape[0], res.out_features), res.x_TK))
 
 
 def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     """dx ``[T, K]``, with the weights materialized again (never kept from forward)."""
+    dy_TN = _dy_TN(_check_res(res, "grouped_linear_bwd_dgrad"), dy)
     dwp.check_versions(res.weights, res.weight_version, "weights")
-    full = dwp.materialize(res.weights, res.distributed, for_backward=True)
+    full = dwp.materialize(res.weights, res.distributed, for_backward=True, like=res.x_TK)
     dwp.check_materialized(full, res.weight_shapes, "materialize_group_for_backward()")
     w_ENK = full[0] if res.stacked else full
-    return res.kernels.grouped_dgrad(_dy_TN(res, dy), w_ENK, res.splits, res.path == "grouped")
+    return res.kernels.grouped_dgrad(dy_TN, w_ENK, res.splits, res.path == "grouped")
 
 
 def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[Any, Any]:
     """(dweights, dbiases) shaped like the weights and bias arguments (see finalize)."""
+    dy_TN = _dy_TN(_check_res(res, "grouped_linear_bwd_wgrad"), dy)
     dwp.check_versions(res.weights, res.weight_version, "weights")
     fused = res.fuse_wgrad_accumulation
     if fused and not any(p.requires_grad for p in res.weights):  # frozen: no wgrad, main_grad untouched
-        db_EN = expert_sums(_dy_TN(res, dy), res.splits) if res.bias is not None else None
+        db_EN = expert_sums(dy_TN, res.splits) if res.bias is not None else None
         return (None if res.stacked else [None] * len(res.weights)), _bias_grads(res, db_EN)
     out = None
     if fused:
         targets = dwp.grad_targets(res.weights, res.distributed, res.weight_shapes, "weights")
         out = targets[0] if res.stacked else targets
     dw, db_EN = res.kernels.grouped_wgrad(
-        res.x_TK, _dy_TN(res, dy), res.splits, res.path == "grouped", out=out,
+        res.x_TK, dy_TN, res.splits, res.path == "grouped", out=out,
         accumulate=fused and dwp.accumulates(res.weights, res.distributed), with_dbias=res.bias is not None,
     )
     wgrads = dwp.finalize(res.weights, res.distributed, fused, [dw] if res.stacked else list(dw))
@@ -224,6 +266,7 @@ def _bias_grads(res: GroupedLinearResiduals, db_EN: torch.Tensor | None) -> Any:
 
 def grouped_linear_bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
     """(dx, dweights, dbiases): dgrad then wgrad."""
+    _check_res(res, "grouped_linear_bwd")
     dx = grouped_linear_bwd_dgrad(res, dy)
     return (dx, *grouped_linear_bwd_wgrad(res, dy))
 
@@ -233,6 +276,11 @@ def _fwd(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, 
         x, weights, splits, bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
         use_grouped_tensor=use_grouped_tensor, backend=backend,
     )
+
+
+def _primal(*args) -> torch.Tensor:
+    """Forward alone, when no gradient can be taken: checks and GEMMs, no residuals."""
+    return _fprop(_prepare(*args))
 
 
 def _bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple:
@@ -281,7 +329,7 @@ def _vmap(batch_size: int, in_dims: tuple, x, weights, splits, bias, fuse, use_g
     return new_args, lambda y: (y[torch.argsort(order)].view(B, T, -1), 0)
 
 
-_grouped_linear = custom_vjp(_fwd, _bwd, jvp=_jvp, vmap=_vmap, name="grouped_linear")
+_grouped_linear = custom_vjp(_fwd, _bwd, primal=_primal, jvp=_jvp, vmap=_vmap, name="grouped_linear")
 
 
 def grouped_linear(
@@ -304,10 +352,11 @@ def grouped_linear(
         backend: None (TE on CUDA when installed, else torch), "te", "torch", or "auto" (the
             fastest measured: torch's grouped GEMM on CUDA where it can run, else as None).
     """
-    if isinstance(weights, (list, tuple)):
-        weights = list(weights)
-    if isinstance(bias, (list, tuple)):
-        bias = list(bias)
-    if isinstance(splits, (list, tuple)):
-        splits = _HostSplits(splits)
+    if not isinstance(weights, torch.Tensor):  # a list, tuple or nn.ParameterList: a pytree list
+        weights = _checks.sequence(weights) or weights
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        bias = _checks.sequence(bias) or bias
+    if not isinstance(splits, (torch.Tensor, str, bytes)):
+        items = _checks.sequence(splits)
+        splits = _HostSplits(items) if items is not None else splits
     return _grouped_linear(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend)

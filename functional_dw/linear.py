@@ -6,7 +6,7 @@ Legend: ``T`` tokens (x's leading dims flattened), ``K`` in-features, ``N`` out-
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,25 +22,34 @@ __all__ = ["LinearResiduals", "linear", "linear_fwd", "linear_bwd", "linear_bwd_
 @residuals
 class LinearResiduals:
     x: torch.Tensor = saved()  # the input as the GEMM read it (contiguous): the only saved tensor
+    x_version: _checks.Stamp  # x's version at forward: the pure API checks it in backward
     weight: torch.Tensor  # the parameter itself (plain or DistributedWeight), by reference
-    weight_version: tuple[int, ...]
+    weight_version: tuple[int | None, ...]
     distributed: bool
     x_shape: tuple[int, ...]
+    out_features: int
     has_bias: bool
     fuse_wgrad_accumulation: bool
     kernels: Kernels
 
 
-def linear_fwd(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-    fuse_wgrad_accumulation: bool = False, backend: str | Kernels | None = None,
-) -> tuple[torch.Tensor, LinearResiduals]:
-    """``y = x @ W^T + b`` and the residuals its backward needs. x ``[..., K]``, weight ``[N, K]``."""
+class _Call(NamedTuple):
+    """A checked call: what forward computes with, and what its residuals record."""
+
+    distributed: bool
+    w_NK: torch.Tensor  # the materialized weight the GEMM reads
+    x: torch.Tensor  # dense
+    bias: torch.Tensor | None
+    kernels: Kernels
+
+
+def _prepare(x, weight, bias, fuse_wgrad_accumulation, backend) -> _Call:
+    """Check every argument, materialize the weight, pick the kernels."""
     _checks.tensor("x", x, ndim=tuple(range(1, 9)))
     _checks.tensor("weight", weight, ndim=2)
     _checks.flag("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
     distributed = dwp.is_distributed_weight(weight)
-    w_NK = dwp.materialize([weight], distributed, for_backward=False)[0]
+    w_NK = dwp.materialize([weight], distributed, for_backward=False, like=x, name="weight")[0]
     _checks.tensor("weight (materialized)", w_NK, ndim=2)
     N, K = w_NK.shape
     if x.shape[-1] != K:
@@ -50,20 +59,37 @@ def linear_fwd(
         _checks.tensor("bias", bias, ndim=1)
         _checks.shape("bias", bias, (N,))
         _checks.like("bias", bias, x)
-    kernels = get_kernels(backend, x)
-    x = _checks.dense(x)
-    y = kernels.fprop(_checks.dense(x, (_tokens(x.shape), K)), w_NK, bias).view(*x.shape[:-1], N)
+    return _Call(distributed, w_NK, _checks.dense(x), bias, get_kernels(backend, x))
+
+
+def _fprop(c: _Call) -> torch.Tensor:
+    K, N = c.x.shape[-1], c.w_NK.shape[0]
+    return c.kernels.fprop(_checks.dense(c.x, (_tokens(c.x.shape), K)), c.w_NK, c.bias).view(*c.x.shape[:-1], N)
+
+
+def linear_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    fuse_wgrad_accumulation: bool = False, backend: str | Kernels | None = None,
+) -> tuple[torch.Tensor, LinearResiduals]:
+    """``y = x @ W^T + b`` and the residuals its backward needs. x ``[..., K]``, weight ``[N, K]``."""
+    c = _prepare(x, weight, bias, fuse_wgrad_accumulation, backend)
     res = LinearResiduals(
-        x=x, weight=weight, weight_version=dwp.versions([weight]), distributed=distributed,
-        x_shape=tuple(x.shape), has_bias=bias is not None,
-        fuse_wgrad_accumulation=fuse_wgrad_accumulation, kernels=kernels,
+        x=c.x, x_version=_checks.stamp(c.x), weight=weight, weight_version=dwp.versions([weight]),
+        distributed=c.distributed, x_shape=tuple(c.x.shape), out_features=c.w_NK.shape[0],
+        has_bias=bias is not None, fuse_wgrad_accumulation=fuse_wgrad_accumulation, kernels=c.kernels,
     )
-    return y, res
+    return _fprop(c), res
+
+
+def _check_res(res: Any, fn: str) -> LinearResiduals:
+    if not isinstance(res, LinearResiduals):
+        raise TypeError(f"{fn} takes the LinearResiduals that linear_fwd returned, got {type(res).__name__}")
+    _checks.check_stamp("x", res.x, res.x_version)
+    return res
 
 
 def _dy_TN(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
-    if tuple(dy.shape[:-1]) != res.x_shape[:-1]:
-        raise ValueError(f"dy must be [..., N] with x's leading dims {res.x_shape[:-1]}, got {tuple(dy.shape)}")
+    _checks.cotangent("dy", dy, (*res.x_shape[:-1], res.out_features), res.x)
     return _checks.dense(dy, (_tokens(dy.shape), dy.shape[-1]))
 
 
@@ -77,22 +103,24 @@ def _x_TK(res: LinearResiduals) -> torch.Tensor:
 
 def linear_bwd_dgrad(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     """dx = dy @ W, with W materialized again (never kept from forward)."""
+    dy_TN = _dy_TN(_check_res(res, "linear_bwd_dgrad"), dy)
     dwp.check_versions([res.weight], res.weight_version, "weight")
-    w_NK = dwp.materialize([res.weight], res.distributed, for_backward=True)[0]
-    dwp.check_materialized([w_NK], [(dy.shape[-1], res.x_shape[-1])], "materialize_group_for_backward()")
-    return res.kernels.dgrad(_dy_TN(res, dy), w_NK).view(res.x_shape)
+    w_NK = dwp.materialize([res.weight], res.distributed, for_backward=True, like=res.x, name="weight")[0]
+    dwp.check_materialized([w_NK], [(res.out_features, res.x_shape[-1])], "materialize_group_for_backward()")
+    return res.kernels.dgrad(dy_TN, w_NK).view(res.x_shape)
 
 
 def linear_bwd_wgrad(res: LinearResiduals, dy: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
     """(dweight, dbias); dweight is what autograd gets for the parameter (see finalize)."""
+    dy_TN = _dy_TN(_check_res(res, "linear_bwd_wgrad"), dy)
     dwp.check_versions([res.weight], res.weight_version, "weight")
     params, fused = [res.weight], res.fuse_wgrad_accumulation
     if fused and not res.weight.requires_grad:  # a frozen weight: no wgrad, main_grad untouched
-        return None, (column_sums(_dy_TN(res, dy)) if res.has_bias else None)
-    shape = (dy.shape[-1], res.x_shape[-1])
+        return None, (column_sums(dy_TN) if res.has_bias else None)
+    shape = (res.out_features, res.x_shape[-1])
     out = dwp.grad_targets(params, res.distributed, [shape], "weight")[0] if fused else None
     dw, db = res.kernels.wgrad(
-        _x_TK(res), _dy_TN(res, dy), out=out, accumulate=fused and dwp.accumulates(params, res.distributed),
+        _x_TK(res), dy_TN, out=out, accumulate=fused and dwp.accumulates(params, res.distributed),
         with_dbias=res.has_bias,
     )
     return dwp.finalize(params, res.distributed, fused, [dw])[0], db
@@ -100,6 +128,7 @@ def linear_bwd_wgrad(res: LinearResiduals, dy: torch.Tensor) -> tuple[Any, torch
 
 def linear_bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
     """(dx, dweight, dbias): :func:`linear_bwd_dgrad` then :func:`linear_bwd_wgrad`."""
+    _check_res(res, "linear_bwd")
     dx = linear_bwd_dgrad(res, dy)
     return (dx, *linear_bwd_wgrad(res, dy))
 
@@ -113,17 +142,21 @@ def _fwd(x, weight, bias, fuse_wgrad_accumulation, backend):  # positional form 
     return linear_fwd(x, weight, bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation, backend=backend)
 
 
+def _primal(*args) -> torch.Tensor:
+    """Forward alone, when no gradient can be taken: checks and the GEMM, no residuals."""
+    return _fprop(_prepare(*args))
+
+
 def _jvp(res: LinearResiduals, tangents: tuple) -> torch.Tensor:
     """Forward mode: the layer is bilinear, so ``dy = dx W^T + x dW^T + db``."""
     tx, tw, tb = tangents[:3]
     if tw is not None and res.distributed:
         raise ValueError("forward-mode (jvp) tangents for a DistributedWeight are not supported: "
                          "take the tangent with respect to x or bias, or use a plain weight")
-    K, N = res.x_shape[-1], res.weight.shape[0] if not res.distributed else None
+    K, N = res.x_shape[-1], res.out_features
     dy = None
     if tx is not None or tb is not None:
         w_NK = dwp.materialize([res.weight], res.distributed, for_backward=False)[0]
-        N = w_NK.shape[0]
         T = _tokens(res.x_shape)
         tx_TK = _checks.dense(tx, (T, K)) if tx is not None else res.x.new_zeros(T, K)
         dy = res.kernels.fprop(tx_TK, w_NK, tb)
@@ -142,7 +175,7 @@ def _vmap(batch_size: int, in_dims: tuple, x, weight, bias, fuse, backend):
     return (x.movedim(in_dims[0], 0), weight, bias, fuse, backend), lambda y: (y, 0)
 
 
-_linear = custom_vjp(_fwd, _bwd, jvp=_jvp, vmap=_vmap, name="linear")
+_linear = custom_vjp(_fwd, _bwd, primal=_primal, jvp=_jvp, vmap=_vmap, name="linear")
 
 
 def linear(

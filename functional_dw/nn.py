@@ -17,9 +17,18 @@ __all__ = ["Linear", "GroupedLinear"]
 
 
 def _init_(w: torch.Tensor, b: torch.Tensor | None, fan_in: int) -> None:
-    torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # torch.nn.Linear's default init
+    """torch.nn.Linear's default init (zero in-features: nothing to draw for w, b bound 0)."""
+    if w.numel():
+        torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
     if b is not None:
-        torch.nn.init.uniform_(b, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+        torch.nn.init.uniform_(b, -bound, bound)
+
+
+def _size(name: str, v: object, least: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {v!r}")
+    return v
 
 
 class _TEStateDict:
@@ -42,7 +51,7 @@ class Linear(_TEStateDict, torch.nn.Module):
                  fuse_wgrad_accumulation: bool = False, backend: str | None = None) -> None:
         super().__init__()
         kw = dict(dtype=params_dtype, device=device)
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features = _size("in_features", in_features), _size("out_features", out_features)
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **kw))
         self.bias = torch.nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.fuse_wgrad_accumulation, self.backend = fuse_wgrad_accumulation, backend
@@ -65,7 +74,8 @@ class GroupedLinear(_TEStateDict, torch.nn.Module):
                  backend: str | None = None) -> None:
         super().__init__()
         kw = dict(dtype=params_dtype, device=device)
-        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.num_gemms = _size("num_gemms", num_gemms, least=1)
+        self.in_features, self.out_features = _size("in_features", in_features), _size("out_features", out_features)
         self.use_bias = bias
         for e in range(num_gemms):
             w = torch.nn.Parameter(torch.empty(out_features, in_features, **kw))

@@ -52,6 +52,31 @@ class RaisingFinalizeDW(FakeDW):
         raise FinalizeError("raised by finalize_group_grads")
 
 
+class WrongDtypeDW(FakeDW):
+    def materialize_group_for_forward(self):
+        return [m.full.double() for m in self.group]
+
+
+class NoneDW(FakeDW):
+    def materialize_group_for_forward(self):
+        return [None for m in self.group]
+
+
+class BackwardDtypeDW(FakeDW):
+    def materialize_group_for_backward(self, **kwargs):
+        return [m.full.half() for m in self.group]
+
+
+class FinalizeShapeDW(FakeDW):
+    def finalize_group_grads(self, wgrads):
+        return [g[:, :-1] for g in (wgrads if isinstance(wgrads, list) else [wgrads])]
+
+
+class FinalizeStringDW(FakeDW):
+    def finalize_group_grads(self, wgrads):
+        return ["grad" for _ in self.group]
+
+
 NOT_A_TENSOR_DW = types.SimpleNamespace(is_distributed_weight=True)
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="a device mismatch needs CUDA")
 HAS_TE = pytest.mark.skipif(te_available(), reason="Transformer Engine is installed")
@@ -64,7 +89,29 @@ FORWARD = [  # id, call, exception, message (regex)
     ("splits-float-tensor", lambda: G(splits=torch.tensor([2.0, 1, 3])), TypeError, "splits tensor must be 1-D int"),
     ("splits-2d-tensor", lambda: G(splits=torch.tensor([SPLITS])), TypeError, "splits tensor must be 1-D int"),
     ("splits-str", lambda: G(splits="213"), TypeError, "splits must be a list/tuple of ints"),
-    ("splits-float-list", lambda: G(splits=[2.0, 1.0, 3.0]), TypeError, "splits must be a list/tuple of ints"),
+    ("splits-float-list", lambda: G(splits=[2.0, 1.0, 3.0]), TypeError, r"splits\[0\] is 2.0 \(float\); each count must be an int"),
+    ("splits-bool-element", lambda: G(splits=[2, True, 3]), TypeError, r"splits\[1\] is True \(bool\)"),
+    ("splits-0d-tensor-element", lambda: G(splits=[2, 1, torch.tensor(3)]), TypeError, r"splits\[2\] is a tensor"),
+    ("splits-none-element", lambda: G(splits=[2, None, 3]), TypeError, r"splits\[1\] is None \(NoneType\)"),
+    ("splits-meta-tensor", lambda: G(splits=torch.tensor(SPLITS, device="meta")), ValueError, "splits is a tensor on the meta device"),
+    ("splits-0d-tensor", lambda: G(splits=torch.tensor(6)), TypeError, "splits tensor must be 1-D int"),
+    ("splits-generator", lambda: G(splits=(s for s in SPLITS)), TypeError, "splits must be a list/tuple of ints"),
+    ("x-sparse", lambda: G(x=t(T, K).to_sparse()), TypeError, "x must be a dense"),
+    ("linear-x-sparse-csr", lambda: L(x=t(T, K).to_sparse_csr()), TypeError, "x must be a dense"),
+    ("linear-weight-sparse", lambda: L(weight=t(N, K).to_sparse()), TypeError, "weight must be a dense"),
+    ("grouped-weights-sparse", lambda: G(weights=[t(N, K), t(N, K).to_sparse(), t(N, K)]), TypeError, r"weights\[1\] must be a dense"),
+    ("grouped-bias-sparse", lambda: G(bias=t(E, N).to_sparse()), TypeError, "bias must be a dense"),
+    ("grouped-bias-string", lambda: G(bias="bias"), ValueError, "bias must be None, a sequence of 3"),
+    ("dw-forward-dtype", lambda: L(weight=WrongDtypeDW(t(N, K))), TypeError,
+     r"weight: materialize_group_for_forward\(\) of the DistributedWeight returned a torch.float64 tensor on cpu for weight 0"),
+    ("dw-forward-non-tensor", lambda: G(weights=NoneDW.group_of([t(N, K)] * E)), TypeError,
+     r"materialize_group_for_forward\(\) of the DistributedWeight returned a NoneType for weight 0"),
+    ("nn-grouped-zero-experts", lambda: fdw.nn.GroupedLinear(0, K, N), ValueError, "num_gemms must be an int >= 1, got 0"),
+    ("nn-grouped-negative-experts", lambda: fdw.nn.GroupedLinear(-2, K, N), ValueError, "num_gemms must be an int >= 1"),
+    ("nn-linear-negative-in", lambda: fdw.nn.Linear(-1, N), ValueError, "in_features must be an int >= 0, got -1"),
+    ("nn-grouped-float-out", lambda: fdw.nn.GroupedLinear(E, K, 8.0), ValueError, "out_features must be an int"),
+    ("custom-vjp-bare-tensor", lambda: fdw.custom_vjp(lambda x: x, lambda r, d: (d,), name="f")(t(2).requires_grad_()),
+     TypeError, r"custom_vjp\(f\): fwd must return a pair \(out, residuals\)"),
     ("linear-in-features", lambda: L(x=t(T, K + 1)), ValueError, "x has 5 features but weight is"),
     ("grouped-in-features", lambda: G(x=t(T, K + 1)), ValueError, "x has 5 features but the weights are"),
     ("linear-dtype", lambda: L(x=t(T, K, dtype=f64)), TypeError, "weight has dtype"),
@@ -132,7 +179,50 @@ BACKWARD = [  # id, make the loss (forward succeeds), exception at backward, mes
     ("linear-weight-modified", lambda: stale(L), RuntimeError, "modified in place between forward and backward"),
     ("grouped-weight-modified", lambda: stale(G), RuntimeError, r"weights\[2\] was modified in place"),
     ("main-grad-wrong-shape", main_grad_too_big, ValueError, "main_grad"),
+    ("main-grad-int", lambda: int_main_grad(), TypeError, r"weight: main_grad/grad_buffer\(\) is torch.int64; it must be a float"),
+    ("dw-backward-dtype", lambda: G(weights=BackwardDtypeDW.group_of([t(N, K)] * E)).sum(), TypeError,
+     r"materialize_group_for_backward\(\) of the DistributedWeight returned a torch.float16 tensor"),
+    ("dw-finalize-shape", lambda: L(weight=FinalizeShapeDW(t(N, K))).sum(), ValueError,
+     r"finalize_group_grads returned \(8, 3\) on cpu for weight 0; each grad must be None or a tensor shaped like that parameter \(\(4, 4\)"),
+    ("dw-finalize-strings", lambda: G(weights=FinalizeStringDW.group_of([t(N, K)] * E)).sum(), ValueError,
+     r"finalize_group_grads returned a str for weight 0"),
 ]
+
+
+def int_main_grad():
+    w = ws((N, K))[0]
+    w.main_grad = torch.zeros(N, K, dtype=torch.int64)
+    return L(weight=w, fuse_wgrad_accumulation=True).sum()
+
+
+def _pure(layer):
+    if layer == "linear":
+        return fdw.linear_fwd(t(T, K), ws((N, K))[0]) + (fdw.linear_bwd,)
+    return fdw.grouped_linear_fwd(t(T, K), ws(), SPLITS) + (fdw.grouped_linear_bwd,)
+
+
+PURE = [  # id, layer, make the bad (res, dy) from the good ones, exception, message
+    ("dy-none", lambda res, y: (res, None), TypeError, r"dy must be a \[6, 8\] float32 tensor \(the output's shape and dtype\), got NoneType"),
+    ("dy-shape", lambda res, y: (res, y[:, :-1]), ValueError, r"dy must be a \[6, 8\] float32 tensor .* got shape \(6, 7\)"),
+    ("dy-rank", lambda res, y: (res, y[None]), ValueError, r"dy must be .* got shape \(1, 6, 8\)"),
+    ("dy-dtype", lambda res, y: (res, y.double()), TypeError, r"dy must be .* got dtype torch.float64"),
+    ("dy-numpy", lambda res, y: (res, y.detach().numpy()), TypeError, r"dy must be .* got ndarray"),
+    ("dy-sparse", lambda res, y: (res, y.detach().to_sparse()), TypeError, r"dy must be a dense"),
+    ("res-none", lambda res, y: (None, y), TypeError, r"takes the (Grouped)?LinearResiduals that .*, got NoneType"),
+    ("res-other-layer", lambda res, y: (_pure("grouped" if "Grouped" not in type(res).__name__ else "linear")[1], y),
+     TypeError, r"_bwd(_dgrad|_wgrad)? takes the (Grouped)?LinearResiduals that (grouped_)?linear_fwd returned, got (Grouped)?LinearResiduals"),
+]
+
+
+@pytest.mark.parametrize("layer", ["linear", "grouped"])
+@pytest.mark.parametrize("make, exc, match", [pytest.param(*c[1:4], id=c[0]) for c in PURE])
+def test_pure_bwd_rejects(layer, make, exc, match):
+    y, res, bwd = _pure(layer)
+    bad_res, bad_dy = make(res, torch.ones_like(y))
+    for fn in (bwd, *((fdw.linear_bwd_dgrad, fdw.linear_bwd_wgrad) if layer == "linear"
+                      else (fdw.grouped_linear_bwd_dgrad, fdw.grouped_linear_bwd_wgrad))):
+        with pytest.raises(exc, match=match):
+            fn(bad_res, bad_dy)
 
 
 @pytest.mark.parametrize("make_loss, exc, match", [pytest.param(*c[1:4], id=c[0], marks=c[4:]) for c in BACKWARD])

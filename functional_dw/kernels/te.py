@@ -115,6 +115,14 @@ def _grouped_dbias(dy_TN: torch.Tensor, splits: Splits, rows_E1: torch.Tensor) -
     return expert_sums(dy_TN, splits)
 
 
+def _check_out(out) -> None:
+    """TE's GEMMs write float32, bfloat16 or float16: refuse another main_grad dtype up front."""
+    dt = (out if isinstance(out, torch.Tensor) else out[0]).dtype
+    if dt not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"main_grad is {dt}, but backend='te' writes float32/bfloat16/float16 weight grads: "
+                        "use a float32 main_grad, or backend='torch' (which accumulates in main_grad's dtype)")
+
+
 def _wrapped(*operands) -> bool:
     """True if an operand is a functorch wrapper (vmap's batched or jvp/grad's tracking tensor)."""
     if torch._C._functorch.peek_interpreter_stack() is None:
@@ -226,6 +234,8 @@ class TEKernels:
 
     @_unbatched
     def wgrad(self, x_TK, dy_TN, *, out=None, accumulate=False, with_dbias=False):
+        if out is not None:
+            _check_out(out)
         self.prepare(x_TK.device)
         # NOTE: with grad=True the bias tensor's values are ignored; passing one switches on the
         # fused bias grad (BGRADB epilogue), in the GEMM's output dtype (fp32 into main_grad).
@@ -311,6 +321,8 @@ class TEKernels:
     @_unbatched
     def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
         E, K, N = splits.num_experts, x_TK.shape[1], dy_TN.shape[1]
+        if out is not None:
+            _check_out(out)
         grouped = grouped and splits.num_tokens > 0
         accumulate = accumulate and out is not None
         # NOTE: torch.empty, as te.GroupedLinear: both paths write zeros for a zero-token expert

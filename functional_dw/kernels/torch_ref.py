@@ -15,7 +15,36 @@ import torch.nn.functional as F
 
 from . import Splits, Weights, out_in
 
-_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_torch_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a dense gradient.
+
+    NOTE: [Double backward through grouped_mm] With ``create_graph=True`` our backward's
+    grouped GEMMs are themselves differentiated, and the gradient reaching them is often an
+    expanded (zero-stride) tensor, e.g. from ``dx.sum()``; torch's grouped_mm backward rejects
+    such strides ("Invalid strides/sizes"). Only then (an output that requires grad) is this
+    identity put after the GEMM."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g.contiguous()
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    out = _torch_grouped_mm(a, b, offs=offs)
+    return _DenseGrad.apply(out) if out.requires_grad else out
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +109,7 @@ class TorchKernels:
 
     # --- a group --------------------------------------------------------------------------
     def grouped_path_unsupported(self, x_TK: torch.Tensor, w_ENK: Weights) -> str | None:
-        if _grouped_mm is None:
+        if _torch_grouped_mm is None:
             return f"torch {torch.__version__} has no grouped_mm"
         dt = x_TK.dtype
         if torch.compiler.is_compiling() and dt != torch.bfloat16:
@@ -116,6 +145,8 @@ class TorchKernels:
     def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
         db_EN = expert_sums(dy_TN, splits) if with_dbias else None
         dt = x_TK.dtype if out is None else out[0].dtype
+        if grouped and dt == torch.float64 and dt != x_TK.dtype:  # a float64 main_grad: grouped_mm
+            grouped = False  # has no float64, so the products run per expert, in float64
         if grouped:
             dy_T, x = dy_TN.t(), x_TK
             if dt != x_TK.dtype and not x_TK.is_cuda:  # output dtype follows the inputs;
