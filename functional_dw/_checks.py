@@ -48,6 +48,16 @@ def flag(name: str, value: Any) -> bool:
     return value
 
 
+def fuse_flag(value: Any) -> bool:
+    """``fuse_wgrad_accumulation``: a bool, and False under torch.func, whose transforms return
+    gradients and cannot follow a write into ``main_grad``."""
+    if flag("fuse_wgrad_accumulation", value) and not torch.compiler.is_compiling() \
+            and torch._C._functorch.peek_interpreter_stack() is not None:
+        raise ValueError("fuse_wgrad_accumulation=True writes weight grads into main_grad in place, which "
+                         "torch.func transforms cannot follow: pass False under torch.func (the grads are returned)")
+    return value
+
+
 def dense(t: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
     """``t`` contiguous (and reshaped to ``shape``). An empty tensor may keep odd strides
     through ``.contiguous()``, which grouped GEMMs reject: it gets fresh storage instead."""
@@ -66,11 +76,13 @@ def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def sequence(v: Any) -> list | None:
-    """``v`` as a list when it is a sequence of items (list, tuple, ``nn.ParameterList``, any
-    sized iterable that is not a tensor or a string), else None."""
+    """``v`` as a list when it is an ordered sequence of items (list, tuple, ``nn.ParameterList``,
+    a 1-D numpy array: sized and indexable), else None. Sets (no order), mappings and
+    ``ParameterDict`` (keys, not items), tensors and strings are not sequences here."""
     if isinstance(v, (list, tuple)):
         return list(v)
-    if isinstance(v, (torch.Tensor, str, bytes)) or not hasattr(v, "__len__") or not hasattr(v, "__iter__"):
+    if (isinstance(v, (torch.Tensor, str, bytes)) or hasattr(v, "keys")
+            or not hasattr(v, "__len__") or not hasattr(v, "__getitem__")):
         return None
     return list(v)
 
@@ -129,9 +141,8 @@ def check_stamp(name: str, t: torch.Tensor, st: Stamp) -> None:
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """Warn at the first frame outside functional_dw and torch: the caller's line."""
-    if torch.compiler.is_compiling():
-        warnings.warn(message, category)
-        return
+    if torch.compiler.is_compiling():  # dynamo cannot trace warnings.warn; the path taken is
+        return  # recorded on the residuals, and an eager call warns
     level, frame = 2, sys._getframe(1)  # stacklevel 2 is warn's caller
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1

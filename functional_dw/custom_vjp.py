@@ -150,6 +150,8 @@ def _needs_grad(in_leaves: Any) -> bool:
         return False
     if torch.compiler.is_compiling():
         return any(_is_tensor(t) and t.requires_grad for t in in_leaves)
+    if torch.is_inference_mode_enabled():  # enable_grad inside inference_mode: torch records nothing
+        return False
     return any(_is_tensor(t) and t.requires_grad and not t.is_inference() for t in in_leaves)
 
 
@@ -296,6 +298,8 @@ def custom_vjp(
             out, res = _pair(fwd(*tree.tree_unflatten(in_leaves, in_spec)), name)
             # A single tensor output (every layer here) needs no pytree: spec None stands for it.
             out_leaves, ctx.out_spec = ((out,), None) if _is_tensor(out) else tree.tree_flatten(out)
+            if ctx.out_spec is not None and not all(_is_tensor(t) for t in out_leaves):
+                raise TypeError(f"custom_vjp({name}): fwd's output must be tensors; got {ctx.out_spec}")
             res_leaves, ctx.res_spec = tree.tree_flatten(res)
             ctx.save_for_backward(*[t for t in res_leaves if _is_tensor(t)])
             ctx.plan = [("saved", None) if _is_tensor(t) else ("ref", t) for t in res_leaves]

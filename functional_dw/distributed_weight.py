@@ -123,6 +123,10 @@ def grad_targets(params: Sequence[torch.Tensor], dw: bool, shapes: Sequence[tupl
             raise ValueError(f"{where}: main_grad is on {buf.device} but the weight is on {p.device}")
         out.append(buf)
     like = next((b for b in out if b is not None), None)
+    for e, b in enumerate(out):
+        if b is not None and b.dtype != like.dtype:
+            raise TypeError(f"{name}[{e}]: main_grad is {b.dtype} but another weight's is {like.dtype}: "
+                            "the weights of a group share one main_grad dtype (one wgrad GEMM writes them all)")
     return [(torch.empty_like(like) if like is not None else p.new_empty(shape, dtype=torch.float32)) if b is None else b
             for b, p, shape in zip(out, params, shapes)]
 
@@ -132,7 +136,7 @@ def accumulates(params: Sequence[torch.Tensor], dw: bool) -> bool:
     return not dw and not getattr(params[0], "overwrite_main_grad", False)
 
 
-def finalize(params: Sequence[torch.Tensor], dw: bool, fused: bool, wgrads: list[Any]) -> list[Any]:
+def finalize(params: Sequence[torch.Tensor], dw: bool, fused: bool, wgrads: list[Any], name: str = "weights") -> list[Any]:
     """The grads autograd receives for ``params``.
 
     DW: whatever ``finalize_group_grads`` returns (a bare tensor for a group of one).
@@ -146,13 +150,13 @@ def finalize(params: Sequence[torch.Tensor], dw: bool, fused: bool, wgrads: list
         got = _as_list(got)
         if len(got) != len(params):
             raise ValueError(
-                f"weights: finalize_group_grads returned {len(got)} grad(s) for {len(params)} weights"
+                f"{name}: finalize_group_grads returned {len(got)} grad(s) for {len(params)} weights"
             )
         for e, (g, p) in enumerate(zip(got, params)):
             if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape or g.device != p.device):
                 what = f"a {type(g).__name__}" if not isinstance(g, torch.Tensor) else f"{tuple(g.shape)} on {g.device}"
                 raise ValueError(
-                    f"weights: finalize_group_grads returned {what} for weight {e}; each grad must be None "
+                    f"{name}: finalize_group_grads returned {what} for weight {e}; each grad must be None "
                     f"or a tensor shaped like that parameter ({tuple(p.shape)} on {p.device})"
                 )
         return got

@@ -93,6 +93,8 @@ def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
     if isinstance(splits, torch.Tensor):
         if splits.dtype not in (torch.int32, torch.int64) or splits.dim() != 1:
             raise TypeError(f"splits tensor must be 1-D int32 or int64, got {splits.dtype} of shape {tuple(splits.shape)}")
+        if splits.layout != torch.strided:
+            raise TypeError(f"splits must be a dense tensor (or a list of ints), got layout {splits.layout}")
         if splits.device.type == "meta":
             raise ValueError("splits is a tensor on the meta device, which holds no counts: give the splits as "
                              "a list of ints (shape inference needs their values) or a tensor on a real device")
@@ -187,7 +189,8 @@ def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tens
     E = shapes[0][0] if stacked else len(shapes)
     N, K = shapes[0][-2:]
     if x.shape[1] != K:
-        raise ValueError(f"x has {x.shape[1]} features but the weights are [{N}, {K}]: x must be [T, {K}]")
+        what = " (as materialize_group_for_forward() of the DistributedWeight returned them)" if distributed else ""
+        raise ValueError(f"x has {x.shape[1]} features but the weights are [{N}, {K}]{what}: x must be [T, {K}]")
     split = _as_splits(splits, E, x)
     b_EN, bias_form = _as_bias(bias, E, N, x)
     kernels = get_kernels(backend, x, w_ENK if use_grouped_tensor is not False else None)
@@ -359,4 +362,5 @@ def grouped_linear(
     if not isinstance(splits, (torch.Tensor, str, bytes)):
         items = _checks.sequence(splits)
         splits = _HostSplits(items) if items is not None else splits
-    return _grouped_linear(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend)
+    fuse = _checks.fuse_flag(fuse_wgrad_accumulation)  # (under torch.func: refused here, where it is visible)
+    return _grouped_linear(x, weights, splits, bias, fuse, use_grouped_tensor, backend)

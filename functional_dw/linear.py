@@ -53,7 +53,8 @@ def _prepare(x, weight, bias, fuse_wgrad_accumulation, backend) -> _Call:
     _checks.tensor("weight (materialized)", w_NK, ndim=2)
     N, K = w_NK.shape
     if x.shape[-1] != K:
-        raise ValueError(f"x has {x.shape[-1]} features but weight is [{N}, {K}]: x must be [..., {K}]")
+        what = " (as materialize_group_for_forward() of the DistributedWeight returned it)" if distributed else ""
+        raise ValueError(f"x has {x.shape[-1]} features but weight is [{N}, {K}]{what}: x must be [..., {K}]")
     _checks.like("weight", w_NK, x)
     if bias is not None:
         _checks.tensor("bias", bias, ndim=1)
@@ -123,7 +124,7 @@ def linear_bwd_wgrad(res: LinearResiduals, dy: torch.Tensor) -> tuple[Any, torch
         _x_TK(res), dy_TN, out=out, accumulate=fused and dwp.accumulates(params, res.distributed),
         with_dbias=res.has_bias,
     )
-    return dwp.finalize(params, res.distributed, fused, [dw])[0], db
+    return dwp.finalize(params, res.distributed, fused, [dw], "weight")[0], db
 
 
 def linear_bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
@@ -188,4 +189,4 @@ def linear(
     backward, and its grads go through ``finalize_group_grads``. Saved-tensor hooks see only
     ``x``. ``fuse_wgrad_accumulation`` accumulates dW into ``weight.main_grad``.
     """
-    return _linear(x, weight, bias, fuse_wgrad_accumulation, backend)
+    return _linear(x, weight, bias, _checks.fuse_flag(fuse_wgrad_accumulation), backend)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Sequence
 
@@ -26,9 +27,16 @@ def _init_(w: torch.Tensor, b: torch.Tensor | None, fan_in: int) -> None:
 
 
 def _size(name: str, v: object, least: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < least:
-        raise ValueError(f"{name} must be an int >= {least}, got {v!r}")
-    return v
+    """An int size (numpy ints too, as torch.nn.Linear takes them) of at least ``least``."""
+    try:
+        n = operator.index(v) if not isinstance(v, bool) else None
+    except TypeError:
+        n = None
+    if n is None:
+        raise TypeError(f"{name} must be an int, got {v!r} ({type(v).__name__})")
+    if n < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {n}")
+    return n
 
 
 class _TEStateDict:

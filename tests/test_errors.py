@@ -57,6 +57,11 @@ class WrongDtypeDW(FakeDW):
         return [m.full.double() for m in self.group]
 
 
+class NarrowForwardDW(FakeDW):
+    def materialize_group_for_forward(self):
+        return [m.full[:, :-1] for m in self.group]
+
+
 class NoneDW(FakeDW):
     def materialize_group_for_forward(self):
         return [None for m in self.group]
@@ -96,6 +101,18 @@ FORWARD = [  # id, call, exception, message (regex)
     ("splits-meta-tensor", lambda: G(splits=torch.tensor(SPLITS, device="meta")), ValueError, "splits is a tensor on the meta device"),
     ("splits-0d-tensor", lambda: G(splits=torch.tensor(6)), TypeError, "splits tensor must be 1-D int"),
     ("splits-generator", lambda: G(splits=(s for s in SPLITS)), TypeError, "splits must be a list/tuple of ints"),
+    ("splits-set", lambda: G(splits={2, 1, 3}), TypeError, "splits must be a list/tuple of ints or a 1-D integer tensor, got set"),
+    ("splits-dict", lambda: G(splits={0: 2, 1: 1, 2: 3}), TypeError, "splits must be a list/tuple of ints .* got dict"),
+    ("splits-sparse-tensor", lambda: G(splits=torch.tensor(SPLITS).to_sparse()), TypeError, "splits must be a dense tensor"),
+    ("weights-set", lambda: G(weights=set(ws())), TypeError, "weights must be a non-empty sequence .* got set"),
+    ("weights-parameter-dict", lambda: G(weights=torch.nn.ParameterDict({"a": torch.nn.Parameter(t(N, K))})), TypeError,
+     "weights must be a non-empty sequence .* got ParameterDict"),
+    ("dw-forward-shape", lambda: L(weight=NarrowForwardDW(t(N, K))), ValueError,
+     r"x has 4 features but weight is \[8, 3\] \(as materialize_group_for_forward\(\) of the DistributedWeight returned it\)"),
+    ("custom-vjp-none-output", lambda: fdw.custom_vjp(lambda x: ((None,), ()), lambda r, d: (d,), name="f")(t(2).requires_grad_()),
+     TypeError, r"custom_vjp\(f\): fwd's output must be tensors"),
+    ("fused-under-torch-func", lambda: torch.func.grad(lambda w: L(weight=w, fuse_wgrad_accumulation=True).sum())(t(N, K)),
+     ValueError, "fuse_wgrad_accumulation=True writes weight grads into main_grad in place, which torch.func"),
     ("x-sparse", lambda: G(x=t(T, K).to_sparse()), TypeError, "x must be a dense"),
     ("linear-x-sparse-csr", lambda: L(x=t(T, K).to_sparse_csr()), TypeError, "x must be a dense"),
     ("linear-weight-sparse", lambda: L(weight=t(N, K).to_sparse()), TypeError, "weight must be a dense"),
@@ -109,7 +126,7 @@ FORWARD = [  # id, call, exception, message (regex)
     ("nn-grouped-zero-experts", lambda: fdw.nn.GroupedLinear(0, K, N), ValueError, "num_gemms must be an int >= 1, got 0"),
     ("nn-grouped-negative-experts", lambda: fdw.nn.GroupedLinear(-2, K, N), ValueError, "num_gemms must be an int >= 1"),
     ("nn-linear-negative-in", lambda: fdw.nn.Linear(-1, N), ValueError, "in_features must be an int >= 0, got -1"),
-    ("nn-grouped-float-out", lambda: fdw.nn.GroupedLinear(E, K, 8.0), ValueError, "out_features must be an int"),
+    ("nn-grouped-float-out", lambda: fdw.nn.GroupedLinear(E, K, 8.0), TypeError, r"out_features must be an int, got 8.0 \(float\)"),
     ("custom-vjp-bare-tensor", lambda: fdw.custom_vjp(lambda x: x, lambda r, d: (d,), name="f")(t(2).requires_grad_()),
      TypeError, r"custom_vjp\(f\): fwd must return a pair \(out, residuals\)"),
     ("linear-in-features", lambda: L(x=t(T, K + 1)), ValueError, "x has 5 features but weight is"),
@@ -184,9 +201,18 @@ BACKWARD = [  # id, make the loss (forward succeeds), exception at backward, mes
      r"materialize_group_for_backward\(\) of the DistributedWeight returned a torch.float16 tensor"),
     ("dw-finalize-shape", lambda: L(weight=FinalizeShapeDW(t(N, K))).sum(), ValueError,
      r"finalize_group_grads returned \(8, 3\) on cpu for weight 0; each grad must be None or a tensor shaped like that parameter \(\(4, 4\)"),
+    ("main-grad-mixed-dtypes", lambda: mixed_main_grads(), TypeError,
+     r"weights\[1\]: main_grad is torch.float64 but another weight's is torch.bfloat16"),
     ("dw-finalize-strings", lambda: G(weights=FinalizeStringDW.group_of([t(N, K)] * E)).sum(), ValueError,
      r"finalize_group_grads returned a str for weight 0"),
 ]
+
+
+def mixed_main_grads():
+    w = ws()
+    for p, dt in zip(w, (torch.bfloat16, torch.float64, torch.float32)):
+        p.main_grad = torch.zeros(N, K, dtype=dt)
+    return G(weights=w, fuse_wgrad_accumulation=True).sum()
 
 
 def int_main_grad():

@@ -42,6 +42,16 @@ class _DenseGrad(torch.autograd.Function):
         return g.contiguous()
 
 
+def _plain(*operands) -> bool:
+    """No transform reaches these operands: grouped_mm has no forward-AD formula and no
+    functorch rules, so under ``jvp``/``hessian``/functorch wrappers the split path runs."""
+    if torch.autograd.forward_ad._current_level >= 0:
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return True
+    return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in operands if isinstance(t, torch.Tensor))
+
+
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     out = _torch_grouped_mm(a, b, offs=offs)
     return _DenseGrad.apply(out) if out.requires_grad else out
@@ -55,6 +65,10 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
+
+
+def _list(w_ENK: Weights) -> Sequence[torch.Tensor]:
+    return (w_ENK,) if isinstance(w_ENK, torch.Tensor) else w_ENK
 
 
 def _stack(w_ENK: Weights) -> torch.Tensor:
@@ -129,7 +143,7 @@ class TorchKernels:
         return None
 
     def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
-        if not grouped:
+        if not grouped or not _plain(x_TK, *_list(w_ENK), b_EN):
             xs = x_TK.split(splits.sizes())
             return torch.cat([F.linear(x, w_ENK[e], None if b_EN is None else b_EN[e]) for e, x in enumerate(xs)])
         y_TN = _grouped_mm(x_TK, _stack(w_ENK).transpose(-2, -1), offs=splits.ends(torch.int32))
@@ -138,13 +152,14 @@ class TorchKernels:
         return y_TN
 
     def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
-        if not grouped:
+        if not grouped or not _plain(dy_TN, *_list(w_ENK)):
             return torch.cat([dy @ w_ENK[e] for e, dy in enumerate(dy_TN.split(splits.sizes()))])
         return _grouped_mm(dy_TN, _stack(w_ENK), offs=splits.ends(torch.int32))
 
     def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
         db_EN = expert_sums(dy_TN, splits) if with_dbias else None
         dt = x_TK.dtype if out is None else out[0].dtype
+        grouped = grouped and _plain(x_TK, dy_TN)
         if grouped and dt == torch.float64 and dt != x_TK.dtype:  # a float64 main_grad: grouped_mm
             grouped = False  # has no float64, so the products run per expert, in float64
         if grouped:
