@@ -44,7 +44,10 @@ class _DenseGrad(torch.autograd.Function):
 
 def _plain(*operands) -> bool:
     """No transform reaches these operands: grouped_mm has no forward-AD formula and no
-    functorch rules, so under ``jvp``/``hessian``/functorch wrappers the split path runs."""
+    functorch rules, so under ``jvp``/``hessian``/functorch wrappers the split path runs.
+    (A compiled graph holds no transform's wrappers: dynamo cannot ask, nor needs to.)"""
+    if torch.compiler.is_compiling():
+        return True
     if torch.autograd.forward_ad._current_level >= 0:
         return False
     if torch._C._functorch.peek_interpreter_stack() is None:
