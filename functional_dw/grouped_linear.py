@@ -189,6 +189,11 @@ def _dy_TN(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     return _checks.dense(dy)
 
 
+def _x_TK(res: GroupedLinearResiduals) -> torch.Tensor:
+    """The saved x, dense again: an unpack hook may hand it back with other strides."""
+    return _checks.dense(res.x_TK)
+
+
 def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     """dx ``[T, K]``, with the weights materialized again (never kept from forward)."""
     dwp.check_versions(res.weights, res.weight_version, "weights")
@@ -210,7 +215,7 @@ def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> t
         targets = dwp.grad_targets(res.weights, res.distributed, res.weight_shapes, "weights")
         out = targets[0] if res.stacked else targets
     dw, db_EN = res.kernels.grouped_wgrad(
-        res.x_TK, _dy_TN(res, dy), res.splits, res.path == "grouped", out=out,
+        _x_TK(res), _dy_TN(res, dy), res.splits, res.path == "grouped", out=out,
         accumulate=fused and dwp.accumulates(res.weights, res.distributed), with_dbias=res.bias is not None,
     )
     wgrads = dwp.finalize(res.weights, res.distributed, fused, [dw] if res.stacked else list(dw))
@@ -261,7 +266,7 @@ def _jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
     if tw is not None:  # + x dW^T
         if not isinstance(tw, torch.Tensor):
             tw = [torch.zeros_like(w) if t is None else t for t, w in zip(tw, res.weights)]
-        dy = dy + res.kernels.grouped_fprop(res.x_TK, tw, None, res.splits, grouped)
+        dy = dy + res.kernels.grouped_fprop(_x_TK(res), tw, None, res.splits, grouped)
     return dy
 
 
