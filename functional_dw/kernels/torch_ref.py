@@ -40,10 +40,12 @@ def _mm_ready(t: torch.Tensor) -> torch.Tensor:
     over any strides (a slice of a wider buffer, a transposed copy, a size-1 dim with an odd
     stride, which ``is_contiguous`` ignores); a fresh row-major copy always fits, since the
     path check has made in/out features 16-byte multiples."""
+    if t.is_contiguous() and t.shape[-2] > 1 and not t.is_cuda:
+        return t  # the common case on the CPU
     n0, n1 = t.shape[-2:]
     a = 16 // t.element_size()
-    if n0 > 1 and t.is_contiguous() and (not t.is_cuda or t.storage_offset() % a == 0):
-        return t  # the common case
+    if n0 > 1 and t.is_contiguous() and t.storage_offset() % a == 0:
+        return t  # the common case on CUDA
     s0, s1 = t.stride()[-2:]
     ok = (s1 == 1 and s0 >= max(1, n1) and s0 % a == 0) or (s0 == 1 and s1 >= max(1, n0) and s1 % a == 0)
     if ok and t.is_cuda:
