@@ -114,9 +114,9 @@ def grad_targets(params: Sequence[torch.Tensor], dw: bool, shapes: Sequence[tupl
                     "weight (e.g. `w.main_grad = torch.zeros_like(w, dtype=torch.float32)`)"
                 )
             p.main_grad = buf  # TE writes it back; harmless for a plain attribute
-        if not isinstance(buf, torch.Tensor) or tuple(buf.shape) != tuple(shape) or not buf.is_contiguous():
+        if not isinstance(buf, torch.Tensor) or tuple(buf.shape) != tuple(shape):  # any strides (kernels copy if they must)
             got = tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__
-            raise ValueError(f"{where}: main_grad/grad_buffer() must be a contiguous {tuple(shape)} tensor, got {got}")
+            raise ValueError(f"{where}: main_grad/grad_buffer() must be a {tuple(shape)} tensor, got {got}")
         if not buf.dtype.is_floating_point:
             raise TypeError(f"{where}: main_grad/grad_buffer() is {buf.dtype}; it must be a float tensor (float32)")
         if buf.device != p.device and not dw:

@@ -37,7 +37,7 @@ SplitsArg = Union[Sequence[int], torch.Tensor]
 
 @residuals
 class GroupedLinearResiduals:
-    x_TK: torch.Tensor = saved()  # the only tensor saved for backward
+    x_TK: torch.Tensor = saved()  # the only tensor saved for backward: x as given (NOTE: [Saved x])
     x_version: _checks.Stamp  # x_TK's version at forward: the pure API checks it in backward
     weights: tuple[torch.Tensor, ...]  # the parameters by reference: E x [N, K], or one [E, N, K]
     stacked: bool  # weights is one [E, N, K] tensor
@@ -213,7 +213,7 @@ def grouped_linear_fwd(
     """``y`` ``[T, N]`` and the residuals. x ``[T, K]``; weights E ``[N, K]`` or ``[E, N, K]``."""
     c = _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend)
     res = GroupedLinearResiduals(
-        x_TK=c.x_TK, x_version=_checks.stamp(c.x_TK), weights=c.params, stacked=c.stacked,
+        x_TK=x, x_version=_checks.stamp(x), weights=c.params, stacked=c.stacked,
         weight_version=dwp.versions(c.params), distributed=c.distributed, weight_shapes=c.shapes, splits=c.split,
         bias=c.bias_form, out_features=c.shapes[0][-2], path=c.path,
         fuse_wgrad_accumulation=fuse_wgrad_accumulation, kernels=c.kernels,
@@ -230,6 +230,17 @@ def _check_res(res: Any, fn: str) -> GroupedLinearResiduals:
 
 def _dy_TN(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     return _checks.dense(_checks.cotangent("dy", dy, (res.x_TK.shape[0], res.out_features), res.x_TK))
+
+
+def _x_TK(res: GroupedLinearResiduals) -> torch.Tensor:
+    """The saved x, dense.
+
+    NOTE: [Saved x] The residuals keep x as the caller gave it, not forward's dense copy:
+    a copy made inside the autograd Function has no graph link to x, so a second-order
+    gradient through wgrad (create_graph=True, jacrev of jacrev) would silently lose its x
+    term. Backward makes it dense again (also after an unpack hook that changed strides);
+    for a contiguous x (the usual case) both are no-ops."""
+    return _checks.dense(res.x_TK)
 
 
 def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
@@ -255,7 +266,7 @@ def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> t
         targets = dwp.grad_targets(res.weights, res.distributed, res.weight_shapes, "weights")
         out = targets[0] if res.stacked else targets
     dw, db_EN = res.kernels.grouped_wgrad(
-        res.x_TK, dy_TN, res.splits, res.path == "grouped", out=out,
+        _x_TK(res), dy_TN, res.splits, res.path == "grouped", out=out,
         accumulate=fused and dwp.accumulates(res.weights, res.distributed), with_dbias=res.bias is not None,
     )
     wgrads = dwp.finalize(res.weights, res.distributed, fused, [dw] if res.stacked else list(dw))
@@ -307,12 +318,13 @@ def _jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
     dy = res.x_TK.new_zeros(res.x_TK.shape[0], res.out_features)
     if tx is not None or b_EN is not None:  # dx W^T + db, with the weights gathered again
         full = dwp.materialize(res.weights, res.distributed, for_backward=False)
-        tx = tx if tx is not None else torch.zeros_like(res.x_TK)
+        tx = _checks.dense(tx) if tx is not None else res.x_TK.new_zeros(res.x_TK.shape)
         dy = res.kernels.grouped_fprop(tx, full[0] if res.stacked else full, b_EN, res.splits, grouped)
     if tw is not None:  # + x dW^T
         if not isinstance(tw, torch.Tensor):
             tw = [torch.zeros_like(w) if t is None else t for t, w in zip(tw, res.weights)]
-        dy = dy + res.kernels.grouped_fprop(res.x_TK, tw, None, res.splits, grouped)
+        tw = _checks.dense(tw) if isinstance(tw, torch.Tensor) else [_checks.dense(t) for t in tw]
+        dy = dy + res.kernels.grouped_fprop(_x_TK(res), tw, None, res.splits, grouped)
     return dy
 
 

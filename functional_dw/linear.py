@@ -21,7 +21,7 @@ __all__ = ["LinearResiduals", "linear", "linear_fwd", "linear_bwd", "linear_bwd_
 
 @residuals
 class LinearResiduals:
-    x: torch.Tensor = saved()  # the input as the GEMM read it (contiguous): the only saved tensor
+    x: torch.Tensor = saved()  # the input as given (see grouped_linear's NOTE: [Saved x]): the only saved tensor
     x_version: _checks.Stamp  # x's version at forward: the pure API checks it in backward
     weight: torch.Tensor  # the parameter itself (plain or DistributedWeight), by reference
     weight_version: tuple[int | None, ...]
@@ -75,7 +75,7 @@ def linear_fwd(
     """``y = x @ W^T + b`` and the residuals its backward needs. x ``[..., K]``, weight ``[N, K]``."""
     c = _prepare(x, weight, bias, fuse_wgrad_accumulation, backend)
     res = LinearResiduals(
-        x=c.x, x_version=_checks.stamp(c.x), weight=weight, weight_version=dwp.versions([weight]),
+        x=x, x_version=_checks.stamp(x), weight=weight, weight_version=dwp.versions([weight]),
         distributed=c.distributed, x_shape=tuple(c.x.shape), out_features=c.w_NK.shape[0],
         has_bias=bias is not None, fuse_wgrad_accumulation=fuse_wgrad_accumulation, kernels=c.kernels,
     )

@@ -63,7 +63,12 @@ class Linear(_TEStateDict, torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **kw))
         self.bias = torch.nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.fuse_wgrad_accumulation, self.backend = fuse_wgrad_accumulation, backend
-        _init_(self.weight, self.bias, in_features)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialize the parameters (torch.nn.Linear's rule); FSDP2-style meta init calls it
+        after ``to_empty``."""
+        _init_(self.weight, self.bias, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
@@ -88,11 +93,17 @@ class GroupedLinear(_TEStateDict, torch.nn.Module):
         for e in range(num_gemms):
             w = torch.nn.Parameter(torch.empty(out_features, in_features, **kw))
             b = torch.nn.Parameter(torch.empty(out_features, **kw)) if bias else None
-            _init_(w, b, in_features)
             self.register_parameter(f"weight{e}", w)
             self.register_parameter(f"bias{e}", b)
         self.fuse_wgrad_accumulation, self.use_grouped_tensor = fuse_wgrad_accumulation, use_grouped_tensor
         self.backend = backend
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialize each expert's parameters (torch.nn.Linear's rule); FSDP2-style meta init
+        calls it after ``to_empty``."""
+        for w, b in zip(self.weights(), self.biases() or [None] * self.num_gemms):
+            _init_(w, b, self.in_features)
 
     def weights(self) -> list[torch.Tensor]:
         return [getattr(self, f"weight{e}") for e in range(self.num_gemms)]

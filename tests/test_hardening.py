@@ -210,17 +210,45 @@ def test_pure_api_sees_x_modified_in_place(layer):
         bwd(res, torch.ones_like(y))
 
 
-def test_x_copy_taken_by_forward_is_not_affected():
-    """A non-contiguous x is copied by forward: changing the caller's x later is harmless."""
+def test_non_contiguous_x_is_saved_as_given():
+    """The residuals hold x itself (not forward's dense copy), so an in-place change is seen."""
     x, ws, _ = _group(requires_grad=False)
     xt = x.t().contiguous().t()
     y, res = fd.grouped_linear_fwd(xt, ws, SPLITS)
+    assert res.x_TK is xt
     xt.mul_(2)
-    dx, dws, _ = fd.grouped_linear_bwd(res, torch.ones_like(y))
-    ref_ws = [w.detach().double().requires_grad_() for w in ws]
-    want = torch.autograd.grad(ref_grouped(x.double(), ref_ws, SPLITS).sum(), ref_ws)
-    for a, b in zip(dws, want):
-        assert_close(a, b, torch.float32)
+    with pytest.raises(RuntimeError, match="x was modified in place"):
+        fd.grouped_linear_bwd(res, torch.ones_like(y))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("layer", ["linear", "grouped"])
+def test_second_order_through_a_non_contiguous_x(layer, path):
+    """The x term of d(dW)/dx survives when forward had to copy x (found by the probe)."""
+    x, ws, _ = _group(torch.float64)
+    xt = x.detach().t().contiguous().t().requires_grad_()
+    f = (lambda x, w: fd.linear(x, w[0])) if layer == "linear" else \
+        (lambda x, w: fd.grouped_linear(x, w, SPLITS, use_grouped_tensor=path))
+    ref = (lambda x, w: x @ w[0].T) if layer == "linear" else (lambda x, w: ref_grouped(x, w, SPLITS))
+    params = [xt, ws[0]] if layer == "linear" else [xt, *ws]
+    out = []
+    for fn in (f, ref):
+        g = torch.autograd.grad(fn(xt, ws).square().sum(), params, create_graph=True)
+        out.append(torch.autograd.grad(sum(t.sum() for t in g), params))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_jvp_with_non_contiguous_tangents_on_the_grouped_path(stacked):
+    x, ws, _ = _group(requires_grad=False)
+    W = torch.stack(ws) if stacked else ws
+    xt = x.t().contiguous().t()
+    tx = torch.randn(K, T).t()
+    tW = torch.randn(E, K, N).transpose(1, 2) if stacked else [torch.randn(K, N).t() for _ in range(E)]
+    y, ty = torch.func.jvp(lambda x, W: fd.grouped_linear(x, W, SPLITS, use_grouped_tensor=True), (xt, W), (tx, tW))
+    _, want = torch.func.jvp(lambda x, W: ref_grouped(x, W, SPLITS), (xt, W), (tx, tW))
+    torch.testing.assert_close(ty, want)
 
 
 # --- 9. the bridge restates its contract ---------------------------------------------------

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, Union
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["Kernels", "Splits", "get_kernels", "te_available", "out_in"]
 
@@ -122,7 +123,7 @@ def _to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) 
     """Host ints as a tensor on ``device`` without a host sync: a CUDA copy goes through pinned
     memory, asynchronously (``torch.tensor(..., device="cuda")`` waits for the stream)."""
     cpu = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or torch.compiler.is_compiling() or isinstance(cpu, FakeTensor) or torch.cuda.is_current_stream_capturing():
         return cpu.to(device)
     return cpu.pin_memory().to(device, non_blocking=True)
 
@@ -207,7 +208,9 @@ def get_kernels(backend: str | Kernels | None, x: torch.Tensor, w_ENK: Weights |
             raise ValueError(f"backend='te' runs on CUDA tensors; x is on {x.device}. Use backend='torch'")
         if x.dtype not in _TE_DTYPES:
             raise TypeError(f"backend='te' takes float32, bfloat16 or float16; x is {x.dtype}. Use backend='torch'")
-        if torch.compiler.is_compiling():  # the same kernels as custom ops dynamo can trace
+        # the same kernels as custom ops dynamo can trace; and their fake rules give the shapes
+        # for fake tensors (FakeTensorMode), on which TE's C++ cannot run
+        if torch.compiler.is_compiling() or isinstance(x, FakeTensor):
             from .te_ops import TRACED_TE
 
             return TRACED_TE

@@ -64,6 +64,27 @@ def _packed(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return t0.detach().as_strided((len(ts), *t0.shape), (t0.numel(), *t0.stride()))
 
 
+def _dense_list(w_ENK: Weights) -> list[torch.Tensor]:
+    """E contiguous ``[N, K]`` tensors (TE's C++ reads a pointer and a shape, not strides)."""
+    if isinstance(w_ENK, torch.Tensor):
+        return list(w_ENK.contiguous())
+    return [w.contiguous() for w in w_ENK]
+
+
+def _dense_out(out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    """A contiguous stand-in for a strided output (e.g. a transposed main_grad view): its
+    values when accumulating, else fresh. The caller copies it back (:func:`_copy_back`)."""
+    if out.is_contiguous():
+        return out
+    return out.contiguous() if accumulate else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+
+
+def _copy_back(outs: Sequence[torch.Tensor], dense: Sequence[torch.Tensor]) -> None:
+    for o, d in zip(outs, dense):
+        if d is not o:
+            o.copy_(d)
+
+
 def _stacked(w_ENK: Weights) -> torch.Tensor:
     if isinstance(w_ENK, torch.Tensor):
         return w_ENK.contiguous()
@@ -221,14 +242,15 @@ class TEKernels:
     @_unbatched
     def fprop(self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None) -> torch.Tensor:
         self.prepare(x_TK.device)
-        y_TN, *_ = general_gemm(w_NK, x_TK, out_dtype=x_TK.dtype, bias=b_N, use_split_accumulator=_2X_ACC_FPROP)
+        b_N = None if b_N is None else b_N.contiguous()
+        y_TN, *_ = general_gemm(w_NK.contiguous(), x_TK, out_dtype=x_TK.dtype, bias=b_N, use_split_accumulator=_2X_ACC_FPROP)
         return y_TN
 
     @_unbatched
     def dgrad(self, dy_TN: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
         self.prepare(dy_TN.device)
         dx_TK, *_ = general_gemm(
-            w_NK, dy_TN, out_dtype=dy_TN.dtype, layout="NN", grad=True, use_split_accumulator=_2X_ACC_DGRAD,
+            w_NK.contiguous(), dy_TN, out_dtype=dy_TN.dtype, layout="NN", grad=True, use_split_accumulator=_2X_ACC_DGRAD,
         )
         return dx_TK
 
@@ -239,11 +261,16 @@ class TEKernels:
         self.prepare(x_TK.device)
         # NOTE: with grad=True the bias tensor's values are ignored; passing one switches on the
         # fused bias grad (BGRADB epilogue), in the GEMM's output dtype (fp32 into main_grad).
+        accumulate = accumulate and out is not None
+        dense = None if out is None else _dense_out(out, accumulate)  # a strided main_grad: via a copy
         dw_NK, db_N, *_ = general_gemm(
             x_TK, dy_TN, out_dtype=x_TK.dtype if out is None else out.dtype, layout="NT", grad=True,
-            out=out, accumulate=accumulate and out is not None,
+            out=dense, accumulate=accumulate,
             bias=dy_TN.new_empty(dy_TN.shape[-1]) if with_dbias else None, use_split_accumulator=_2X_ACC_WGRAD,
         )
+        if out is not None:
+            _copy_back([out], [dense])
+            dw_NK = out
         return dw_NK, (db_N.to(dy_TN.dtype) if with_dbias else None)
 
     # --- a group (te.GroupedLinear) -------------------------------------------------------
@@ -292,8 +319,8 @@ class TEKernels:
         self.prepare(x_TK.device, E)
         sizes = _host_sizes(splits)
         general_grouped_gemm(
-            list(w_ENK), list(x_TK.split(sizes)), [y_TN], [None] * E, x_TK.dtype, single_output=True,
-            m_splits=sizes, bias=None if b_EN is None else list(b_EN), use_bias=b_EN is not None,
+            _dense_list(w_ENK), list(x_TK.split(sizes)), [y_TN], [None] * E, x_TK.dtype, single_output=True,
+            m_splits=sizes, bias=None if b_EN is None else list(b_EN.contiguous()), use_bias=b_EN is not None,
             use_split_accumulator=_2X_ACC_FPROP,
         )
         return y_TN
@@ -313,7 +340,7 @@ class TEKernels:
         self.prepare(dy_TN.device, E)
         sizes = _host_sizes(splits)
         general_grouped_gemm(
-            list(w_ENK), list(dy_TN.split(sizes)), [dx_TK], [None] * E, dy_TN.dtype, single_output=True,
+            _dense_list(w_ENK), list(dy_TN.split(sizes)), [dx_TK], [None] * E, dy_TN.dtype, single_output=True,
             layout="NN", m_splits=sizes, grad=True, use_split_accumulator=_2X_ACC_DGRAD,
         )
         return dx_TK
@@ -329,9 +356,20 @@ class TEKernels:
         # (TE's split path zero-fills it; the grouped GEMM computes its K=0 product as zeros,
         # measured on the H200 with benchmarks/probe_zero_experts.py; tested in test_te_gpu.py).
         dw = out if out is not None else x_TK.new_empty(E, N, K)
+        if isinstance(dw, torch.Tensor):  # a strided [E, N, K] main_grad: through a dense copy
+            dense = _dense_out(dw, accumulate)
+            db = self._grouped_wgrad(x_TK, dy_TN, splits, grouped, dense, accumulate, with_dbias, stacked=out is not None)
+            _copy_back([dw], [dense])
+            return dw, db
+        dense = [_dense_out(t, accumulate) for t in dw]  # strided main_grads: through dense copies
+        db = self._grouped_wgrad(x_TK, dy_TN, splits, grouped, dense, accumulate, with_dbias, stacked=False)
+        _copy_back(dw, dense)
+        return dw, db
+
+    def _grouped_wgrad(self, x_TK, dy_TN, splits, grouped, dw, accumulate, with_dbias, stacked):
+        """:meth:`grouped_wgrad` into ``dw`` (contiguous: one [E, N, K] or E [N, K]); db_EN."""
+        E, K, N = splits.num_experts, x_TK.shape[1], dy_TN.shape[1]
         targets = list(dw)  # E [N, K] tensors (views of dw, or the caller's), written in place
-        if any(not t.is_contiguous() for t in targets):
-            raise ValueError("grouped_wgrad: the weight-gradient outputs (main_grad) must be contiguous")
         if not grouped:
             self.prepare(x_TK.device, E)
             sizes = _host_sizes(splits)
@@ -340,11 +378,11 @@ class TEKernels:
                 layout="NT", grad=True, m_splits=sizes, use_bias=with_dbias, accumulate=accumulate,
                 use_split_accumulator=_2X_ACC_WGRAD,
             )  # bias grads come in the output dtype (fp32 into main_grad); empty experts get zeros
-            return dw, (torch.stack(db_E).to(dy_TN.dtype) if with_dbias else None)
+            return torch.stack(db_E).to(dy_TN.dtype) if with_dbias else None
         self.prepare(x_TK.device, E, grouped=True)
         sizes_E, rows_E1, offs_K, offs_N = _offsets(splits, K, N)
         db_EN = _grouped_dbias(dy_TN, splits, rows_E1) if with_dbias else None
-        D, scratch = self._wgrad_out(dw, targets, stacked=isinstance(out, torch.Tensor))
+        D, scratch = self._wgrad_out(dw, targets, stacked=stacked)
         # NOTE: fp32 main_grad from bf16/fp16 inputs is supported by the grouped kernel (outputs
         # may be bf16, fp16 or fp32); accumulate=True makes TE pass beta = 1 (D += dy^T x).
         general_grouped_gemm_for_grouped_tensor(
@@ -354,7 +392,7 @@ class TEKernels:
         if scratch is not None:
             for t, s in zip(targets, scratch):
                 _write(t, s, accumulate)
-        return dw, db_EN
+        return db_EN
 
     # --- grouped-path operands ------------------------------------------------------------
     def _weights(self, w_ENK: Weights) -> list[torch.Tensor] | GroupedTensorStorage:

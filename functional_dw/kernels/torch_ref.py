@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import Splits, Weights, out_in
 
@@ -75,7 +76,49 @@ def _list(w_ENK: Weights) -> Sequence[torch.Tensor]:
 
 
 def _stack(w_ENK: Weights) -> torch.Tensor:
-    return w_ENK if isinstance(w_ENK, torch.Tensor) else torch.stack(list(w_ENK))
+    return _mm_ready(w_ENK) if isinstance(w_ENK, torch.Tensor) else torch.stack(list(w_ENK))
+
+
+def _mm_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a layout grouped_mm takes, copied only when it does not: the last two dims
+    row- or column-major with a 16-byte multiple leading stride (and, on CUDA, a 16-byte
+    aligned start and batch stride). NOTE: [Layouts] Callers and saved-tensor hooks may hand
+    over any strides (a slice of a wider buffer, a transposed copy, a size-1 dim with an odd
+    stride, which ``is_contiguous`` ignores); a fresh row-major copy always fits, since the
+    path check has made in/out features 16-byte multiples."""
+    if t.is_contiguous() and t.shape[-2] > 1 and not t.is_cuda:
+        return t  # the common case on the CPU
+    n0, n1 = t.shape[-2:]
+    a = 16 // t.element_size()
+    if n0 > 1 and t.is_contiguous() and t.storage_offset() % a == 0:
+        return t  # the common case on CUDA
+    s0, s1 = t.stride()[-2:]
+    ok = (s1 == 1 and s0 >= max(1, n1) and s0 % a == 0) or (s0 == 1 and s1 >= max(1, n0) and s1 % a == 0)
+    if ok and t.is_cuda:
+        ok = t.storage_offset() % a == 0 and (t.dim() == 2 or t.stride(0) % a == 0)
+    return t if ok else t.clone(memory_format=torch.contiguous_format)
+
+
+def _no_data(t: torch.Tensor) -> bool:
+    """A meta tensor, or a fake one outside a trace: shapes only, no kernel runs."""
+    if t.is_meta:
+        return True
+    if not isinstance(t, FakeTensor) or torch.compiler.is_compiling():
+        return False
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is None
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, splits: Splits) -> torch.Tensor:
+    """grouped_mm (operands through :func:`_mm_ready`). NOTE: [Shapes only] grouped_mm's meta
+    (fake) rule mirrors CUDA and takes bfloat16 only, while the CPU kernel also takes float32
+    and float16: on meta or fake tensors those get an empty result of the right shape."""
+    if a.dtype != torch.bfloat16 and _no_data(a):
+        E = splits.num_experts
+        shape = (E, a.shape[0], b.shape[1]) if b.dim() == 2 else (a.shape[0], b.shape[-1])
+        return a.new_empty(shape)
+    return _grouped_mm(a, b, offs=splits.ends(torch.int32))
 
 
 def _row_expert(splits: Splits) -> torch.Tensor:
@@ -134,7 +177,7 @@ class TorchKernels:
         if x_TK.is_cuda:
             if dt != torch.bfloat16:
                 return f"torch's CUDA grouped_mm takes bfloat16 only, got {dt}"
-            if _capability(x_TK.device) < (8, 0):
+            if not isinstance(x_TK, FakeTensor) and _capability(x_TK.device) < (8, 0):  # (a fake has no GPU to ask)
                 return "torch's CUDA grouped_mm needs compute capability >= 8.0"
         elif dt not in (torch.float32, torch.bfloat16, torch.float16):
             return f"torch's grouped_mm takes float32/bfloat16/float16, got {dt}"
@@ -149,7 +192,7 @@ class TorchKernels:
         if not grouped or not _plain(x_TK, *_list(w_ENK), b_EN):
             xs = x_TK.split(splits.sizes())
             return torch.cat([F.linear(x, w_ENK[e], None if b_EN is None else b_EN[e]) for e, x in enumerate(xs)])
-        y_TN = _grouped_mm(x_TK, _stack(w_ENK).transpose(-2, -1), offs=splits.ends(torch.int32))
+        y_TN = _gmm(_mm_ready(x_TK), _stack(w_ENK).transpose(-2, -1), splits)
         if b_EN is not None:
             y_TN = y_TN + b_EN[_row_expert(splits)]
         return y_TN
@@ -157,7 +200,7 @@ class TorchKernels:
     def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
         if not grouped or not _plain(dy_TN, *_list(w_ENK)):
             return torch.cat([dy @ w_ENK[e] for e, dy in enumerate(dy_TN.split(splits.sizes()))])
-        return _grouped_mm(dy_TN, _stack(w_ENK), offs=splits.ends(torch.int32))
+        return _gmm(_mm_ready(dy_TN), _stack(w_ENK), splits)
 
     def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
         db_EN = expert_sums(dy_TN, splits) if with_dbias else None
@@ -166,11 +209,11 @@ class TorchKernels:
         if grouped and dt == torch.float64 and dt != x_TK.dtype:  # a float64 main_grad: grouped_mm
             grouped = False  # has no float64, so the products run per expert, in float64
         if grouped:
-            dy_T, x = dy_TN.t(), x_TK
+            dy_T, x = _mm_ready(dy_TN).t(), _mm_ready(x_TK)
             if dt != x_TK.dtype and not x_TK.is_cuda:  # output dtype follows the inputs;
                 # CUDA grouped_mm is bf16-only, so there the fp32 main_grad gets a bf16 dw
                 dy_T, x = dy_T.to(dt), x.to(dt)
-            dw_ENK: Sequence[torch.Tensor] = _grouped_mm(dy_T, x, offs=splits.ends(torch.int32))
+            dw_ENK: Sequence[torch.Tensor] = _gmm(dy_T, x, splits)
         else:
             sizes = splits.sizes()
             if dt != x_TK.dtype:  # fp32 main_grad: the product in its dtype
