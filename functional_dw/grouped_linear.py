@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 
 from . import _checks, distributed_weight as dwp
 from .custom_vjp import custom_vjp
-from .kernels import Kernels, Splits, get_kernels
+from .kernels import Kernels, Splits, check_sizes, get_kernels
 from .kernels.torch_ref import expert_sums
 from .residuals import residuals, saved
 
@@ -91,7 +91,7 @@ def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
     if isinstance(splits, torch.Tensor):
         if splits.dtype not in (torch.int32, torch.int64) or splits.dim() != 1:
             raise TypeError(f"splits tensor must be 1-D int32 or int64, got {splits.dtype} of shape {tuple(splits.shape)}")
-        host = None if splits.is_cuda else tuple(splits.tolist())
+        host = None if splits.is_cuda or torch.compiler.is_compiling() else tuple(splits.tolist())
         tensor = splits
     elif isinstance(splits, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in splits):
         host, tensor = tuple(splits), None
@@ -100,17 +100,13 @@ def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
     n = len(host) if host is not None else splits.shape[0]
     if n != num_experts:
         raise ValueError(f"splits has {n} entries but there are {num_experts} experts (weights): give one count per expert")
-    out = Splits(host=host, tensor=tensor, device=x.device, num_tokens=T, num_experts=num_experts)
+    if torch.compiler.is_compiling():  # NOTE: [Splits under torch.compile]: data, never guarded on
+        if tensor is None:
+            tensor = torch.tensor(host, dtype=torch.int64)  # on the CPU: the split path reads it there
+        return Splits(host=None, tensor=tensor, device=x.device, num_tokens=T, num_experts=num_experts)
     if host is not None:
-        _check_sizes(host, T)
-    return out
-
-
-def _check_sizes(sizes: tuple[int, ...], T: int) -> None:
-    if any(s < 0 for s in sizes):
-        raise ValueError(f"splits must be non-negative, got {list(sizes)}")
-    if sum(sizes) != T:
-        raise ValueError(f"splits sum to {sum(sizes)} but x has {T} rows (tokens): they must sum to x.shape[0]")
+        check_sizes(host, T)
+    return Splits(host=host, tensor=tensor, device=x.device, num_tokens=T, num_experts=num_experts)
 
 
 def _as_bias(bias: Any, E: int, N: int, x: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
@@ -143,7 +139,8 @@ def _choose_path(kernels: Kernels, x_TK: torch.Tensor, w_ENK: WeightsArg, use_gr
     why_not = kernels.grouped_path_unsupported(x_TK, w_ENK)
     if why_not is None:
         return "grouped"
-    if use_grouped_tensor:
+    if use_grouped_tensor and not torch.compiler.is_compiling():  # dynamo cannot trace warn in
+        # an autograd.Function (a graph break); the eager call warns, and res.path says which ran
         warnings.warn(f"grouped_linear: use_grouped_tensor=True but {why_not}; running the split path", stacklevel=4)
     return "split"
 
@@ -173,8 +170,8 @@ def grouped_linear_fwd(
     kernels = get_kernels(backend, x, w_ENK if use_grouped_tensor is not False else None)
     x_TK = _checks.dense(x)
     path = _choose_path(kernels, x_TK, w_ENK, use_grouped_tensor)
-    if path == "split" and split.host is None:
-        _check_sizes(split.sizes(), x.shape[0])  # the split path syncs for host sizes anyway
+    if path == "split" and split.host is None and not torch.compiler.is_compiling():
+        check_sizes(split.sizes(), x.shape[0])  # the split path syncs for host sizes anyway
     y_TN = kernels.grouped_fprop(x_TK, w_ENK, b_EN, split, path == "grouped")
     res = GroupedLinearResiduals(
         x_TK=x_TK, weights=params, stacked=stacked, weight_version=dwp.versions(params),

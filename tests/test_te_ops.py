@@ -33,21 +33,22 @@ def _cases():
     T, K, N, E = 7, 16, 8, 3
     x, dy, w, b = r(T, K), r(T, N), r(N, K), r(N)
     ws, w3, b2 = [r(N, K) for _ in range(E)], r(E, N, K), r(E, N)
-    sizes = [2, 0, 5]
-    sizes_dev = torch.tensor(sizes)
+    sizes = torch.tensor([2, 0, 5])  # the splits as the ops take them: one int tensor
     return [
         ("te_fprop", (x, w, b)), ("te_fprop", (x, w, None)), ("te_dgrad", (dy, w)),
         ("te_wgrad", (x, dy, True)), ("te_wgrad", (x, dy, False)),
         ("te_wgrad_into", (torch.zeros(N, K), x, dy, True, True)),
-        ("te_grouped_fprop", (x, ws, b2, sizes, None, False)), ("te_grouped_fprop", (x, [w3], None, None, sizes_dev, True)),
-        ("te_grouped_dgrad", (dy, ws, sizes, None, False)), ("te_grouped_dgrad", (dy, [w3], None, sizes_dev, True)),
-        ("te_grouped_wgrad", (x, dy, E, sizes, None, True, True)),
-        ("te_grouped_wgrad_into", ([torch.zeros(N, K) for _ in range(E)], x, dy, sizes, None, False, True, True)),
-        ("te_grouped_wgrad_into", ([torch.zeros(E, N, K)], x, dy, None, sizes_dev, True, False, False)),
+        ("te_grouped_fprop", (x, ws, b2, sizes, False)), ("te_grouped_fprop", (x, [w3], None, sizes, True)),
+        ("te_grouped_dgrad", (dy, ws, sizes, False)), ("te_grouped_dgrad", (dy, [w3], sizes, True)),
+        ("te_grouped_wgrad", (x, dy, sizes, True, True)),
+        ("te_grouped_wgrad_into", ([torch.zeros(N, K) for _ in range(E)], x, dy, sizes, False, True, True)),
+        ("te_grouped_wgrad_into", ([torch.zeros(E, N, K)], x, dy, sizes, True, False, False)),
+        ("ref_split_fprop", (x, ws, b2, sizes)), ("ref_split_fprop", (x, [w3], None, sizes)),
+        ("ref_split_dgrad", (dy, ws, sizes)), ("ref_split_wgrad", (x, dy, sizes)),
     ]
 
 
-@pytest.mark.parametrize("i", range(13))
+@pytest.mark.parametrize("i", range(17))
 def test_opcheck(ops, i):
     name, args = _cases()[i]
     op = getattr(torch.ops.functional_dw, name).default
