@@ -14,18 +14,8 @@ from functional_dw import nn as fnn
 
 E, K, N, T = 4, 16, 32, 12
 
-# Ten routings of T tokens to E experts, with 0- and 1-token experts and all tokens on one
-# expert. The first two differ in every count: a list's ints reach dynamo as inputs, and with
-# dynamic=None its automatic dynamic makes symbolic only the counts that changed between the
-# first two steps (see NOTE: [Splits under torch.compile]).
-ROUTINGS = [
-    [5, 0, 1, 6], [2, 3, 4, 3], [0, 12, 0, 0], [1, 1, 1, 9], [3, 3, 3, 3],
-    [12, 0, 0, 0], [0, 0, 1, 11], [4, 1, 0, 7], [6, 5, 0, 1], [0, 2, 9, 1],
-]
-
-
 def random_routings(n: int, seed: int = 0, experts: int = E, tokens: int = T) -> list[list[int]]:
-    """``n`` more routings (random cut points), for longer runs."""
+    """``n`` random routings of ``tokens`` to ``experts`` (random cut points)."""
     r = random.Random(seed)
     out = []
     for _ in range(n):
@@ -34,18 +24,27 @@ def random_routings(n: int, seed: int = 0, experts: int = E, tokens: int = T) ->
     return out
 
 
+# Ten routings of T tokens to E experts: 0- and 1-token experts, all tokens on one expert, then
+# random ones. The first two differ in every count: a list's ints reach dynamo as inputs, and
+# with dynamic=None its automatic dynamic makes symbolic only the counts that changed between
+# the first two steps (see NOTE: [Splits under torch.compile]).
+ROUTINGS = [[5, 0, 1, 6], [2, 3, 4, 3], [0, 12, 0, 0], [1, 1, 1, 9], *random_routings(6)]
+
+
 class GraphCounter:
     """A ``torch.compile`` backend that counts the graphs dynamo compiles and records every op
     they call (the autograd.Function's forward and backward bodies are submodules)."""
 
     def __init__(self, inner: str = "aot_eager"):
-        self.inner, self.graphs, self.ops = inner, 0, set()
+        self.inner, self.graphs, self.ops, self.calls = inner, 0, set(), []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self.graphs += 1
         for m in gm.modules():
             if isinstance(m, torch.fx.GraphModule):
-                self.ops |= {str(n.target) for n in m.graph.nodes if n.op == "call_function"}
+                nodes = [n for n in m.graph.nodes if n.op == "call_function"]
+                self.ops |= {str(n.target) for n in nodes}
+                self.calls += [(str(n.target), n.args) for n in nodes]  # (op, arguments)
         return lookup_backend(self.inner)(gm, example_inputs)
 
 
@@ -84,7 +83,7 @@ def check_routings(model, splits_form, dynamic, device, backend="aot_eager", rou
     dtype = next(model.parameters()).dtype
     g = torch.Generator().manual_seed(1)
     for sizes in routings:
-        splits = torch.tensor(sizes, device=device) if splits_form == "tensor" else list(sizes)
+        splits = as_form(sizes, splits_form, device)
         x = torch.randn(T, model_in(model), generator=g).to(device, dtype)
         y_c, g_c = step(compiled, x, splits)
         y_e, g_e = step(model, x, splits)
@@ -97,11 +96,18 @@ def check_routings(model, splits_form, dynamic, device, backend="aot_eager", rou
     return counter
 
 
+def as_form(sizes: list[int], form: str, device) -> list[int] | torch.Tensor:
+    """The splits as a ``list``, a ``tensor`` on the activations' device, or a ``cpu-tensor``."""
+    forms = {"list": lambda: list(sizes), "tensor": lambda: torch.tensor(sizes, device=device),
+             "cpu-tensor": lambda: torch.tensor(sizes)}
+    return forms[form]()
+
+
 def model_in(model) -> int:
     return (model.fc1 if isinstance(model, ExpertMLP) else model).in_features
 
 
-def max_graphs(form: str, dynamic) -> int:
+def max_graphs(form: str, dynamic) -> int:  # form: "list", "tensor" or "cpu-tensor"
     """The bound (T fixed): a splits tensor's values are data, so one graph; so is a list with
     dynamic=True. With dynamic=None a list's first graph bakes its ints in, and the second makes
     them symbolic (routings whose first two differ in every count: see ROUTINGS)."""

@@ -64,3 +64,19 @@ def test_traced_kernels_match_reference(ops):
     dw_r, db_r = TORCH.wgrad(x, dy, with_dbias=True)
     torch.testing.assert_close(dw, dw_r)
     torch.testing.assert_close(db, db_r)
+
+
+@pytest.mark.parametrize("dtype,path,form,dynamic", [(torch.bfloat16, True, "list", None), (torch.float32, False, "tensor", True)],
+                         ids=["bf16-grouped-list-dynNone", "fp32-split-tensor-dynTrue"])
+def test_traced_kernels_compile_once_for_every_routing(ops, dtype, path, form, dynamic):
+    """The TE ops' plumbing under torch.compile (splits tensor, Splits.in_op, fake shapes with
+    symbolic sizes), with the reference standing in for TE: one graph for ten routings (two for
+    a list with dynamic=None), the te_* ops in it, eager numerics (see tests/test_compile_gpu.py
+    for the real kernels)."""
+    from compile_cases import check_routings, make_model, max_graphs
+
+    model = make_model("layer", dtype, "cpu", path, True, ops.TRACED_TE)
+    counter = check_routings(model, form, dynamic, "cpu")
+    assert counter.graphs <= max_graphs(form, dynamic)
+    assert {f"functional_dw.te_grouped_{m}.default" for m in ("fprop", "dgrad", "wgrad")} <= counter.ops
+    assert all(args[-1] == path for op, args in counter.calls if op == "functional_dw.te_grouped_fprop.default")

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import Splits
 from .te import TE
-from .torch_ops import op_list as _list, op_weights as _weights
+from .torch_ops import op_list as _list, op_splits, op_weights as _weights
 
 _NS = "functional_dw"
 
@@ -141,16 +141,16 @@ class TracedTEKernels:
         return out, db if with_dbias else None
 
     def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
-        return te_grouped_fprop(x_TK, _list(w_ENK), b_EN, splits.tensor, grouped)
+        return te_grouped_fprop(x_TK, _list(w_ENK), b_EN, op_splits(splits), grouped)
 
     def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
-        return te_grouped_dgrad(dy_TN, _list(w_ENK), splits.tensor, grouped)
+        return te_grouped_dgrad(dy_TN, _list(w_ENK), op_splits(splits), grouped)
 
     def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
         if out is None:
-            dw, db = te_grouped_wgrad(x_TK, dy_TN, splits.tensor, grouped, with_dbias)
+            dw, db = te_grouped_wgrad(x_TK, dy_TN, op_splits(splits), grouped, with_dbias)
             return dw, db if with_dbias else None
-        db = te_grouped_wgrad_into(_list(out), x_TK, dy_TN, splits.tensor, grouped, accumulate, with_dbias)
+        db = te_grouped_wgrad_into(_list(out), x_TK, dy_TN, op_splits(splits), grouped, accumulate, with_dbias)
         return out, db if with_dbias else None
 
 

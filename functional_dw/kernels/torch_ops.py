@@ -32,6 +32,12 @@ def op_list(w: Weights) -> list[Tensor]:
     return [w] if isinstance(w, Tensor) else list(w)
 
 
+def op_splits(splits: Splits) -> Tensor:
+    """The splits as the ops take them: one int tensor (always so while compiling; a host tuple
+    only when a traced kernels object is called eagerly)."""
+    return splits.tensor if splits.tensor is not None else torch.tensor(splits.host)
+
+
 @torch.library.custom_op(f"{_NS}::ref_split_fprop", mutates_args=())
 def ref_split_fprop(x: Tensor, ws: list[Tensor], b: Tensor | None, splits: Tensor) -> Tensor:
     w = op_weights(ws)
@@ -71,13 +77,13 @@ class TracedTorchKernels(TorchKernels):
         return "TracedTorchKernels()"
 
     def split_fprop(self, x_TK, w_ENK, b_EN, splits):
-        return ref_split_fprop(x_TK, op_list(w_ENK), b_EN, splits.tensor)
+        return ref_split_fprop(x_TK, op_list(w_ENK), b_EN, op_splits(splits))
 
     def split_dgrad(self, dy_TN, w_ENK, splits):
-        return ref_split_dgrad(dy_TN, op_list(w_ENK), splits.tensor)
+        return ref_split_dgrad(dy_TN, op_list(w_ENK), op_splits(splits))
 
     def split_wgrad(self, x_TK, dy_TN, splits, stack):
-        return ref_split_wgrad(x_TK, dy_TN, splits.tensor)  # [E, N, K]: indexes like a list
+        return ref_split_wgrad(x_TK, dy_TN, op_splits(splits))  # [E, N, K]: indexes like a list
 
 
 TRACED_TORCH = TracedTorchKernels()
