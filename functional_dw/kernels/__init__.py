@@ -110,8 +110,8 @@ class Splits:
                 return fused[1]
             sizes = self.tensor.to(self.device, torch.int64, non_blocking=True).clamp(min=0)
             running = sizes.cumsum(0)  # int64: int32 counts could overflow their running sum
-            if dtype == torch.int64:
-                return running.clamp_(max=self.num_tokens)
+            if dtype == torch.int64 or torch.compiler.is_compiling():  # a compiler fuses these
+                return running.clamp_(max=self.num_tokens).to(dtype)
             cap = torch.tensor(self.num_tokens)  # a CPU scalar: minimum caps and casts in one kernel
             return torch.minimum(running, cap, out=torch.empty_like(running, dtype=dtype))
 
