@@ -89,7 +89,10 @@ def sequence(v: Any) -> list | None:
 
 def count(name: str, v: Any) -> int:
     """A Python int from an int-like element (int, numpy integer); bools, floats and tensors are
-    refused with their position, e.g. ``splits[1] is 1.5 (float)``."""
+    refused with their position, e.g. ``splits[1] is 1.5 (float)``. (An int is returned as it
+    is: under torch.compile it may be symbolic, and ``operator.index`` would specialize it.)"""
+    if type(v) is int:
+        return v
     if isinstance(v, torch.Tensor):
         raise TypeError(f"{name} is a tensor ({v}); give ints, or the counts as one 1-D integer tensor")
     if isinstance(v, bool):
@@ -102,13 +105,16 @@ def count(name: str, v: Any) -> int:
 
 def cotangent(name: str, d: Any, shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     """A bwd's incoming gradient: a dense float tensor of the output's shape, dtype and device."""
-    want = f"a [{', '.join(map(str, shape))}] {str(like.dtype).removeprefix('torch.')} tensor (the output's shape and dtype)"
+    def want() -> str:  # built only for an error (shapes may be symbolic under torch.compile)
+        return (f"{name} must be a [{', '.join(map(str, shape))}] {str(like.dtype).removeprefix('torch.')} "
+                "tensor (the output's shape and dtype)")
+
     if not isinstance(d, torch.Tensor):
-        raise TypeError(f"{name} must be {want}, got {type(d).__name__}")
+        raise TypeError(f"{want()}, got {type(d).__name__}")
     if tuple(d.shape) != tuple(shape):
-        raise ValueError(f"{name} must be {want}, got shape {tuple(d.shape)}")
+        raise ValueError(f"{want()}, got shape {tuple(d.shape)}")
     if d.dtype != like.dtype:
-        raise TypeError(f"{name} must be {want}, got dtype {d.dtype}")
+        raise TypeError(f"{want()}, got dtype {d.dtype}")
     if d.device != like.device:
         raise ValueError(f"{name} is on {d.device} but the layer ran on {like.device}; move it there")
     if not torch.compiler.is_compiling() and d.layout != torch.strided:  # (a traced backward may not ask)

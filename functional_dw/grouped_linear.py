@@ -7,7 +7,6 @@ Legend: ``T`` tokens, ``K`` in-features, ``N`` out-features, ``E`` experts.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Union
 
@@ -16,7 +15,7 @@ import torch.utils._pytree as pytree
 
 from . import _checks, distributed_weight as dwp
 from .custom_vjp import custom_vjp
-from .kernels import Kernels, Splits, get_kernels
+from .kernels import Kernels, Splits, check_sizes, get_kernels
 from .kernels.torch_ref import expert_sums
 from .residuals import residuals, saved
 
@@ -98,7 +97,7 @@ def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
         if splits.device.type == "meta":
             raise ValueError("splits is a tensor on the meta device, which holds no counts: give the splits as "
                              "a list of ints (shape inference needs their values) or a tensor on a real device")
-        host = None if splits.is_cuda else tuple(splits.tolist())
+        host = None if splits.is_cuda or torch.compiler.is_compiling() else tuple(splits.tolist())
         tensor = splits
     else:
         items = None if isinstance(splits, (str, bytes)) else _checks.sequence(splits)
@@ -108,17 +107,13 @@ def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
     n = len(host) if host is not None else splits.shape[0]
     if n != num_experts:
         raise ValueError(f"splits has {n} entries but there are {num_experts} experts (weights): give one count per expert")
-    out = Splits(host=host, tensor=tensor, device=x.device, num_tokens=T, num_experts=num_experts)
+    if torch.compiler.is_compiling():  # NOTE: [Splits under torch.compile]: data, never guarded on
+        if tensor is None:
+            tensor = torch.tensor(host, dtype=torch.int64)  # on the CPU: the split path reads it there
+        return Splits(host=None, tensor=tensor, device=x.device, num_tokens=T, num_experts=num_experts)
     if host is not None:
-        _check_sizes(host, T)
-    return out
-
-
-def _check_sizes(sizes: tuple[int, ...], T: int) -> None:
-    if any(s < 0 for s in sizes):
-        raise ValueError(f"splits must be non-negative, got {list(sizes)}")
-    if sum(sizes) != T:
-        raise ValueError(f"splits sum to {sum(sizes)} but x has {T} rows (tokens): they must sum to x.shape[0]")
+        check_sizes(host, T)
+    return Splits(host=host, tensor=tensor, device=x.device, num_tokens=T, num_experts=num_experts)
 
 
 def _as_bias(bias: Any, E: int, N: int, x: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
@@ -196,8 +191,8 @@ def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tens
     kernels = get_kernels(backend, x, w_ENK if use_grouped_tensor is not False else None)
     x_TK = _checks.dense(x)
     path = _choose_path(kernels, x_TK, w_ENK, use_grouped_tensor)
-    if path == "split" and split.host is None:
-        _check_sizes(split.sizes(), x.shape[0])  # the split path syncs for host sizes anyway
+    if path == "split" and split.host is None and not torch.compiler.is_compiling():
+        check_sizes(split.sizes(), x.shape[0])  # the split path syncs for host sizes anyway
     return _Call(params, stacked, distributed, w_ENK, tuple(shapes), split, b_EN, bias_form, x_TK, kernels, path)
 
 

@@ -1,4 +1,5 @@
-"""torch.compile of a grouped MLP block on the reference backend: no graph breaks, eager numerics."""
+"""torch.compile of a grouped MLP block on the reference backend: no graph breaks, eager numerics,
+and one compiled graph for a new routing every step."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_dw as fd
+from compile_cases import check_routings, make_model, max_graphs
 from conftest import HOOKS
 
 SPLITS = (2, 0, 4)
@@ -72,3 +74,68 @@ def test_compiled_block_under_hooks_packs_no_weight(dtype, path, stacked):
     weight_shapes = {(FF, H), (H, FF), (E, FF, H), (E, H, FF), (H, H)}
     assert rec.packed
     assert all(tuple(t.shape) not in weight_shapes for t in rec.packed), [tuple(t.shape) for t in rec.packed]
+
+
+# --- a new routing every step (issue 12) -----------------------------------------------------
+# NOTE: [Splits under torch.compile] (kernels/__init__.py): the counts are data, so one compiled
+# graph serves every routing. Each case compiles once (fullgraph) and runs ten routings with 0-
+# and 1-token experts; every step's output and grads equal eager's. The grouped path on the CPU
+# is torch's grouped_mm, which under compile takes bfloat16 only: other dtypes with
+# use_grouped_tensor=True run the split path (asserted from the ops in the graph).
+
+F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+# (dtype, use_grouped_tensor, bias): the layer runs each with a list (dynamic=None) and a tensor
+# (dynamic=True); the expert MLP covers the other two (form, dynamic) pairs of each path.
+LAYER_CASES = [(F32, False, True), (BF16, True, True), (F16, False, False), (F64, False, True),
+               (F32, True, False), (BF16, False, False)]
+
+
+def _case_id(dtype, path, bias):
+    return f"{str(dtype)[6:]}-{'grouped' if path else 'split'}-{'bias' if bias else 'nobias'}"
+
+
+def _assert_path(ops, dtype, path):
+    split_ops = {f"functional_dw.ref_split_{m}.default" for m in ("fprop", "dgrad", "wgrad")}
+    if path and dtype == torch.bfloat16:
+        assert any("grouped_mm" in o for o in ops) and not split_ops & ops, ops
+    else:
+        assert split_ops <= ops and not any("grouped_mm" in o for o in ops), ops
+
+
+def _check(kind, dtype, path, bias, form, dynamic, backend="aot_eager"):
+    model = make_model(kind, dtype, "cpu", path, bias, "torch")
+    counter = check_routings(model, form, dynamic, "cpu", backend=backend)
+    assert counter.graphs <= max_graphs(form, dynamic), counter.graphs
+    _assert_path(counter.ops, dtype, path)
+
+
+@pytest.mark.parametrize("form,dynamic", [("list", None), ("tensor", True)], ids=["list-dynNone", "tensor-dynTrue"])
+@pytest.mark.parametrize("dtype,path,bias", LAYER_CASES, ids=[_case_id(*c) for c in LAYER_CASES])
+def test_compiled_layer_new_routing_every_step(dtype, path, bias, form, dynamic):
+    _check("layer", dtype, path, bias, form, dynamic)
+
+
+@pytest.mark.parametrize("dtype,path,form,dynamic", [
+    (F32, False, "list", True), (BF16, True, "list", True), (BF16, True, "tensor", None),
+], ids=["fp32-split-list-dynTrue", "bf16-grouped-list-dynTrue", "bf16-grouped-tensor-dynNone"])
+def test_compiled_expert_mlp_new_routing_every_step(dtype, path, form, dynamic):
+    _check("mlp", dtype, path, True, form, dynamic)
+
+
+def test_compiled_expert_mlp_inductor():
+    """The split path's custom ops through inductor (the other cases use aot_eager)."""
+    _check("mlp", F32, False, True, "tensor", None, backend="inductor")
+
+
+def test_compiled_split_path_validates_splits_at_run_time():
+    """Under compile the split path's op reads the sizes at run time and checks them as eager
+    does (the grouped path clamps them instead: NOTE: [Device splits are clamped])."""
+    torch._dynamo.reset()
+    model = make_model("layer", F32, "cpu", False, True, "torch")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(12, 16)
+    compiled(x, torch.tensor([3, 3, 3, 3]))
+    with pytest.raises(ValueError, match="splits sum to 11"):
+        compiled(x, torch.tensor([3, 3, 3, 2]))
+    with pytest.raises(ValueError, match="non-negative"):
+        compiled(x, torch.tensor([3, 3, 9, -3]))

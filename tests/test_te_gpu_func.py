@@ -61,21 +61,21 @@ def test_opcheck_real_te_ops():
 
     x, w1, _, b1 = _data()
     dy = torch.randn(T, N, device="cuda", dtype=BF16)
-    sizes_dev = torch.tensor(SPLITS, device="cuda")
+    sizes, sizes_dev = torch.tensor(SPLITS), torch.tensor(SPLITS, device="cuda")  # host-side or device splits
     ops = torch.ops.functional_dw
     checks = [
         (ops.te_fprop.default, (x, w1[0], b1[0])),
         (ops.te_dgrad.default, (dy, w1[0])),
         (ops.te_wgrad.default, (x, dy, True)),
-        (ops.te_grouped_fprop.default, (x, w1, b1, list(SPLITS), None, False)),
-        (ops.te_grouped_dgrad.default, (dy, w1, list(SPLITS), None, False)),
-        (ops.te_grouped_wgrad.default, (x, dy, E, list(SPLITS), None, False, True)),
+        (ops.te_grouped_fprop.default, (x, w1, b1, sizes, False)),
+        (ops.te_grouped_dgrad.default, (dy, w1, sizes_dev, False)),
+        (ops.te_grouped_wgrad.default, (x, dy, sizes, False, True)),
         (ops.te_grouped_wgrad_into.default, ([torch.zeros(N, K, device="cuda") for _ in range(E)], x, dy,
-                                             list(SPLITS), None, False, True, False)),
+                                             sizes, False, True, False)),
     ]
     if not fd.kernels.get_kernels("te", x).grouped_path_unsupported(x, w1):
-        checks += [(ops.te_grouped_fprop.default, (x, w1, b1, None, sizes_dev, True)),
-                   (ops.te_grouped_dgrad.default, (dy, w1, None, sizes_dev, True))]
+        checks += [(ops.te_grouped_fprop.default, (x, w1, b1, sizes_dev, True)),
+                   (ops.te_grouped_dgrad.default, (dy, w1, sizes, True))]
     for op, args in checks:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 

@@ -33,21 +33,22 @@ def _cases():
     T, K, N, E = 7, 16, 8, 3
     x, dy, w, b = r(T, K), r(T, N), r(N, K), r(N)
     ws, w3, b2 = [r(N, K) for _ in range(E)], r(E, N, K), r(E, N)
-    sizes = [2, 0, 5]
-    sizes_dev = torch.tensor(sizes)
+    sizes = torch.tensor([2, 0, 5])  # the splits as the ops take them: one int tensor
     return [
         ("te_fprop", (x, w, b)), ("te_fprop", (x, w, None)), ("te_dgrad", (dy, w)),
         ("te_wgrad", (x, dy, True)), ("te_wgrad", (x, dy, False)),
         ("te_wgrad_into", (torch.zeros(N, K), x, dy, True, True)),
-        ("te_grouped_fprop", (x, ws, b2, sizes, None, False)), ("te_grouped_fprop", (x, [w3], None, None, sizes_dev, True)),
-        ("te_grouped_dgrad", (dy, ws, sizes, None, False)), ("te_grouped_dgrad", (dy, [w3], None, sizes_dev, True)),
-        ("te_grouped_wgrad", (x, dy, E, sizes, None, True, True)),
-        ("te_grouped_wgrad_into", ([torch.zeros(N, K) for _ in range(E)], x, dy, sizes, None, False, True, True)),
-        ("te_grouped_wgrad_into", ([torch.zeros(E, N, K)], x, dy, None, sizes_dev, True, False, False)),
+        ("te_grouped_fprop", (x, ws, b2, sizes, False)), ("te_grouped_fprop", (x, [w3], None, sizes, True)),
+        ("te_grouped_dgrad", (dy, ws, sizes, False)), ("te_grouped_dgrad", (dy, [w3], sizes, True)),
+        ("te_grouped_wgrad", (x, dy, sizes, True, True)),
+        ("te_grouped_wgrad_into", ([torch.zeros(N, K) for _ in range(E)], x, dy, sizes, False, True, True)),
+        ("te_grouped_wgrad_into", ([torch.zeros(E, N, K)], x, dy, sizes, True, False, False)),
+        ("ref_split_fprop", (x, ws, b2, sizes)), ("ref_split_fprop", (x, [w3], None, sizes)),
+        ("ref_split_dgrad", (dy, ws, sizes)), ("ref_split_wgrad", (x, dy, sizes)),
     ]
 
 
-@pytest.mark.parametrize("i", range(13))
+@pytest.mark.parametrize("i", range(17))
 def test_opcheck(ops, i):
     name, args = _cases()[i]
     op = getattr(torch.ops.functional_dw, name).default
@@ -63,3 +64,19 @@ def test_traced_kernels_match_reference(ops):
     dw_r, db_r = TORCH.wgrad(x, dy, with_dbias=True)
     torch.testing.assert_close(dw, dw_r)
     torch.testing.assert_close(db, db_r)
+
+
+@pytest.mark.parametrize("dtype,path,form,dynamic", [(torch.bfloat16, True, "list", None), (torch.float32, False, "tensor", True)],
+                         ids=["bf16-grouped-list-dynNone", "fp32-split-tensor-dynTrue"])
+def test_traced_kernels_compile_once_for_every_routing(ops, dtype, path, form, dynamic):
+    """The TE ops' plumbing under torch.compile (splits tensor, Splits.in_op, fake shapes with
+    symbolic sizes), with the reference standing in for TE: one graph for ten routings (two for
+    a list with dynamic=None), the te_* ops in it, eager numerics (see tests/test_compile_gpu.py
+    for the real kernels)."""
+    from compile_cases import check_routings, make_model, max_graphs
+
+    model = make_model("layer", dtype, "cpu", path, True, ops.TRACED_TE)
+    counter = check_routings(model, form, dynamic, "cpu")
+    assert counter.graphs <= max_graphs(form, dynamic)
+    assert {f"functional_dw.te_grouped_{m}.default" for m in ("fprop", "dgrad", "wgrad")} <= counter.ops
+    assert all(args[-1] == path for op, args in counter.calls if op == "functional_dw.te_grouped_fprop.default")

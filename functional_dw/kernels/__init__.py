@@ -30,7 +30,7 @@ from typing import Any, Protocol, Union
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["Kernels", "Splits", "get_kernels", "te_available", "out_in"]
+__all__ = ["Kernels", "Splits", "check_sizes", "get_kernels", "te_available", "out_in"]
 
 Weights = Union[Sequence[torch.Tensor], torch.Tensor]
 
@@ -50,6 +50,22 @@ class Splits:
     grouped path reads only :meth:`on_device`, so a CUDA splits tensor never syncs there.
     Derived tensors (device counts, offsets) are cached on the record, so forward and
     backward build them once.
+
+    NOTE: [Splits under torch.compile]
+      A compiled step must not depend on the routing: dynamo would guard on host counts (a
+      graph per routing, until its recompile limit) and cannot trace host sizes read from a
+      splits tensor (a data-dependent error under ``fullgraph=True``). So while compiling the
+      counts are data: a list becomes a CPU int64 tensor, ``host`` is None, and no path reads
+      them on the host at trace time. The grouped path reads them on the device (clamped: see
+      NOTE: [Device splits are clamped]); the split path, which needs host sizes, runs inside
+      opaque custom ops (``torch_ops.py``, ``te_ops.py``) whose real implementations read the
+      sizes at run time (:meth:`in_op`) and validate them as eager does, and whose fake ones
+      give the output shapes from x and the weights alone. Measured on the CPU over 10 random
+      routings (with 0- and 1-token experts): a splits tensor compiles one graph; so does a
+      list with ``dynamic=True``. A list's ints are still inputs dynamo sees: with
+      ``dynamic=None`` the first graph bakes them in and the second makes the changed ones
+      symbolic; dynamo decides that per element, so a count that is equal in the first two
+      steps costs one more graph when it first changes.
     """
 
     host: tuple[int, ...] | None
@@ -95,8 +111,8 @@ class Splits:
                 return fused[1]
             sizes = self.tensor.to(self.device, torch.int64, non_blocking=True).clamp(min=0)
             running = sizes.cumsum(0)  # int64: int32 counts could overflow their running sum
-            if dtype == torch.int64:
-                return running.clamp_(max=self.num_tokens)
+            if dtype == torch.int64 or torch.compiler.is_compiling():  # a compiler fuses these
+                return running.clamp_(max=self.num_tokens).to(dtype)
             cap = torch.tensor(self.num_tokens)  # a CPU scalar: minimum caps and casts in one kernel
             return torch.minimum(running, cap, out=torch.empty_like(running, dtype=dtype))
 
@@ -110,6 +126,18 @@ class Splits:
 
         return self.cached("fused", lambda: clamp_splits(self.tensor.to(self.device, non_blocking=True), self.num_tokens))
 
+    @classmethod
+    def in_op(cls, sizes: torch.Tensor, x: torch.Tensor, num_experts: int, grouped: bool) -> "Splits":
+        """The record a custom op's real implementation rebuilds from its splits tensor (see
+        NOTE: [Splits under torch.compile]). The split path reads the sizes on the host here, at
+        run time (a sync for a device tensor, as in eager), and validates them as eager does;
+        the grouped path reads them only on the device (clamped)."""
+        host = None
+        if not grouped:
+            host = tuple(sizes.tolist())
+            check_sizes(host, x.shape[0])
+        return cls(host=host, tensor=sizes, device=x.device, num_tokens=x.shape[0], num_experts=num_experts)
+
     def cached(self, key: Any, make: Any) -> Any:
         value = self._cache.get(key)
         if value is None:
@@ -117,6 +145,14 @@ class Splits:
             if not torch.compiler.is_compiling():  # a traced backward may not mutate forward's
                 self._cache[key] = value  # objects; the compiler dedupes the recomputation anyway
         return value
+
+
+def check_sizes(sizes: Sequence[int], T: int) -> None:
+    """Host split sizes are non-negative and sum to the tokens (ValueError otherwise)."""
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"splits must be non-negative, got {list(sizes)}")
+    if sum(sizes) != T:
+        raise ValueError(f"splits sum to {sum(sizes)} but x has {T} rows (tokens): they must sum to x.shape[0]")
 
 
 def _to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -186,10 +222,8 @@ def get_kernels(backend: str | Kernels | None, x: torch.Tensor, w_ENK: Weights |
     tokens-per-expert x ffn and needs host splits. Otherwise auto picks what None picks (one
     GEMM: the same cuBLAS)."""
     if backend == "auto":
-        from .torch_ref import TORCH
-
-        if w_ENK is not None and x.is_cuda and TORCH.grouped_path_unsupported(x, w_ENK) is None:
-            return TORCH
+        if w_ENK is not None and x.is_cuda and _torch().grouped_path_unsupported(x, w_ENK) is None:
+            return _torch()
         backend = None
     if backend is None:  # TE's GEMMs take fp32 (as TF32), bf16 and fp16; float64 stays on torch
         backend = "te" if x.is_cuda and x.dtype in _TE_DTYPES and te_available() else "torch"
@@ -198,9 +232,7 @@ def get_kernels(backend: str | Kernels | None, x: torch.Tensor, w_ENK: Weights |
             return backend
         raise ValueError(f"backend must be None, 'auto', 'torch', 'te' or a Kernels object; got {backend!r}")
     if backend == "torch":
-        from .torch_ref import TORCH
-
-        return TORCH
+        return _torch()
     if backend == "te":
         if not te_available():
             raise ValueError(_TE_INSTALL)
@@ -218,3 +250,14 @@ def get_kernels(backend: str | Kernels | None, x: torch.Tensor, w_ENK: Weights |
 
         return TE
     raise ValueError(f"backend must be None, 'auto', 'torch', 'te' or a Kernels object; got {backend!r}")
+
+
+def _torch() -> Kernels:
+    """The reference kernels; while compiling, the same with the split path as custom ops."""
+    if torch.compiler.is_compiling():
+        from .torch_ops import TRACED_TORCH
+
+        return TRACED_TORCH
+    from .torch_ref import TORCH
+
+    return TORCH

@@ -190,8 +190,7 @@ class TorchKernels:
 
     def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
         if not grouped or not _plain(x_TK, *_list(w_ENK), b_EN):
-            xs = x_TK.split(splits.sizes())
-            return torch.cat([F.linear(x, w_ENK[e], None if b_EN is None else b_EN[e]) for e, x in enumerate(xs)])
+            return self.split_fprop(x_TK, w_ENK, b_EN, splits)
         y_TN = _gmm(_mm_ready(x_TK), _stack(w_ENK).transpose(-2, -1), splits)
         if b_EN is not None:
             y_TN = y_TN + b_EN[_row_expert(splits)]
@@ -199,7 +198,7 @@ class TorchKernels:
 
     def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
         if not grouped or not _plain(dy_TN, *_list(w_ENK)):
-            return torch.cat([dy @ w_ENK[e] for e, dy in enumerate(dy_TN.split(splits.sizes()))])
+            return self.split_dgrad(dy_TN, w_ENK, splits)
         return _gmm(_mm_ready(dy_TN), _stack(w_ENK), splits)
 
     def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
@@ -215,17 +214,28 @@ class TorchKernels:
                 dy_T, x = dy_T.to(dt), x.to(dt)
             dw_ENK: Sequence[torch.Tensor] = _gmm(dy_T, x, splits)
         else:
-            sizes = splits.sizes()
             if dt != x_TK.dtype:  # fp32 main_grad: the product in its dtype
                 x_TK, dy_TN = x_TK.to(dt), dy_TN.to(dt)
-            dw_ENK = [dy.t() @ x for x, dy in zip(x_TK.split(sizes), dy_TN.split(sizes))]
-            if out is None:
-                dw_ENK = torch.stack(dw_ENK) if dw_ENK else x_TK.new_zeros(0, dy_TN.shape[1], x_TK.shape[1])
+            dw_ENK = self.split_wgrad(x_TK, dy_TN, splits, stack=out is None)
         if out is None:
             return dw_ENK, db_EN
         for e in range(splits.num_experts):
             _write(out[e], dw_ENK[e], accumulate)
         return out, db_EN
+
+    # --- the split path: one GEMM per expert on host sizes (custom ops under torch.compile) --
+    def split_fprop(self, x_TK, w_ENK, b_EN, splits):
+        xs = x_TK.split(splits.sizes())
+        return torch.cat([F.linear(x, w_ENK[e], None if b_EN is None else b_EN[e]) for e, x in enumerate(xs)])
+
+    def split_dgrad(self, dy_TN, w_ENK, splits):
+        return torch.cat([dy @ w_ENK[e] for e, dy in enumerate(dy_TN.split(splits.sizes()))])
+
+    def split_wgrad(self, x_TK, dy_TN, splits, stack):
+        """E ``[N, K]`` products, as one ``[E, N, K]`` tensor when ``stack``."""
+        sizes = splits.sizes()
+        dw_ENK = [dy.t() @ x for x, dy in zip(x_TK.split(sizes), dy_TN.split(sizes))]
+        return torch.stack(dw_ENK) if stack else dw_ENK
 
 
 TORCH = TorchKernels()

@@ -1,0 +1,89 @@
+"""The reference split path as ``torch.library`` custom ops, for ``torch.compile``.
+
+The split path runs one GEMM per expert on host sizes. Traced by dynamo, those sizes would be
+guarded on (a graph per routing) or, from a splits tensor, be data-dependent (an error under
+``fullgraph=True``). Inside an opaque custom op they are read at run time instead, so one graph
+serves every routing (see NOTE: [Splits under torch.compile] in ``kernels/__init__.py``).
+
+As in ``te_ops.py`` (NOTE: [Custom ops without autograd]): fake implementations give the
+output shapes, no op has an autograd formula, and eager calls never reach these ops:
+:data:`TRACED_TORCH` is what ``get_kernels`` returns only while compiling. The grouped path
+(``grouped_mm`` on device offsets) needs no op: dynamo traces it as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import Splits, Weights
+from .torch_ref import TorchKernels
+
+_NS = "functional_dw"
+_EAGER = TorchKernels()
+
+
+def op_weights(ws: list[Tensor]) -> Weights:
+    """A custom op's ``Tensor[]`` weights back as the seam's form: E ``[N, K]`` or one ``[E, N, K]``."""
+    return ws[0] if len(ws) == 1 and ws[0].dim() == 3 else ws
+
+
+def op_list(w: Weights) -> list[Tensor]:
+    return [w] if isinstance(w, Tensor) else list(w)
+
+
+def op_splits(splits: Splits) -> Tensor:
+    """The splits as the ops take them: one int tensor (always so while compiling; a host tuple
+    only when a traced kernels object is called eagerly)."""
+    return splits.tensor if splits.tensor is not None else torch.tensor(splits.host)
+
+
+@torch.library.custom_op(f"{_NS}::ref_split_fprop", mutates_args=())
+def ref_split_fprop(x: Tensor, ws: list[Tensor], b: Tensor | None, splits: Tensor) -> Tensor:
+    w = op_weights(ws)
+    return _EAGER.split_fprop(x, w, b, Splits.in_op(splits, x, len(w), grouped=False))
+
+
+@ref_split_fprop.register_fake
+def _(x, ws, b, splits):
+    return x.new_empty(x.shape[0], ws[0].shape[-2])
+
+
+@torch.library.custom_op(f"{_NS}::ref_split_dgrad", mutates_args=())
+def ref_split_dgrad(dy: Tensor, ws: list[Tensor], splits: Tensor) -> Tensor:
+    w = op_weights(ws)
+    return _EAGER.split_dgrad(dy, w, Splits.in_op(splits, dy, len(w), grouped=False))
+
+
+@ref_split_dgrad.register_fake
+def _(dy, ws, splits):
+    return dy.new_empty(dy.shape[0], ws[0].shape[-1])
+
+
+@torch.library.custom_op(f"{_NS}::ref_split_wgrad", mutates_args=())
+def ref_split_wgrad(x: Tensor, dy: Tensor, splits: Tensor) -> Tensor:
+    return _EAGER.split_wgrad(x, dy, Splits.in_op(splits, x, splits.shape[0], grouped=False), stack=True)
+
+
+@ref_split_wgrad.register_fake
+def _(x, dy, splits):
+    return x.new_empty(splits.shape[0], dy.shape[1], x.shape[1])
+
+
+class TracedTorchKernels(TorchKernels):
+    """The reference kernels with the split path's three products as the custom ops above."""
+
+    def __repr__(self) -> str:
+        return "TracedTorchKernels()"
+
+    def split_fprop(self, x_TK, w_ENK, b_EN, splits):
+        return ref_split_fprop(x_TK, op_list(w_ENK), b_EN, op_splits(splits))
+
+    def split_dgrad(self, dy_TN, w_ENK, splits):
+        return ref_split_dgrad(dy_TN, op_list(w_ENK), op_splits(splits))
+
+    def split_wgrad(self, x_TK, dy_TN, splits, stack):
+        return ref_split_wgrad(x_TK, dy_TN, op_splits(splits))  # [E, N, K]: indexes like a list
+
+
+TRACED_TORCH = TracedTorchKernels()
