@@ -88,6 +88,8 @@ def _mm_ready(t: torch.Tensor) -> torch.Tensor:
     path check has made in/out features 16-byte multiples."""
     if t.is_contiguous() and t.shape[-2] > 1 and not t.is_cuda:
         return t  # the common case on the CPU
+    if torch.compiler.is_compiling():  # dynamo cannot trace storage_offset(); a traced graph's
+        return t.contiguous()  # dense tensors are what the compiler's own buffers give
     n0, n1 = t.shape[-2:]
     a = 16 // t.element_size()
     if n0 > 1 and t.is_contiguous() and t.storage_offset() % a == 0:
