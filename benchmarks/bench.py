@@ -72,12 +72,12 @@ def cuda_times(steps: dict, inputs, warmup=3, repeats=15, burst=4) -> dict:
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def host_us(steps: dict, inp, iters=100, blocks=9) -> dict:
+def host_us(steps: dict, inp, iters=100, blocks=9, warmup=20) -> dict:
     """CPU microseconds per call at launch-bound sizes (the GPU idles: the host is the limit).
     Blocks of ``iters`` calls, interleaved across implementations; the minimum block per
     implementation (host noise only ever adds time)."""
     for step in steps.values():
-        for _ in range(20):
+        for _ in range(warmup):
             step(inp)
     torch.cuda.synchronize()
     times = {n: [] for n in steps}
@@ -184,7 +184,7 @@ def impls_grouped(E, H, FF, splits, te):
 
 
 def grouped_rows(args, te, peak):
-    shapes = [(4, 64, 64, 256), (80, 64, 64, 1024)] if args.smoke else [
+    shapes = [(4, 64, 64, 256), (80, 64, 64, 160)] if args.smoke else [
         (8, 4096, 2048, 16384), (32, 4096, 1536, 32768), (128, 2048, 1536, 65536)] if args.quick else [
         (E, 4096, FF, T) for E in (8, 32, 128) for FF in (1536, 4096) for T in (8192, 32768, 65536)
         if not (E == 128 and FF == 4096 and T == 65536)] + [(64, 4096, 1536, 32768), (128, 2048, 1536, 65536)]
@@ -239,7 +239,7 @@ def linear_rows(args, te, peak):
     return rows
 
 
-def overhead_rows(te):
+def overhead_rows(te, smoke=False):
     E, H, FF, T = 8, 128, 128, 64
     splits = [T // E] * E
     ws = [torch.nn.Parameter(torch.randn(FF, H, device=DEV, dtype=BF16)) for _ in range(E)]
@@ -263,7 +263,7 @@ def overhead_rows(te):
     lin = te.Linear(H, FF, bias=False, params_dtype=BF16, device=DEV)
     steps["fd linear (te)"] = grads_step(lambda x: fd.linear(x, w, backend="te"), [w])
     steps["te.Linear"] = grads_step(lin, [lin.weight])
-    res = host_us(steps, (x, dy))
+    res = host_us(steps, (x, dy), **(dict(iters=3, blocks=2, warmup=1) if smoke else {}))
     print("host us", res, flush=True)
     return {k: round(v, 1) for k, v in res.items()}
 
@@ -409,7 +409,7 @@ def main():
     meta["dense_n"] = 256 if args.smoke else 8192
     peak = dense_peak_tflops(meta["dense_n"])
     print(meta, f"peak {peak:.0f} TFLOP/s", flush=True)
-    overhead = overhead_rows(te)
+    overhead = overhead_rows(te, args.smoke)
     linear = linear_rows(args, te, peak)
     offload = offload_rows(args, te)
     grouped = grouped_rows(args, te, peak)

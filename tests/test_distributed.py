@@ -130,8 +130,8 @@ def _check_case(case: str, c: dict, counts: Counter, dtype, device, backend) -> 
     assert all(tuple(w.shape) == (rows.stop - rows.start, c["K"]) for w in ws), [tuple(w.shape) for w in ws]
     if c["fused"]:
         for w in ws:  # Megatron's bookkeeping; ShardedWeight would create main_grad itself
-            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
-            w.grad_added_to_main_grad = False
+            w.main_grad = torch.full(w.shape, 0.25, dtype=torch.float32, device=device)  # non-zero:
+            w.grad_added_to_main_grad = False  # accumulate vs overwrite must show
     x = xs[rank].clone().requires_grad_()
     bs = [b.clone().requires_grad_() for b in bias]
     hook = HOOKS[c["hook"]]() if c["hook"] else contextlib.nullcontext()
@@ -159,7 +159,7 @@ def _check_case(case: str, c: dict, counts: Counter, dtype, device, backend) -> 
     for e, w in enumerate(ws):
         want = B * ref_dw[e][rows]
         if c["fused"]:
-            _close(w.main_grad, want, torch.float32 if dtype != torch.bfloat16 else dtype, f"{where}: main_grad[{e}]")
+            _close(w.main_grad, want + 0.25, torch.float32 if dtype != torch.bfloat16 else dtype, f"{where}: main_grad[{e}]")
             assert w.grad_added_to_main_grad is True
             assert w.grad is None or not w.grad.any(), "fused: only zero dummies reach .grad"
         else:

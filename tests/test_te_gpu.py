@@ -8,6 +8,7 @@ Shapes stay small (K, N multiples of 64; T up to a few thousand): the file runs 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter
 
 import pytest
@@ -37,8 +38,11 @@ def grouped_unavailable(dtype=BF16) -> str | None:
 
 
 def needs_grouped(dtype=BF16) -> None:
-    """Skip unless TE's grouped-tensor GEMM runs here (cuBLASLt >= 13.4 on Hopper)."""
+    """Skip unless TE's grouped-tensor GEMM runs here (cuBLASLt >= 13.4 on Hopper); with
+    FDW_EXPECT_GROUPED=1 (the H200 command sets it) fail instead: there it must run."""
     why = grouped_unavailable(dtype)
+    if why is not None and os.environ.get("FDW_EXPECT_GROUPED") == "1":
+        pytest.fail(f"FDW_EXPECT_GROUPED=1 but TE's grouped-tensor path cannot run: {why}")
     if why is not None:
         pytest.skip(f"TE grouped-tensor path unavailable: {why}")
 
@@ -81,6 +85,9 @@ def run_te_grouped(m, x, splits, dy):
 
 
 def run_fd_grouped(x, ws, bs, splits, dy, grouped, **kw):
+    with torch.no_grad():  # the path that will run: asked for, and possible here
+        res = fd.grouped_linear_fwd(x, ws, splits, bs, use_grouped_tensor=grouped, backend="te", **kw)[1]
+    assert res.path == ("grouped" if grouped else "split") and res.kernels.name == "te", (res.path, res.kernels)
     x = x.detach().clone().requires_grad_()
     y = fd.grouped_linear(x, ws, splits, bs, use_grouped_tensor=grouped, backend="te", **kw)
     y.backward(dy)

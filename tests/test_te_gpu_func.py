@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
+from compile_cases import GraphCounter
 
 import functional_dw as fd
 
@@ -25,9 +28,13 @@ def _data(seed=0, dtype=BF16):
 
 
 def _grouped_path_or_skip(path):
+    """Skip the grouped case where TE cannot run it; fail there under FDW_EXPECT_GROUPED=1."""
     x, w1, _, _ = _data()
-    if path and fd.kernels.get_kernels("te", x).grouped_path_unsupported(x, w1):
-        pytest.skip(fd.kernels.get_kernels("te", x).grouped_path_unsupported(x, w1))
+    why = path and fd.kernels.get_kernels("te", x).grouped_path_unsupported(x, w1)
+    if why and os.environ.get("FDW_EXPECT_GROUPED") == "1":
+        pytest.fail(f"FDW_EXPECT_GROUPED=1 but TE's grouped path cannot run: {why}")
+    if why:
+        pytest.skip(why)
 
 
 def _mlp(path):
@@ -47,7 +54,11 @@ def test_compile_fullgraph_on_te_matches_eager(path):
     mlp = _mlp(path)
     explained = torch._dynamo.explain(mlp)(*args)
     assert explained.graph_break_count == 0, explained.break_reasons
-    y_c = torch.compile(mlp, fullgraph=True)(*args)
+    counting = GraphCounter("inductor")
+    y_c = torch.compile(mlp, fullgraph=True, backend=counting)(*args)
+    kind = "grouped" if path else "split"  # TE's kernels, not the reference, ran in the graph
+    assert "functional_dw.te_grouped_fprop.default" in counting.ops, counting.ops
+    assert all(a[-1] == path for op, a in counting.calls if op == "functional_dw.te_grouped_fprop.default"), kind
     g_c = torch.autograd.grad(y_c.float().square().sum(), leaves)
     y_e = mlp(*args)
     g_e = torch.autograd.grad(y_e.float().square().sum(), leaves)

@@ -1,0 +1,164 @@
+"""Semantics that fakes and tolerances used to hide (issue 13): the splits cache keyed by dtype,
+jvp through a DistributedWeight gathering with the forward method, the path a module asks for,
+a DW's grad buffer overwritten (not accumulated into), and fp32 accumulators held to fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import functional_dw as fd
+from conftest import BWD_SCALE, FWD_SCALE, STALE, FakeDW, assert_close, ref_grouped
+from functional_dw.kernels import Splits
+from functional_dw.kernels.torch_ref import TorchKernels
+
+SPLITS = [3, 0, 5, 2]
+E, T, K, N = len(SPLITS), sum(SPLITS), 16, 8
+
+
+def _data(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=g).to(dtype)
+    ws = [(torch.randn(N, K, generator=g) / 4).to(dtype) for _ in range(E)]
+    dy = torch.randn(T, N, generator=g).to(dtype)
+    return x, ws, dy
+
+
+# --- the splits cache ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("first", [torch.int32, torch.int64])
+def test_device_splits_cache_one_entry_per_dtype(first):
+    """A device-only splits record (host unknown, as for CUDA splits or under torch.compile):
+    end offsets asked for in both dtypes on the same record come back in each dtype."""
+    sp = Splits(host=None, tensor=torch.tensor(SPLITS), device=torch.device("cpu"), num_tokens=T, num_experts=E)
+    second = torch.int64 if first == torch.int32 else torch.int32
+    a, b = sp.ends(first), sp.ends(second)
+    assert (a.dtype, b.dtype) == (first, second)
+    assert a.tolist() == b.tolist() == [3, 3, 8, 10]
+    assert sp.ends(first) is a and sp.ends(second) is b  # cached, each under its own key
+    assert sp.on_device().dtype == torch.int64 and sp.on_device().tolist() == SPLITS
+    assert sp.sizes() == tuple(SPLITS)
+
+
+def test_device_splits_are_clamped_not_trusted():
+    sp = Splits(host=None, tensor=torch.tensor([4, -2, 9, 1]), device=torch.device("cpu"), num_tokens=T, num_experts=E)
+    assert sp.ends(torch.int64).tolist() == [4, 4, 10, 10]  # negatives as 0, running sum capped at T
+    assert sp.ends(torch.int32).tolist() == [4, 4, 10, 10]
+
+
+# --- jvp through a DistributedWeight: forward's gather ---------------------------------------
+
+@pytest.mark.parametrize("layer", ["linear", "grouped"])
+def test_jvp_uses_the_forward_gather(layer):
+    """FakeDW gathers x2 for forward and x4 for backward: a jvp is a forward quantity."""
+    x, ws, _ = _data()
+    tx = torch.randn(T, K)
+    if layer == "linear":
+        w = FakeDW(ws[0])
+        y, t = torch.func.jvp(lambda x: fd.linear(x, w), (x,), (tx,))
+        want_y, want_t = x @ (FWD_SCALE * ws[0]).T, tx @ (FWD_SCALE * ws[0]).T
+        assert w.calls["backward"] == 0
+    else:
+        group = FakeDW.group_of(ws)
+        y, t = torch.func.jvp(lambda x: fd.grouped_linear(x, group, SPLITS), (x,), (tx,))
+        scaled = [FWD_SCALE * w for w in ws]
+        want_y, want_t = ref_grouped(x, scaled, SPLITS), ref_grouped(tx, scaled, SPLITS)
+        assert group[0].calls["backward"] == 0
+    torch.testing.assert_close(y, want_y)
+    torch.testing.assert_close(t, want_t)
+    assert not torch.allclose(t, want_t * BWD_SCALE / FWD_SCALE)
+
+
+# --- the path a module asks for reaches the kernels ----------------------------------------
+
+class RecordingKernels(TorchKernels):
+    """The reference kernels, recording which grouped path each call took."""
+
+    def __init__(self):
+        self.paths: list[tuple[str, bool]] = []
+
+    def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
+        self.paths.append(("fprop", grouped))
+        return super().grouped_fprop(x_TK, w_ENK, b_EN, splits, grouped)
+
+    def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
+        self.paths.append(("dgrad", grouped))
+        return super().grouped_dgrad(dy_TN, w_ENK, splits, grouped)
+
+    def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, **kw):
+        self.paths.append(("wgrad", grouped))
+        return super().grouped_wgrad(x_TK, dy_TN, splits, grouped, **kw)
+
+
+@pytest.mark.parametrize("use_grouped_tensor, want", [(False, False), (True, True), (None, True)])
+def test_module_passes_use_grouped_tensor_through(use_grouped_tensor, want):
+    rec = RecordingKernels()
+    m = fd.nn.GroupedLinear(E, K, N, use_grouped_tensor=use_grouped_tensor, backend=rec)
+    x = torch.randn(T, K, requires_grad=True)
+    m(x, SPLITS).sum().backward()
+    assert rec.paths == [("fprop", want), ("dgrad", want), ("wgrad", want)]
+    y, res = fd.grouped_linear_fwd(x, m.weights(), SPLITS, use_grouped_tensor=use_grouped_tensor, backend=rec)
+    assert res.path == ("grouped" if want else "split")
+
+
+# --- a DW's grad buffer: the fused wgrad GEMM overwrites it -------------------------------
+
+@pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])
+@pytest.mark.parametrize("layer", ["linear", "grouped"])
+def test_fused_dw_grad_buffer_is_overwritten(layer, path):
+    """FakeDW's buffers hold stale values (STALE): accumulating into them instead of
+    overwriting shows up in main_grad."""
+    x, ws, dy = _data()
+    n_w = 1 if layer == "linear" else E
+    group = FakeDW.group_of(ws[:n_w], fused=True)
+    assert all((m.buffer == STALE).all() for m in group)
+    if layer == "linear":
+        y = fd.linear(x, group[0], fuse_wgrad_accumulation=True)
+        dWs = [dy.double().T @ x.double()]
+    else:
+        y = fd.grouped_linear(x, group, SPLITS, fuse_wgrad_accumulation=True, use_grouped_tensor=path)
+        dWs = [d.T @ xe for d, xe in zip(dy.double().split(SPLITS), x.double().split(SPLITS))]
+    y.backward(dy, retain_graph=True)
+    y.backward(dy)
+    for m, dW in zip(group, dWs):
+        rows = m.shape[0]
+        assert_close(m.main_grad, 2 * dW[:rows], torch.float32, "main_grad", rounds=2)
+
+
+# --- fp32 accumulators are held to fp32 ------------------------------------------------------
+
+@pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])
+def test_bf16_layer_fp32_main_grad_and_bias_sums_at_fp32_accuracy(path):
+    """bf16 inputs: main_grad (fp32) within fp32 error of the float64 product of the same bf16
+    values; the bias grad (bf16) within half a bf16 ulp of the fp32-accumulated sum."""
+    x, ws, dy = _data(torch.bfloat16)
+    T2 = 64  # long enough a sum that bf16 accumulation would err by several ulps
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T2, K, generator=g).to(torch.bfloat16)
+    dy = torch.randn(T2, N, generator=g).to(torch.bfloat16)
+    splits = [40, 0, 20, 4]
+    params = [w.clone().requires_grad_() for w in ws]
+    for p in params:
+        p.main_grad = torch.zeros(N, K)
+    bias = torch.zeros(E, N, dtype=torch.bfloat16, requires_grad=True)
+    y = fd.grouped_linear(x, params, splits, bias, fuse_wgrad_accumulation=True, use_grouped_tensor=path)
+    y.backward(dy)
+    x64, dy64 = x.double(), dy.double()
+    for p, xe, de in zip(params, x64.split(splits), dy64.split(splits)):
+        assert_close(p.main_grad, de.T @ xe, torch.bfloat16, "main_grad", mag=de.abs().T @ xe.abs())
+    db = torch.stack([d.sum(0) for d in dy64.split(splits)])
+    db_mag = torch.stack([d.abs().sum(0) for d in dy64.split(splits)])
+    assert_close(bias.grad, db, torch.bfloat16, "bias grad", mag=db_mag)
+
+
+def test_bf16_linear_fp32_main_grad_at_fp32_accuracy():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, K, generator=g).to(torch.bfloat16)
+    dy = torch.randn(64, N, generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) / 4).to(torch.bfloat16).requires_grad_()
+    w.main_grad = torch.full((N, K), 0.5)
+    b = torch.zeros(N, dtype=torch.bfloat16, requires_grad=True)
+    fd.linear(x, w, b, fuse_wgrad_accumulation=True).backward(dy)
+    x64, dy64 = x.double(), dy.double()
+    assert_close(w.main_grad, 0.5 + dy64.T @ x64, torch.bfloat16, "main_grad", mag=0.5 + dy64.abs().T @ x64.abs())
+    assert_close(b.grad, dy64.sum(0), torch.bfloat16, "bias grad", mag=dy64.abs().sum(0))
