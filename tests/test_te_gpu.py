@@ -211,9 +211,12 @@ def test_grouped_path_beyond_64_experts(layout):
 
     got, split = run(True), run(False)
     y, dx, dw, db = ref_grouped_f64(x, W.unbind(0), B.unbind(0), sizes, dy)
-    for a, r, s, what in zip(got, (y, dx, torch.stack(dw), torch.stack(db)), split, ("y", "dx", "dw", "db")):
-        assert_close(a, r, BF16, f"{what} vs float64")
-        assert_close(a, s, BF16, f"{what} vs split path")
+    mags = ref_grouped_f64(x.abs(), W.abs().unbind(0), B.abs().unbind(0), sizes, dy.abs())
+    for i, (r, what) in enumerate(zip((y, dx, torch.stack(dw), torch.stack(db)), ("y", "dx", "dw", "db"))):
+        m = mags[i] if i < 2 else torch.stack(mags[i])
+        rounds = 2 if what == "y" else 1  # beyond 64 experts the bias is added after the GEMM
+        assert_close(got[i], r, BF16, f"{what} (grouped path) vs float64", mag=m, rounds=rounds)
+        assert_close(split[i], r, BF16, f"{what} (split path) vs float64", mag=m, rounds=rounds)
     assert torch.count_nonzero(got[2][0]) == 0 and torch.count_nonzero(got[3][0]) == 0, "expert 0 has no tokens"
 
 
