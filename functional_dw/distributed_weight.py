@@ -117,6 +117,9 @@ def grad_targets(params: Sequence[torch.Tensor], dw: bool, shapes: Sequence[tupl
         if not isinstance(buf, torch.Tensor) or tuple(buf.shape) != tuple(shape):  # any strides (kernels copy if they must)
             got = tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__
             raise ValueError(f"{where}: main_grad/grad_buffer() must be a {tuple(shape)} tensor, got {got}")
+        if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(buf) == 1:  # (2: cannot tell)
+            raise ValueError(f"{where}: main_grad/grad_buffer() has elements that share memory (e.g. an expand); "
+                             "each weight-gradient element needs its own")
         if not buf.dtype.is_floating_point:
             raise TypeError(f"{where}: main_grad/grad_buffer() is {buf.dtype}; it must be a float tensor (float32)")
         if buf.device != p.device and not dw:

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Union
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import is_fake
 
 from . import _checks, distributed_weight as dwp
 from .custom_vjp import custom_vjp
@@ -97,8 +98,13 @@ def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
         if splits.device.type == "meta":
             raise ValueError("splits is a tensor on the meta device, which holds no counts: give the splits as "
                              "a list of ints (shape inference needs their values) or a tensor on a real device")
-        host = None if splits.is_cuda or torch.compiler.is_compiling() else tuple(splits.tolist())
-        tensor = splits
+        if torch.compiler.is_compiling():  # a copy: the caller may reuse its routing buffer before
+            host, tensor = None, splits.clone()  # backward, which reads the counts again
+        else:
+            if is_fake(splits):
+                raise ValueError("splits is a fake tensor (FakeTensorMode), which holds no counts: give the "
+                                 "splits as a list of ints for shape inference")
+            host, tensor = (None if splits.is_cuda else tuple(splits.tolist())), splits
     else:
         items = None if isinstance(splits, (str, bytes)) else _checks.sequence(splits)
         if items is None:

@@ -40,11 +40,13 @@ BUGS = [  # (name, file, original line fragment, planted fragment)
      "use_grouped_tensor=self.use_grouped_tensor, backend=self.backend)", "backend=self.backend)"),
 ]
 
-# The suite minus what cannot catch these bugs and only costs time (notebooks, the benchmark
-# script's dry run, the soak loop); the numerics files first, so a caught bug stops early.
+# Two passes: the numerics and semantics files first (a caught bug stops there in seconds),
+# then the rest of the suite minus what cannot catch these bugs and only costs time
+# (notebooks, the benchmark script's dry run, the soak loop).
 FIRST = ["tests/test_semantics.py", "tests/test_numerics.py", "tests/test_properties.py", "tests/test_nn.py"]
-PYTEST = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *FIRST, "tests", "-m", "not slow",
-          "--ignore=tests/test_notebooks.py", "--ignore=tests/test_bench_script.py", "--ignore=tests/test_soak.py"]
+REST = ["tests", "-m", "not slow", *[f"--ignore={f}" for f in FIRST], "--ignore=tests/test_notebooks.py",
+        "--ignore=tests/test_bench_script.py", "--ignore=tests/test_soak.py"]
+PYTEST = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
 
 
 def run(index: int | None) -> tuple[str, bool, float, str]:
@@ -61,10 +63,13 @@ def run(index: int | None) -> tuple[str, bool, float, str]:
             assert text.count(old) == 1, f"{name}: the original line is not in {rel} exactly once"
             path.write_text(text.replace(old, new))
         start = time.perf_counter()
-        done = subprocess.run(PYTEST, cwd=tmp, capture_output=True, text=True)
-        failed = [ln[7:] for ln in done.stdout.splitlines() if ln.startswith("FAILED ")]
-        if done.returncode not in (0, 1) or (done.returncode == 1 and not failed):
-            raise RuntimeError(f"{name}: pytest did not run cleanly (exit {done.returncode}):\n{done.stdout[-3000:]}")
+        for args in (FIRST, REST):
+            done = subprocess.run(PYTEST + args, cwd=tmp, capture_output=True, text=True)
+            failed = [ln[7:] for ln in done.stdout.splitlines() if ln.startswith("FAILED ")]
+            if done.returncode not in (0, 1) or (done.returncode == 1 and not failed):
+                raise RuntimeError(f"{name}: pytest did not run cleanly (exit {done.returncode}):\n{done.stdout[-3000:]}")
+            if failed:
+                break
         return name, bool(failed), time.perf_counter() - start, failed[0] if failed else ""
 
 

@@ -101,6 +101,7 @@ FORWARD = [  # id, call, exception, message (regex)
     ("splits-meta-tensor", lambda: G(splits=torch.tensor(SPLITS, device="meta")), ValueError, "splits is a tensor on the meta device"),
     ("splits-0d-tensor", lambda: G(splits=torch.tensor(6)), TypeError, "splits tensor must be 1-D int"),
     ("splits-generator", lambda: G(splits=(s for s in SPLITS)), TypeError, "splits must be a list/tuple of ints"),
+    ("splits-fake-tensor", lambda: fake_splits(), ValueError, "splits is a fake tensor"),
     ("splits-set", lambda: G(splits={2, 1, 3}), TypeError, "splits must be a list/tuple of ints or a 1-D integer tensor, got set"),
     ("splits-dict", lambda: G(splits={0: 2, 1: 1, 2: 3}), TypeError, "splits must be a list/tuple of ints .* got dict"),
     ("splits-sparse-tensor", lambda: G(splits=torch.tensor(SPLITS).to_sparse()), TypeError, "splits must be a dense tensor"),
@@ -196,6 +197,8 @@ BACKWARD = [  # id, make the loss (forward succeeds), exception at backward, mes
     ("linear-weight-modified", lambda: stale(L), RuntimeError, "modified in place between forward and backward"),
     ("grouped-weight-modified", lambda: stale(G), RuntimeError, r"weights\[2\] was modified in place"),
     ("main-grad-wrong-shape", main_grad_too_big, ValueError, "main_grad"),
+    ("main-grad-overlapping", lambda: overlapping_main_grad(), ValueError,
+     r"weights: main_grad/grad_buffer\(\) has elements that share memory"),
     ("main-grad-int", lambda: int_main_grad(), TypeError, r"weight: main_grad/grad_buffer\(\) is torch.int64; it must be a float"),
     ("dw-backward-dtype", lambda: G(weights=BackwardDtypeDW.group_of([t(N, K)] * E)).sum(), TypeError,
      r"materialize_group_for_backward\(\) of the DistributedWeight returned a torch.float16 tensor"),
@@ -213,6 +216,19 @@ def mixed_main_grads():
     for p, dt in zip(w, (torch.bfloat16, torch.float64, torch.float32)):
         p.main_grad = torch.zeros(N, K, dtype=dt)
     return G(weights=w, fuse_wgrad_accumulation=True).sum()
+
+
+def overlapping_main_grad():
+    w = t(E, N, K).requires_grad_()
+    w.main_grad = torch.zeros(1, N, K).expand(E, N, K)  # every expert's dW into one matrix
+    return G(weights=w, fuse_wgrad_accumulation=True).sum()
+
+
+def fake_splits():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return G(x=torch.randn(T, K), weights=torch.randn(E, N, K), splits=torch.tensor(SPLITS))
 
 
 def int_main_grad():

@@ -16,7 +16,7 @@ from functional_dw.kernels import Splits  # noqa: E402
 from functional_dw.kernels.triton_splits import triton  # noqa: E402
 
 CASES = [([5, -3, 9, 4], 10), ([3, 0, 7], 10), ([0] * 5, 0), (list(range(-3, 40)), 100), ([2**31 - 1, 5], 7),
-         ([1] * 1000, 1000)]
+         ([1] * 1000, 1000), ([2, 3], 10), ([4, -1, 0], 9)]
 
 
 def expected(sizes, T):
@@ -26,6 +26,9 @@ def expected(sizes, T):
         run += max(s, 0)
         counts.append(min(run, T) - start)
         ends.append(min(run, T))
+    if sizes:  # the last expert ends at T: it takes the rows the counts leave over
+        counts[-1] += T - ends[-1]
+        ends[-1] = T
     return counts, ends
 
 

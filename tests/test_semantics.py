@@ -44,6 +44,41 @@ def test_device_splits_are_clamped_not_trusted():
     sp = Splits(host=None, tensor=torch.tensor([4, -2, 9, 1]), device=torch.device("cpu"), num_tokens=T, num_experts=E)
     assert sp.ends(torch.int64).tolist() == [4, 4, 10, 10]  # negatives as 0, running sum capped at T
     assert sp.ends(torch.int32).tolist() == [4, 4, 10, 10]
+    short = Splits(host=None, tensor=torch.tensor([2, 0, 3, 1]), device=torch.device("cpu"), num_tokens=T, num_experts=E)
+    assert short.ends(torch.int32).tolist() == [2, 2, 5, 10]  # the last expert takes the rows left over
+    assert short.on_device().tolist() == [2, 0, 3, 5]
+
+
+def test_compiled_grouped_path_with_short_splits_computes_every_row():
+    """Under torch.compile the counts are not validated on the grouped path (no sync): splits
+    summing to less than T give the last expert the rest, never unwritten rows (found by the
+    probe: garbage or NaN in y and dx)."""
+    torch._dynamo.reset()
+    w = torch.randn(E, N, K, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(E, N, dtype=torch.bfloat16, requires_grad=True)
+    f = torch.compile(lambda x, s: fd.grouped_linear(x, w, s, b), backend="aot_eager", fullgraph=True)
+    x = torch.randn(T, K, dtype=torch.bfloat16, requires_grad=True)
+    y = f(x, torch.tensor([3, 0, 5, 1]))  # sums to 9, T = 10
+    y.float().sum().backward()
+    want = fd.grouped_linear(x.detach(), w.detach(), [3, 0, 5, 2], b.detach())
+    torch.testing.assert_close(y.detach(), want, rtol=0, atol=0)
+    assert torch.isfinite(x.grad).all()
+
+
+def test_compiled_split_path_reads_forwards_routing_in_backward():
+    """The caller may reuse its splits buffer before backward (found by the probe)."""
+    torch._dynamo.reset()
+    w = torch.randn(E, N, K, requires_grad=True)
+    f = torch.compile(lambda x, s: fd.grouped_linear(x, w, s, use_grouped_tensor=False), backend="aot_eager",
+                      fullgraph=True)
+    x = torch.randn(T, K, requires_grad=True)
+    s = torch.tensor(SPLITS)
+    y = f(x, s)
+    s.copy_(torch.tensor([0, 5, 5, 0]))
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    xr = x.detach().clone().requires_grad_()
+    (want,) = torch.autograd.grad(fd.grouped_linear(xr, w.detach(), SPLITS).sum(), xr)
+    torch.testing.assert_close(dx, want)
 
 
 # --- jvp through a DistributedWeight: forward's gather ---------------------------------------

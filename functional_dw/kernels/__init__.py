@@ -97,10 +97,12 @@ class Splits:
         """``[E]`` end offsets ``[s0, s0+s1, ...]`` on the activations' device, no sync.
 
         NOTE: [Device splits are clamped] Counts known only on the device cannot be validated
-        without a sync, so they are made memory-safe instead: negatives count as 0 and the
-        running sum stops at T, so no kernel can read or write past x (the caller's bad splits
-        give wrong rows, never a crash: torch's grouped GEMM would hit a device-side assert,
-        which ends the process). On CUDA one Triton launch does it (``triton_splits``); else
+        without a sync, so they are made memory-safe instead: negatives count as 0, the
+        running sum stops at T, and the last expert ends at T (it takes any rows the counts
+        leave over), so no kernel reads or writes past x and every row of y and dx is computed
+        (the caller's bad splits give wrong rows, never a crash, garbage or NaN: torch's
+        grouped GEMM would hit a device-side assert, which ends the process, or leave rows
+        unwritten). On CUDA one Triton launch does it (``triton_splits``); else
         four or five torch launches (widen, clamp, a two-kernel scan, a capping cast). Host
         counts are copied once."""
         def make() -> torch.Tensor:
@@ -111,6 +113,7 @@ class Splits:
                 return fused[1]
             sizes = self.tensor.to(self.device, torch.int64, non_blocking=True).clamp(min=0)
             running = sizes.cumsum(0)  # int64: int32 counts could overflow their running sum
+            running[-1:] = self.num_tokens  # the last expert ends at T (no row left unwritten)
             if dtype == torch.int64 or torch.compiler.is_compiling():  # a compiler fuses these
                 return running.clamp_(max=self.num_tokens).to(dtype)
             cap = torch.tensor(self.num_tokens)  # a CPU scalar: minimum caps and casts in one kernel

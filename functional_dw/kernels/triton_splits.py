@@ -30,15 +30,15 @@ if triton is not None:
         valid = i < E
         s = tl.maximum(tl.load(s_ptr + i, mask=valid, other=0).to(tl.int64), 0)
         running = tl.cumsum(s, axis=0)
-        ends = tl.minimum(running, T)
+        ends = tl.where(i == E - 1, T, tl.minimum(running, T))  # the last expert ends at T
         starts = tl.minimum(running - s, T)
         tl.store(counts_ptr + i, ends - starts, mask=valid)
         tl.store(ends_ptr + i, ends.to(tl.int32), mask=valid)
 
 
 def clamp_splits(splits_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(counts int64 ``[E]``, ends int32 ``[E]``): negatives count as 0 and the running sum
-    stops at ``num_tokens``. None where Triton cannot run it (the caller uses torch ops)."""
+    """(counts int64 ``[E]``, ends int32 ``[E]``): negatives count as 0, the running sum
+    stops at ``num_tokens`` and the last expert ends there. None where Triton cannot run it (the caller uses torch ops)."""
     E = splits_E.shape[0]
     if triton is None or not splits_E.is_cuda or not 0 < E <= _MAX_EXPERTS:
         return None
