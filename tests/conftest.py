@@ -188,6 +188,7 @@ def assert_same(a, b, what=""):
 # accumulated in and what it was rounded to, not from the inputs' dtype:
 #
 #     |actual - expected| <= u(out) * |expected| + (rounds - 1) * u(out) * mag + n * u(acc) * mag
+#                            + rounds * eta(out)
 #
 # u(d) is the unit roundoff of d (the largest relative error of one rounding to d); out is
 # the result's dtype; ``rounds`` how many times the value was rounded to it (1 for a GEMM or a
@@ -196,7 +197,8 @@ def assert_same(a, b, what=""):
 # inputs, float64 only when inputs and result are float64; ``n`` a bound on the number of
 # terms summed; ``mag`` the same computation on absolute values (e.g. |dy|^T |x|), which bounds
 # the accumulation error even where the terms cancel; by default the reference's largest
-# magnitude. So an fp32 main_grad or an fp32-accumulated bias grad is held to fp32 accuracy,
+# magnitude; eta(d) half the spacing of d's subnormals (a rounding below the normal range errs
+# absolutely: fp16's start at 6e-5). So an fp32 main_grad or an fp32-accumulated bias grad is held to fp32 accuracy,
 # and a bf16 result to half a bf16 ulp of its own value plus fp32-level accumulation error:
 # a bf16 product cast up to fp32, or a bias grad summed in bf16, fails
 # (tests/planted_bugs.py shows it).
@@ -213,7 +215,8 @@ def tolerance(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, 
         mag = exp.abs().max() if exp.numel() else exp.new_zeros(())
     mag = mag.double() if isinstance(mag, torch.Tensor) else torch.tensor(float(mag), dtype=torch.float64)
     mag = mag.to(exp.device)
-    return UNIT[actual.dtype] * (exp.abs() + (rounds - 1) * mag) + n * UNIT[acc] * mag
+    eta = torch.finfo(actual.dtype).smallest_normal * torch.finfo(actual.dtype).eps / 2
+    return UNIT[actual.dtype] * (exp.abs() + (rounds - 1) * mag) + n * UNIT[acc] * mag + rounds * eta
 
 
 def reference(fn, inputs, dy):

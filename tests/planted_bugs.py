@@ -26,6 +26,9 @@ BUGS = [  # (name, file, original line fragment, planted fragment)
      "dw = dy_TN.t().to(out.dtype) @ x_TK.to(out.dtype)", "dw = (dy_TN.t() @ x_TK).to(out.dtype)"),
     ("main_grad from a bf16 product (one-kernel path)", "functional_dw/kernels/torch_ref.py",
      "dy_T, x = dy_T.to(dt), x.to(dt)", "pass"),
+    # On the CPU this one is equivalent (torch accumulates every bf16 reduction, index_add
+    # included, in fp32 whatever dtype it is given: identical results, measured); on CUDA a bf16
+    # index_add accumulates in bf16, and test_semantics' [cuda] case catches it (H200 run).
     ("bias grads accumulated in bf16", "functional_dw/kernels/torch_ref.py",
      "dtype=_acc_dtype(dy_TN.dtype), device=dy_TN.device)", "dtype=dy_TN.dtype, device=dy_TN.device)"),
     ("DW wgrad accumulates into grad_buffer()", "functional_dw/distributed_weight.py",
@@ -39,6 +42,8 @@ BUGS = [  # (name, file, original line fragment, planted fragment)
     ("nn.GroupedLinear drops use_grouped_tensor", "functional_dw/nn.py",
      "use_grouped_tensor=self.use_grouped_tensor, backend=self.backend)", "backend=self.backend)"),
 ]
+
+CPU_EQUIVALENT = {2}  # (see its note): reported, not counted as a survivor here
 
 # Two passes: the numerics and semantics files first (a caught bug stops there in seconds),
 # then the rest of the suite minus what cannot catch these bugs and only costs time
@@ -82,8 +87,9 @@ def main(argv: list[str]) -> int:
     print(f"{'#':>2}  {'bug':48}  {'caught':6}  {'s':>5}  first failing test")
     for i in picks:
         name, caught, seconds, first = run(i)
-        survived += not caught
-        print(f"{i:>2}  {name:48}  {'yes' if caught else 'NO':6}  {seconds:5.0f}  {first}", flush=True)
+        survived += not caught and i not in CPU_EQUIVALENT
+        verdict = "yes" if caught else "CPU-eq" if i in CPU_EQUIVALENT else "NO"
+        print(f"{i:>2}  {name:48}  {verdict:6}  {seconds:5.0f}  {first}", flush=True)
     return 1 if survived else 0
 
 
