@@ -194,6 +194,8 @@ def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tens
         raise ValueError(f"x has {x.shape[1]} features but the weights are [{N}, {K}]{what}: x must be [T, {K}]")
     split = _as_splits(splits, E, x)
     b_EN, bias_form = _as_bias(bias, E, N, x)
+    if backend == "auto" and fuse_wgrad_accumulation:  # torch's CUDA grouped GEMM cannot write an
+        backend = None  # fp32 main_grad (it writes bf16); TE's can, without a sync
     kernels = get_kernels(backend, x, w_ENK if use_grouped_tensor is not False else None)
     x_TK = _checks.dense(x)
     path = _choose_path(kernels, x_TK, w_ENK, use_grouped_tensor)

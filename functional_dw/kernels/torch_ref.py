@@ -207,12 +207,14 @@ class TorchKernels:
         db_EN = expert_sums(dy_TN, splits) if with_dbias else None
         dt = x_TK.dtype if out is None else out[0].dtype
         grouped = grouped and _plain(x_TK, dy_TN)
-        if grouped and dt == torch.float64 and dt != x_TK.dtype:  # a float64 main_grad: grouped_mm
-            grouped = False  # has no float64, so the products run per expert, in float64
+        if grouped and dt != x_TK.dtype and (x_TK.is_cuda or dt == torch.float64):
+            # main_grad's dtype (fp32 from bf16, or float64) that grouped_mm cannot write: CUDA's
+            # writes bf16 only (a bf16 product cast up would not be fp32-accurate), none writes
+            # float64. The products run per expert in main_grad's dtype (a host sync for sizes).
+            grouped = False
         if grouped:
             dy_T, x = _mm_ready(dy_TN).t(), _mm_ready(x_TK)
-            if dt != x_TK.dtype and not x_TK.is_cuda:  # output dtype follows the inputs;
-                # CUDA grouped_mm is bf16-only, so there the fp32 main_grad gets a bf16 dw
+            if dt != x_TK.dtype:  # (the CPU's grouped_mm takes fp32: the product in main_grad's dtype)
                 dy_T, x = dy_T.to(dt), x.to(dt)
             dw_ENK: Sequence[torch.Tensor] = _gmm(dy_T, x, splits)
         else:
