@@ -76,6 +76,38 @@ class FakeDW(torch.nn.Parameter):
         return f"FakeDW(shard={tuple(self.shape)}, full={tuple(self.full.shape)})"
 
 
+# --- the path that ran -------------------------------------------------------------------
+
+
+from functional_dw.kernels.torch_ref import TorchKernels  # noqa: E402
+
+
+class PathRecorder(TorchKernels):
+    """The reference kernels (pass as ``backend=``), recording which grouped path each GEMM
+    took, so a test that names a path can assert it ran: ``rec.check(path, x, w)``."""
+
+    def __init__(self):
+        self.paths: list[tuple[str, bool]] = []
+
+    def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
+        self.paths.append(("fprop", grouped))
+        return super().grouped_fprop(x_TK, w_ENK, b_EN, splits, grouped)
+
+    def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
+        self.paths.append(("dgrad", grouped))
+        return super().grouped_dgrad(dy_TN, w_ENK, splits, grouped)
+
+    def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, **kw):
+        self.paths.append(("wgrad", grouped))
+        return super().grouped_wgrad(x_TK, dy_TN, splits, grouped, **kw)
+
+    def check(self, use_grouped_tensor, x, w) -> None:
+        """Every GEMM took the path ``use_grouped_tensor`` asks for where grouped_mm can run."""
+        possible = self.grouped_path_unsupported(x, w) is None
+        want = use_grouped_tensor is not False and possible
+        assert self.paths and all(g == want for _, g in self.paths), (use_grouped_tensor, possible, self.paths)
+
+
 # --- saved-tensor hooks --------------------------------------------------------------------
 
 

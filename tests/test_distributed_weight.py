@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_dw as fd
-from conftest import BWD_SCALE, FWD_SCALE, HOOKS, FakeDW, assert_same, ref_grouped
+from conftest import BWD_SCALE, FWD_SCALE, HOOKS, FakeDW, PathRecorder, assert_same, ref_grouped
 
 E, K, N = 3, 16, 8
 SPLITS = [5, 0, 7]
@@ -37,7 +37,9 @@ def _run(layer, hook=None, backwards=1, fused=False, path=None, seed=0):
         if layer == "linear":
             y = fd.linear(x, ws[0], bs[0], **kw)
         else:
-            y = fd.grouped_linear(x, ws, SPLITS, bs, use_grouped_tensor=path, **kw)
+            rec = PathRecorder()
+            y = fd.grouped_linear(x, ws, SPLITS, bs, use_grouped_tensor=path, backend=rec, **kw)
+            rec.check(path, x, [m.full for m in ws] if hasattr(ws[0], "full") else ws)
     for i in range(backwards):
         y.backward(dy, retain_graph=i < backwards - 1)
     grads = {"y": y.detach(), "dx": x.grad, "dw": [w.grad for w in ws], "db": [b.grad for b in bs[: len(ws)]],

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import functional_dw as fdw
-from conftest import FakeDW
+from conftest import FakeDW, PathRecorder
 from functional_dw.kernels import te_available
 
 T, K, N, E = 6, 4, 8, 3
@@ -280,7 +280,9 @@ def test_nan_and_inf_pass_through_row_by_row(use_grouped_tensor):
     x[1, 3] = float("nan")  # row 1: expert 0 (splits [2, 1, 3])
     x[4, 0] = float("inf")  # row 4: expert 2
     w = [torch.rand(N, 2 * K) + 0.5 for _ in range(E)]  # positive, so inf * w stays inf
-    y = fdw.grouped_linear(x, w, SPLITS, use_grouped_tensor=use_grouped_tensor)
+    rec = PathRecorder()
+    y = fdw.grouped_linear(x, w, SPLITS, use_grouped_tensor=use_grouped_tensor, backend=rec)
+    rec.check(use_grouped_tensor, x, w)
     assert torch.isnan(y[1]).all() and torch.isinf(y[4]).all() and not torch.isnan(y[4]).any()
     clean = [0, 2, 3, 5]
     assert torch.isfinite(y[clean]).all(), "NaN/Inf leaked into other rows"
@@ -308,7 +310,8 @@ def test_odd_but_valid_inputs_are_computed_right(case, path):
     ws = [w.requires_grad_() if not w.requires_grad else w for w in ws]
     x = x.requires_grad_() if x.is_leaf else x
     splits = [2, 4]
-    y = fdw.grouped_linear(x, ws, splits, use_grouped_tensor=path)
+    rec = PathRecorder()
+    y = fdw.grouped_linear(x, ws, splits, use_grouped_tensor=path, backend=rec)
     ref = torch.cat([xe @ w.t() for xe, w in zip(x.split(splits), ws)])
     torch.testing.assert_close(y, ref)
     dy = torch.randn_like(y)
@@ -316,3 +319,4 @@ def test_odd_but_valid_inputs_are_computed_right(case, path):
     want = torch.autograd.grad(ref, [x, *dict.fromkeys(ws)], dy)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+    rec.check(path, x, ws)

@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import functional_dw as fd
-from conftest import assert_close, assert_same
+from conftest import PathRecorder, assert_close, assert_same
 
 PROFILES = {
     "ci": dict(examples={"grouped": 40, "linear": 20}, deadline=None, derandomize=True, database=None,
@@ -186,9 +186,11 @@ def _grouped_run(case: dict, layout: bool):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback warning (unaligned K, fp64)
         with hook:
+            rec = PathRecorder()
             y = fd.grouped_linear(x, weights, case["splits"], bias, fuse_wgrad_accumulation=case["fused"],
-                                  use_grouped_tensor=case["path"])
+                                  use_grouped_tensor=case["path"], backend=rec)
     y.backward(dy)
+    rec.check(case["path"], x, weights)
     assert hook.unpacked == 1
     for w, m in zip(ws, mgs):
         assert w.main_grad is m, "main_grad must be the caller's tensor, accumulated in place"
@@ -329,7 +331,9 @@ def test_fused_wgrad_into_transposed_main_grad(layer, path):
         ref[0] += torch.ones(6, 16).t() @ x
         ws, ref = ws[:1], ref[:1]
     else:
-        fd.grouped_linear(x, ws, [2, 4], fuse_wgrad_accumulation=True, use_grouped_tensor=path).sum().backward()
+        rec = PathRecorder()
+        fd.grouped_linear(x, ws, [2, 4], fuse_wgrad_accumulation=True, use_grouped_tensor=path, backend=rec).sum().backward()
+        rec.check(path, x, ws)
         for e, xe in enumerate(x.split([2, 4])):
             ref[e] += torch.ones(xe.shape[0], 16).t() @ xe
     for w, r in zip(ws, ref):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_dw as fdw
-from conftest import assert_close, assert_same, ref_grouped
+from conftest import PathRecorder, assert_close, assert_same, ref_grouped
 
 E, K, N, SPLITS = 3, 4, 8, [2, 0, 4]
 T = sum(SPLITS)
@@ -96,7 +96,8 @@ def test_linear_forward_and_grads():
 
 @pytest.mark.parametrize("use_grouped_tensor", [False, None], ids=["split", "default"])
 def test_grouped_forward_and_grads(use_grouped_tensor):
-    m = fdw.nn.GroupedLinear(E, K, N, use_grouped_tensor=use_grouped_tensor)
+    rec = PathRecorder()
+    m = fdw.nn.GroupedLinear(E, K, N, use_grouped_tensor=use_grouped_tensor, backend=rec)
     x = torch.randn(T, K)
     dy = torch.randn(T, N)
     y = m(x, torch.tensor(SPLITS))
@@ -109,6 +110,7 @@ def test_grouped_forward_and_grads(use_grouped_tensor):
         assert p.grad is not None, name
         assert_close(p.grad, g, torch.float32, name)
     assert not m.weight1.grad.any() and not m.bias1.grad.any(), "expert 1 got no tokens"
+    rec.check(use_grouped_tensor, x, m.weights())
 
 
 def test_fused_wgrad_accumulates_into_main_grad():

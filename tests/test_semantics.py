@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import functional_dw as fd
-from conftest import BWD_SCALE, FWD_SCALE, STALE, FakeDW, assert_close, ref_grouped
+from conftest import BWD_SCALE, FWD_SCALE, STALE, FakeDW, PathRecorder, assert_close, ref_grouped
 from functional_dw.kernels import Splits
-from functional_dw.kernels.torch_ref import TorchKernels
 
 SPLITS = [3, 0, 5, 2]
 E, T, K, N = len(SPLITS), sum(SPLITS), 16, 8
@@ -106,28 +105,9 @@ def test_jvp_uses_the_forward_gather(layer):
 
 # --- the path a module asks for reaches the kernels ----------------------------------------
 
-class RecordingKernels(TorchKernels):
-    """The reference kernels, recording which grouped path each call took."""
-
-    def __init__(self):
-        self.paths: list[tuple[str, bool]] = []
-
-    def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
-        self.paths.append(("fprop", grouped))
-        return super().grouped_fprop(x_TK, w_ENK, b_EN, splits, grouped)
-
-    def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
-        self.paths.append(("dgrad", grouped))
-        return super().grouped_dgrad(dy_TN, w_ENK, splits, grouped)
-
-    def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, **kw):
-        self.paths.append(("wgrad", grouped))
-        return super().grouped_wgrad(x_TK, dy_TN, splits, grouped, **kw)
-
-
 @pytest.mark.parametrize("use_grouped_tensor, want", [(False, False), (True, True), (None, True)])
 def test_module_passes_use_grouped_tensor_through(use_grouped_tensor, want):
-    rec = RecordingKernels()
+    rec = PathRecorder()
     m = fd.nn.GroupedLinear(E, K, N, use_grouped_tensor=use_grouped_tensor, backend=rec)
     x = torch.randn(T, K, requires_grad=True)
     m(x, SPLITS).sum().backward()
