@@ -122,6 +122,12 @@ def cotangent(name: str, d: Any, shape: Sequence[int], like: torch.Tensor) -> to
     return d
 
 
+def record(fn: str, res: Any, cls: type, made_by: str) -> None:
+    """``res`` is the residual record ``fn`` takes (TypeError naming both otherwise)."""
+    if not isinstance(res, cls):
+        raise TypeError(f"{fn} takes the {cls.__name__} that {made_by} returned, got {type(res).__name__}")
+
+
 # --- version stamps: the check autograd's version counter does for saved tensors -----------
 
 Stamp = Any  # (weakref to the tensor, its version), or None where no check is possible

@@ -225,8 +225,7 @@ def grouped_linear_fwd(
 
 
 def _check_res(res: Any, fn: str) -> GroupedLinearResiduals:
-    if not isinstance(res, GroupedLinearResiduals):
-        raise TypeError(f"{fn} takes the GroupedLinearResiduals that grouped_linear_fwd returned, got {type(res).__name__}")
+    _checks.record(fn, res, GroupedLinearResiduals, "grouped_linear_fwd")
     _checks.check_stamp("x", res.x_TK, res.x_version)
     return res
 

@@ -83,8 +83,7 @@ def linear_fwd(
 
 
 def _check_res(res: Any, fn: str) -> LinearResiduals:
-    if not isinstance(res, LinearResiduals):
-        raise TypeError(f"{fn} takes the LinearResiduals that linear_fwd returned, got {type(res).__name__}")
+    _checks.record(fn, res, LinearResiduals, "linear_fwd")
     _checks.check_stamp("x", res.x, res.x_version)
     return res
 
