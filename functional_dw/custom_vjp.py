@@ -48,6 +48,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from .residuals import with_needs
+
 try:  # NOTE: [Fast pytrees] torch's C++ pytree (optree) flattens several times faster than
     # the Python one; eager calls use it when installed. Compiled code and torch.func keep the
     # Python one (dynamo traces it). Both read the same registrations (our residual records).
@@ -260,7 +262,13 @@ def custom_vjp(
     def _residuals_of(ctx: Any) -> Any:
         saved = iter(ctx.saved_tensors)  # read once: unpack hooks run on every read
         leaves = [value if kind == "ref" else next(saved) for kind, value in ctx.plan]
-        return _tree(ctx.res_spec).tree_unflatten(leaves, ctx.res_spec)
+        res = _tree(ctx.res_spec).tree_unflatten(leaves, ctx.res_spec)
+        # NOTE: [Which gradients] A record with a `needed()` field learns here which inputs
+        # autograd wants gradients for (shaped like fwd's arguments), so bwd can skip a GEMM.
+        mask = getattr(ctx, "needs_input_grad", None)
+        if getattr(type(res), "__needs_field__", None) and mask is not None and not torch.compiler.is_compiling():
+            res = with_needs(res, _tree(ctx.in_spec).tree_unflatten(list(mask[2:]), ctx.in_spec))
+        return res
 
     def _element_plan(in_leaves: tuple, dims: tuple, in_spec: Any) -> tuple:
         """NOTE: [vmap] Under ``vmap(grad(f))`` the grad level runs ``setup_context`` on the

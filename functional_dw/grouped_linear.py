@@ -18,7 +18,7 @@ from . import _checks, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from .kernels import Kernels, Splits, check_sizes, get_kernels
 from .kernels.torch_ref import expert_sums
-from .residuals import residuals, saved
+from .residuals import needed, residuals, saved
 
 __all__ = [
     "GroupedLinearResiduals", "grouped_linear", "grouped_linear_fwd", "grouped_linear_bwd",
@@ -50,6 +50,15 @@ class GroupedLinearResiduals:
     path: str  # the GEMM path that ran: "split" (per-expert GEMMs) or "grouped" (one kernel)
     fuse_wgrad_accumulation: bool
     kernels: Kernels
+    needs: Any = needed()  # which gradients bwd computes (None: all); see NOTE: [Which gradients]
+
+
+def _wanted(res: GroupedLinearResiduals) -> tuple[bool, bool, bool]:
+    """(dx, any dW, dbias): the gradients backward computes."""
+    if res.needs is None:
+        return True, True, True
+    x, w, _, b = res.needs[:4]
+    return bool(x), any(pytree.tree_leaves(w)), any(pytree.tree_leaves(b))
 
 
 def _as_params(weights: WeightsArg) -> tuple[tuple[torch.Tensor, ...], bool]:
@@ -246,11 +255,14 @@ def _x_TK(res: GroupedLinearResiduals) -> torch.Tensor:
 
 
 def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
-    """dx ``[T, K]``, with the weights materialized again (never kept from forward)."""
+    """dx ``[T, K]``, with the weights materialized again (never kept from forward); None when
+    x needs no gradient (a DistributedWeight is still gathered: its collectives match across ranks)."""
     dy_TN = _dy_TN(_check_res(res, "grouped_linear_bwd_dgrad"), dy)
     dwp.check_versions(res.weights, res.weight_version, "weights")
     full = dwp.materialize(res.weights, res.distributed, for_backward=True, like=res.x_TK)
     dwp.check_materialized(full, res.weight_shapes, "materialize_group_for_backward()")
+    if not _wanted(res)[0]:
+        return None
     w_ENK = full[0] if res.stacked else full
     return res.kernels.grouped_dgrad(dy_TN, w_ENK, res.splits, res.path == "grouped")
 
@@ -260,8 +272,14 @@ def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> t
     dy_TN = _dy_TN(_check_res(res, "grouped_linear_bwd_wgrad"), dy)
     dwp.check_versions(res.weights, res.weight_version, "weights")
     fused = res.fuse_wgrad_accumulation
-    if fused and not any(p.requires_grad for p in res.weights):  # frozen: no wgrad, main_grad untouched
-        db_EN = expert_sums(dy_TN, res.splits) if res.bias is not None else None
+    _, want_w, want_b = _wanted(res)
+    frozen = not want_w or (fused and not any(p.requires_grad for p in res.weights))  # main_grad untouched
+    if frozen:  # no wgrad GEMM; a DistributedWeight still finalizes (zeros), once, as every rank does
+        db_EN = expert_sums(dy_TN, res.splits) if res.bias is not None and want_b else None
+        if res.distributed:
+            zeros = [dy_TN.new_zeros(s) for s in res.weight_shapes]
+            wgrads = dwp.finalize(res.weights, True, False, zeros)
+            return (wgrads[0] if res.stacked else wgrads), _bias_grads(res, db_EN)
         return (None if res.stacked else [None] * len(res.weights)), _bias_grads(res, db_EN)
     out = None
     if fused:
@@ -269,7 +287,7 @@ def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> t
         out = targets[0] if res.stacked else targets
     dw, db_EN = res.kernels.grouped_wgrad(
         _x_TK(res), dy_TN, res.splits, res.path == "grouped", out=out,
-        accumulate=fused and dwp.accumulates(res.weights, res.distributed), with_dbias=res.bias is not None,
+        accumulate=fused and dwp.accumulates(res.weights, res.distributed), with_dbias=res.bias is not None and want_b,
     )
     wgrads = dwp.finalize(res.weights, res.distributed, fused, [dw] if res.stacked else list(dw))
     dweights = wgrads[0] if res.stacked else wgrads
@@ -277,7 +295,9 @@ def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> t
 
 
 def _bias_grads(res: GroupedLinearResiduals, db_EN: torch.Tensor | None) -> Any:
-    return list(db_EN.unbind(0)) if res.bias == "list" else db_EN
+    if res.bias == "list":
+        return list(db_EN.unbind(0)) if db_EN is not None else [None] * res.splits.num_experts
+    return db_EN
 
 
 def grouped_linear_bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:

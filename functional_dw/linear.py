@@ -14,7 +14,7 @@ from . import _checks, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from .kernels import Kernels, get_kernels
 from .kernels.torch_ref import column_sums
-from .residuals import residuals, saved
+from .residuals import needed, residuals, saved
 
 __all__ = ["LinearResiduals", "linear", "linear_fwd", "linear_bwd", "linear_bwd_dgrad", "linear_bwd_wgrad"]
 
@@ -31,6 +31,14 @@ class LinearResiduals:
     has_bias: bool
     fuse_wgrad_accumulation: bool
     kernels: Kernels
+    needs: Any = needed()  # which gradients bwd computes (None: all); see NOTE: [Which gradients]
+
+
+def _wanted(res: LinearResiduals) -> tuple[bool, bool, bool]:
+    """(dx, dW, dbias): the gradients backward computes."""
+    if res.needs is None:
+        return True, True, True
+    return tuple(bool(n) for n in res.needs[:3])  # type: ignore[return-value]
 
 
 class _Call(NamedTuple):
@@ -107,6 +115,8 @@ def linear_bwd_dgrad(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     dwp.check_versions([res.weight], res.weight_version, "weight")
     w_NK = dwp.materialize([res.weight], res.distributed, for_backward=True, like=res.x, name="weight")[0]
     dwp.check_materialized([w_NK], [(res.out_features, res.x_shape[-1])], "materialize_group_for_backward()")
+    if not _wanted(res)[0]:
+        return None  # (a DistributedWeight was still gathered: its collectives match across ranks)
     return res.kernels.dgrad(dy_TN, w_NK).view(res.x_shape)
 
 
@@ -115,13 +125,17 @@ def linear_bwd_wgrad(res: LinearResiduals, dy: torch.Tensor) -> tuple[Any, torch
     dy_TN = _dy_TN(_check_res(res, "linear_bwd_wgrad"), dy)
     dwp.check_versions([res.weight], res.weight_version, "weight")
     params, fused = [res.weight], res.fuse_wgrad_accumulation
-    if fused and not res.weight.requires_grad:  # a frozen weight: no wgrad, main_grad untouched
-        return None, (column_sums(dy_TN) if res.has_bias else None)
+    _, want_w, want_b = _wanted(res)
     shape = (res.out_features, res.x_shape[-1])
+    if not want_w or (fused and not res.weight.requires_grad):  # frozen: no wgrad GEMM, main_grad untouched
+        db = column_sums(dy_TN) if res.has_bias and want_b else None
+        if res.distributed:  # it still finalizes (zeros), once, as every rank does
+            return dwp.finalize(params, True, False, [dy_TN.new_zeros(shape)], "weight")[0], db
+        return None, db
     out = dwp.grad_targets(params, res.distributed, [shape], "weight")[0] if fused else None
     dw, db = res.kernels.wgrad(
         _x_TK(res), dy_TN, out=out, accumulate=fused and dwp.accumulates(params, res.distributed),
-        with_dbias=res.has_bias,
+        with_dbias=res.has_bias and want_b,
     )
     return dwp.finalize(params, res.distributed, fused, [dw], "weight")[0], db
 

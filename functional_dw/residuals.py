@@ -30,15 +30,35 @@ from typing import Any, TypeVar
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["residuals", "saved", "saved_activations"]
+__all__ = ["residuals", "saved", "needed", "with_needs", "saved_activations"]
 
 _SAVED = "functional_dw.saved"
+_NEEDS = "functional_dw.needs"
 T = TypeVar("T")
 
 
 def saved(**kwargs: Any) -> Any:
     """Declare a residual field as a saved activation (a pytree leaf)."""
     return dataclasses.field(metadata={_SAVED: True}, **kwargs)
+
+
+def needed(**kwargs: Any) -> Any:
+    """Declare the field that says which gradients backward computes: a pytree of bools shaped
+    like fwd's arguments, or None for all. Context, not saved. The autograd bridge fills it in
+    backward from autograd's ``needs_input_grad`` (right under ``torch.func`` too), so a pure
+    bwd skips the GEMM of a gradient nobody asked for; a direct ``*_fwd`` call leaves None."""
+    return dataclasses.field(default=None, metadata={_NEEDS: True}, **kwargs)
+
+
+def with_needs(res: T, needs: Any) -> T:
+    """``res`` with its :func:`needed` field set to ``needs``."""
+    field = type(res).__needs_field__
+    if torch.compiler.is_compiling():
+        return dataclasses.replace(res, **{field: needs})
+    record = object.__new__(type(res))
+    record.__dict__.update(res.__dict__)
+    record.__dict__[field] = needs
+    return record
 
 
 def residuals(cls: type[T]) -> type[T]:
@@ -62,6 +82,7 @@ def residuals(cls: type[T]) -> type[T]:
         return record
 
     pytree.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
+    cls.__needs_field__ = next((f.name for f in dataclasses.fields(cls) if f.metadata.get(_NEEDS)), None)
     cls.__repr__ = _describe  # type: ignore[method-assign]
     return cls
 

@@ -101,6 +101,18 @@ class PathRecorder(TorchKernels):
         self.paths.append(("wgrad", grouped))
         return super().grouped_wgrad(x_TK, dy_TN, splits, grouped, **kw)
 
+    def dgrad(self, dy_TN, w_NK):
+        self.paths.append(("linear dgrad", False))
+        return super().dgrad(dy_TN, w_NK)
+
+    def wgrad(self, x_TK, dy_TN, **kw):
+        self.paths.append(("linear wgrad", False))
+        return super().wgrad(x_TK, dy_TN, **kw)
+
+    def gemms(self) -> list[str]:
+        """The backward GEMMs that ran, in order."""
+        return [name for name, _ in self.paths if name != "fprop"]
+
     def check(self, use_grouped_tensor, x, w) -> None:
         """Every GEMM took the path ``use_grouped_tensor`` asks for where grouped_mm can run."""
         possible = self.grouped_path_unsupported(x, w) is None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import functional_dw as fd
-from conftest import BWD_SCALE, FWD_SCALE, STALE, FakeDW, PathRecorder, assert_close, ref_grouped
+from conftest import BWD_SCALE, FWD_SCALE, STALE, FakeDW, PathRecorder, assert_close, ref_grouped, reference
 from functional_dw.kernels import Splits
 
 SPLITS = [3, 0, 5, 2]
@@ -184,3 +184,67 @@ def test_bf16_linear_fp32_main_grad_at_fp32_accuracy():
     x64, dy64 = x.double(), dy.double()
     assert_close(w.main_grad, 0.5 + dy64.T @ x64, torch.bfloat16, "main_grad", mag=0.5 + dy64.abs().T @ x64.abs())
     assert_close(b.grad, dy64.sum(0), torch.bfloat16, "bias grad", mag=dy64.abs().sum(0))
+
+
+# --- no GEMM for a gradient nobody needs ----------------------------------------------------
+
+@pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])
+@pytest.mark.parametrize("x_grad, w_grad, b_grad, want", [
+    (True, True, True, ["dgrad", "wgrad"]),
+    (False, True, True, ["wgrad"]),  # an input that needs no grad: no dgrad
+    (True, False, True, ["dgrad"]),  # frozen experts: no wgrad (the bias grad is a column sum)
+    (True, False, False, ["dgrad"]),
+])
+def test_grouped_backward_runs_only_the_gemms_needed(path, x_grad, w_grad, b_grad, want):
+    x, ws, dy = _data()
+    x.requires_grad_(x_grad)
+    ws = [w.clone().requires_grad_(w_grad) for w in ws]
+    bias = torch.randn(E, N, requires_grad=b_grad)
+    rec = PathRecorder()
+    y = fd.grouped_linear(x, ws, SPLITS, bias, use_grouped_tensor=path, backend=rec)
+    y.backward(dy)
+    assert rec.gemms() == want
+    (y64, grads), _ = reference(lambda x, *p: ref_grouped(x, p[:E], SPLITS, p[E]), [x, *ws, bias], dy)
+    got = [x.grad, *[w.grad for w in ws], bias.grad]
+    for g, want_g, needed in zip(got, grads, [x_grad] + [w_grad] * E + [b_grad]):
+        assert (g is not None) == needed
+        if needed:
+            torch.testing.assert_close(g.double(), want_g, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("x_grad, w_grad, want", [(False, True, ["linear wgrad"]), (True, False, ["linear dgrad"])])
+def test_linear_backward_runs_only_the_gemms_needed(x_grad, w_grad, want):
+    x, ws, dy = _data()
+    x.requires_grad_(x_grad)
+    w = ws[0].clone().requires_grad_(w_grad)
+    rec = PathRecorder()
+    fd.linear(x, w, backend=rec).backward(dy)
+    assert rec.gemms() == want
+    assert (x.grad is not None) == x_grad and (w.grad is not None) == w_grad
+
+
+@pytest.mark.parametrize("argnums, want", [(0, ["dgrad"]), (1, ["wgrad"]), ((0, 1), ["dgrad", "wgrad"])])
+def test_torch_func_grad_runs_only_the_gemms_it_differentiates(argnums, want):
+    x, ws, _ = _data()
+    W = torch.stack(ws)
+    rec = PathRecorder()
+    got = torch.func.grad(lambda x, W: fd.grouped_linear(x, W, SPLITS, backend=rec).square().sum(), argnums)(x, W)
+    assert rec.gemms() == want
+    ref = torch.func.grad(lambda x, W: ref_grouped(x, list(W), SPLITS).square().sum(), argnums)(x, W)
+    torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("layer", ["linear", "grouped"])
+@pytest.mark.parametrize("frozen", ["x", "weights"])
+def test_distributed_weight_gathers_and_finalizes_once_when_a_gemm_is_skipped(layer, frozen):
+    """Collectives must match across ranks: one backward gather and one finalize per backward."""
+    x, ws, dy = _data()
+    x.requires_grad_(frozen != "x")
+    group = FakeDW.group_of(ws[:1] if layer == "linear" else ws)
+    for m in group:
+        m.requires_grad_(frozen != "weights")
+    rec = PathRecorder()
+    y = fd.linear(x, group[0], backend=rec) if layer == "linear" else fd.grouped_linear(x, group, SPLITS, backend=rec)
+    y.backward(dy)
+    assert group[0].calls == {"forward": 1, "backward": 1, "finalize": 1}
+    assert len(rec.gemms()) == 1
