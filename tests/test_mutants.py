@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch.func import grad, jvp, vjp, vmap
 
 import functional_dw as fd
-from conftest import HOOKS, ref_grouped
+from conftest import HOOKS, FakeDW, ref_grouped
 from functional_dw import custom_vjp, residuals, saved, saved_activations
 from functional_dw.kernels.torch_ref import TorchKernels
 
@@ -38,7 +38,8 @@ def _g(seed: int) -> torch.Generator:
 
 
 def _rand(*shape, seed=0, grad=False, dtype=D):
-    return torch.randn(*shape, generator=_g(seed), dtype=dtype).requires_grad_(grad)
+    t = torch.randn(*shape, generator=_g(seed), dtype=dtype)
+    return t.requires_grad_() if grad else t
 
 
 # --- residual records, declared inside the tests ------------------------------------------
@@ -386,3 +387,244 @@ def test_none_for_a_whole_subtree_of_arguments():
     bad = custom_vjp(fwd, lambda res, dy: (dy, [dy]), name="short")
     with pytest.raises(TypeError, match=r"(?s)expected TreeSpec\(list, None, \[\*,.*\*\]\), got TreeSpec\(list, None, \[\*\]\)"):
         bad(x, ws).sum().backward()
+
+
+# --- forward mode and vmap, every combination of what is batched or has a tangent ---------
+
+_SUBSETS = [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (0, 1, 1), (1, 0, 1), (1, 1, 1), (0, 0, 0)]
+
+
+@pytest.mark.parametrize("which", _SUBSETS, ids=lambda s: "t" + "".join("xwb"[i] for i in range(3) if s[i]) or "none")
+def test_linear_jvp_for_every_subset_of_tangents(which):
+    x = _rand(2, 3, K, seed=1)  # leading dims [2, 3]: the tangent keeps them
+    w, b = _rand(N, K, seed=2), _rand(N, seed=3)
+    tans = [_rand(*t.shape, seed=10 + i) if on else torch.zeros_like(t) for i, (t, on) in enumerate(zip((x, w, b), which))]
+    primals = tuple(t for t, on in zip((x, w, b), which) if on)
+    tangents = tuple(t for t, on in zip(tans, which) if on)
+
+    def call(fn):
+        def f(*ps):
+            it = iter(ps)
+            args = [next(it) if on else t for t, on in zip((x, w, b), which)]
+            return fn(*args)
+        return f
+
+    if not primals:  # the rule with no tangent at all: zeros shaped like y
+        res = fd.linear_fwd(x, w, b)[1]
+        assert torch.equal(lin_mod._jvp(res, (None, None, None, None, None)), torch.zeros(2, 3, N, dtype=D))
+        return
+    y, t = jvp(call(fd.linear), primals, tangents)
+    y_ref, t_ref = jvp(call(F.linear), primals, tangents)
+    assert t.shape == (2, 3, N)
+    torch.testing.assert_close((y, t), (y_ref, t_ref))
+
+
+@pytest.mark.parametrize("which", _SUBSETS[:-1], ids=lambda s: "t" + "".join("xwb"[i] for i in range(3) if s[i]))
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_grouped_jvp_for_every_subset_of_tangents(which, stacked):
+    x = _rand(T, K, seed=1)
+    ws = [_rand(N, K, seed=2 + e) for e in range(E)]
+    bs = [_rand(N, seed=8 + e) for e in range(E)]
+    W, B = torch.stack(ws), torch.stack(bs)
+    base = (x, W, B) if stacked else (x, ws, bs)
+    tans = (_rand(T, K, seed=20), _rand(E, N, K, seed=21), _rand(E, N, seed=22))
+    if not stacked:
+        tans = (tans[0], list(tans[1].unbind(0)), list(tans[2].unbind(0)))
+    idx = [i for i in range(3) if which[i]]
+
+    def call(fn):
+        def f(*ps):
+            args = list(base)
+            for i, p in zip(idx, ps):
+                args[i] = p
+            return fn(*args)
+        return f
+
+    ours = call(lambda x, w, b: fd.grouped_linear(x, w, SPLITS, b))
+    ref = call(lambda x, w, b: ref_grouped(x, list(w), SPLITS, list(b)))
+    y, t = jvp(ours, tuple(base[i] for i in idx), tuple(tans[i] for i in idx))
+    torch.testing.assert_close((y, t), jvp(ref, tuple(base[i] for i in idx), tuple(tans[i] for i in idx)))
+
+
+def test_grouped_jvp_with_a_none_tangent_in_a_list():
+    x = _rand(T, K, seed=1)
+    ws = [_rand(N, K, seed=2 + e) for e in range(E)]
+    bs = [_rand(N, seed=8 + e) for e in range(E)]
+    res = fd.grouped_linear_fwd(x, ws, list(SPLITS), bs)[1]
+    tw = [None, _rand(N, K, seed=30), None]
+    tb = [_rand(N, seed=31), None, None]
+    got = gl_mod._jvp(res, (None, tw, None, tb))
+    zeros_w = [torch.zeros(N, K, dtype=D) if t is None else t for t in tw]
+    zeros_b = [torch.zeros(N, dtype=D) if t is None else t for t in tb]
+    torch.testing.assert_close(got, ref_grouped(x, zeros_w, SPLITS, zeros_b))
+    assert torch.equal(gl_mod._jvp(res, (None, [None] * E, None, None)), torch.zeros(T, N, dtype=D))
+
+
+@pytest.mark.parametrize("which", _SUBSETS[:-1], ids=lambda s: "v" + "".join("xwb"[i] for i in range(3) if s[i]))
+def test_linear_vmap_for_every_subset_of_batched_args(which):
+    B = 3
+    args = (_rand(5, K, seed=1), _rand(N, K, seed=2), _rand(N, seed=3))
+    batched = [_rand(B, *a.shape, seed=10 + i) if on else a for i, (a, on) in enumerate(zip(args, which))]
+    dims = tuple(0 if on else None for on in which)
+    k = CountingKernels()
+    y = vmap(lambda x, w, b: fd.linear(x, w, b, backend=k), in_dims=dims)(*batched)
+    want = torch.stack([F.linear(*[a[i] if on else a for a, on in zip(batched, which)]) for i in range(B)])
+    torch.testing.assert_close(y, want)
+    assert k.calls == (1 if which == (1, 0, 0) else B)  # only a batch of x alone folds
+
+
+@pytest.mark.parametrize("which", _SUBSETS[:-1], ids=lambda s: "v" + "".join("xwb"[i] for i in range(3) if s[i]))
+def test_grouped_vmap_for_every_subset_of_batched_args(which):
+    B = 2
+    args = (_rand(T, K, seed=1), _rand(E, N, K, seed=2), _rand(E, N, seed=3))
+    batched = [_rand(B, *a.shape, seed=10 + i) if on else a for i, (a, on) in enumerate(zip(args, which))]
+    dims = tuple(0 if on else None for on in which)
+    k = CountingKernels()
+    y = vmap(lambda x, w, b: fd.grouped_linear(x, w, SPLITS, b, backend=k), in_dims=dims)(*batched)
+    want = torch.stack([ref_grouped(*[a[i] if on else a for a, on in zip(batched, which)][:2], SPLITS,
+                                    [a[i] if on else a for a, on in zip(batched, which)][2]) for i in range(B)])
+    torch.testing.assert_close(y, want)
+    assert k.calls == (1 if which == (1, 0, 0) else B)
+
+
+# --- error messages, in full: they name the argument (and the position) and say what to do
+
+
+class BentDW(FakeDW):
+    """A FakeDW whose gathers and finalize a test can replace."""
+
+    bend: dict = {}
+
+    def materialize_group_for_forward(self):
+        f = self.bend.get("forward")
+        return f(self) if f else super().materialize_group_for_forward()
+
+    def materialize_group_for_backward(self, **kwargs):
+        f = self.bend.get("backward")
+        return f(self) if f else super().materialize_group_for_backward()
+
+    def finalize_group_grads(self, wgrads):
+        f = self.bend.get("finalize")
+        return f(self, wgrads) if f else super().finalize_group_grads(wgrads)
+
+
+def _dw(**bend):
+    w = BentDW(_rand(2 * N, K, seed=5))  # shard [N, K] of a full [2N, K]
+    w.bend = bend
+    return w
+
+
+def _dw_group(fused=False, **bend):
+    ws = BentDW.group_of([_rand(2 * N, K, seed=5 + e) for e in range(E)], fused=fused)
+    ws[0].bend = bend
+    return ws
+
+
+def _bump(*ts):
+    with torch.no_grad():
+        for t in ts:
+            t.add_(0)
+
+
+def _lin(w, x=None, bias=None, bump=False, part="bwd", **kw):
+    x = _rand(5, K, seed=7, grad=True) if x is None else x
+    y, res = fd.linear_fwd(x, w, bias, **kw)
+    if bump:
+        _bump(w)
+    fn = {"bwd": fd.linear_bwd, "dgrad": fd.linear_bwd_dgrad, "wgrad": fd.linear_bwd_wgrad}[part]
+    return fn(res, torch.ones_like(y))
+
+
+def _grp(ws, bias=None, bump=None, part="bwd", **kw):
+    x = _rand(T, K, seed=7, grad=True)
+    y, res = fd.grouped_linear_fwd(x, ws, list(SPLITS), bias, **kw)
+    if bump is not None:
+        _bump(*bump)
+    fn = {"bwd": fd.grouped_linear_bwd, "dgrad": fd.grouped_linear_bwd_dgrad, "wgrad": fd.grouped_linear_bwd_wgrad}[part]
+    return fn(res, torch.ones_like(y))
+
+
+def _with(t, **attrs):
+    for k, v in attrs.items():
+        setattr(t, k, v)
+    return t
+
+
+def _ws(n=E, grad=True, **attrs):
+    return [_with(_rand(N, K, seed=2 + e, grad=grad), **attrs) for e in range(n)]
+
+
+def _f32(*shape, device="cpu", dtype=torch.float32):
+    return torch.zeros(*(shape or (N, K)), dtype=dtype, device=device)
+
+
+def _w(**attrs):
+    return _with(_rand(N, K, seed=2, grad=True), **attrs)
+
+
+def _mg_group(*mgs):
+    return [_with(w, main_grad=m) for w, m in zip(_ws(), mgs)]
+
+
+ERROR_CASES = {
+    # linear: argument checks
+    "linear-x-9d": (lambda: fd.linear(torch.zeros([1] * 8 + [K], dtype=D), _rand(N, K)), ValueError, 'x must be 1-D or 2-D or 3-D or 4-D or 5-D or 6-D or 7-D or 8-D, got shape (1, 1, 1, 1, 1, 1, 1, 1, 8)'),
+    "linear-weight-3d": (lambda: fd.linear(_rand(5, K), _rand(1, N, K)), ValueError, 'weight must be 2-D, got shape (1, 4, 8)'),
+    "linear-fuse-flag": (lambda: fd.linear_fwd(_rand(5, K), _rand(N, K), fuse_wgrad_accumulation=1), TypeError, 'fuse_wgrad_accumulation must be a bool, got int'),
+    "linear-bias-2d": (lambda: fd.linear(_rand(5, K), _rand(N, K), _rand(1, N)), ValueError, 'bias must be 1-D, got shape (1, 4)'),
+    "linear-x-features": (lambda: fd.linear(_rand(5, K + 1), _rand(N, K)), ValueError, 'x has 9 features but weight is [4, 8]: x must be [..., 8]'),
+    "linear-dw-x-features": (lambda: fd.linear(_rand(5, K + 1), _dw()), ValueError, 'x has 9 features but weight is [8, 8] (as materialize_group_for_forward() of the DistributedWeight returned it): x must be [..., 8]'),
+    "linear-dw-3d": (lambda: fd.linear(_rand(5, K), _dw(forward=lambda s: s.full[None])), ValueError, 'weight (materialized) must be 2-D, got shape (1, 8, 8)'),
+    "linear-dw-fwd-dtype": (lambda: fd.linear(_rand(5, K), _dw(forward=lambda s: s.full.float())), TypeError, "weight: materialize_group_for_forward() of the DistributedWeight returned a torch.float32 tensor on cpu for weight 0; the layer runs in torch.float64 on cpu (x's dtype and device): gather into that"),
+    "linear-dw-bwd-dtype": (lambda: _lin(_dw(backward=lambda s: s.full.float())), TypeError, "weight: materialize_group_for_backward() of the DistributedWeight returned a torch.float32 tensor on cpu for weight 0; the layer runs in torch.float64 on cpu (x's dtype and device): gather into that"),
+    "linear-dw-bwd-shape": (lambda: _lin(_dw(backward=lambda s: s.full[:1])), ValueError, 'weights: materialize_group_for_backward() returned (1, 8) for weight 0, expected (8, 8)'),
+    "linear-dw-finalize-count": (lambda: _lin(_dw(finalize=lambda s, g: [g, g])), ValueError, 'weight: finalize_group_grads returned 2 grad(s) for 1 weights'),
+    "linear-dw-finalize-shape": (lambda: _lin(_dw(finalize=lambda s, g: g)), ValueError, 'weight: finalize_group_grads returned (8, 8) on cpu for weight 0; each grad must be None or a tensor shaped like that parameter ((4, 8) on cpu)'),
+    "linear-dw-finalize-type": (lambda: _lin(_dw(finalize=lambda s, g: [1.0])), ValueError, 'weight: finalize_group_grads returned a float for weight 0; each grad must be None or a tensor shaped like that parameter ((4, 8) on cpu)'),
+    # the forward-mode rules themselves (through torch.func.jvp the subclass does not arrive: see
+    # tests/mutation_equivalents.md)
+    "linear-dw-jvp": (lambda: lin_mod._jvp(fd.linear_fwd(_rand(5, K), _dw())[1], (None, _rand(N, K), None)), ValueError, 'forward-mode (jvp) tangents for a DistributedWeight are not supported: take the tangent with respect to x or bias, or use a plain weight'),
+    "linear-weight-bumped-dgrad": (lambda: _lin(_rand(N, K, grad=True), bump=True, part="dgrad"), RuntimeError, 'weight was modified in place between forward and backward (version 0 -> 1), e.g. by an optimizer step. Its gradient would be computed with the new values; run backward before updating the weights.'),
+    "linear-weight-bumped-wgrad": (lambda: _lin(_rand(N, K, grad=True), bump=True, part="wgrad"), RuntimeError, 'weight was modified in place between forward and backward (version 0 -> 1), e.g. by an optimizer step. Its gradient would be computed with the new values; run backward before updating the weights.'),
+    "linear-res-type": (lambda: fd.linear_bwd(("not", "res"), torch.ones(1)), TypeError, 'linear_bwd takes the LinearResiduals that linear_fwd returned, got tuple'),
+    "linear-dgrad-res-type": (lambda: fd.linear_bwd_dgrad(None, torch.ones(1)), TypeError, 'linear_bwd_dgrad takes the LinearResiduals that linear_fwd returned, got NoneType'),
+    "linear-wgrad-res-type": (lambda: fd.linear_bwd_wgrad(None, torch.ones(1)), TypeError, 'linear_bwd_wgrad takes the LinearResiduals that linear_fwd returned, got NoneType'),
+    "linear-no-main-grad": (lambda: _lin(_w(), fuse_wgrad_accumulation=True), ValueError, 'weight: fuse_wgrad_accumulation=True needs a `main_grad` buffer on the weight (e.g. `w.main_grad = torch.zeros_like(w, dtype=torch.float32)`)'),
+    "linear-main-grad-shape": (lambda: _lin(_w(main_grad=_f32(N, K + 1)), fuse_wgrad_accumulation=True), ValueError, 'weight: main_grad/grad_buffer() must be a (4, 8) tensor, got (4, 9)'),
+    "linear-main-grad-type": (lambda: _lin(_w(main_grad=[0.0]), fuse_wgrad_accumulation=True), ValueError, 'weight: main_grad/grad_buffer() must be a (4, 8) tensor, got list'),
+    "linear-main-grad-int": (lambda: _lin(_w(main_grad=_f32(dtype=torch.int32)), fuse_wgrad_accumulation=True), TypeError, 'weight: main_grad/grad_buffer() is torch.int32; it must be a float tensor (float32)'),
+    "linear-main-grad-device": (lambda: _lin(_w(main_grad=_f32(device="meta")), fuse_wgrad_accumulation=True), ValueError, 'weight: main_grad is on meta but the weight is on cpu'),
+    # grouped: the same checks, naming the expert
+    "grouped-fuse-flag": (lambda: fd.grouped_linear_fwd(_rand(T, K), _ws(), list(SPLITS), fuse_wgrad_accumulation=0), TypeError, 'fuse_wgrad_accumulation must be a bool, got int'),
+    "grouped-dw-x-features": (lambda: fd.grouped_linear(_rand(T, K + 1), _dw_group(), list(SPLITS)), ValueError, 'x has 9 features but the weights are [8, 8] (as materialize_group_for_forward() of the DistributedWeight returned them): x must be [T, 8]'),
+    "grouped-dw-fwd-count": (lambda: fd.grouped_linear(_rand(T, K), _dw_group(forward=lambda s: [m.full for m in s.group][:2]), list(SPLITS)), ValueError, 'weights: materialize_group_for_forward() of the DistributedWeight returned 2 tensor(s) for a group of 3; it must return one per weight'),
+    "grouped-dw-fwd-type": (lambda: fd.grouped_linear(_rand(T, K), _dw_group(forward=lambda s: [m.full for m in s.group][:2] + ["w"]), list(SPLITS)), TypeError, 'weights: materialize_group_for_forward() of the DistributedWeight returned a str for weight 2; it must return tensors'),
+    "grouped-dw-bwd-shape": (lambda: _grp(_dw_group(backward=lambda s: [m.full[:1] for m in s.group])), ValueError, 'weights: materialize_group_for_backward() returned (1, 8) for weight 0, expected (8, 8)'),
+    "grouped-dw-finalize-count": (lambda: _grp(_dw_group(finalize=lambda s, g: g[:1])), ValueError, 'weights: finalize_group_grads returned 1 grad(s) for 3 weights'),
+    "grouped-dw-jvp": (lambda: gl_mod._jvp(fd.grouped_linear_fwd(_rand(T, K), _dw_group(), list(SPLITS))[1], (None, [_rand(N, K), None, None], None, None)), ValueError, 'forward-mode (jvp) tangents for a DistributedWeight are not supported: take the tangent with respect to x or bias, or use plain weights'),
+    "grouped-weight-bumped-dgrad": (lambda: _grp(ws := _ws(), bump=ws[1:2], part="dgrad"), RuntimeError, 'weights[1] was modified in place between forward and backward (version 0 -> 1), e.g. by an optimizer step. Its gradient would be computed with the new values; run backward before updating the weights.'),
+    "grouped-weight-bumped-wgrad": (lambda: _grp(ws := _ws(), bump=ws[2:], part="wgrad"), RuntimeError, 'weights[2] was modified in place between forward and backward (version 0 -> 1), e.g. by an optimizer step. Its gradient would be computed with the new values; run backward before updating the weights.'),
+    "grouped-stacked-bumped": (lambda: _grp(W := _rand(E, N, K, grad=True), bump=[W], part="wgrad"), RuntimeError, 'weights was modified in place between forward and backward (version 0 -> 1), e.g. by an optimizer step. Its gradient would be computed with the new values; run backward before updating the weights.'),
+    "grouped-res-type": (lambda: fd.grouped_linear_bwd(None, torch.ones(1)), TypeError, 'grouped_linear_bwd takes the GroupedLinearResiduals that grouped_linear_fwd returned, got NoneType'),
+    "grouped-dgrad-res-type": (lambda: fd.grouped_linear_bwd_dgrad(None, torch.ones(1)), TypeError, 'grouped_linear_bwd_dgrad takes the GroupedLinearResiduals that grouped_linear_fwd returned, got NoneType'),
+    "grouped-wgrad-res-type": (lambda: fd.grouped_linear_bwd_wgrad(None, torch.ones(1)), TypeError, 'grouped_linear_bwd_wgrad takes the GroupedLinearResiduals that grouped_linear_fwd returned, got NoneType'),
+    "grouped-no-main-grad": (lambda: _grp(_ws(), fuse_wgrad_accumulation=True), ValueError, 'weights[0]: fuse_wgrad_accumulation=True needs a `main_grad` buffer on the weight (e.g. `w.main_grad = torch.zeros_like(w, dtype=torch.float32)`)'),
+    "grouped-main-grad-shape": (lambda: _grp(_mg_group(_f32(), _f32(N, K + 1), _f32()), fuse_wgrad_accumulation=True), ValueError, 'weights[1]: main_grad/grad_buffer() must be a (4, 8) tensor, got (4, 9)'),
+    "grouped-main-grad-type": (lambda: _grp(_mg_group(_f32(), _f32(), "buffer"), fuse_wgrad_accumulation=True), ValueError, 'weights[2]: main_grad/grad_buffer() must be a (4, 8) tensor, got str'),
+    "grouped-main-grad-device": (lambda: _grp(_mg_group(_f32(), _f32(device="meta"), _f32()), fuse_wgrad_accumulation=True), ValueError, 'weights[1]: main_grad is on meta but the weight is on cpu'),
+    "grouped-main-grad-dtypes": (lambda: _grp(_mg_group(_f32(), _f32(dtype=D), _f32()), fuse_wgrad_accumulation=True), TypeError, "weights[1]: main_grad is torch.float64 but another weight's is torch.float32: the weights of a group share one main_grad dtype (one wgrad GEMM writes them all)"),
+    "grouped-dw-buffer-shape": (lambda: _grp(_with_buffer(_dw_group(fused=True), 1, _f32(N, K)), fuse_wgrad_accumulation=True), ValueError, 'weights[1]: main_grad/grad_buffer() must be a (8, 8) tensor, got (4, 8)'),
+}
+
+
+def _with_buffer(ws, e, buf):
+    ws[e].buffer = buf
+    return ws
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_error_message_in_full(case):
+    run, exc, message = ERROR_CASES[case]
+    with pytest.raises(exc) as info:
+        run()
+    assert str(info.value) == message
