@@ -27,6 +27,8 @@ from functional_dw.kernels.torch_ref import TorchKernels
 
 gl_mod = importlib.import_module("functional_dw.grouped_linear")  # the modules (the package's names are the functions)
 lin_mod = importlib.import_module("functional_dw.linear")
+dwp = importlib.import_module("functional_dw.distributed_weight")
+ref_mod = importlib.import_module("functional_dw.kernels.torch_ref")
 
 D = torch.float64
 SPLITS = (2, 0, 3)
@@ -628,3 +630,110 @@ def test_error_message_in_full(case):
     with pytest.raises(exc) as info:
         run()
     assert str(info.value) == message
+
+
+# --- fused wgrad accumulation: frozen weights, FSDP buffers, dtypes -----------------------
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_fused_all_frozen_group_still_gives_bias_grads(stacked):
+    x = _rand(T, K, seed=1)
+    ws = _rand(E, N, K, seed=2) if stacked else [_rand(N, K, seed=2 + e) for e in range(E)]
+    bs = _rand(E, N, seed=8, grad=True) if stacked else [_rand(N, seed=8 + e, grad=True) for e in range(E)]
+    dy = _rand(T, N, seed=9)
+    y, res = fd.grouped_linear_fwd(x, ws, list(SPLITS), bs, fuse_wgrad_accumulation=True)
+    dws, dbs = fd.grouped_linear_bwd_wgrad(res, dy)
+    want = torch.stack([d.sum(0) for d in dy.split(list(SPLITS))])
+    if stacked:
+        assert dws is None
+        torch.testing.assert_close(dbs, want)
+    else:
+        assert dws == [None] * E
+        torch.testing.assert_close(torch.stack(dbs), want)
+
+
+def test_fused_frozen_first_weight_keeps_the_groups_float64_main_grad():
+    """The frozen weight's scratch output takes the group's main_grad dtype, so float64
+    main_grads accumulate in float64 whichever weight is frozen."""
+    x, dy = _rand(T, K, seed=1), _rand(T, N, seed=9)
+    ws = [_rand(N, K, seed=2 + e, grad=e > 0) for e in range(E)]
+    for w in ws[1:]:
+        w.main_grad = torch.zeros(N, K, dtype=D)
+    y, res = fd.grouped_linear_fwd(x, ws, list(SPLITS), fuse_wgrad_accumulation=True)
+    fd.grouped_linear_bwd_wgrad(res, dy)
+    xs, dys = x.split(list(SPLITS)), dy.split(list(SPLITS))
+    for e in (1, 2):
+        torch.testing.assert_close(ws[e].main_grad, dys[e].t() @ xs[e], rtol=1e-13, atol=1e-13)
+    assert not hasattr(ws[0], "main_grad")
+
+
+def test_grad_targets_for_frozen_weights_are_float32_scratch():
+    ws = [_rand(N, K, seed=e) for e in range(2)]
+    out = dwp.grad_targets(ws, False, [(N, K), (N, K + 1)], "weights")
+    assert [(tuple(o.shape), o.dtype) for o in out] == [((N, K), torch.float32), ((N, K + 1), torch.float32)]
+
+
+class _FsdpParam(torch.nn.Parameter):
+    """Megatron FSDP's parameter: its main grad comes from get_main_grad()."""
+
+    __fsdp_param__ = True
+
+    def get_main_grad(self):
+        return self.fsdp_buffer
+
+
+@pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp-param", "get_main_grad-only"])
+def test_fused_wgrad_writes_into_the_fsdp_main_grad(fsdp):
+    x, dy = _rand(5, K, seed=1), _rand(5, N, seed=9)
+    w = _FsdpParam(_rand(N, K, seed=2)) if fsdp else _rand(N, K, seed=2, grad=True)
+    w.fsdp_buffer = torch.zeros(N, K, dtype=D)
+    if not fsdp:
+        w.get_main_grad = lambda: w.fsdp_buffer  # without __fsdp_param__ the method is not used
+        w.main_grad = torch.zeros(N, K, dtype=D)
+    y, res = fd.linear_fwd(x, w, fuse_wgrad_accumulation=True)
+    fd.linear_bwd_wgrad(res, dy)
+    target, other = (w.fsdp_buffer, getattr(w, "main_grad", None)) if fsdp else (w.main_grad, w.fsdp_buffer)
+    torch.testing.assert_close(target, dy.t() @ x)
+    assert other is None or not other.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bias_grads_keep_the_layer_dtype_and_fp32_accuracy(dtype):
+    g = _g(3)
+    x = torch.randn(64, K, generator=g).to(dtype)
+    dy = (torch.randn(64, N, generator=g) * 100).to(dtype)
+    w, b = torch.randn(N, K, generator=g).to(dtype), torch.zeros(N, dtype=dtype)
+    want = dy.double().sum(0)
+    y, res = fd.linear_fwd(x, w, b)
+    _, db = fd.linear_bwd_wgrad(res, dy)
+    assert db.dtype == dtype
+    torch.testing.assert_close(db.double(), want.to(dtype).double(), rtol=0, atol=0)
+    splits = [30, 34]
+    y, res = fd.grouped_linear_fwd(x, [w, w], splits, torch.zeros(2, N, dtype=dtype))
+    _, db = fd.grouped_linear_bwd_wgrad(res, dy)
+    assert db.dtype == dtype
+    want = torch.stack([d.double().sum(0) for d in dy.split(splits)]).to(dtype)
+    torch.testing.assert_close(db.double(), want.double(), rtol=0, atol=0)
+
+
+# --- which kernel runs: grouped_mm on the grouped path, per expert otherwise ---------------
+
+
+@pytest.mark.parametrize("path", [True, False], ids=["grouped", "split"])
+def test_path_decides_whether_grouped_mm_runs(path):
+    calls = []
+    real = ref_mod._torch_grouped_mm
+
+    def spy(a, b, offs):
+        calls.append(a.shape)
+        return real(a, b, offs=offs)
+
+    x, dy = _rand(T, 16, seed=1, dtype=torch.float32), _rand(T, 16, seed=2, dtype=torch.float32)
+    ws = [_rand(16, 16, seed=3 + e, dtype=torch.float32, grad=True) for e in range(E)]
+    with mock.patch.object(ref_mod, "_torch_grouped_mm", spy):
+        y, res = fd.grouped_linear_fwd(x, ws, list(SPLITS), use_grouped_tensor=path)
+        dx, dws, _ = fd.grouped_linear_bwd(res, dy)
+    assert res.path == ("grouped" if path else "split")
+    assert len(calls) == (3 if path else 0)  # fprop, dgrad, wgrad
+    torch.testing.assert_close(y, ref_grouped(x, ws, SPLITS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, torch.cat([d @ w for d, w in zip(dy.split(list(SPLITS)), ws)]), rtol=1e-5, atol=1e-5)
