@@ -737,3 +737,62 @@ def test_path_decides_whether_grouped_mm_runs(path):
     assert len(calls) == (3 if path else 0)  # fprop, dgrad, wgrad
     torch.testing.assert_close(y, ref_grouped(x, ws, SPLITS), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx, torch.cat([d @ w for d, w in zip(dy.split(list(SPLITS)), ws)]), rtol=1e-5, atol=1e-5)
+
+
+# --- grouped_mm operands: kept as they are where grouped_mm takes them, else one dense copy -
+
+_F32, _BF16 = torch.float32, torch.bfloat16  # a = 16 bytes / element size: 4 and 8 elements
+
+_LAYOUTS = [  # (device, dtype, size, stride, storage offset, kept)
+    ("cpu", _F32, (4, 8), (8, 1), 0, True),  # row-major
+    ("cpu", _F32, (3, 4, 8), (32, 8, 1), 0, True),
+    ("cpu", _F32, (4, 8), (12, 1), 0, True),  # rows of a wider buffer, 48-byte stride
+    ("cpu", _F32, (4, 8), (10, 1), 0, False),  # 40-byte rows
+    ("cpu", _F32, (4, 8), (1, 4), 0, True),  # column-major, 16-byte columns
+    ("cpu", _F32, (4, 8), (1, 6), 0, False),  # column-major, 24-byte columns
+    ("cpu", _F32, (4, 8), (1, 2), 0, False),  # columns overlap
+    ("cpu", _F32, (4, 2), (1, 4), 0, True),
+    ("cpu", _F32, (1, 8), (3, 1), 0, False),  # one row, an odd stride is_contiguous() ignores
+    ("cpu", _F32, (1, 8), (8, 1), 0, True),
+    ("cpu", _F32, (1, 8), (12, 1), 0, True),
+    ("cpu", _F32, (8, 1), (4, 1), 0, True),  # one column, row stride 16 bytes
+    ("cpu", _F32, (4, 1), (1, 4), 0, True),
+    ("cpu", _F32, (8, 1), (1, 1), 0, True),  # contiguous: the CPU kernel takes it as it is
+    ("cuda", _BF16, (8, 1), (1, 1), 0, True),  # contiguous with an aligned start
+    ("cuda", _BF16, (8, 1), (1, 1), 2, False),  # contiguous, 4-byte aligned start
+    ("cpu", _F32, (4, 8), (8, 1), 2, True),  # an offset is fine on the CPU
+    ("cuda", _BF16, (4, 8), (8, 1), 0, True),
+    ("cuda", _BF16, (4, 8), (8, 1), 8, True),
+    ("cuda", _BF16, (4, 8), (8, 1), 4, False),  # 8-byte aligned start
+    ("cuda", _BF16, (4, 8), (16, 1), 4, False),
+    ("cuda", _BF16, (4, 8), (16, 1), 8, True),
+    ("cuda", _BF16, (4, 8), (1, 8), 0, True),
+    ("cuda", _BF16, (4, 8), (1, 4), 0, False),
+    ("cuda", _BF16, (3, 4, 8), (32, 8, 1), 0, True),
+    ("cuda", _BF16, (3, 4, 8), (40, 8, 1), 0, True),  # batch stride 80 bytes
+    ("cuda", _BF16, (3, 4, 8), (36, 8, 1), 0, False),  # batch stride 72 bytes
+    ("cuda", _BF16, (3, 4, 8), (36, 8, 1), 8, False),
+    ("cuda", _BF16, (1, 8), (8, 1), 0, True),
+    ("cuda", _BF16, (1, 8), (8, 1), 4, False),
+    ("cuda", _BF16, (1, 8), (3, 1), 0, False),
+]
+
+
+@pytest.mark.parametrize("case", _LAYOUTS, ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}-off{c[4]}-{'kept' if c[5] else 'copied'}")
+def test_grouped_mm_operands_copied_only_when_they_must(case):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device, dtype, size, stride, offset, kept = case
+    with FakeTensorMode() if device == "cuda" else torch.device("cpu"):  # CUDA: fake tensors
+        base = torch.arange(200, dtype=torch.float32).to(dtype) if device == "cpu" else torch.empty(200, dtype=dtype, device="cuda")
+        t = base.as_strided(size, stride, offset)
+        out = ref_mod._mm_ready(t)
+        assert (out is t) == kept
+        if not kept:
+            assert out.is_contiguous() and out.stride() == torch.empty(size).stride()
+            if device == "cpu":
+                assert torch.equal(out, t)
+
+
+def test_torch_kernels_name_themselves():
+    assert repr(TorchKernels()) == "TorchKernels()" and TorchKernels.name == "torch"
