@@ -114,7 +114,7 @@ def test_record_repr_states_every_field_exactly():
     assert "  [ref  ] mixed = 2 x Tensor[1] (by reference)" in text
     assert text.endswith(")  # 36 B through save_for_backward")
     assert "[ref  ] ws = 2 x Parameter[4, 5] (by reference)" in repr(
-        dataclasses.replace(r, ws=[torch.nn.Parameter(w) for w in ws]))
+        dataclasses.replace(r, ws=[torch.nn.Parameter(ws[0]), ws[1]]))
 
 
 # --- the bridge, built inside the tests ---------------------------------------------------
@@ -331,9 +331,11 @@ def test_bridge_errors_name_the_pair_and_the_problem():
     x = torch.ones(2, requires_grad=True)
     for ret, got in [((x, x, x), "a tuple of 3"), (x * 1, "a bare Tensor of shape (2,)"), (5, "int")]:
         f = custom_vjp(lambda x, ret=ret: ret, lambda r, d: (d,), name="mine")
-        with pytest.raises(TypeError, match=rf"^custom_vjp\(mine\): fwd must return a pair \(out, residuals\), "
-                                            rf"e\.g\. `return y, \(x,\)`; got {got}$".replace("(2,)", r"\(2,\)")):
-            f(x)
+        want = rf"^custom_vjp\(mine\): fwd must return a pair \(out, residuals\), e\.g\. `return y, \(x,\)`; got {got}$"
+        want = want.replace("(2,)", r"\(2,\)")
+        for call in (lambda: f(x), lambda: f(x.detach()), lambda: grad(lambda x: f(x).sum())(x.detach())):
+            with pytest.raises(TypeError, match=want):
+                call()
     def named_fwd(x):
         return ([x * 2, "no"], (x,))
     for call in (lambda f: f(x), lambda f: grad(lambda x: f(x)[0].sum())(x.detach())):
@@ -387,7 +389,7 @@ def test_none_for_a_whole_subtree_of_arguments():
     g(x, ws).sum().backward()
     torch.testing.assert_close(ws[1].grad, (x * ws[0]).detach())
     bad = custom_vjp(fwd, lambda res, dy: (dy, [dy]), name="short")
-    with pytest.raises(TypeError, match=r"(?s)expected TreeSpec\(list, None, \[\*,.*\*\]\), got TreeSpec\(list, None, \[\*\]\)"):
+    with pytest.raises(TypeError, match=r"(?s)^custom_vjp\(short\): bwd must return one cotangent per argument of fwd.*expected TreeSpec\(list, None, \[\*,.*\*\]\), got TreeSpec\(list, None, \[\*\]\)"):
         bad(x, ws).sum().backward()
 
 
@@ -482,7 +484,7 @@ def test_grouped_vmap_for_every_subset_of_batched_args(which):
     batched = [_rand(B, *a.shape, seed=10 + i) if on else a for i, (a, on) in enumerate(zip(args, which))]
     dims = tuple(0 if on else None for on in which)
     k = CountingKernels()
-    y = vmap(lambda x, w, b: fd.grouped_linear(x, w, SPLITS, b, backend=k), in_dims=dims)(*batched)
+    y = vmap(lambda x, w, b: fd.grouped_linear(x, w, list(SPLITS), b, backend=k), in_dims=dims)(*batched)
     want = torch.stack([ref_grouped(*[a[i] if on else a for a, on in zip(batched, which)][:2], SPLITS,
                                     [a[i] if on else a for a, on in zip(batched, which)][2]) for i in range(B)])
     torch.testing.assert_close(y, want)
@@ -615,6 +617,13 @@ ERROR_CASES = {
     "grouped-main-grad-type": (lambda: _grp(_mg_group(_f32(), _f32(), "buffer"), fuse_wgrad_accumulation=True), ValueError, 'weights[2]: main_grad/grad_buffer() must be a (4, 8) tensor, got str'),
     "grouped-main-grad-device": (lambda: _grp(_mg_group(_f32(), _f32(device="meta"), _f32()), fuse_wgrad_accumulation=True), ValueError, 'weights[1]: main_grad is on meta but the weight is on cpu'),
     "grouped-main-grad-dtypes": (lambda: _grp(_mg_group(_f32(), _f32(dtype=D), _f32()), fuse_wgrad_accumulation=True), TypeError, "weights[1]: main_grad is torch.float64 but another weight's is torch.float32: the weights of a group share one main_grad dtype (one wgrad GEMM writes them all)"),
+    "grouped-splits-meta": (lambda: fd.grouped_linear(_rand(T, K), _ws(), torch.tensor(SPLITS, device="meta")), ValueError, 'splits is a tensor on the meta device, which holds no counts: give the splits as a list of ints (shape inference needs their values) or a tensor on a real device'),
+    "grouped-splits-str": (lambda: fd.grouped_linear_fwd(_rand(T, K), _ws(), "235"), TypeError, 'splits must be a list/tuple of ints or a 1-D integer tensor, got str'),
+    "grouped-bias-3d": (lambda: fd.grouped_linear(_rand(T, K), _ws(), list(SPLITS), _rand(E, N, 1)), ValueError, 'bias must be 2-D, got shape (3, 4, 1)'),
+    "grouped-bias-item-2d": (lambda: fd.grouped_linear(_rand(T, K), _ws(), list(SPLITS), [_rand(N), _rand(1, N), _rand(N)]), ValueError, 'bias[1] must be 1-D, got shape (1, 4)'),
+    "grouped-bias-item-dtype": (lambda: fd.grouped_linear(_rand(T, K), _ws(), list(SPLITS), [_rand(N), _rand(N), _rand(N, dtype=torch.float32)]), TypeError, 'bias[2] has dtype torch.float32 but x has torch.float64; cast one of them'),
+    "grouped-bias-count": (lambda: fd.grouped_linear(_rand(T, K), _ws(), list(SPLITS), [_rand(N)] * 2), ValueError, 'bias must be None, a sequence of 3 [4] tensors or one [3, 4] tensor; got 2 items'),
+    "grouped-bias-type": (lambda: fd.grouped_linear_fwd(_rand(T, K), _ws(), list(SPLITS), 5), ValueError, 'bias must be None, a sequence of 3 [4] tensors or one [3, 4] tensor; got int'),
     "grouped-dw-buffer-shape": (lambda: _grp(_with_buffer(_dw_group(fused=True), 1, _f32(N, K)), fuse_wgrad_accumulation=True), ValueError, 'weights[1]: main_grad/grad_buffer() must be a (8, 8) tensor, got (4, 8)'),
 }
 
@@ -796,3 +805,70 @@ def test_grouped_mm_operands_copied_only_when_they_must(case):
 
 def test_torch_kernels_name_themselves():
     assert repr(TorchKernels()) == "TorchKernels()" and TorchKernels.name == "torch"
+
+
+def test_a_pair_without_a_name_is_called_fwd():
+    import functools
+
+    f = custom_vjp(functools.partial(lambda s, x: (x * s, None), 2.0), lambda r, d: (d,))
+    assert type(f(torch.ones(1, requires_grad=True)).grad_fn).__name__ == "CustomVJP_fwdBackward"
+    g = custom_vjp(functools.partial(lambda x: x), lambda r, d: (d,))
+    with pytest.raises(TypeError, match=r"^custom_vjp\(fwd\): fwd must return a pair"):
+        g(torch.ones(1, requires_grad=True))
+
+
+def test_none_subtree_under_torch_func():
+    def fwd(x, ws):
+        return x * ws[0] * ws[1], (x, ws[0], ws[1])
+
+    f = custom_vjp(fwd, lambda res, dy: (dy * res[1] * res[2], None))
+    x, ws = _rand(3, seed=1), [_rand(3, seed=2), _rand(3, seed=3)]
+    dx, dws = grad(lambda x, ws: f(x, ws).sum(), argnums=(0, 1))(x, ws)
+    torch.testing.assert_close(dx, ws[0] * ws[1])
+    assert all(torch.equal(d, torch.zeros(3, dtype=D)) for d in dws)
+
+
+def test_unused_output_gets_zeros_of_its_dtype_and_shape():
+    seen = []
+
+    def fwd(x):
+        return (x * 2, (x * 3).to(torch.float32)[:2]), (x,)
+
+    def bwd(res, d_out):
+        seen.append(d_out)
+        return (2 * d_out[0] + 3 * d_out[1].to(res[0].dtype).sum(),)
+
+    f = custom_vjp(fwd, bwd)
+    x = _rand(4, seed=1)
+    for run in (lambda: f(x.clone().requires_grad_())[0].sum().backward(),
+                lambda: grad(lambda x: f(x)[0].sum())(x)):
+        run()
+        d_a, d_b = seen.pop()
+        assert torch.equal(d_a, torch.ones(4, dtype=D))
+        assert d_b.dtype == torch.float32 and d_b.shape == (2,) and not d_b.any()
+
+
+def test_backward_reads_residuals_through_the_hooks():
+    got = []
+    f = custom_vjp(lambda x: (x.sin(), (x,)), lambda res, dy: (got.append(res[0]) or dy * res[0].cos(),))
+    x = _rand(3, seed=1, grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        y = f(x)
+    y.sum().backward()
+    assert got[0] is not x  # what the unpack hook handed back, not a reference kept past the hook
+    torch.testing.assert_close(x.grad, x.detach().cos())
+
+
+def test_vmap_grad_of_a_folded_call_with_a_batch_of_one():
+    f = _fresh_linear()
+    x, w, b = _linear_args(grad=False)
+    dy = _rand(5, N, seed=9)
+    dx = vmap(grad(lambda x: (f(x, w, b, False, None) * dy).sum()))(x[None])
+    torch.testing.assert_close(dx, (dy @ w)[None])
+
+
+def test_needs_grad_in_a_compiled_graph():
+    cv = importlib.import_module("functional_dw.custom_vjp")
+    with mock.patch("torch.compiler.is_compiling", return_value=True):
+        assert cv._needs_grad((torch.ones(1, requires_grad=True), 3, "s"))
+        assert not cv._needs_grad((torch.ones(1), 3, None))
