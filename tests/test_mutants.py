@@ -577,6 +577,7 @@ ERROR_CASES = {
     "linear-fuse-flag": (lambda: fd.linear_fwd(_rand(5, K), _rand(N, K), fuse_wgrad_accumulation=1), TypeError, 'fuse_wgrad_accumulation must be a bool, got int'),
     "linear-bias-2d": (lambda: fd.linear(_rand(5, K), _rand(N, K), _rand(1, N)), ValueError, 'bias must be 1-D, got shape (1, 4)'),
     "linear-x-features": (lambda: fd.linear(_rand(5, K + 1), _rand(N, K)), ValueError, 'x has 9 features but weight is [4, 8]: x must be [..., 8]'),
+    "linear-x3d-features": (lambda: fd.linear(_rand(2, 5, K + 1), _rand(N, K)), ValueError, 'x has 9 features but weight is [4, 8]: x must be [..., 8]'),
     "linear-dw-x-features": (lambda: fd.linear(_rand(5, K + 1), _dw()), ValueError, 'x has 9 features but weight is [8, 8] (as materialize_group_for_forward() of the DistributedWeight returned it): x must be [..., 8]'),
     "linear-dw-3d": (lambda: fd.linear(_rand(5, K), _dw(forward=lambda s: s.full[None])), ValueError, 'weight (materialized) must be 2-D, got shape (1, 8, 8)'),
     "linear-dw-fwd-dtype": (lambda: fd.linear(_rand(5, K), _dw(forward=lambda s: s.full.float())), TypeError, "weight: materialize_group_for_forward() of the DistributedWeight returned a torch.float32 tensor on cpu for weight 0; the layer runs in torch.float64 on cpu (x's dtype and device): gather into that"),
@@ -872,3 +873,46 @@ def test_needs_grad_in_a_compiled_graph():
     with mock.patch("torch.compiler.is_compiling", return_value=True):
         assert cv._needs_grad((torch.ones(1, requires_grad=True), 3, "s"))
         assert not cv._needs_grad((torch.ones(1), 3, None))
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_linear_fused_frozen_weight_gives_only_the_bias_grad(bias):
+    x, dy = _rand(5, K, seed=1), _rand(5, N, seed=9)
+    b = _rand(N, seed=3, grad=True) if bias else None
+    y, res = fd.linear_fwd(x, _rand(N, K, seed=2), b, fuse_wgrad_accumulation=True)
+    dw, db = fd.linear_bwd_wgrad(res, dy)
+    assert dw is None
+    if bias:
+        torch.testing.assert_close(db, dy.sum(0))
+    else:
+        assert db is None
+
+
+@pytest.mark.parametrize("layer", ["linear", "grouped"])
+def test_fused_distributed_weight_buffer_is_overwritten_not_accumulated(layer):
+    """A DW's finalize does the accumulating (TE's rule): the wgrad GEMM overwrites whatever
+    the gathered grad buffer held."""
+    n = 1 if layer == "linear" else E
+    ws = BentDW.group_of([_rand(2 * N, K, seed=5 + e) for e in range(n)], fused=True)
+    for m in ws:
+        m.buffer.fill_(1e3)  # stale data from an earlier step
+    T_ = 5 if layer == "linear" else T
+    x, dy = _rand(T_, K, seed=1), _rand(T_, 2 * N, seed=9)  # the full weights are [2N, K]
+    if layer == "linear":
+        y, res = fd.linear_fwd(x, ws[0], fuse_wgrad_accumulation=True)
+        fd.linear_bwd_wgrad(res, dy)
+        want = [(dy.t() @ x)[:N]]
+    else:
+        y, res = fd.grouped_linear_fwd(x, ws, list(SPLITS), fuse_wgrad_accumulation=True)
+        fd.grouped_linear_bwd_wgrad(res, dy)
+        want = [(d.t() @ xe)[:N] for d, xe in zip(dy.split(list(SPLITS)), x.split(list(SPLITS)))]
+    for m, wnt in zip(ws, want):
+        torch.testing.assert_close(m.main_grad, wnt.float())
+
+
+def test_linear_jvp_in_x_uses_the_forward_gather():
+    full = _rand(N, K, seed=2)
+    w = FakeDW(full)  # gathers 2 * full for forward, 4 * full for backward
+    x, tx = _rand(5, K, seed=1), _rand(5, K, seed=3)
+    y, t = jvp(lambda x: fd.linear(x, w), (x,), (tx,))
+    torch.testing.assert_close((y, t), (x @ (2 * full).t(), tx @ (2 * full).t()))
