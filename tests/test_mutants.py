@@ -833,11 +833,11 @@ def test_unused_output_gets_zeros_of_its_dtype_and_shape():
     seen = []
 
     def fwd(x):
-        return (x * 2, (x * 3).to(torch.float32)[:2]), (x,)
+        return (x.float() * 2, (x * 3)[:2]), (x,)
 
     def bwd(res, d_out):
         seen.append(d_out)
-        return (2 * d_out[0] + 3 * d_out[1].to(res[0].dtype).sum(),)
+        return (2 * d_out[0].double() + 3 * d_out[1].sum(),)
 
     f = custom_vjp(fwd, bwd)
     x = _rand(4, seed=1)
@@ -845,8 +845,8 @@ def test_unused_output_gets_zeros_of_its_dtype_and_shape():
                 lambda: grad(lambda x: f(x)[0].sum())(x)):
         run()
         d_a, d_b = seen.pop()
-        assert torch.equal(d_a, torch.ones(4, dtype=D))
-        assert d_b.dtype == torch.float32 and d_b.shape == (2,) and not d_b.any()
+        assert torch.equal(d_a, torch.ones(4))
+        assert d_b.dtype == D and d_b.shape == (2,) and not d_b.any()
 
 
 def test_backward_reads_residuals_through_the_hooks():
