@@ -625,6 +625,11 @@ ERROR_CASES = {
     "grouped-bias-item-dtype": (lambda: fd.grouped_linear(_rand(T, K), _ws(), list(SPLITS), [_rand(N), _rand(N), _rand(N, dtype=torch.float32)]), TypeError, 'bias[2] has dtype torch.float32 but x has torch.float64; cast one of them'),
     "grouped-bias-count": (lambda: fd.grouped_linear(_rand(T, K), _ws(), list(SPLITS), [_rand(N)] * 2), ValueError, 'bias must be None, a sequence of 3 [4] tensors or one [3, 4] tensor; got 2 items'),
     "grouped-bias-type": (lambda: fd.grouped_linear_fwd(_rand(T, K), _ws(), list(SPLITS), 5), ValueError, 'bias must be None, a sequence of 3 [4] tensors or one [3, 4] tensor; got int'),
+    "grouped-stacked-dtype": (lambda: fd.grouped_linear(_rand(T, K), _rand(E, N, K, dtype=torch.float32), list(SPLITS)), TypeError, 'weights has dtype torch.float32 but x has torch.float64; cast one of them'),
+    "grouped-weights-2d-tensor": (lambda: fd.grouped_linear(_rand(T, K), _rand(N, K), list(SPLITS)), ValueError, 'weights must be 3-D, got shape (4, 8)'),
+    "grouped-weight-3d-in-list": (lambda: fd.grouped_linear(_rand(T, K), [_rand(N, K), _rand(1, N, K), _rand(N, K)], list(SPLITS)), ValueError, 'weights[1] must be 2-D, got shape (1, 4, 8)'),
+    "grouped-weight-shape-in-list": (lambda: fd.grouped_linear(_rand(T, K), [_rand(N, K), _rand(N + 1, K), _rand(N, K)], list(SPLITS)), ValueError, "weights[1] is (5, 8); every expert's weight must be [4, 8] like weights[0]"),
+    "grouped-weights-empty": (lambda: fd.grouped_linear_fwd(_rand(T, K), [], []), TypeError, 'weights must be a non-empty sequence of [out, in] tensors or one [E, out, in] tensor, got list (empty)'),
     "grouped-dw-buffer-shape": (lambda: _grp(_with_buffer(_dw_group(fused=True), 1, _f32(N, K)), fuse_wgrad_accumulation=True), ValueError, 'weights[1]: main_grad/grad_buffer() must be a (8, 8) tensor, got (4, 8)'),
 }
 
@@ -643,6 +648,13 @@ def test_error_message_in_full(case):
 
 
 # --- fused wgrad accumulation: frozen weights, FSDP buffers, dtypes -----------------------
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_fused_all_frozen_group_without_bias_gives_no_grads(stacked):
+    ws = _rand(E, N, K, seed=2) if stacked else [_rand(N, K, seed=2 + e) for e in range(E)]
+    y, res = fd.grouped_linear_fwd(_rand(T, K, seed=1), ws, list(SPLITS), fuse_wgrad_accumulation=True)
+    assert fd.grouped_linear_bwd_wgrad(res, _rand(T, N, seed=9)) == ((None if stacked else [None] * E), None)
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
@@ -916,3 +928,25 @@ def test_linear_jvp_in_x_uses_the_forward_gather():
     x, tx = _rand(5, K, seed=1), _rand(5, K, seed=3)
     y, t = jvp(lambda x: fd.linear(x, w), (x,), (tx,))
     torch.testing.assert_close((y, t), (x @ (2 * full).t(), tx @ (2 * full).t()))
+
+
+def test_finalize_gets_a_bare_tensor_for_one_weight_and_may_return_none():
+    got = []
+    w = _dw(finalize=lambda s, g: got.append(g))  # returns None: no grad for the parameter
+    dx, dw, db = _lin(w)
+    assert dw is None and isinstance(got[0], torch.Tensor) and got[0].shape == (2 * N, K)  # TE: bare for one
+    ws = _dw_group(finalize=lambda s, g: got.append(g))
+    _, dws, _ = _grp(ws)
+    assert dws == [None] * E and isinstance(got[1], list) and len(got[1]) == E
+
+
+def test_splits_under_torch_compile_are_a_tensor_never_host_ints():
+    x = _rand(T, K)
+    with mock.patch("torch.compiler.is_compiling", return_value=True):
+        s = gl_mod._as_splits([2, 0, 3], E, x)
+    assert s.host is None and s.device == x.device and (s.num_tokens, s.num_experts) == (T, E)
+    assert s.tensor.dtype == torch.int64 and s.tensor.tolist() == [2, 0, 3]
+    t = torch.tensor([2, 0, 3], dtype=torch.int32)
+    with mock.patch("torch.compiler.is_compiling", return_value=True):
+        s = gl_mod._as_splits(t, E, x)
+    assert s.host is None and s.tensor is t
