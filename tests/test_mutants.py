@@ -880,7 +880,7 @@ def test_vmap_grad_of_a_folded_call_with_a_batch_of_one():
     torch.testing.assert_close(dx, (dy @ w)[None])
 
 
-def test_needs_grad_in_a_compiled_graph():
+def test_needs_grad_in_a_traced_graph():
     cv = importlib.import_module("functional_dw.custom_vjp")
     with mock.patch("torch.compiler.is_compiling", return_value=True):
         assert cv._needs_grad((torch.ones(1, requires_grad=True), 3, "s"))
@@ -940,7 +940,7 @@ def test_finalize_gets_a_bare_tensor_for_one_weight_and_may_return_none():
     assert dws == [None] * E and isinstance(got[1], list) and len(got[1]) == E
 
 
-def test_splits_under_torch_compile_are_a_tensor_never_host_ints():
+def test_splits_in_a_traced_graph_are_a_tensor_never_host_ints():
     x = _rand(T, K)
     with mock.patch("torch.compiler.is_compiling", return_value=True):
         s = gl_mod._as_splits([2, 0, 3], E, x)
