@@ -630,6 +630,10 @@ ERROR_CASES = {
     "grouped-weight-3d-in-list": (lambda: fd.grouped_linear(_rand(T, K), [_rand(N, K), _rand(1, N, K), _rand(N, K)], list(SPLITS)), ValueError, 'weights[1] must be 2-D, got shape (1, 4, 8)'),
     "grouped-weight-shape-in-list": (lambda: fd.grouped_linear(_rand(T, K), [_rand(N, K), _rand(N + 1, K), _rand(N, K)], list(SPLITS)), ValueError, "weights[1] is (5, 8); every expert's weight must be [4, 8] like weights[0]"),
     "grouped-weights-empty": (lambda: fd.grouped_linear_fwd(_rand(T, K), [], []), TypeError, 'weights must be a non-empty sequence of [out, in] tensors or one [E, out, in] tensor, got list (empty)'),
+    "grouped-weights-int": (lambda: fd.grouped_linear_fwd(_rand(T, K), 5, list(SPLITS)), TypeError, 'weights must be a non-empty sequence of [out, in] tensors or one [E, out, in] tensor, got int'),
+    "grouped-weights-str-item": (lambda: fd.grouped_linear_fwd(_rand(T, K), [_rand(N, K), "w", _rand(N, K)], list(SPLITS)), TypeError, 'weights[1] must be a torch.Tensor, got str'),
+    "grouped-x-features": (lambda: fd.grouped_linear(_rand(T, K + 1), _ws(), list(SPLITS)), ValueError, 'x has 9 features but the weights are [4, 8]: x must be [T, 8]'),
+    "dw-not-a-tensor": (lambda: fd.is_distributed_weight(type("NotATensor", (), {"is_distributed_weight": True})()), TypeError, 'weight: a DistributedWeight must be a torch.Tensor subclass, got NotATensor'),
     "grouped-dw-buffer-shape": (lambda: _grp(_with_buffer(_dw_group(fused=True), 1, _f32(N, K)), fuse_wgrad_accumulation=True), ValueError, 'weights[1]: main_grad/grad_buffer() must be a (8, 8) tensor, got (4, 8)'),
 }
 
@@ -950,3 +954,11 @@ def test_splits_in_a_traced_graph_are_a_tensor_never_host_ints():
     with mock.patch("torch.compiler.is_compiling", return_value=True):
         s = gl_mod._as_splits(t, E, x)
     assert s.host is None and s.tensor is t
+
+
+def test_grouped_path_fallback_warning_says_why():
+    x, ws = _rand(T, 0, dtype=torch.float32), [_rand(N, 0, dtype=torch.float32) for _ in range(E)]
+    with pytest.warns(UserWarning, match=r"^grouped_linear: use_grouped_tensor=True but grouped_mm takes no zero-size "
+                                         r"features; running the split path$"):
+        y = fd.grouped_linear(x, ws, list(SPLITS), use_grouped_tensor=True)
+    assert torch.equal(y, torch.zeros(T, N))
