@@ -962,3 +962,25 @@ def test_grouped_path_fallback_warning_says_why():
                                          r"features; running the split path$"):
         y = fd.grouped_linear(x, ws, list(SPLITS), use_grouped_tensor=True)
     assert torch.equal(y, torch.zeros(T, N))
+
+
+def test_float32_grouped_path_under_jvp_vmap_and_double_backward():
+    """grouped_mm has no forward-AD formula and no functorch batching rule: under jvp, vmap or
+    a transform's wrappers the reference backend must run the split path (the results match)."""
+    F32 = torch.float32
+    x, dy = _rand(T, 16, seed=1, dtype=F32), _rand(T, 16, seed=2, dtype=F32)
+    ws = [_rand(16, 16, seed=3 + e, dtype=F32) for e in range(E)]
+    tx, tws = _rand(T, 16, seed=10, dtype=F32), [_rand(16, 16, seed=11 + e, dtype=F32) for e in range(E)]
+    tol = dict(rtol=1e-5, atol=1e-5)
+    f = lambda x, ws: fd.grouped_linear(x, ws, list(SPLITS), use_grouped_tensor=True)  # noqa: E731
+    ref = lambda x, ws: ref_grouped(x, ws, SPLITS)  # noqa: E731
+    torch.testing.assert_close(jvp(f, (x, ws), (tx, tws)), jvp(ref, (x, ws), (tx, tws)), **tol)
+    xb = torch.stack([x, 2 * x])
+    torch.testing.assert_close(vmap(lambda ws: f(x, ws))([torch.stack([w, -w]) for w in ws]),
+                               torch.stack([ref(x, ws), ref(x, [-w for w in ws])]), **tol)
+    g = grad(lambda x, ws: (f(x, ws) * dy).sum(), argnums=(0, 1))(x, ws)
+    leaves = [t.clone().requires_grad_() for t in (x, *ws)]
+    want = torch.autograd.grad(ref(leaves[0], leaves[1:]), leaves, dy)
+    torch.testing.assert_close([g[0], *g[1]], list(want), **tol)
+    dxb = vmap(grad(lambda x: (f(x, ws) * dy).sum()))(xb)
+    torch.testing.assert_close(dxb, torch.stack([want[0]] * 2), **tol)
