@@ -964,7 +964,7 @@ def test_grouped_path_fallback_warning_says_why():
     assert torch.equal(y, torch.zeros(T, N))
 
 
-def test_float32_grouped_path_under_jvp_vmap_and_double_backward():
+def test_float32_grouped_path_under_jvp_and_vmap():
     """grouped_mm has no forward-AD formula and no functorch batching rule: under jvp, vmap or
     a transform's wrappers the reference backend must run the split path (the results match)."""
     F32 = torch.float32
