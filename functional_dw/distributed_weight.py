@@ -83,12 +83,12 @@ def materialize(
     return full
 
 
-def check_materialized(full: Sequence[torch.Tensor], shapes: Sequence[tuple], what: str) -> None:
+def check_materialized(full: Sequence[torch.Tensor], shapes: Sequence[tuple], what: str, name: str = "weights") -> None:
     """Raise if a materialized weight does not have the shape the forward used."""
     for e, (w, shape) in enumerate(zip(full, shapes)):
         if not isinstance(w, torch.Tensor) or tuple(w.shape) != tuple(shape):
             got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
-            raise ValueError(f"weights: {what} returned {got} for weight {e}, expected {tuple(shape)}")
+            raise ValueError(f"{name}: {what} returned {got} for weight {e}, expected {tuple(shape)}")
 
 
 def grad_targets(params: Sequence[torch.Tensor], dw: bool, shapes: Sequence[tuple], name: str) -> list[torch.Tensor]:

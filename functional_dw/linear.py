@@ -114,7 +114,7 @@ def linear_bwd_dgrad(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     dy_TN = _dy_TN(_check_res(res, "linear_bwd_dgrad"), dy)
     dwp.check_versions([res.weight], res.weight_version, "weight")
     w_NK = dwp.materialize([res.weight], res.distributed, for_backward=True, like=res.x, name="weight")[0]
-    dwp.check_materialized([w_NK], [(res.out_features, res.x_shape[-1])], "materialize_group_for_backward()")
+    dwp.check_materialized([w_NK], [(res.out_features, res.x_shape[-1])], "materialize_group_for_backward()", "weight")
     if not _wanted(res)[0]:
         return None  # (a DistributedWeight was still gathered: its collectives match across ranks)
     return res.kernels.dgrad(dy_TN, w_NK).view(res.x_shape)
