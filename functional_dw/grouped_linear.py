@@ -254,11 +254,31 @@ def _x_TK(res: GroupedLinearResiduals) -> torch.Tensor:
     return _checks.dense(res.x_TK)
 
 
+def _checked(res: Any, dy: Any, fn: str) -> torch.Tensor:
+    """The record, x's and the weights' versions and dy checked once; dy as ``[T, N]``, dense."""
+    dy_TN = _dy_TN(_check_res(res, fn), dy)
+    dwp.check_versions(res.weights, res.weight_version, "weights")
+    return dy_TN
+
+
 def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     """dx ``[T, K]``, with the weights materialized again (never kept from forward); None when
     x needs no gradient (a DistributedWeight is still gathered: its collectives match across ranks)."""
-    dy_TN = _dy_TN(_check_res(res, "grouped_linear_bwd_dgrad"), dy)
-    dwp.check_versions(res.weights, res.weight_version, "weights")
+    return _dgrad(res, _checked(res, dy, "grouped_linear_bwd_dgrad"))
+
+
+def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[Any, Any]:
+    """(dweights, dbiases) shaped like the weights and bias arguments (see finalize)."""
+    return _wgrad(res, _checked(res, dy, "grouped_linear_bwd_wgrad"))
+
+
+def grouped_linear_bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
+    """(dx, dweights, dbiases): dgrad then wgrad, on one checked (and densified) dy."""
+    dy_TN = _checked(res, dy, "grouped_linear_bwd")
+    return (_dgrad(res, dy_TN), *_wgrad(res, dy_TN))
+
+
+def _dgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor) -> torch.Tensor | None:
     full = dwp.materialize(res.weights, res.distributed, for_backward=True, like=res.x_TK)
     dwp.check_materialized(full, res.weight_shapes, "materialize_group_for_backward()")
     if not _wanted(res)[0]:
@@ -267,10 +287,7 @@ def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> t
     return res.kernels.grouped_dgrad(dy_TN, w_ENK, res.splits, res.path == "grouped")
 
 
-def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[Any, Any]:
-    """(dweights, dbiases) shaped like the weights and bias arguments (see finalize)."""
-    dy_TN = _dy_TN(_check_res(res, "grouped_linear_bwd_wgrad"), dy)
-    dwp.check_versions(res.weights, res.weight_version, "weights")
+def _wgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor) -> tuple[Any, Any]:
     fused = res.fuse_wgrad_accumulation
     _, want_w, want_b = _wanted(res)
     frozen = not want_w or (fused and not any(p.requires_grad for p in res.weights))  # main_grad untouched
@@ -298,13 +315,6 @@ def _bias_grads(res: GroupedLinearResiduals, db_EN: torch.Tensor | None) -> Any:
     if res.bias == "list":
         return list(db_EN.unbind(0)) if db_EN is not None else [None] * res.splits.num_experts
     return db_EN
-
-
-def grouped_linear_bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
-    """(dx, dweights, dbiases): dgrad then wgrad."""
-    _check_res(res, "grouped_linear_bwd")
-    dx = grouped_linear_bwd_dgrad(res, dy)
-    return (dx, *grouped_linear_bwd_wgrad(res, dy))
 
 
 def _fwd(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend):

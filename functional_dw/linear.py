@@ -109,10 +109,32 @@ def _x_TK(res: LinearResiduals) -> torch.Tensor:
     return _checks.dense(res.x, (_tokens(res.x_shape), res.x_shape[-1]))
 
 
-def linear_bwd_dgrad(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
-    """dx = dy @ W, with W materialized again (never kept from forward)."""
-    dy_TN = _dy_TN(_check_res(res, "linear_bwd_dgrad"), dy)
+def _checked(res: Any, dy: Any, fn: str) -> torch.Tensor:
+    """The record, x's and the weight's versions and dy checked once; dy as ``[T, N]``, dense."""
+    dy_TN = _dy_TN(_check_res(res, fn), dy)
     dwp.check_versions([res.weight], res.weight_version, "weight")
+    return dy_TN
+
+
+def linear_bwd_dgrad(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
+    """dx = dy @ W, with W materialized again (never kept from forward); None when x needs no
+    gradient."""
+    return _dgrad(res, _checked(res, dy, "linear_bwd_dgrad"))
+
+
+def linear_bwd_wgrad(res: LinearResiduals, dy: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
+    """(dweight, dbias); dweight is what autograd gets for the parameter (see finalize)."""
+    return _wgrad(res, _checked(res, dy, "linear_bwd_wgrad"))
+
+
+def linear_bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+    """(dx, dweight, dbias): :func:`linear_bwd_dgrad` then :func:`linear_bwd_wgrad`, on one
+    checked (and densified) dy."""
+    dy_TN = _checked(res, dy, "linear_bwd")
+    return (_dgrad(res, dy_TN), *_wgrad(res, dy_TN))
+
+
+def _dgrad(res: LinearResiduals, dy_TN: torch.Tensor) -> torch.Tensor | None:
     w_NK = dwp.materialize([res.weight], res.distributed, for_backward=True, like=res.x, name="weight")[0]
     dwp.check_materialized([w_NK], [(res.out_features, res.x_shape[-1])], "materialize_group_for_backward()", "weight")
     if not _wanted(res)[0]:
@@ -120,10 +142,7 @@ def linear_bwd_dgrad(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     return res.kernels.dgrad(dy_TN, w_NK).view(res.x_shape)
 
 
-def linear_bwd_wgrad(res: LinearResiduals, dy: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
-    """(dweight, dbias); dweight is what autograd gets for the parameter (see finalize)."""
-    dy_TN = _dy_TN(_check_res(res, "linear_bwd_wgrad"), dy)
-    dwp.check_versions([res.weight], res.weight_version, "weight")
+def _wgrad(res: LinearResiduals, dy_TN: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
     params, fused = [res.weight], res.fuse_wgrad_accumulation
     _, want_w, want_b = _wanted(res)
     shape = (res.out_features, res.x_shape[-1])
@@ -138,13 +157,6 @@ def linear_bwd_wgrad(res: LinearResiduals, dy: torch.Tensor) -> tuple[Any, torch
         with_dbias=res.has_bias and want_b,
     )
     return dwp.finalize(params, res.distributed, fused, [dw], "weight")[0], db
-
-
-def linear_bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
-    """(dx, dweight, dbias): :func:`linear_bwd_dgrad` then :func:`linear_bwd_wgrad`."""
-    _check_res(res, "linear_bwd")
-    dx = linear_bwd_dgrad(res, dy)
-    return (dx, *linear_bwd_wgrad(res, dy))
 
 
 def _bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple:
