@@ -56,11 +56,6 @@ def _plain(*operands) -> bool:
     return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in operands if isinstance(t, torch.Tensor))
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    out = _torch_grouped_mm(a, b, offs=offs)
-    return _DenseGrad.apply(out) if out.requires_grad else out
-
-
 @functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> tuple[int, int]:
     """Compute capability, read once per device (the per-call query costs microseconds)."""
@@ -115,12 +110,14 @@ def _no_data(t: torch.Tensor) -> bool:
 def _gmm(a: torch.Tensor, b: torch.Tensor, splits: Splits) -> torch.Tensor:
     """grouped_mm (operands through :func:`_mm_ready`). NOTE: [Shapes only] grouped_mm's meta
     (fake) rule mirrors CUDA and takes bfloat16 only, while the CPU kernel also takes float32
-    and float16: on meta or fake tensors those get an empty result of the right shape."""
+    and float16: on meta or fake tensors those get an empty result of the right shape. An output
+    that requires grad (create_graph) gets :class:`_DenseGrad` after it."""
     if a.dtype != torch.bfloat16 and _no_data(a):
         E = splits.num_experts
         shape = (E, a.shape[0], b.shape[1]) if b.dim() == 2 else (a.shape[0], b.shape[-1])
         return a.new_empty(shape)
-    return _grouped_mm(a, b, offs=splits.ends(torch.int32))
+    out = _torch_grouped_mm(a, b, offs=splits.ends(torch.int32))
+    return _DenseGrad.apply(out) if out.requires_grad else out
 
 
 def _row_expert(splits: Splits) -> torch.Tensor:
