@@ -1,0 +1,17 @@
+"""FP8 for functional_dw as data: recipes, per-tensor specs, emulated quantization.
+
+Pure torch; Transformer Engine is never imported (TE's recipe objects are read by name).
+See :mod:`.recipe`, :mod:`.spec`.
+"""
+
+from .recipe import (
+    HOPPER_RECIPES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MMParams, QParams, Recipe,
+    as_recipe,
+)
+from .spec import FP8_MAX, ROLES, SplitAccumulator, TensorSpec, split_accumulator, tensor_spec
+
+__all__ = [
+    "Format", "MMParams", "QParams", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "Recipe",
+    "HOPPER_RECIPES", "as_recipe",
+    "ROLES", "FP8_MAX", "TensorSpec", "SplitAccumulator", "tensor_spec", "split_accumulator",
+]
