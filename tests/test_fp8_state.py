@@ -293,3 +293,34 @@ def test_group_reduces_the_step_amax_across_ranks():
         assert [row[0] for row in hist] == [0.0, 2.0] and [row[3] for row in hist] == [0.0, 10.0]  # max over ranks
         assert scale[0] == float(F32(448) / F32(2)) and scale[3] == float(F32(448) / F32(10))
         assert local[0] == float(F32(448) / F32(1 + rank))  # reduce_amax=False: each rank its own
+
+
+@pytest.mark.parametrize("E", [1, 3])
+def test_a_layer_step_as_the_package_docstring_sketches(E):
+    """Quantize x, W, dy per GEMM with the state's scales, record, update: the next step's
+    scales are the fp8 max over the amaxes seen (margin 0, 'max', one step of history)."""
+    from functional_dw import fp8
+
+    r = DelayedScaling(amax_history_len=2)
+    state = init_state(r, E)
+    sx, sw, sdy = (fp8.tensor_spec(r, role) for role in fp8.ROLES)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(16, 32, generator=g) * (e + 1) for e in range(E)]
+    ws = [torch.randn(8, 32, generator=g) / (e + 1) for e in range(E)]
+    qxs = fp8.quantize_groups(torch.cat(xs), [16] * E, sx, scales=fp8.group_scales(state, "input"), columnwise=True)
+    fp8.record_amax_(state, "input", torch.cat([q.amax for q in qxs]))
+    for e, w in enumerate(ws):
+        qw = fp8.quantize(w, sw, scale=fp8.scale_for(state, "weight", e), rowwise=True, columnwise=True)
+        fp8.record_amax_(state, "weight", qw.amax, gemm=e)
+        y = qxs[e].dequantize() @ qw.dequantize().t()  # fprop on the rowwise copies
+        assert torch.allclose(y, xs[e] @ w.t(), rtol=0.2, atol=0.5 * (e + 1))
+        dy = torch.ones_like(y) * (e + 2)
+        qdy = fp8.quantize(dy, sdy, scale=fp8.scale_for(state, "grad_output", e), columnwise=True)
+        fp8.record_amax_(state, "grad_output", qdy.amax, gemm=e)
+        assert torch.equal(qdy.dequantize(columnwise=True), dy)  # wgrad's copy
+    fp8.update_state_(state, r, which="fwd")
+    fp8.update_state_(state, r, which="bwd")
+    want_x = [float(F32(448) / F32(x.abs().max().item())) for x in xs]
+    want_w = [float(F32(448) / F32(w.abs().max().item())) for w in ws]
+    assert fp8.group_scales(state, "input").tolist() == want_x and fp8.group_scales(state, "weight").tolist() == want_w
+    assert fp8.group_scales(state, "grad_output").tolist() == [float(F32(57344) / F32(e + 2)) for e in range(E)]
