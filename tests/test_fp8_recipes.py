@@ -7,6 +7,7 @@ import enum
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -67,9 +68,11 @@ def test_env_defaults_as_te_reads_them():
     code = ("from functional_dw.fp8 import *; c, b = Float8CurrentScaling(), Float8BlockScaling();"
             "print(c.use_power_2_scales, c.fp8_quant_fwd_inp.power_2_scale, b.use_f32_scales,"
             " b.fp8_quant_bwd_grad.power_2_scale, c.backward_override)")
+    root = str(Path(fp8.__file__).parents[2])  # this checkout's package, whatever the cwd
     env = dict(os.environ, NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES="1", NVTE_FP8_BLOCK_SCALING_FP32_SCALES="1",
-               NVTE_BACKWARD_OVERRIDE="dequantized")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+               NVTE_BACKWARD_OVERRIDE="dequantized", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                         check=True).stdout
     assert out.split() == ["True", "True", "True", "False", "dequantized"]
 
 
