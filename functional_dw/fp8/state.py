@@ -175,7 +175,7 @@ def group_scales(state: DelayedScalingState, role: str) -> torch.Tensor:
     return getattr(state, f"scale_{side}")[cols]
 
 
-def _amax_row(state: DelayedScalingState, role: str, amax: torch.Tensor, gemm: Optional[int]) -> tuple[str, Any, torch.Tensor]:
+def _amax_row(state: DelayedScalingState, role: str, amax: Any, gemm: Optional[int]) -> tuple[str, Any, torch.Tensor]:
     if gemm is None:
         side, cols = _columns(state, role)
         n = state.num_gemms
@@ -223,7 +223,10 @@ def _nanmax0(t: torch.Tensor) -> torch.Tensor:
     return t.amax(dim=0).clamp_min(0.0)
 
 
-def _fused_update(hist: torch.Tensor, scale: torch.Tensor, algo: str, fp8_max: float, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def _fused_update(hist: torch.Tensor, scale: torch.Tensor, algo: str, fp8_max: float, margin: int) -> Pair:
     """``delayed_scaling.cu: kernel_bulk`` for every column at once."""
     last = hist[0]
     window = torch.cat([hist[1:], last[None]])  # row i <- row i+1; row H-1 <- last
@@ -240,7 +243,7 @@ def _fused_update(hist: torch.Tensor, scale: torch.Tensor, algo: str, fp8_max: f
     return new_hist, new_scale
 
 
-def _unfused_update(hist: torch.Tensor, scale: torch.Tensor, fp8_max: float, r: DelayedScaling) -> tuple[torch.Tensor, torch.Tensor]:
+def _unfused_update(hist: torch.Tensor, scale: torch.Tensor, fp8_max: float, r: DelayedScaling) -> Pair:
     """``quantization.py: _amax_and_scale_update`` (TE's Python path), on copies."""
     algo = r.amax_compute_algo
     if callable(algo):
@@ -269,9 +272,9 @@ def update_state(
     ``which``: ``"fwd"`` (what TE does when the autocast exits), ``"bwd"`` (at the end of the
     step's backward) or both. ``group``: a process group to max-reduce this step's amaxes over
     first, when ``recipe.reduce_amax`` (TE reduces over the autocast's ``amax_reduction_group``;
-    ``torch.distributed.group.WORLD`` for all ranks); None: no reduction, the caller's business. ``fused``: None picks as TE does (its fused
-    kernel unless a callable or ``NVTE_UNFUSED_FP8_UPDATE=1`` asks for the Python path); see the
-    module NOTE for both rules.
+    ``torch.distributed.group.WORLD`` for all ranks); None: no reduction, the caller's business.
+    ``fused``: None picks as TE does (its fused kernel unless a callable or
+    ``NVTE_UNFUSED_FP8_UPDATE=1`` asks for the Python path); see the module NOTE for both rules.
     """
     r = _delayed(recipe)
     if which not in ("fwd", "bwd", "both"):
