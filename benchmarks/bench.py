@@ -37,6 +37,7 @@ import datetime
 import json
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -483,13 +484,22 @@ def frozen_rows(args, te):
             cases[(name, "trainable")] = (fwd, lambda x, params=params: [x, *params], True)
             cases[(name, "frozen weights")] = (fwd_frozen, lambda x: [x], True)
             cases[(name, "x without grad")] = (fwd, lambda x, params=params: list(params), False)
+        for key, (fwd, wrt, x_grad) in list(cases.items()):  # a case that raises is recorded, not timed
+            try:
+                x, dy = inputs[0]
+                x = x if x_grad else x.detach()
+                torch.autograd.grad(fwd(x), wrt(x), dy)
+            except Exception as e:  # noqa: BLE001
+                res.setdefault(key[0], {})[key[1]] = _reason(e)
+                del cases[key]
         timed = backward_times(cases, inputs, warmup=1 if args.smoke else 2, repeats=args.repeats)
         for (name, case), ms in timed.items():
             res.setdefault(name, {})[case] = round(ms, 4)
         for name, r in res.items():
             if isinstance(r, dict):
                 for case in FROZEN_CASES[1:]:
-                    r[f"{case} / trainable"] = round(r[case] / r["trainable"], 3)
+                    ok = isinstance(r.get(case), float) and isinstance(r.get("trainable"), float)
+                    r[f"{case} / trainable"] = round(r[case] / r["trainable"], 3) if ok else "n/a"
         rows.append({"E": E, "hidden": H, "ffn": FF, "tokens": T, "results": res})
         print("frozen", E, H, FF, T, res, flush=True)
         del layer, inputs, cases
@@ -513,6 +523,7 @@ def graphed_step(step, T, H, FF):
         g = graph_step(lambda x, dy: step((x, dy)), x, dy, warmup=TIMING["warmup"])
         return lambda inp, g=g: g(inp[0].detach(), inp[1])
     except Exception as e:  # noqa: BLE001
+        print(f"graph capture failed ({T} tokens, hidden {H}, ffn {FF}): {e}", flush=True)
         return _reason(e)
 
 
@@ -603,8 +614,11 @@ def host_rows(args, te):
             continue
         m = fd.nn.GroupedLinear(E, H, FF, bias=False, params_dtype=BF16, device=DEV, use_grouped_tensor=grouped, backend="te")
         steps[f"fd te {tag}"] = grads_step(lambda x, m=m, arg=arg: m(x, arg), list(m.parameters()))
-        tm = te.GroupedLinear(E, H, FF, bias=False, params_dtype=BF16, device=DEV, use_grouped_tensor=grouped)
-        steps[f"te {tag}"] = _if_runs(grads_step(lambda x, m=tm, arg=arg: m(x, arg), list(tm.parameters())), T, H, FF)
+        try:
+            tm = te.GroupedLinear(E, H, FF, bias=False, params_dtype=BF16, device=DEV, use_grouped_tensor=grouped)
+            steps[f"te {tag}"] = _if_runs(grads_step(lambda x, m=tm, arg=arg: m(x, arg), list(tm.parameters())), T, H, FF)
+        except Exception as e:  # noqa: BLE001
+            steps[f"te {tag}"] = _reason(e)
     lin = fd.nn.Linear(H, FF, bias=False, params_dtype=BF16, device=DEV, backend="te" if te else None)
     steps["fd linear (te)"] = grads_step(lin, [lin.weight])
     if te is not None:
@@ -737,7 +751,8 @@ def markdown(result):
              f"of {len([s for s in result['dense_samples'] if 'tflops' in s])} dense GEMM measurements below (fractions of peak "
              "use it). Forward+backward, bf16, median of repeats, CUDA events, implementations interleaved."
              + (" Run with --quick." if meta["quick"] else "")
-             + (f" Skipped for time (--budget {meta['budget_s']} s): {', '.join(meta['skipped'])}." if meta["skipped"] else ""),
+             + (f" Skipped for time (--budget {meta['budget_s']} s): {', '.join(meta['skipped'])}." if meta["skipped"] else "")
+             + "".join(f" **Section {k} failed**: {e}." for k, e in meta["errors"].items()),
              "", "Seconds per section: " + ", ".join(f"{k} {s}" for k, s in meta["elapsed_s"].items()), ""]
     if result.get("grouped"):
         names = GROUPED_NAMES
@@ -775,8 +790,9 @@ def markdown(result):
             for name, v in r["results"].items():
                 head = f"| {r['E']} | {r['hidden']} | {r['ffn']} | {r['tokens']} | {name} | "
                 if isinstance(v, dict):
-                    lines.append(head + f"{v['trainable']} | {v['frozen weights']} | {v['x without grad']} | "
-                                 f"{v['frozen weights / trainable']:.2f} | {v['x without grad / trainable']:.2f} |")
+                    ratios = [f"{v[f'{c} / trainable']:.2f}" if isinstance(v[f"{c} / trainable"], float) else "n/a"
+                              for c in FROZEN_CASES[1:]]
+                    lines.append(head + " | ".join(str(v.get(c, "n/a")) for c in FROZEN_CASES) + f" | {ratios[0]} | {ratios[1]} |")
                 else:
                     lines.append(head + f"{v} | | | | |")
         lines += ["", "frozen weights: requires_grad=False on the weights, x requires grad (no wgrad GEMM); x without grad: "
@@ -831,6 +847,7 @@ class Clock:
     def __init__(self, budget, out, result):
         self.t0, self.budget, self.out, self.result = time.monotonic(), budget, out, result
         self.skipped: list[str] = []
+        self.errors: dict[str, str] = {}
         self.elapsed: dict[str, float] = {}
         self.reserve = 25.0  # for the closing peak measurement and the report
 
@@ -843,7 +860,12 @@ class Clock:
 
     def section(self, name, fn):
         t = time.monotonic()
-        value = fn()
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001  (one section's failure must not lose the run)
+            traceback.print_exc()
+            self.errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            value = None
         self.elapsed[name] = round(time.monotonic() - t, 1)
         print(f"--- {name}: {self.elapsed[name]} s (total {time.monotonic() - self.t0:.0f} s)", flush=True)
         self.save(name, value)
@@ -887,12 +909,13 @@ def main(argv=None):
             "graphed": lambda: graphed_rows(args, te), "grouped": lambda: grouped_rows(args, te, clock)}
     for name in SECTIONS:
         result[name] = clock.section(name, runs[name]) if name in only else None
-    result["dense_samples"] = samples + clock.section("dense_samples_end", lambda: dense_samples(args.smoke, te is not None, 2))
+    end = clock.section("dense_samples_end", lambda: dense_samples(args.smoke, te is not None, 2))
     result.pop("dense_samples_end")
-    peak = max(s["tflops"] for s in result["dense_samples"] if "tflops" in s)
+    result["dense_samples"] = (samples or []) + (end or [])
+    peak = max((s["tflops"] for s in result["dense_samples"] if "tflops" in s), default=float("nan"))
     result["dense_peak_tflops"] = round(peak, 1)
     add_fractions(result, result["dense_peak_tflops"])
-    meta["skipped"] = clock.skipped
+    meta["skipped"], meta["errors"] = clock.skipped, clock.errors
     meta["elapsed_s"] = clock.elapsed | {"total": round(time.monotonic() - clock.t0, 1)}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "results.md").write_text(markdown(result))

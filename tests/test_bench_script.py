@@ -50,6 +50,7 @@ def test_bench_script_writes_its_tables(results):
     assert {"torch", "cuda", "te", "cublaslt_te", "cublaslt_loaded", "cublaslt"} <= set(v)
     assert (out / "tflops.png").stat().st_size > 0
     assert set(data["meta"]["elapsed_s"]) >= {"host", "linear", "offload", "frozen", "graphed", "grouped", "total"}
+    assert data["meta"]["errors"] == {}, "no section failed"
 
 
 def _check_timing(v, flops, peak, md=None, what=""):
