@@ -1,14 +1,13 @@
 """CUDA graphs for steps built from functional_dw layers (README, "CUDA graphs").
 
-Two small tools on top of ``torch.cuda.graph``:
+Three small tools on top of torch's CUDA graphs:
 
 * :func:`graph_step` captures a whole step (forward + backward, e.g. an expert MLP) once and
   returns a :class:`GraphedStep` that replays it: the warm-up on a side stream, a check that
   the step never synchronizes with the host (which capture forbids), what happens to ``.grad``
   and ``main_grad``, and errors that say what to change.
 * :class:`PinnedOffload`, an offloading saved-tensor hook that can be captured (unlike
-  ``torch.autograd.graph.save_on_cpu``, whose copies synchronize).
-
+  ``torch.autograd.graph.save_on_cpu``: see its docstring).
 * :func:`make_graphed_callables`, torch's function of that name (a graph pair per module,
   eager autograd around it) plus two fixes: ``.grad`` never aliases the graph's static grad
   buffers (with torch's, a second backward before the grads are zeroed adds the new gradient
