@@ -6,6 +6,7 @@ Function that is safe under saved-tensor hooks, ``retain_graph`` and ``torch.fun
 """
 
 from . import nn
+from . import graphs  # noqa: E401  (CUDA graphs: graph_step, PinnedOffload)
 from .custom_vjp import custom_vjp
 from .distributed_weight import DistributedWeight, is_distributed_weight
 from .grouped_linear import (

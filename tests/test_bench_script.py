@@ -1,7 +1,8 @@
-"""benchmarks/bench.py runs end to end (on the CPU, with CUDA timing and TE stood in for), and
-the numbers it writes are consistent: TFLOP/s and fractions of peak follow from the recorded
-times and shapes, the markdown table shows the JSON's numbers, the recorded path choices are
-the ones the library makes."""
+"""benchmarks/bench.py runs end to end (on the CPU, with CUDA timing, CUDA graphs and TE stood
+in for), and the numbers it writes are consistent: TFLOP/s and fractions of peak follow from
+the recorded times and shapes, the peak is the highest dense measurement, ratios follow from
+the times, the markdown tables show the JSON's numbers, the recorded path choices are the ones
+the library makes, and --only / --budget leave out what they say."""
 
 import json
 import re
@@ -11,62 +12,127 @@ from pathlib import Path
 
 import pytest
 
+HERE = Path(__file__).resolve().parent
+
+
+def run_mock(out, *flags):
+    run = subprocess.run([sys.executable, str(HERE / "bench_mock.py"), str(out), *flags], capture_output=True,
+                         text=True, timeout=600, cwd=HERE.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    here = Path(__file__).resolve().parent
-    run = subprocess.run([sys.executable, str(here / "bench_mock.py"), str(out)], capture_output=True,
-                         text=True, timeout=600, cwd=here.parent)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return out, json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+    return (out, *run_mock(out))
+
+
+def _fd(name):
+    return name.startswith("fd ")
+
+
+PEERS = ("te split", "te grouped", "torch._grouped_mm")
 
 
 def test_bench_script_writes_its_tables(results):
     out, data, md = results
-    for section in ("## GroupedLinear", "## Linear", "## Host overhead", "## Saved-tensor hooks"):
+    for section in ("## GroupedLinear", "## Weight layout", "## Frozen experts", "## CUDA graphs", "## Linear",
+                    "## Host time", "## Saved-tensor hooks", "## Dense bf16 GEMMs"):
         assert section in md
     e80 = [r for r in data["grouped"] if r["E"] == 80]
     assert e80 and all(r["results"]["te grouped"].startswith("raises") for r in e80), "TE's 64-expert limit is recorded"
+    for r in data["grouped"]:
+        for path in ("fd auto", "fd te grouped", "fd te split"):
+            assert isinstance(r["results"][f"{path} stacked"], dict) and isinstance(r["results"][f"{path} list"], dict)
     assert data["offload"]["results"]["fd te split"]["hook_tensors"] == 1
+    v = data["meta"]["versions"]
+    assert {"torch", "cuda", "te", "cublaslt_te", "cublaslt_loaded", "cublaslt"} <= set(v)
     assert (out / "tflops.png").stat().st_size > 0
+    assert set(data["meta"]["elapsed_s"]) >= {"host", "linear", "offload", "frozen", "graphed", "grouped", "total"}
+    assert data["meta"]["errors"] == {}, "no section failed"
+
+
+def _check_timing(v, flops, peak, md=None, what=""):
+    assert v["ms"] > 0, (what, v)
+    want = flops / v["ms"] / 1e9
+    assert v["tflops"] == pytest.approx(want, rel=2e-3, abs=0.06), (what, v, want)  # (rounded to 0.1)
+    assert v["frac_peak"] == pytest.approx(v["tflops"] / peak, abs=6e-4), (what, v, peak)
+    if md is not None:
+        cell = f"{v['tflops']} ({v['frac_peak']:.2f})"
+        assert cell in md, f"{what}'s {cell} is not in the markdown"
+
+
+def test_the_peak_is_the_highest_dense_measurement(results):
+    _, data, md = results
+    measured = [s["tflops"] for s in data["dense_samples"] if "tflops" in s]
+    assert len(measured) >= 4 and {s["round"] for s in data["dense_samples"]} == {1, 2}
+    assert data["dense_peak_tflops"] == max(measured) > 0
+    assert f"**{data['dense_peak_tflops']:.0f} TFLOP/s**" in md
 
 
 def test_bench_numbers_follow_from_times_and_shapes(results):
     _, data, md = results
     peak = data["dense_peak_tflops"]
-    assert peak > 0
     timed = 0
     for row in data["grouped"]:
         flops = 3 * 2 * row["tokens"] * row["hidden"] * row["ffn"]  # fwd + dgrad + wgrad
         assert 0 <= row["zero_experts"] <= row["E"]
         for name, v in row["results"].items():
-            if not isinstance(v, dict) or "ms" not in v:
-                continue
-            timed += 1
-            assert v["ms"] > 0, (name, v)
-            want = flops / v["ms"] / 1e9
-            assert v["tflops"] == pytest.approx(want, rel=2e-3, abs=0.06), (name, v, want)  # (rounded to 0.1)
-            lo, hi = want / (peak + 0.05), want / max(peak - 0.05, 1e-9)  # (the peak is recorded to 0.1)
-            assert lo - 6e-4 <= v["frac_peak"] <= hi + 6e-4, (name, v, lo, hi)
-            cell = f"{v['tflops']} ({v['frac_peak']:.2f})"
-            assert cell in md, f"{name}'s {cell} is not in the markdown table"
+            if isinstance(v, dict) and "ms" in v:
+                timed += 1
+                _check_timing(v, flops, peak, md, name)
         res = row["results"]
-        ours = min(res[n]["ms"] for n in ("fd te split", "fd te grouped", "fd auto") if isinstance(res.get(n), dict))
-        peers = [res[n]["ms"] for n in ("te split", "te grouped", "torch._grouped_mm") if isinstance(res.get(n), dict)]
+        ours = min(v["ms"] for n, v in res.items() if _fd(n) and isinstance(v, dict))
+        peers = [res[n]["ms"] for n in PEERS if isinstance(res.get(n), dict)]
         line = next(ln for ln in md.splitlines() if ln.startswith(f"| {row['E']} | {row['hidden']} | {row['ffn']} | "
-                                                                    f"{row['tokens']} | {row['splits']} "))
+                                                                    f"{row['tokens']} | {row['splits']} ("))
         assert f"| {ours / min(peers):.2f} |" in line, ("fd / best peer", line)
-    assert timed >= 10, "the smoke run timed the implementations"
+        layout = next(ln for ln in md.splitlines() if ln.startswith(f"| {row['E']} | {row['hidden']} | {row['ffn']} | "
+                                                                      f"{row['tokens']} | {row['splits']} |"))
+        for path in ("fd auto", "fd te grouped", "fd te split"):
+            assert f"| {res[path + ' list']['ms'] / res[path + ' stacked']['ms']:.2f} |" in layout, (path, layout)
+    assert timed >= 20, "the smoke run timed the implementations"
     for row in data["linear"]:
-        for v in row["results"].values() if "results" in row else []:
-            if isinstance(v, dict) and "tflops" in v:
-                want = 3 * 2 * row["tokens"] * row["in"] * row["out"] / v["ms"] / 1e9
-                assert v["tflops"] == pytest.approx(want, rel=2e-3, abs=0.06)
-    host = data["host_overhead_us"]
-    assert host and all(v > 0 for v in host.values())
-    for name, us in host.items():
-        assert re.search(rf"{re.escape(name)}.*{us}", md), f"host overhead of {name} ({us} us) not in the table"
+        for name, v in row["results"].items():
+            _check_timing(v, 3 * 2 * row["tokens"] * row["in"] * row["out"], peak, md, name)
+
+
+def test_frozen_and_graphed_rows_are_consistent(results):
+    _, data, md = results
+    assert data["frozen"]
+    for row in data["frozen"]:
+        assert {"fd auto stacked", "fd te grouped list", "fd te split list", "te grouped", "te split"} <= set(row["results"])
+        for name, v in row["results"].items():
+            if not isinstance(v, dict):
+                continue
+            for case in ("frozen weights", "x without grad"):
+                assert v[case] > 0 and v[f"{case} / trainable"] == pytest.approx(v[case] / v["trainable"], abs=6e-4)
+            assert f"| {name} | {v['trainable']} | {v['frozen weights']} | {v['x without grad']} |" in md
+    assert data["graphed"]
+    peak = data["dense_peak_tflops"]
+    for row in data["graphed"]:
+        flops = 3 * 2 * row["tokens"] * row["hidden"] * row["ffn"]
+        graphs = 0
+        for name, v in row["results"].items():
+            if not isinstance(v, dict) or not isinstance(v.get("graph"), dict):
+                continue
+            graphs += 1
+            _check_timing(v["eager"], flops, peak, None, name)
+            _check_timing(v["graph"], flops, peak, md, f"{name} (graph)")
+            assert v["graph / eager"] == pytest.approx(v["graph"]["ms"] / v["eager"]["ms"], abs=6e-4)
+            assert f"| {name} | {v['eager']['ms']} | {v['graph']['ms']} | {v['graph / eager']} |" in md
+        assert graphs >= 5, row["results"]
+
+
+def test_host_table(results):
+    _, data, md = results
+    host = data["host"]
+    for name in ("fd auto", "fd te grouped", "fd te split", "fd linear (te)", "te grouped", "te split", "te.Linear",
+                 "torch._grouped_mm (autograd)", "fd auto (graph)", "te grouped (graph)"):
+        v = host[name]
+        assert v["issue"] > 0 and v["wall"] > 0, (name, v)
+        assert f"| {name} | {v['issue']} | {v['wall']} |" in md, name
 
 
 def test_bench_records_the_paths_the_library_takes(results):
@@ -75,3 +141,10 @@ def test_bench_records_the_paths_the_library_takes(results):
         chosen = row["results"]["chosen"]
         # the mock runs on the CPU: bf16 with 64 features is grouped_mm-able, so None takes the grouped path
         assert chosen["te, use_grouped_tensor=None"] == "grouped", chosen
+
+
+def test_only_and_budget_leave_out_what_they_say(tmp_path):
+    data, md = run_mock(tmp_path, "--only", "host,grouped", "--budget", "1")
+    assert data["host"] and data["grouped"] == [] and data["frozen"] is None and data["graphed"] is None
+    assert data["meta"]["skipped"] and all(s.startswith("grouped E=") for s in data["meta"]["skipped"])
+    assert "## Host time" in md and "## Frozen experts" not in md and "Skipped for time" in md

@@ -79,6 +79,8 @@ class Splits:
         """Host split sizes; a device-only splits tensor is copied to the host once (a sync)."""
         if self.host is not None:
             return self.host
+        if self.tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(CAPTURE_DEVICE_SPLITS)
         return self.cached("host", lambda: tuple(int(s) for s in self.tensor.tolist()))
 
     def on_device(self) -> torch.Tensor:
@@ -162,9 +164,32 @@ def _to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) 
     """Host ints as a tensor on ``device`` without a host sync: a CUDA copy goes through pinned
     memory, asynchronously (``torch.tensor(..., device="cuda")`` waits for the stream)."""
     cpu = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda" or torch.compiler.is_compiling() or isinstance(cpu, FakeTensor) or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or torch.compiler.is_compiling() or isinstance(cpu, FakeTensor):
         return cpu.to(device)
+    if torch.cuda.is_current_stream_capturing():  # a pageable copy syncs; a pinned one would be
+        raise RuntimeError(CAPTURE_HOST_SPLITS)  # replayed from a freed (reused) host buffer
     return cpu.pin_memory().to(device, non_blocking=True)
+
+
+# NOTE: [Splits under CUDA graph capture] (README "CUDA graphs") A captured graph replays
+# device work only. Host split sizes are Python ints: the split path bakes them into the graph
+# (a replay reuses the routing of the capture), and a copy of them to the device cannot be
+# captured. A CUDA splits tensor is read on the device by the grouped path at every replay, but
+# reading it on the host (the split path) is a sync, which capture forbids. Both cases raise
+# these instead of CUDA's "operation not permitted when stream is capturing".
+CAPTURE_DEVICE_SPLITS = (
+    "functional_dw: the split path (one GEMM per expert) needs the split sizes on the host, and reading a CUDA "
+    "splits tensor there is a device-to-host sync, which CUDA graph capture forbids. Under a CUDA graph use the "
+    "grouped path (use_grouped_tensor=None or True, with a backend and dtype that run it: backend='auto' or 'te' "
+    "in bfloat16; for fuse_wgrad_accumulation=True, TE), or give the splits as a list (then the graph replays "
+    "the routing of the capture)"
+)
+CAPTURE_HOST_SPLITS = (
+    "functional_dw: splits given on the host (a list or a CPU tensor) must be copied to the GPU here (the "
+    "grouped path's offsets, or per-expert bias sums), and that copy cannot be captured in a CUDA graph. Pass "
+    "the splits as a CUDA int tensor (one static buffer you copy each step's routing into): the grouped path "
+    "reads it on the device at every replay, without a sync"
+)
 
 
 class Kernels(Protocol):
