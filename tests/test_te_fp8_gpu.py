@@ -284,6 +284,39 @@ def test_kernels_match_te_grouped_linear(name, grouped, fused, E):
     c.done()
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["split", "grouped"])
+@pytest.mark.parametrize("name", ["current", "block"])
+def test_saved_fp8_x_survives_a_trip_through_host_memory(name, grouped):
+    """The residual x (TEQGroup / grouped TEQ) is a pytree of its storage's tensors: copied to the
+    host and back leaf by leaf (what save_on_cpu does) and rebuilt, wgrad is unchanged."""
+    import torch.utils._pytree as pytree
+
+    needs_recipe(name)
+    recipe = fp8.as_recipe(te_recipe(name))
+    if grouped:
+        needs_grouped(recipe)
+    sizes = sizes_for(name, 4)
+    splits, T = splits_record(sizes, grouped), sum(sizes)
+    sx, sdy = fp8.tensor_spec(recipe, "input"), fp8.tensor_spec(recipe, "grad_output")
+    xq = TE.grouped_quantize(randn(T, K, seed=1), splits, sx, rowwise=True, columnwise=True, grouped=grouped)
+    saved = xq.with_usage(rowwise=False, columnwise=True)
+    leaves, spec = pytree.tree_flatten(saved)
+    back = pytree.tree_unflatten([t.cpu().to(DEV) for t in leaves], spec)
+    dyq = TE.grouped_quantize(randn(T, N, seed=2), splits, sdy, rowwise=True, columnwise=True, grouped=grouped)
+    c = Check(f"FP8 residual through host memory: {name}, {'grouped' if grouped else 'split'}: {len(leaves)} leaves "
+              f"{sorted({str(t.dtype) for t in leaves})}, {sum(t.numel() * t.element_size() for t in leaves)} bytes")
+    dw_a, _ = TE.grouped_wgrad(saved, dyq, splits, grouped)
+    dw_b, _ = TE.grouped_wgrad(back, dyq, splits, grouped)
+    for e in range(4):
+        if sizes[e]:
+            c.equal(dw_b[e], dw_a[e], f"dw[{e}]")
+    kinds = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2, torch.float32, torch.int64)
+    c._add(all(t.dtype in kinds for t in leaves), "leaves are FP8 bytes, fp32 scales (and amaxes), int64 splits/offsets")
+    with pytest.raises(ValueError, match="holds no rowwise data"):
+        saved.with_usage(rowwise=True, columnwise=True)
+    c.done()
+
+
 def kernels_linear_step(recipe, state, x, w, b, dy, main_grad):
     sx, sw, sdy = (fp8.tensor_spec(recipe, role) for role in fp8.ROLES)
     acc = fp8.split_accumulator(recipe)

@@ -120,12 +120,18 @@ class TEQ(_Q):
 
 
 class TEQGroup(_Q):
-    """A group's rows on the split path: ``parts``, one :class:`TEQ` per expert."""
+    """A group's rows on the split path: ``parts``, one :class:`TEQ` per expert (also as a sequence)."""
 
     def __init__(self, parts: list, shape: tuple, dtype: torch.dtype, dbias=None, redo=None) -> None:
         self.parts, self.shape, self.dtype, self.dbias, self._redo = list(parts), tuple(shape), dtype, dbias, redo
 
     is_grouped = False
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __getitem__(self, e: int) -> TEQ:
+        return self.parts[e]
 
     def with_usage(self, *, rowwise: bool, columnwise: bool) -> "TEQGroup":
         parts = [p.with_usage(rowwise=rowwise, columnwise=columnwise) for p in self.parts]
