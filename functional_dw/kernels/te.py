@@ -10,6 +10,8 @@ tensors or one ``[E, N, K]`` tensor.
 * ``grouped_*`` split path: ``general_grouped_gemm``, one cuBLASLt call per expert on host sizes.
 * ``grouped_*`` grouped path: ``general_grouped_gemm_for_grouped_tensor``, one kernel; the split
   sizes and every offset stay on the device (no sync, CUDA-graph safe).
+* FP8: ``quantize`` / ``grouped_quantize`` give TE storages (``te_fp8.TEQ`` / ``TEQGroup``); each
+  GEMM method given them runs the FP8 call of ``te_fp8`` instead (the first lines of each method).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import Gro
 from transformer_engine.pytorch.utils import _empty_tensor
 
 from . import Splits, Weights, out_in
+from .te_fp8_checks import env_of, grouped_path_problem
 from .torch_ref import expert_sums, _row_expert, _write
 
 try:  # TE's Triton kernel for per-expert bias grads (what GroupedLinear's grouped path uses)
@@ -174,6 +177,7 @@ def _unbatched(method):
         if _wrapped(*args, *kwargs.values()):
             if method.__name__.startswith("grouped_"):
                 args = (*args[:-1], False)  # the last positional argument is `grouped`
+            kwargs.pop("split_accumulator", None)  # FP8 only (TE's storages are never functorch-wrapped)
             return getattr(TORCH, method.__name__)(*args, **kwargs)
         if _in_create_graph_backward() and _requires_grad(*args, *kwargs.values()):
             raise RuntimeError(
@@ -238,16 +242,33 @@ class TEKernels:
                 te_gemm._get_fp32_zeros_tensor(n, torch.device("cuda", idx))
         self._prepared.add(key)
 
+    # --- FP8 (te_fp8): TE's quantization; GEMM methods given its storages run te_fp8's calls ---
+    def quantize(self, t, spec, *, scale=None, amax=None, rowwise=True, columnwise=False, with_dbias=False):
+        return te_fp8.quantize(t, spec, scale=scale, amax=amax, rowwise=rowwise, columnwise=columnwise,
+                               with_dbias=with_dbias)
+
+    def grouped_quantize(self, x_TK, splits, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False,
+                         grouped=False, with_dbias=False):
+        return te_fp8.grouped_quantize(x_TK, splits, spec, scales=scales, amaxes=amaxes, rowwise=rowwise,
+                                       columnwise=columnwise, grouped=grouped, with_dbias=with_dbias)
+
     # --- one GEMM (te.Linear) -------------------------------------------------------------
     @_unbatched
-    def fprop(self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None) -> torch.Tensor:
+    def fprop(self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, *,
+              split_accumulator: bool = False) -> torch.Tensor:
+        if te_fp8.is_fp8(x_TK) or te_fp8.is_fp8(w_NK):
+            te_fp8.check_operands("fprop", x_TK, w_NK)
+            return te_fp8.fprop(self, x_TK, w_NK, b_N, split_accumulator)
         self.prepare(x_TK.device)
         b_N = None if b_N is None else b_N.contiguous()
         y_TN, *_ = general_gemm(w_NK.contiguous(), x_TK, out_dtype=x_TK.dtype, bias=b_N, use_split_accumulator=_2X_ACC_FPROP)
         return y_TN
 
     @_unbatched
-    def dgrad(self, dy_TN: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    def dgrad(self, dy_TN: torch.Tensor, w_NK: torch.Tensor, *, split_accumulator: bool = False) -> torch.Tensor:
+        if te_fp8.is_fp8(dy_TN) or te_fp8.is_fp8(w_NK):
+            te_fp8.check_operands("dgrad", dy_TN, w_NK)
+            return te_fp8.dgrad(self, dy_TN, w_NK, split_accumulator)
         self.prepare(dy_TN.device)
         dx_TK, *_ = general_gemm(
             w_NK.contiguous(), dy_TN, out_dtype=dy_TN.dtype, layout="NN", grad=True, use_split_accumulator=_2X_ACC_DGRAD,
@@ -255,7 +276,10 @@ class TEKernels:
         return dx_TK
 
     @_unbatched
-    def wgrad(self, x_TK, dy_TN, *, out=None, accumulate=False, with_dbias=False):
+    def wgrad(self, x_TK, dy_TN, *, out=None, accumulate=False, with_dbias=False, split_accumulator=False):
+        if te_fp8.is_fp8(x_TK) or te_fp8.is_fp8(dy_TN):
+            te_fp8.check_operands("wgrad", x_TK, dy_TN)
+            return te_fp8.wgrad(self, x_TK, dy_TN, out, accumulate, with_dbias, split_accumulator)
         if out is not None:
             _check_out(out)
         self.prepare(x_TK.device)
@@ -274,9 +298,9 @@ class TEKernels:
         return dw_NK, (db_N.to(dy_TN.dtype) if with_dbias else None)
 
     # --- a group (te.GroupedLinear) -------------------------------------------------------
-    def grouped_path_unsupported(self, x_TK: torch.Tensor, w_ENK: Weights) -> str | None:
-        """The checks of TE's ``is_module_grouped_tensor_path_supported`` (BF16 recipe), plus
-        alignment: each expert's rows must start 16-byte aligned."""
+    def grouped_path_unsupported(self, x_TK: torch.Tensor, w_ENK: Weights, recipe=None) -> str | None:
+        """The checks of TE's ``is_module_grouped_tensor_path_supported`` (BF16, or FP8 ``recipe``),
+        plus alignment: each expert's rows must start 16-byte aligned."""
         dt = x_TK.dtype
         if dt not in (torch.bfloat16, torch.float16):
             return f"TE's grouped GEMM takes bfloat16 or float16 activations, got {dt}"
@@ -294,10 +318,14 @@ class TEKernels:
         N, K = out_in(w_ENK)
         if not N or not K or K % 8 or N % 8:
             return f"TE's grouped GEMM needs in/out features that are multiples of 8 (16-byte aligned rows); got in={K}, out={N}"
-        return None
+        E = w_ENK.shape[0] if isinstance(w_ENK, torch.Tensor) else len(w_ENK)
+        return None if recipe is None else grouped_path_problem(recipe, env_of(cc, have), E)
 
     @_unbatched
-    def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
+    def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped, *, split_accumulator=False):
+        if te_fp8.is_fp8(x_TK) or te_fp8.is_fp8(w_ENK):  # the path is the one x was quantized for
+            te_fp8.check_operands("grouped_fprop", x_TK, w_ENK)
+            return te_fp8.grouped_fprop(self, x_TK, w_ENK, b_EN, splits, split_accumulator)
         E, (N, K) = splits.num_experts, out_in(w_ENK)
         y_TN = x_TK.new_empty(x_TK.shape[0], N)
         if grouped and splits.num_tokens:
@@ -326,7 +354,10 @@ class TEKernels:
         return y_TN
 
     @_unbatched
-    def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
+    def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped, *, split_accumulator=False):
+        if te_fp8.is_fp8(dy_TN) or te_fp8.is_fp8(w_ENK):
+            te_fp8.check_operands("grouped_dgrad", dy_TN, w_ENK)
+            return te_fp8.grouped_dgrad(self, dy_TN, w_ENK, splits, split_accumulator)
         E, (N, K) = splits.num_experts, out_in(w_ENK)
         dx_TK = dy_TN.new_empty(dy_TN.shape[0], K)
         if grouped and splits.num_tokens:
@@ -346,7 +377,11 @@ class TEKernels:
         return dx_TK
 
     @_unbatched
-    def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
+    def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False,
+                      split_accumulator=False):
+        if te_fp8.is_fp8(x_TK) or te_fp8.is_fp8(dy_TN):
+            te_fp8.check_operands("grouped_wgrad", x_TK, dy_TN)
+            return te_fp8.grouped_wgrad(self, x_TK, dy_TN, splits, out, accumulate, with_dbias, split_accumulator)
         E, K, N = splits.num_experts, x_TK.shape[1], dy_TN.shape[1]
         if out is not None:
             _check_out(out)
@@ -423,3 +458,5 @@ class TEKernels:
 
 
 TE = TEKernels()
+
+from . import te_fp8  # noqa: E402  (after TE: te_fp8 uses this module's helpers)

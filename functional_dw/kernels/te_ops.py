@@ -8,6 +8,9 @@ NOTE: [Custom ops without autograd]
   directly (no dispatcher overhead); :data:`TRACED_TE` is what ``get_kernels`` returns while
   compiling. Splits travel as one int tensor (CPU or device) and are rebuilt per op by
   ``Splits.in_op`` (see NOTE: [Splits under torch.compile] in ``kernels/__init__.py``).
+
+FP8 is not traced yet: ``quantize``/``grouped_quantize`` raise under ``torch.compile`` (TE's
+quantized storages are not tensors an op schema can carry; they would need their own ops).
 """
 
 from __future__ import annotations
@@ -116,6 +119,10 @@ def _(out, x, dy, splits, grouped, accumulate, with_dbias):
     return dy.new_empty((_num_experts(out), dy.shape[1]) if with_dbias else (0,))
 
 
+_NO_FP8 = ("FP8 (recipe=...) with backend='te' is not supported under torch.compile yet: run the FP8 layer "
+           "eagerly (e.g. wrap it in torch.compiler.disable), or use backend='torch' (the FP8 emulation)")
+
+
 class TracedTEKernels:
     """The :class:`~functional_dw.kernels.Kernels` interface over the custom ops above."""
 
@@ -124,29 +131,39 @@ class TracedTEKernels:
     def __repr__(self) -> str:
         return "TracedTEKernels()"
 
-    def grouped_path_unsupported(self, x_TK, w_ENK):
-        return TE.grouped_path_unsupported(x_TK, w_ENK)
+    def grouped_path_unsupported(self, x_TK, w_ENK, recipe=None):
+        if recipe is None:
+            return TE.grouped_path_unsupported(x_TK, w_ENK)
+        return TE.grouped_path_unsupported(x_TK, w_ENK, recipe=recipe)
 
-    def fprop(self, x_TK, w_NK, b_N):
+    def quantize(self, *args, **kwargs):
+        raise NotImplementedError(_NO_FP8)
+
+    def grouped_quantize(self, *args, **kwargs):
+        raise NotImplementedError(_NO_FP8)
+
+    # split_accumulator: read with FP8 operands only, which never reach these ops (see quantize)
+    def fprop(self, x_TK, w_NK, b_N, *, split_accumulator=False):
         return te_fprop(x_TK, w_NK, b_N)
 
-    def dgrad(self, dy_TN, w_NK):
+    def dgrad(self, dy_TN, w_NK, *, split_accumulator=False):
         return te_dgrad(dy_TN, w_NK)
 
-    def wgrad(self, x_TK, dy_TN, *, out=None, accumulate=False, with_dbias=False):
+    def wgrad(self, x_TK, dy_TN, *, out=None, accumulate=False, with_dbias=False, split_accumulator=False):
         if out is None:
             dw, db = te_wgrad(x_TK, dy_TN, with_dbias)
             return dw, db if with_dbias else None
         db = te_wgrad_into(out, x_TK, dy_TN, accumulate, with_dbias)
         return out, db if with_dbias else None
 
-    def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
+    def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped, *, split_accumulator=False):
         return te_grouped_fprop(x_TK, _list(w_ENK), b_EN, op_splits(splits), grouped)
 
-    def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
+    def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped, *, split_accumulator=False):
         return te_grouped_dgrad(dy_TN, _list(w_ENK), op_splits(splits), grouped)
 
-    def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
+    def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False,
+                      split_accumulator=False):
         if out is None:
             dw, db = te_grouped_wgrad(x_TK, dy_TN, op_splits(splits), grouped, with_dbias)
             return dw, db if with_dbias else None

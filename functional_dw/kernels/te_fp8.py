@@ -1,0 +1,409 @@
+"""FP8 on Transformer Engine 2.20's kernels: what ``te.Linear`` / ``te.GroupedLinear`` do under
+``te.autocast(recipe=...)``, call for call, with quantizers built from ``fp8.TensorSpec``.
+
+* :func:`quantizer`: TE's quantizer for a spec, set up as TE's modules set theirs up
+  (``quantization.py: *RecipeState.make_quantizers``, the modules' ``_get_quantizers`` and
+  ``_customize_quantizers_float8_current_scaling``).
+* :class:`TEQ`: a TE storage (one tensor, or on the grouped path the ``GroupedTensorStorage`` of
+  ``tex.group_quantize``); :class:`TEQGroup`: E ``TEQ`` (split path). Both are pytree nodes whose
+  leaves are the storages' tensors, so they go through ``save_for_backward`` and its hooks.
+* :func:`quantize`, :func:`grouped_quantize`, and the FP8 forms of ``TEKernels``' GEMMs.
+
+NOTE: [dbias under FP8] TE takes the bias grad from the high-precision dy while quantizing it:
+``tex.bgrad_quantize`` (delayed scaling: a fused cast+transpose+dbias kernel, used when dy is cast
+both ways, which TE's dy quantizers always are; current scaling: ``at::sum_out``), a torch sum for
+block scaling (``_split_quantize``, ``grad_output_preprocess``), and on the grouped path
+``tex.bgrad_group_quantize`` (block scaling with rowwise dy) or the Triton ``compute_grouped_dbias``.
+``with_dbias=True`` at quantization does that. A wgrad asked ``with_dbias`` for a dy quantized
+without it recomputes it the same way from dy (one more quantization, nothing recorded).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+import transformer_engine.pytorch  # noqa: F401  (loads libtransformer_engine before the extension)
+import transformer_engine_torch as tex
+from transformer_engine.pytorch.cpp_extensions.gemm import (
+    general_gemm, general_grouped_gemm, general_grouped_gemm_for_grouped_tensor,
+)
+from transformer_engine.pytorch.tensor import Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer
+from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import Float8BlockwiseQTensorStorage
+from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
+from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage
+
+from .. import fp8
+from . import te as _te
+from .te_fp8_checks import MAX_LIST, check_quantize, env_of
+
+__all__ = ["TEQ", "TEQGroup", "quantizer", "quantize", "grouped_quantize", "is_fp8"]
+
+_TE_FP8 = {torch.float8_e4m3fn: tex.DType.kFloat8E4M3, torch.float8_e5m2: tex.DType.kFloat8E5M2}
+# (rowwise names, columnwise names) of each storage's get_metadata() (= its constructor's kwargs)
+_USAGE = {Float8TensorStorage: (("data",), ("data_transpose",)),
+          Float8BlockwiseQTensorStorage: (("rowwise_data", "rowwise_scale_inv"), ("columnwise_data", "columnwise_scale_inv")),
+          GroupedTensorStorage: (("data", "scale_inv"), ("columnwise_data", "columnwise_scale_inv"))}
+
+
+def _meta(st: Any) -> dict:
+    """Constructor kwargs that rebuild ``st`` (its tensors and everything else)."""
+    if isinstance(st, GroupedTensorStorage):  # what GroupedTensorStorage.copy() passes
+        names = ("num_tensors", "quantizer", "columnwise_data", "scale_inv", "columnwise_scale_inv", "amax",
+                 "columnwise_amax", "scale", "first_dims", "last_dims", "tensor_offsets", "offsets",
+                 "scale_inv_offsets", "columnwise_scale_inv_offsets", "row_scaled_nvfp4", "nvfp4_use_4over6",
+                 "nvfp4_e4m3_max")
+        return dict(shape=st.logical_shape, dtype=st.fake_dtype, shapes=st.tensor_shapes, data=st.rowwise_data,
+                    with_gemm_swizzled_scales=st._with_gemm_swizzled_scales, **{n: getattr(st, n) for n in names})
+    meta = st.get_metadata()
+    if isinstance(st, Float8TensorStorage) and st._transpose_invalid:
+        meta["data_transpose"] = None  # a stale transpose is no columnwise copy
+    return meta
+
+
+def _with_usage(st: Any, rowwise: bool, columnwise: bool) -> Any:
+    """A new storage over the same tensors, holding only the copies asked for."""
+    meta = _meta(st)
+    for want, names, what in zip((rowwise, columnwise), _USAGE[type(st)], ("rowwise", "columnwise")):
+        if want and meta[names[0]] is None:
+            raise ValueError(f"this FP8 tensor holds no {what} data; quantize it with {what}=True")
+        if not want:
+            meta.update(dict.fromkeys(names))
+    return type(st)(**meta)
+
+
+def _split_meta(st: Any) -> tuple[list, tuple]:
+    meta = _meta(st)
+    names = tuple(k for k, v in meta.items() if isinstance(v, torch.Tensor))
+    return [meta[k] for k in names], (type(st), names, tuple((k, v) for k, v in meta.items() if k not in names))
+
+
+def _join_meta(tensors: list, ctx: tuple) -> Any:
+    cls, names, others = ctx
+    return cls(**dict(others), **dict(zip(names, tensors)))
+
+
+class _Q:
+    """What both wrappers share: the source's ``shape``/``dtype``, and for dy its bias grad
+    (``dbias``, or ``redo`` to recompute it; see the module NOTE)."""
+
+    def bias_grad(self) -> torch.Tensor:
+        if self.dbias is not None:
+            return self.dbias
+        if self._redo is None:
+            raise ValueError("with_dbias=True needs dy's bias grad, but this FP8 tensor was not quantized from a "
+                             "'grad_output' spec: quantize dy with with_dbias=True")
+        return self._redo().dbias
+
+
+class TEQ(_Q):
+    """A tensor quantized by TE. ``storage``: ``Float8TensorStorage`` (delayed, current scaling),
+    ``Float8BlockwiseQTensorStorage`` (block), or on the grouped-tensor path the
+    ``GroupedTensorStorage`` of ``tex.group_quantize`` (a whole group's rows: :attr:`is_grouped`)."""
+
+    def __init__(self, storage: Any, shape: tuple, dtype: torch.dtype, dbias=None, redo=None) -> None:
+        self.storage, self.shape, self.dtype, self.dbias, self._redo = storage, tuple(shape), dtype, dbias, redo
+
+    @property
+    def is_grouped(self) -> bool:
+        return isinstance(self.storage, GroupedTensorStorage)
+
+    def with_usage(self, *, rowwise: bool, columnwise: bool) -> "TEQ":
+        """This tensor with only the copies asked for (no data is copied; ``self`` is unchanged).
+        A grouped storage drops data and scales as te.GroupedLinear does after forward."""
+        return TEQ(_with_usage(self.storage, rowwise, columnwise), self.shape, self.dtype, self.dbias, self._redo)
+
+    def __repr__(self) -> str:
+        return f"TEQ({type(self.storage).__name__}, {list(self.shape)}, {self.dtype})"
+
+
+class TEQGroup(_Q):
+    """A group's rows on the split path: ``parts``, one :class:`TEQ` per expert (also as a sequence)."""
+
+    def __init__(self, parts: list, shape: tuple, dtype: torch.dtype, dbias=None, redo=None) -> None:
+        self.parts, self.shape, self.dtype, self.dbias, self._redo = list(parts), tuple(shape), dtype, dbias, redo
+
+    is_grouped = False
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __getitem__(self, e: int) -> TEQ:
+        return self.parts[e]
+
+    def with_usage(self, *, rowwise: bool, columnwise: bool) -> "TEQGroup":
+        parts = [p.with_usage(rowwise=rowwise, columnwise=columnwise) for p in self.parts]
+        return TEQGroup(parts, self.shape, self.dtype, self.dbias, self._redo)
+
+    def __repr__(self) -> str:
+        return f"TEQGroup({len(self.parts)} experts, {list(self.shape)}, {self.dtype})"
+
+
+def _flatten(q: _Q):
+    """Leaves: the storage's tensors (a TEQGroup: its parts), then dbias if any."""
+    children, ctx = _split_meta(q.storage) if isinstance(q, TEQ) else (list(q.parts), None)
+    return children + ([q.dbias] if q.dbias is not None else []), (ctx, len(children), q.shape, q.dtype,
+                                                                   q.dbias is not None, q._redo)
+
+
+def _unflatten(cls: type):
+    def unflatten(children, context) -> _Q:
+        ctx, n, shape, dtype, has_db, redo = context
+        children = list(children)
+        first = _join_meta(children[:n], ctx) if cls is TEQ else children[:n]
+        return cls(first, shape, dtype, children[n] if has_db else None, redo)
+
+    return unflatten
+
+
+pytree.register_pytree_node(TEQ, _flatten, _unflatten(TEQ))
+pytree.register_pytree_node(TEQGroup, _flatten, _unflatten(TEQGroup))
+
+
+# --- quantizers and quantization -----------------------------------------------------------
+
+
+def quantizer(spec: fp8.TensorSpec, device: torch.device, *, scale: torch.Tensor | None = None,
+              amax: torch.Tensor | None = None, rowwise: bool = True, columnwise: bool = False) -> Any:
+    """TE's quantizer for ``spec``, as TE's modules build and configure it. Delayed scaling:
+    ``Float8Quantizer(scale, amax.reshape(1), dtype)`` over views into the caller's state
+    (``DelayedScalingRecipeState.make_quantizers``); ``amax=None`` records into a scratch."""
+    dt = _TE_FP8[spec.fp8_dtype]
+    if spec.scaling == "delayed":
+        amax = torch.zeros(1, dtype=torch.float32, device=device) if amax is None else amax.reshape(1)
+        q = Float8Quantizer(scale, amax, dt)
+    elif spec.scaling == "current":  # with the module's _customize_quantizers_float8_current_scaling
+        q = Float8CurrentScalingQuantizer(dt, device=device, force_pow_2_scales=spec.power_2_scale,
+                                          amax_epsilon=spec.amax_epsilon)
+    else:  # Float8BlockScalingRecipeState._make
+        q = Float8BlockQuantizer(fp8_dtype=dt, rowwise=True, columnwise=True, amax_epsilon=spec.amax_epsilon,
+                                 force_pow_2_scales=spec.power_2_scale, block_scaling_dim=1 if spec.block[0] == 1 else 2)
+    q.set_usage(rowwise=rowwise, columnwise=columnwise)
+    q.internal = True  # storages, not QuantizedTensor subclasses (TE's _get_quantizers)
+    q.optimize_for_gemm = spec.role != "weight"  # inputs and grads; weights: _enable_weight_preswizzle -> False
+    return q
+
+
+def _env(t: Any) -> tuple:
+    """The device facts :func:`check_quantize` reads (after refusing a non-CUDA tensor)."""
+    if not isinstance(t, torch.Tensor):
+        return (0, 0), 0, (0, 0)  # check_quantize refuses it first
+    if t.device.type != "cuda":
+        raise ValueError(f"backend='te' quantizes CUDA tensors; got one on {t.device}. Use backend='torch'")
+    return env_of(*_te._te_env(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+
+
+def _made_usage(spec, rowwise: bool, columnwise: bool, with_dbias: bool) -> tuple[bool, bool]:
+    """Per-tensor FP8 has no columnwise-only cast on Hopper (``check_per_tensor_fp8_quantize_output``),
+    and dy with a bias grad is cast both ways (TE's dy quantizers; the fused dbias kernel needs both)."""
+    if spec.scaling == "block":
+        return rowwise, columnwise
+    return True, columnwise or with_dbias
+
+
+def quantize(t: torch.Tensor, spec: fp8.TensorSpec, *, scale=None, amax=None, rowwise: bool = True,
+             columnwise: bool = False, with_dbias: bool = False) -> TEQ:
+    """``t [rows, cols]`` quantized as ``te.Linear`` quantizes x, its weight and dy."""
+    check_quantize(t, spec, scale, amax, rowwise, columnwise, _env(t), None)
+    x = t.detach().contiguous()
+    row, col = _made_usage(spec, rowwise, columnwise, with_dbias)
+    q = quantizer(spec, x.device, scale=scale, amax=amax, rowwise=row, columnwise=col)
+    dbias = None
+    if with_dbias and spec.scaling != "block":
+        dbias, st = tex.bgrad_quantize(x.reshape(-1, x.shape[-1]), q)
+    else:  # block: grad_output_preprocess sums dy in torch, then quantizes
+        dbias = x.reshape(-1, x.shape[-1]).sum(dim=0) if with_dbias else None
+        st = q(x)
+    redo = None if with_dbias or spec.role != "grad_output" else functools.partial(
+        quantize, x, spec, scale=scale, rowwise=rowwise, columnwise=columnwise, with_dbias=True)
+    out = TEQ(st, x.shape, x.dtype, dbias, redo)
+    return out if (row, col) == (rowwise, columnwise) else out.with_usage(rowwise=rowwise, columnwise=columnwise)
+
+
+def _offsets1(splits, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sizes_E, rows_E1, elems_E1) for rows of C columns, int64 on the device, no sync."""
+    def make():
+        sizes_E, offs = tex.splits_to_offsets_multi(
+            splits.on_device().contiguous(), splits.device, strides=[1, C], include_leading_zero=[True, True],
+            dtypes=[torch.int64] * 2, bulk_allocate=True)
+        return (sizes_E, *offs)
+
+    return splits.cached(("te_fp8_offsets", C), make)
+
+
+def grouped_quantize(x: torch.Tensor, splits, spec: fp8.TensorSpec, *, scales=None, amaxes=None,
+                     rowwise: bool = True, columnwise: bool = False, grouped: bool = False,
+                     with_dbias: bool = False) -> TEQGroup | TEQ:
+    """Each expert's rows of ``x [T, C]``: ``tex.split_quantize`` with one quantizer per expert
+    (split path, ``_split_quantize``) or ``tex.group_quantize`` (grouped path, current and block
+    scaling only, as ``_forward_grouped_tensor`` / ``_backward_grouped_tensor``)."""
+    check_quantize(x, spec, scales, amaxes, rowwise, columnwise, _env(x), (splits, grouped))
+    E, x = splits.num_experts, x.detach().contiguous()
+    later = None if with_dbias or spec.role != "grad_output" else functools.partial(
+        grouped_quantize, x, splits, spec, scales=scales, rowwise=rowwise, columnwise=columnwise,
+        grouped=grouped, with_dbias=True)
+    if grouped and splits.num_tokens:
+        sizes_E, rows_E1, offs = _offsets1(splits, x.shape[1])
+        q = quantizer(spec, x.device, rowwise=rowwise, columnwise=columnwise)
+        if with_dbias and spec.scaling == "block" and rowwise:  # the fused block-scaling bgrad needs rowwise
+            st, dbias = tex.bgrad_group_quantize(x, q, E, sizes_E, tensor_offsets=offs)
+        else:
+            st = tex.group_quantize(x, q, E, sizes_E, tensor_offsets=offs)
+            dbias = _te._grouped_dbias(x, splits, rows_E1) if with_dbias else None
+        return TEQ(st, x.shape, x.dtype, dbias, later)
+    sizes = _te._host_sizes(splits)
+    row, col = _made_usage(spec, rowwise, columnwise, with_dbias)
+    qs = [quantizer(spec, x.device, scale=None if scales is None else scales[e],
+                    amax=None if amaxes is None else amaxes[e], rowwise=row, columnwise=col) for e in range(E)]
+    dbias = None
+    if with_dbias and spec.scaling != "block":  # _split_quantize: one bgrad_quantize per expert
+        pairs = [tex.bgrad_quantize(part, q) for part, q in zip(torch.split(x, sizes), qs)]
+        dbias, sts = torch.stack([p[0] for p in pairs]), [p[1] for p in pairs]
+    else:
+        dbias = torch.stack([p.sum(dim=0) for p in torch.split(x, sizes)]) if with_dbias else None
+        sts = tex.split_quantize(x, sizes, qs)
+    parts = [TEQ(st, (n, x.shape[1]), x.dtype) for st, n in zip(sts, sizes)]
+    g = TEQGroup(parts, x.shape, x.dtype, dbias, later)
+    return g if (row, col) == (rowwise, columnwise) else g.with_usage(rowwise=rowwise, columnwise=columnwise)
+
+
+# --- GEMMs: the calls of te.Linear / te.GroupedLinear under FP8 ------------------------------
+
+
+def is_fp8(operand: Any) -> bool:
+    """An FP8 operand: a TEQ, a TEQGroup, or a sequence of TEQ (per-expert weights)."""
+    if isinstance(operand, _Q):
+        return True
+    return isinstance(operand, (list, tuple)) and len(operand) > 0 and isinstance(operand[0], TEQ)
+
+
+def check_operands(method: str, a: Any, b: Any) -> None:
+    """FP8 GEMMs take two operands TE quantized for one path; anything else is refused here."""
+    if not (is_fp8(a) and is_fp8(b)):
+        kinds = ", ".join("FP8" if is_fp8(o) else type(o).__name__ for o in (a, b))
+        raise TypeError(f"{method}: both operands must be quantized by backend='te' (its quantize/"
+                        f"grouped_quantize), or neither; got {kinds}")
+    if method == "grouped_wgrad" and getattr(a, "is_grouped", False) != getattr(b, "is_grouped", False):
+        raise TypeError(f"{method}: x was quantized for the {'grouped' if a.is_grouped else 'split'} path, dy not")
+
+
+def _group(q: Any) -> _Q:
+    """A group's rows: a TEQGroup or grouped TEQ as given; E TEQ (the split path's list) wrapped."""
+    if isinstance(q, _Q):
+        return q
+    parts = list(q)
+    return TEQGroup(parts, (sum(p.shape[0] for p in parts), parts[0].shape[1]), parts[0].dtype)
+
+
+def _weights(ws: Any, grouped: bool) -> tuple[list, int, int]:
+    """(storages, N, K) of per-expert FP8 weights: a sequence of TEQ, or a split-path TEQGroup."""
+    ws = ws.parts if isinstance(ws, TEQGroup) else list(ws)
+    if not all(isinstance(w, TEQ) and not w.is_grouped for w in ws):
+        raise TypeError("FP8 weights must be E per-expert TEQ (one quantize per expert's weight)")
+    if grouped and len(ws) > MAX_LIST:
+        raise ValueError(f"TE's FP8 grouped GEMM takes at most {MAX_LIST} per-expert weights, got {len(ws)}: "
+                         "run the split path (use_grouped_tensor=False)")
+    return [w.storage for w in ws], *ws[0].shape
+
+
+def _bias(b: torch.Tensor | None, dtype: torch.dtype):
+    """cuBLASLt's FP8 GEMMs take no fp32 bias: TE casts it to bf16 with fp32 activations."""
+    return None if b is None else b.to(torch.bfloat16 if dtype == torch.float32 else dtype).contiguous()
+
+
+def fprop(kern, x: TEQ, w: TEQ, b, split_accumulator: bool) -> torch.Tensor:
+    """te.Linear's forward GEMM (TN, bias in the epilogue)."""
+    kern.prepare(x.storage.device)
+    y, *_ = general_gemm(w.storage, x.storage, out_dtype=x.dtype, bias=_bias(b, x.dtype),
+                         use_split_accumulator=split_accumulator)
+    return y
+
+
+def dgrad(kern, dy: TEQ, w: TEQ, split_accumulator: bool) -> torch.Tensor:
+    """te.Linear's dgrad (NN, grad=True): dy rowwise, W columnwise."""
+    kern.prepare(dy.storage.device)
+    dx, *_ = general_gemm(w.storage, dy.storage, out_dtype=dy.dtype, layout="NN", grad=True,
+                          use_split_accumulator=split_accumulator)
+    return dx
+
+
+def wgrad(kern, x: TEQ, dy: TEQ, out, accumulate: bool, with_dbias: bool, split_accumulator: bool):
+    """te.Linear's wgrad (NT, grad=True, no fused bias grad under FP8), into ``out`` (main_grad)."""
+    if out is not None:
+        _te._check_out(out)
+    kern.prepare(x.storage.device)
+    accumulate = accumulate and out is not None
+    dense = None if out is None else _te._dense_out(out, accumulate)
+    dw, *_ = general_gemm(x.storage, dy.storage, out_dtype=x.dtype if out is None else out.dtype, layout="NT",
+                          grad=True, out=dense, accumulate=accumulate, use_split_accumulator=split_accumulator)
+    if out is not None:
+        _te._copy_back([out], [dense])
+        dw = out
+    return dw, (dy.bias_grad() if with_dbias else None)
+
+
+def grouped_fprop(kern, x: _Q, ws, b_EN, splits, split_accumulator: bool) -> torch.Tensor:
+    """te.GroupedLinear's forward: the grouped GEMM (bias added after it, by TE) or one GEMM per expert."""
+    x = _group(x)
+    E, (w, N, K) = splits.num_experts, _weights(ws, x.is_grouped)
+    y = torch.empty(splits.num_tokens, N, dtype=x.dtype, device=splits.device)
+    if x.is_grouped:
+        kern.prepare(y.device, E, grouped=True)
+        sizes_E, _, _, offs_N = _te._offsets(splits, K, N)
+        bias = None if b_EN is None else _te._uniform(_te._stacked(b_EN).to(x.dtype), E, (1, N))
+        general_grouped_gemm_for_grouped_tensor(w, x.storage, _te._rows(y, sizes_E, offs_N), layout="TN", bias=bias,
+                                                use_split_accumulator=split_accumulator)
+        return y
+    kern.prepare(y.device, E)
+    bias = None if b_EN is None else list(_bias(b_EN, x.dtype))
+    general_grouped_gemm(w, [p.storage for p in x.parts], [y], [None] * E, x.dtype,
+                         single_output=True, m_splits=_te._host_sizes(splits), bias=bias, use_bias=b_EN is not None,
+                         use_split_accumulator=split_accumulator)
+    return y
+
+
+def grouped_dgrad(kern, dy: _Q, ws, splits, split_accumulator: bool) -> torch.Tensor:
+    dy = _group(dy)
+    E, (w, N, K) = splits.num_experts, _weights(ws, dy.is_grouped)
+    dx = torch.empty(splits.num_tokens, K, dtype=dy.dtype, device=splits.device)
+    if dy.is_grouped:
+        kern.prepare(dx.device, E, grouped=True)
+        sizes_E, _, offs_K, _ = _te._offsets(splits, K, N)
+        general_grouped_gemm_for_grouped_tensor(w, dy.storage, _te._rows(dx, sizes_E, offs_K), layout="NN",
+                                                use_split_accumulator=split_accumulator)
+        return dx
+    kern.prepare(dx.device, E)
+    general_grouped_gemm(w, [p.storage for p in dy.parts], [dx], [None] * E, dy.dtype,
+                         single_output=True, layout="NN", m_splits=_te._host_sizes(splits), grad=True,
+                         use_split_accumulator=split_accumulator)
+    return dx
+
+
+def grouped_wgrad(kern, x: _Q, dy: _Q, splits, out, accumulate: bool, with_dbias: bool, split_accumulator: bool):
+    """As ``TEKernels.grouped_wgrad`` (fresh [E, N, K], or into main_grads; strided ones via dense copies)."""
+    x, dy = _group(x), _group(dy)
+    E, K, N = splits.num_experts, x.shape[1], dy.shape[1]
+    if out is not None:
+        _te._check_out(out)
+    accumulate = accumulate and out is not None
+    dw = out if out is not None else torch.empty(E, N, K, dtype=x.dtype, device=splits.device)
+    stacked = isinstance(dw, torch.Tensor)
+    dense = _te._dense_out(dw, accumulate) if stacked else [_te._dense_out(t, accumulate) for t in dw]
+    targets = list(dense)  # E [N, K], written in place (te.GroupedLinear: wgrad_packed[i] or main_grads)
+    if x.is_grouped:
+        kern.prepare(splits.device, E, grouped=True)
+        D, scratch = kern._wgrad_out(dense, targets, stacked=stacked and out is not None)
+        general_grouped_gemm_for_grouped_tensor(x.storage, dy.storage, D, layout="NT",
+                                                accumulate=accumulate and scratch is None,
+                                                use_split_accumulator=split_accumulator)
+        for t, s in zip(targets, [] if scratch is None else scratch):
+            _te._write(t, s, accumulate)
+    else:  # an expert without tokens gets zeros (main_grad untouched when accumulating), as in TE
+        kern.prepare(splits.device, E)
+        general_grouped_gemm([p.storage for p in x.parts], [p.storage for p in dy.parts], targets, [None] * E,
+                             x.dtype, layout="NT", grad=True, m_splits=_te._host_sizes(splits),
+                             accumulate=accumulate, use_split_accumulator=split_accumulator)
+    _te._copy_back([dw] if stacked else dw, [dense] if stacked else dense)
+    return dw, (dy.bias_grad() if with_dbias else None)

@@ -1,0 +1,1 @@
+_2X_ACC_FPROP, _2X_ACC_DGRAD, _2X_ACC_WGRAD = False, True, True
