@@ -247,7 +247,7 @@ def _own_grads(params: Sequence[torch.Tensor]) -> list:
     replay overwrites it before adding the next grad to it. With ``.grad`` already there, the
     add reads the grad at once: no copy is needed."""
     def own(p: torch.Tensor) -> Callable:
-        return lambda g: g.clone() if p.grad is None else None
+        return lambda g: g.clone() if g is not None and p.grad is None else None  # fused: no grad
 
     return [p.register_hook(own(p)) for p in params if p.requires_grad]
 
