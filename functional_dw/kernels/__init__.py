@@ -18,6 +18,11 @@ grouped_*      the same per expert     rows of x/dy split by ``splits``;
 
 ``grouped_wgrad`` returns ``(dw, db_EN)``: ``dw`` is ``out`` when given (filled in place),
 else a fresh ``[E, N, K]`` tensor.
+
+NOTE: [One buffer] E weights that are consecutive slices of one buffer (``nn.GroupedLinear``'s
+parameters, ``list(w_ENK)``, Megatron's contiguous ``main_grad`` buffer) are read, and written,
+in place as one ``[E, N, K]`` tensor: :func:`packed` recognises them, :func:`stacked` falls back
+to one copy (``torch.stack``) for separately made tensors.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any, Protocol, Union
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["Kernels", "Splits", "check_sizes", "get_kernels", "te_available", "out_in"]
+__all__ = ["Kernels", "Splits", "check_sizes", "get_kernels", "te_available", "out_in", "packed", "stacked"]
 
 Weights = Union[Sequence[torch.Tensor], torch.Tensor]
 
@@ -39,6 +44,42 @@ def out_in(w_ENK: Weights) -> tuple[int, int]:
     """(N, K) of a group's weights (no ``w_ENK[0]`` view of a stacked tensor: that is an op)."""
     N, K = (w_ENK if isinstance(w_ENK, torch.Tensor) else w_ENK[0]).shape[-2:]
     return N, K
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def packed(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One ``[E, ...]`` view over ``ts`` (no copy) when they are E same-shape, same-dtype,
+    contiguous tensors on one device at consecutive addresses of one buffer (NOTE: [One
+    buffer]); else None. Also None where addresses are unknown (while tracing for
+    ``torch.compile``, fake tensors, tensor subclasses, functorch's wrappers), and where
+    autograd would have to record the view (grad mode on and a tensor requires grad: every
+    expert's gradient would flow to ``ts[0]``); :func:`stacked` then copies, differentiably."""
+    if torch.compiler.is_compiling() or not ts:
+        return None
+    t0 = ts[0]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return None
+    if any(type(t) not in _PLAIN for t in ts) or not t0.numel() or t0.layout != torch.strided:
+        return None
+    if torch._C._functorch.peek_interpreter_stack() is not None and any(
+            torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts):
+        return None
+    step, start = t0.numel() * t0.element_size(), t0.data_ptr()  # (meta: offsets from 0)
+    for e, t in enumerate(ts):
+        if not (t.data_ptr() == start + e * step and t.is_contiguous() and t.shape == t0.shape
+                and t.dtype == t0.dtype and t.device == t0.device):
+            return None
+    if t0.untyped_storage().nbytes() < (t0.storage_offset() + len(ts) * t0.numel()) * t0.element_size():
+        return None  # (the addresses run past t0's storage: not one buffer)
+    return t0.detach().as_strided((len(ts), *t0.shape), (t0.numel(), *t0.stride()))  # (no reference to ts[0])
+
+
+def stacked(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``ts`` as one ``[E, ...]`` tensor: the :func:`packed` view, else a copy (``torch.stack``)."""
+    view = packed(ts)
+    return view if view is not None else torch.stack(list(ts))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
