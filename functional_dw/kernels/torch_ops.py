@@ -74,13 +74,14 @@ def _(x, dy, splits):
 
 
 @torch.library.custom_op(f"{_NS}::ref_weights_gmm", mutates_args=())
-def ref_weights_gmm(a: Tensor, ws: list[Tensor], splits: Tensor, transpose: bool) -> Tensor:
-    """grouped_mm of token rows ``a`` with E weights: ``W^T`` (fprop) or ``W`` (dgrad)."""
-    return _EAGER.weights_gmm(a, ws, Splits.in_op(splits, a, len(ws), grouped=True), transpose)
+def ref_weights_gmm(a: Tensor, ws: list[Tensor], offs: Tensor, transpose: bool) -> Tensor:
+    """grouped_mm of token rows ``a`` (groups ending at ``offs``) with E weights: ``W^T``
+    (fprop) or ``W`` (dgrad)."""
+    return _EAGER.weights_gmm(a, ws, offs, transpose)
 
 
 @ref_weights_gmm.register_fake
-def _(a, ws, splits, transpose):
+def _(a, ws, offs, transpose):
     return a.new_empty(a.shape[0], ws[0].shape[-2 if transpose else -1])
 
 
@@ -105,10 +106,10 @@ class TracedTorchKernels(TorchKernels):
             _write(t, d, accumulate)
         return out
 
-    def weights_gmm(self, a_TX, w_ENK, splits, transpose):
+    def weights_gmm(self, a_TX, w_ENK, offs, transpose):
         if isinstance(w_ENK, Tensor):  # one [E, N, K] weight: traced as it is
-            return super().weights_gmm(a_TX, w_ENK, splits, transpose)
-        return ref_weights_gmm(a_TX, list(w_ENK), op_splits(splits), transpose)
+            return super().weights_gmm(a_TX, w_ENK, offs, transpose)
+        return ref_weights_gmm(a_TX, list(w_ENK), offs, transpose)
 
 
 TRACED_TORCH = TracedTorchKernels()

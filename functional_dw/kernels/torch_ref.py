@@ -109,16 +109,17 @@ def _no_data(t: torch.Tensor) -> bool:
     return get_proxy_mode() is None
 
 
-def _gmm(a: torch.Tensor, b: torch.Tensor, splits: Splits) -> torch.Tensor:
-    """grouped_mm (operands through :func:`_mm_ready`). NOTE: [Shapes only] grouped_mm's meta
+def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grouped_mm on the groups' int32 end offsets ``offs`` (:meth:`Splits.ends`; operands
+    through :func:`_mm_ready`). NOTE: [Shapes only] grouped_mm's meta
     (fake) rule mirrors CUDA and takes bfloat16 only, while the CPU kernel also takes float32
     and float16: on meta or fake tensors those get an empty result of the right shape. An output
     that requires grad (create_graph) gets :class:`_DenseGrad` after it."""
     if a.dtype != torch.bfloat16 and _no_data(a):
-        E = splits.num_experts
+        E = offs.shape[0]
         shape = (E, a.shape[0], b.shape[1]) if b.dim() == 2 else (a.shape[0], b.shape[-1])
         return a.new_empty(shape)
-    out = _torch_grouped_mm(a, b, offs=splits.ends(torch.int32))
+    out = _torch_grouped_mm(a, b, offs=offs)
     return _DenseGrad.apply(out) if out.requires_grad else out
 
 
@@ -198,7 +199,7 @@ class TorchKernels:
     def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
         if not grouped or not _plain(x_TK, *_list(w_ENK), b_EN):
             return self.split_fprop(x_TK, w_ENK, b_EN, splits)
-        y_TN = self.weights_gmm(_mm_ready(x_TK), w_ENK, splits, transpose=True)
+        y_TN = self.weights_gmm(_mm_ready(x_TK), w_ENK, splits.ends(torch.int32), transpose=True)
         if b_EN is not None:
             y_TN = y_TN + b_EN[_row_expert(splits)]
         return y_TN
@@ -206,13 +207,13 @@ class TorchKernels:
     def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
         if not grouped or not _plain(dy_TN, *_list(w_ENK)):
             return self.split_dgrad(dy_TN, w_ENK, splits)
-        return self.weights_gmm(_mm_ready(dy_TN), w_ENK, splits, transpose=False)
+        return self.weights_gmm(_mm_ready(dy_TN), w_ENK, splits.ends(torch.int32), transpose=False)
 
-    def weights_gmm(self, a_TX: torch.Tensor, w_ENK: Weights, splits: Splits, transpose: bool) -> torch.Tensor:
+    def weights_gmm(self, a_TX: torch.Tensor, w_ENK: Weights, offs: torch.Tensor, transpose: bool) -> torch.Tensor:
         """grouped_mm of token rows with the weights (``W^T`` when ``transpose``), read in place
         where they are one buffer (NOTE: [One buffer])."""
         w = _stack(w_ENK)
-        return _gmm(a_TX, w.transpose(-2, -1) if transpose else w, splits)
+        return _gmm(a_TX, w.transpose(-2, -1) if transpose else w, offs)
 
     def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
         db_EN = expert_sums(dy_TN, splits) if with_dbias else None
@@ -230,7 +231,7 @@ class TorchKernels:
         dy_T, x = _mm_ready(dy_TN).t(), _mm_ready(x_TK)
         if dt != x_TK.dtype:  # (the CPU's grouped_mm takes fp32: the product in main_grad's dtype)
             dy_T, x = dy_T.to(dt), x.to(dt)
-        dw_ENK = _gmm(dy_T, x, splits)  # one [E, N, K] buffer (grouped_mm has no out=)
+        dw_ENK = _gmm(dy_T, x, splits.ends(torch.int32))  # one [E, N, K] buffer (grouped_mm has no out=)
         if out is None:
             return dw_ENK, db_EN
         target = out if isinstance(out, torch.Tensor) else packed(out)  # main_grads in one buffer: one write
