@@ -133,7 +133,8 @@ class CopyCounter(TorchDispatchMode):
     """Records every aten op that runs inside it (autograd's engine included) as
     ``(name, output shape)``, without keeping a reference to any tensor (that would stop
     autograd from stealing a fresh gradient). ``copies(numel)``: the copy-like ops (stack, cat,
-    copy_, clone, casts) whose output has at least ``numel`` elements."""
+    copy_, clone, casts) whose output has at least ``numel`` elements; ``weight_copies(N, K)``:
+    those shaped like a weight."""
 
     def __init__(self):
         super().__init__()
@@ -150,8 +151,11 @@ class CopyCounter(TorchDispatchMode):
         return [shape for op, shape in self.ops if op == name]
 
     def copies(self, numel: int) -> list[tuple[str, tuple[int, ...]]]:
-        big = [(op, s) for op, s in self.ops if op in COPY_OPS and math.prod(s) >= numel]
-        return big
+        return [(op, s) for op, s in self.ops if op in COPY_OPS and math.prod(s) >= numel]
+
+    def weight_copies(self, N: int, K: int) -> list[tuple[str, tuple[int, ...]]]:
+        """The copy-like ops whose output is shaped like weights: ``[..., N, K]`` or ``[..., K, N]``."""
+        return [(op, s) for op, s in self.ops if op in COPY_OPS and s[-2:] in ((N, K), (K, N))]
 
 
 # --- saved-tensor hooks --------------------------------------------------------------------
