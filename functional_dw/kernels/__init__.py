@@ -50,29 +50,34 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def packed(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """One ``[E, ...]`` view over ``ts`` (no copy) when they are E same-shape, same-dtype,
-    contiguous tensors on one device at consecutive addresses of one buffer (NOTE: [One
-    buffer]); else None. Also None where addresses are unknown (while tracing for
-    ``torch.compile``, fake tensors, tensor subclasses, functorch's wrappers), and where
-    autograd would have to record the view (grad mode on and a tensor requires grad: every
-    expert's gradient would flow to ``ts[0]``); :func:`stacked` then copies, differentiably."""
+    """One ``[E, ...]`` view over ``ts`` (no copy) when they are contiguous tensors at
+    consecutive addresses of one buffer (NOTE: [One buffer]); else None. ``ts`` share shape,
+    dtype and device (the layers check that first; the dtype is checked again). Also None where
+    addresses are unknown (while tracing for ``torch.compile``, fake tensors, storage-less
+    subclasses, functorch's wrappers), and where autograd would have to record the view (grad
+    mode on and a tensor requires grad: every expert's gradient would flow to ``ts[0]``);
+    :func:`stacked` then copies, differentiably. Costs about 0.4 us per tensor on the host."""
     if torch.compiler.is_compiling() or not ts:
         return None
     t0 = ts[0]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+    if type(t0) not in _PLAIN or not t0.numel() or t0.layout != torch.strided:
         return None
-    if any(type(t) not in _PLAIN for t in ts) or not t0.numel() or t0.layout != torch.strided:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         return None
     if torch._C._functorch.peek_interpreter_stack() is not None and any(
             torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts):
         return None
-    step, start = t0.numel() * t0.element_size(), t0.data_ptr()  # (meta: offsets from 0)
-    for e, t in enumerate(ts):
-        if not (t.data_ptr() == start + e * step and t.is_contiguous() and t.shape == t0.shape
-                and t.dtype == t0.dtype and t.device == t0.device):
-            return None
+    step, dtype = t0.numel() * t0.element_size(), t0.dtype
+    try:
+        ptrs = [t.data_ptr() for t in ts]  # (meta: offsets from 0)
+    except RuntimeError:  # a tensor without storage
+        return None
+    if ptrs != list(range(ptrs[0], ptrs[0] + len(ts) * step, step)):
+        return None
+    if not all(t.is_contiguous() and t.dtype is dtype for t in ts):
+        return None
     if t0.untyped_storage().nbytes() < (t0.storage_offset() + len(ts) * t0.numel()) * t0.element_size():
-        return None  # (the addresses run past t0's storage: not one buffer)
+        return None  # the addresses run past t0's storage: not one buffer (inside it: one device)
     return t0.detach().as_strided((len(ts), *t0.shape), (t0.numel(), *t0.stride()))  # (no reference to ts[0])
 
 
