@@ -112,7 +112,9 @@ class GroupedLinear(_TEStateDict, torch.nn.Module):
         self.in_features, self.out_features = _size("in_features", in_features), _size("out_features", out_features)
         self.use_bias = bias
         self.single_grouped_weight = _checks.flag("single_grouped_weight", single_grouped_weight)
-        one_bias = single_grouped_weight if single_grouped_bias is None else _checks.flag("single_grouped_bias", single_grouped_bias)
+        if single_grouped_bias is not None:
+            _checks.flag("single_grouped_bias", single_grouped_bias)
+        one_bias = single_grouped_weight if single_grouped_bias is None else single_grouped_bias
         self.single_grouped_bias = bool(bias) and one_bias
         w_ENK = torch.empty(E, out_features, in_features, **kw)  # NOTE: [One buffer]
         b_EN = torch.empty(E, out_features, **kw) if bias else None

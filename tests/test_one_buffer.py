@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import functional_dw as fd
 from conftest import CopyCounter, assert_close, assert_same, ref_grouped, reference
