@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import _checks, distributed_weight as dwp
 from .custom_vjp import custom_vjp
-from .kernels import Kernels, Splits, check_sizes, get_kernels
+from .kernels import Kernels, Splits, check_sizes, get_kernels, stacked
 from .kernels.torch_ref import expert_sums
 from .residuals import needed, residuals, saved
 
@@ -147,7 +147,7 @@ def _as_bias(bias: Any, E: int, N: int, x: torch.Tensor) -> tuple[torch.Tensor |
         _checks.tensor(f"bias[{e}]", b, ndim=1)
         _checks.shape(f"bias[{e}]", b, (N,))
         _checks.like(f"bias[{e}]", b, x)
-    return torch.stack(bs), "list"
+    return stacked(bs), "list"  # slices of one buffer (nn.GroupedLinear's): a view, no copy
 
 
 def _weight_shapes(w_ENK: WeightsArg, stacked: bool) -> list[tuple[int, ...]]:
@@ -389,10 +389,16 @@ def grouped_linear(
     Args:
         x: ``[T, K]`` tokens, sorted by expert.
         weights: E ``[N, K]`` tensors (``weights[0]`` may be a DistributedWeight leader of the
-            group) or one ``[E, N, K]`` tensor.
+            group) or one ``[E, N, K]`` tensor. Where a kernel needs the group as one ``[E, N, K]``
+            operand (torch's grouped GEMM, TE's beyond 64 experts), E tensors that are
+            consecutive slices of one buffer (``nn.GroupedLinear``'s parameters, ``list(w_ENK)``)
+            are read in place; separately made tensors are copied into one (``torch.stack``),
+            once per forward and once per backward. Weight grads come as views of one
+            ``[E, N, K]`` buffer.
         splits: E non-negative token counts summing to T: a list/tuple of ints or a 1-D
             integer tensor on any device (a CUDA tensor never syncs on the grouped path).
-        bias: None, E ``[N]`` tensors, or one ``[E, N]`` tensor.
+        bias: None, E ``[N]`` tensors (slices of one buffer are read in place, others stacked),
+            or one ``[E, N]`` tensor.
         fuse_wgrad_accumulation: accumulate weight grads into each weight's fp32 ``main_grad``.
         use_grouped_tensor: True for the one-kernel grouped path, False for per-expert GEMMs,
             None to take the grouped path wherever the backend can run it.

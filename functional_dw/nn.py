@@ -11,7 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
+from . import _checks
 from .grouped_linear import grouped_linear
+from .kernels import packed
 from .linear import linear
 
 __all__ = ["Linear", "GroupedLinear"]
@@ -79,43 +81,167 @@ class Linear(_TEStateDict, torch.nn.Module):
 
 
 class GroupedLinear(_TEStateDict, torch.nn.Module):
-    """E experts with parameters ``weight0..weight{E-1}`` ``[out, in]`` and ``bias0..``."""
+    """E experts with parameters ``weight0..weight{E-1}`` ``[out, in]`` and ``bias0..``; or, with
+    ``single_grouped_weight=True``, one ``weight [E, out, in]`` and one ``bias [E, out]`` (TE's
+    names for both layouts; ``single_grouped_bias`` picks the bias layout on its own, by
+    default the weight's). A checkpoint of either layout loads into either (as in TE).
+
+    NOTE: [One buffer] The per-expert parameters are views of one contiguous ``[E, out, in]``
+    (biases: ``[E, out]``) storage, so the kernels read them in place as one operand (no stack,
+    see ``kernels/__init__.py``); grads arrive as views of one ``[E, out, in]`` buffer. The
+    module keeps the buffer shared: ``load_state_dict`` copies into the views; ``.to()``,
+    ``.cuda()``, ``.half()``, ``to_empty()`` convert each group as one tensor (:meth:`_apply`);
+    ``load_state_dict(assign=True)`` takes the state dict's tensors where they already are one
+    buffer's slices (another GroupedLinear's state dict), else copies them into a new one of
+    their dtype and device (the parameters then do not alias them). Sharing one storage, the
+    experts share a version counter, and ``safetensors.save_file`` refuses the state dict
+    (``torch.save`` stores the buffer once). FSDP2 (``fully_shard``) replaces the parameters with
+    its own (sharded DTensors; unsharded per-parameter tensors in forward and backward): there
+    the buffer is gone and each pass stacks the weights once (results unchanged)."""
+
+    single_grouped_weight = single_grouped_bias = False  # (for modules pickled before these existed)
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  fuse_wgrad_accumulation: bool = False, use_grouped_tensor: bool | None = None,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, single_grouped_weight: bool = False,
+                 single_grouped_bias: bool | None = None) -> None:
         super().__init__()
         kw = dict(dtype=params_dtype, device=device)
-        self.num_gemms = _size("num_gemms", num_gemms, least=1)
+        self.num_gemms = E = _size("num_gemms", num_gemms, least=1)
         self.in_features, self.out_features = _size("in_features", in_features), _size("out_features", out_features)
         self.use_bias = bias
-        for e in range(num_gemms):
-            w = torch.nn.Parameter(torch.empty(out_features, in_features, **kw))
-            b = torch.nn.Parameter(torch.empty(out_features, **kw)) if bias else None
-            self.register_parameter(f"weight{e}", w)
-            self.register_parameter(f"bias{e}", b)
+        self.single_grouped_weight = _checks.flag("single_grouped_weight", single_grouped_weight)
+        if single_grouped_bias is not None:
+            _checks.flag("single_grouped_bias", single_grouped_bias)
+        one_bias = single_grouped_weight if single_grouped_bias is None else single_grouped_bias
+        self.single_grouped_bias = bool(bias) and one_bias
+        w_ENK = torch.empty(E, out_features, in_features, **kw)  # NOTE: [One buffer]
+        b_EN = torch.empty(E, out_features, **kw) if bias else None
+        each_bias = not (self.single_grouped_bias if bias else self.single_grouped_weight)  # (None, named so)
+        for e in range(E):  # TE's order: weight0, bias0, weight1, ... (views: NOTE: [One buffer])
+            if not self.single_grouped_weight:
+                self.register_parameter(f"weight{e}", torch.nn.Parameter(w_ENK[e]))
+            if each_bias:
+                self.register_parameter(f"bias{e}", torch.nn.Parameter(b_EN[e]) if bias else None)
+        if self.single_grouped_weight:
+            self.register_parameter("weight", torch.nn.Parameter(w_ENK))
+        if not each_bias:
+            self.register_parameter("bias", torch.nn.Parameter(b_EN) if bias else None)
         self.fuse_wgrad_accumulation, self.use_grouped_tensor = fuse_wgrad_accumulation, use_grouped_tensor
         self.backend = backend
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Initialize each expert's parameters (torch.nn.Linear's rule); FSDP2-style meta init
-        calls it after ``to_empty``."""
-        for w, b in zip(self.weights(), self.biases() or [None] * self.num_gemms):
-            _init_(w, b, self.in_features)
+        """Initialize the parameters by torch.nn.Linear's rule for each expert: uniform in
+        ``±1/sqrt(in_features)`` (kaiming_uniform_ with a=sqrt(5) is that bound), all weights
+        first, then all biases, in expert order: the same values in both layouts from one seed,
+        drawn on whole parameters (an FSDP2 DTensor shard takes no per-expert view). FSDP2-style
+        meta init calls it after ``to_empty``."""
+        bound = 1 / math.sqrt(self.in_features) if self.in_features else 0.0
+        weights = [self.weight] if self.single_grouped_weight else self.weights()
+        biases = [self.bias] if self.single_grouped_bias else self.biases() or []
+        with torch.no_grad():
+            for p in [*weights, *biases]:
+                p.uniform_(-bound, bound)
 
     def weights(self) -> list[torch.Tensor]:
+        """The E ``[out, in]`` weights: the parameters, or views of the one ``weight``."""
+        if self.single_grouped_weight:
+            return list(self.weight.unbind(0))
         return [getattr(self, f"weight{e}") for e in range(self.num_gemms)]
 
     def biases(self) -> list[torch.Tensor] | None:
-        return [getattr(self, f"bias{e}") for e in range(self.num_gemms)] if self.use_bias else None
+        """The E ``[out]`` biases (views of the one ``bias`` in that layout), or None."""
+        if not self.use_bias:
+            return None
+        if self.single_grouped_bias:
+            return list(self.bias.unbind(0))
+        return [getattr(self, f"bias{e}") for e in range(self.num_gemms)]
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        return grouped_linear(x, self.weights(), m_splits, self.biases(),
-                              fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+        w = self.weight if self.single_grouped_weight else self.weights()
+        b = self.bias if self.single_grouped_bias else self.biases()
+        return grouped_linear(x, w, m_splits, b, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
                               use_grouped_tensor=self.use_grouped_tensor, backend=self.backend)
 
+    # --- NOTE: [One buffer] -------------------------------------------------------------------
+    def _groups(self) -> list[list[torch.Tensor]]:
+        """The per-expert parameters that share one buffer: the weights, the biases."""
+        names = [] if self.single_grouped_weight else ["weight"]
+        names += ["bias"] if self.use_bias and not self.single_grouped_bias else []
+        groups = [[self._parameters.get(f"{n}{e}") for e in range(self.num_gemms)] for n in names]
+        return [g for g in groups if all(isinstance(p, torch.Tensor) for p in g)]
+
+    def _apply(self, fn, recurse: bool = True):
+        """nn.Module._apply converts each parameter on its own, into storage of its own: convert
+        each group's buffer once instead and hand its parameters views of the result (then
+        re-tie any group that was not one buffer)."""
+        views = self._converted_views(fn)
+        module = super()._apply(lambda t: views.pop(id(t)) if id(t) in views else fn(t), recurse)
+        self._tie()
+        return module
+
+    def _converted_views(self, fn) -> dict[int, torch.Tensor]:
+        """id(parameter) -> its view of ``fn(buffer)``, for each group that is one buffer. (A
+        function of its own: no reference to a parameter outlives it, as swap_tensors requires.)"""
+        views: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for ps in self._groups():
+                base = packed(ps)
+                if base is not None:
+                    views.update(zip(map(id, ps), fn(base).unbind(0)))
+        return views
+
+    def _tie(self) -> None:
+        """Copy each group into one new buffer, unless it is one already (or cannot be: tensor
+        subclasses such as FSDP2's DTensors, mixed shapes, dtypes or devices)."""
+        with torch.no_grad():
+            for ps in self._groups():
+                p0 = ps[0]
+                if packed(ps) is not None or not p0.numel() or not all(
+                        type(p) is torch.nn.Parameter and p.shape == p0.shape and p.dtype == p0.dtype
+                        and p.device == p0.device for p in ps):
+                    continue
+                for p, v in zip(ps, torch.stack([p.detach() for p in ps]).unbind(0)):
+                    p.data = v
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """Load either layout's keys (as TE does); copy into the shared buffer (assign=False)
+        or re-tie the assigned tensors (assign=True): NOTE: [One buffer]."""
+        _remap_layout(state_dict, prefix + "weight", self.num_gemms, self.single_grouped_weight)
+        if self.use_bias:
+            _remap_layout(state_dict, prefix + "bias", self.num_gemms, self.single_grouped_bias)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if local_metadata.get("assign_to_params_buffers", False):
+            self._tie()
+
+    def __setstate__(self, state) -> None:
+        """After unpickling or ``copy.deepcopy`` (which copies each Parameter on its own): one buffer again."""
+        super().__setstate__(state)
+        self._tie()
+
     def extra_repr(self) -> str:
+        single = ", single_grouped_weight=True" if self.single_grouped_weight else ""
+        single += ", single_grouped_bias=True" if self.single_grouped_bias and not self.single_grouped_weight else ""
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, bias={self.use_bias}")
+                f"out_features={self.out_features}, bias={self.use_bias}{single}")
+
+
+def _remap_layout(state_dict: dict, key: str, E: int, single: bool) -> None:
+    """TE's checkpoint compatibility between layouts: ``{key}0..`` stacked into ``key`` for the
+    single layout, ``key`` ([E, ...]) split into ``{key}0..`` for the per-expert one. Anything
+    else is left as it is, for ``load_state_dict`` to report."""
+    each = [f"{key}{e}" for e in range(E)]
+    if single and key not in state_dict and all(k in state_dict for k in each):
+        parts = [state_dict[k] for k in each]
+        if all(isinstance(t, torch.Tensor) and t.shape == parts[0].shape for t in parts):
+            for k in each:
+                del state_dict[k]
+            state_dict[key] = torch.stack(parts)
+    elif not single and key in state_dict and not any(k in state_dict for k in each):
+        t = state_dict[key]
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == E:
+            state_dict.update(zip(each, state_dict.pop(key).unbind(0)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -118,6 +119,43 @@ class PathRecorder(TorchKernels):
         possible = self.grouped_path_unsupported(x, w) is None
         want = use_grouped_tensor is not False and possible
         assert self.paths and all(g == want for _, g in self.paths), (use_grouped_tensor, possible, self.paths)
+
+
+# --- copies ------------------------------------------------------------------------------------
+
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+COPY_OPS = ("stack", "cat", "copy_", "clone", "_to_copy", "as_strided_copy")
+
+
+class CopyCounter(TorchDispatchMode):
+    """Records every aten op that runs inside it (autograd's engine included) as
+    ``(name, output shape)``, without keeping a reference to any tensor (that would stop
+    autograd from stealing a fresh gradient). ``copies(numel)``: the copy-like ops (stack, cat,
+    copy_, clone, casts) whose output has at least ``numel`` elements; ``weight_copies(N, K)``:
+    those shaped like a weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = out[0] if isinstance(out, (list, tuple)) and out else out
+        shape = tuple(first.shape) if isinstance(first, torch.Tensor) else ()
+        self.ops.append((func.overloadpacket.__name__, shape))
+        return out
+
+    def named(self, name: str) -> list[tuple[int, ...]]:
+        return [shape for op, shape in self.ops if op == name]
+
+    def copies(self, numel: int) -> list[tuple[str, tuple[int, ...]]]:
+        return [(op, s) for op, s in self.ops if op in COPY_OPS and math.prod(s) >= numel]
+
+    def weight_copies(self, N: int, K: int) -> list[tuple[str, tuple[int, ...]]]:
+        """The copy-like ops whose output is shaped like weights: ``[..., N, K]`` or ``[..., K, N]``."""
+        return [(op, s) for op, s in self.ops if op in COPY_OPS and s[-2:] in ((N, K), (K, N))]
 
 
 # --- saved-tensor hooks --------------------------------------------------------------------

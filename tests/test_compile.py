@@ -59,11 +59,11 @@ def test_compile_fullgraph_matches_eager(dtype, path, stacked):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("dtype,path,stacked", [CASES[0], CASES[2]], ids=[IDS[0], IDS[2]])
+@pytest.mark.parametrize("dtype,path,stacked", CASES, ids=IDS)
 def test_compiled_block_under_hooks_packs_no_weight(dtype, path, stacked):
-    """The partitioner picks what a compiled graph saves; with per-expert GEMMs, or with a
-    stacked [E, N, K] parameter, no weight (nor a copy of one) reaches the hooks. (With a
-    list of weights on the grouped path the compiled graph saves its stacked copy: see README.)"""
+    """The partitioner picks what a compiled graph saves; with per-expert GEMMs, a stacked
+    [E, N, K] parameter, or a list of weights on the grouped path (which goes into the
+    ref_weights_gmm op, not through a traced stack), no weight nor a copy of one reaches the hooks."""
     torch._dynamo.reset()
     args = _params(dtype, stacked)
     compiled = torch.compile(_block(path), fullgraph=True)

@@ -157,7 +157,8 @@ class _ExpertMLP(torch.nn.Module):
 def test_torch_export_expert_mlp(dtype, strict):
     """Export traces the forward (inference graph) with list splits baked in: float32 as
     per-expert ``linear`` (grouped_mm's traced shape rule takes bf16 only), bfloat16 as
-    ``_grouped_mm``; the exported program gives the eager result bit for bit."""
+    grouped_mm on the module's weights list (the ``ref_weights_gmm`` op, which reads them in
+    place at run time: NOTE: [One buffer]); the exported program gives the eager result bit for bit."""
     torch.manual_seed(0)
     m = _ExpertMLP(dtype)
     x = torch.randn(T, K, dtype=dtype)
@@ -165,4 +166,4 @@ def test_torch_export_expert_mlp(dtype, strict):
     assert torch.equal(ep.module()(x), m(x))
     if not strict:  # (strict mode wraps the layers in a set_grad_enabled subgraph)
         ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
-        assert ("aten._grouped_mm.default" in ops) == (dtype == torch.bfloat16), ops
+        assert ("functional_dw.ref_weights_gmm.default" in ops) == (dtype == torch.bfloat16), ops

@@ -31,7 +31,7 @@ from transformer_engine.pytorch.module.base import _2X_ACC_DGRAD, _2X_ACC_FPROP,
 from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage
 from transformer_engine.pytorch.utils import _empty_tensor
 
-from . import Splits, Weights, out_in
+from . import Splits, Weights, out_in, packed, stacked
 from .te_fp8_checks import env_of, grouped_path_problem
 from .torch_ref import expert_sums, _row_expert, _write
 
@@ -47,24 +47,11 @@ __all__ = ["TE", "TEKernels"]
 #   most 64 experts (``kMaxGroups``); a single GroupedTensor operand has no limit. Up to 64 we
 #   pass lists exactly as te.GroupedLinear does (bitwise parity). Beyond 64 we pass one uniform
 #   [E, N, K] GroupedTensor instead: a zero-copy view when the tensors are consecutive slices of
-#   one buffer (a stacked parameter, Megatron's contiguous main_grad buffer), else a stacked
-#   copy (weights) or a scratch output that is then added/copied into the caller's tensors
-#   (scattered main_grads). (Calls on chunks of <= 64 experts with sliced device offsets would
+#   one buffer (nn.GroupedLinear's parameters, Megatron's contiguous main_grad buffer: NOTE: [One
+#   buffer]), else a stacked copy (weights) or a scratch output that is then added/copied into
+#   the caller's tensors (scattered main_grads). (Calls on chunks of <= 64 experts with sliced device offsets would
 #   also avoid a sync, but rely on offsets not starting at 0, which TE does not promise.)
 _MAX_LIST = 64
-
-
-def _packed(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """An [E, ...] view over ``ts`` when they are consecutive contiguous slices of one
-    buffer (no copy), else None."""
-    t0 = ts[0]
-    step = t0.numel() * t0.element_size()
-    for e, t in enumerate(ts):
-        if not (t.is_contiguous() and t.shape == t0.shape and t.dtype == t0.dtype
-                and t.data_ptr() == t0.data_ptr() + e * step
-                and t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr()):
-            return None
-    return t0.detach().as_strided((len(ts), *t0.shape), (t0.numel(), *t0.stride()))
 
 
 def _dense_list(w_ENK: Weights) -> list[torch.Tensor]:
@@ -89,10 +76,7 @@ def _copy_back(outs: Sequence[torch.Tensor], dense: Sequence[torch.Tensor]) -> N
 
 
 def _stacked(w_ENK: Weights) -> torch.Tensor:
-    if isinstance(w_ENK, torch.Tensor):
-        return w_ENK.contiguous()
-    packed = _packed(w_ENK)
-    return packed if packed is not None else torch.stack(list(w_ENK))
+    return w_ENK.contiguous() if isinstance(w_ENK, torch.Tensor) else stacked(w_ENK)
 
 
 def _uniform(data: torch.Tensor, E: int, shape: tuple[int, int]) -> GroupedTensorStorage:
@@ -446,9 +430,9 @@ class TEKernels:
         E, (N, K) = len(targets), targets[0].shape
         if not stacked and E <= _MAX_LIST and self._discrete_out_ok():
             return targets, None
-        packed = dw if stacked and dw.is_contiguous() else _packed(targets)
-        if packed is not None:
-            return _uniform(packed, E, (N, K)), None
+        one = dw if stacked and dw.is_contiguous() else packed(targets)
+        if one is not None:
+            return _uniform(one, E, (N, K)), None
         scratch = targets[0].new_zeros(E, N, K)
         return _uniform(scratch, E, (N, K)), scratch
 

@@ -8,7 +8,10 @@ serves every routing (see NOTE: [Splits under torch.compile] in ``kernels/__init
 As in ``te_ops.py`` (NOTE: [Custom ops without autograd]): fake implementations give the
 output shapes, no op has an autograd formula, and eager calls never reach these ops:
 :data:`TRACED_TORCH` is what ``get_kernels`` returns only while compiling. The grouped path
-(``grouped_mm`` on device offsets) needs no op: dynamo traces it as it is.
+(``grouped_mm`` on device offsets) is traced as it is, except its GEMMs with a list of
+weights: ``ref_weights_gmm`` takes the list, so that at run time weights that are slices of one
+buffer are read in place (NOTE: [One buffer]); traced, the list would be stacked (a copy)
+because a trace knows no addresses.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import Splits, Weights
-from .torch_ref import TorchKernels
+from .torch_ref import TorchKernels, _write
 
 _NS = "functional_dw"
 _EAGER = TorchKernels()
@@ -62,7 +65,7 @@ def _(dy, ws, splits):
 
 @torch.library.custom_op(f"{_NS}::ref_split_wgrad", mutates_args=())
 def ref_split_wgrad(x: Tensor, dy: Tensor, splits: Tensor) -> Tensor:
-    return _EAGER.split_wgrad(x, dy, Splits.in_op(splits, x, splits.shape[0], grouped=False), stack=True)
+    return _EAGER.split_wgrad(x, dy, Splits.in_op(splits, x, splits.shape[0], grouped=False))
 
 
 @ref_split_wgrad.register_fake
@@ -70,8 +73,21 @@ def _(x, dy, splits):
     return x.new_empty(splits.shape[0], dy.shape[1], x.shape[1])
 
 
+@torch.library.custom_op(f"{_NS}::ref_weights_gmm", mutates_args=())
+def ref_weights_gmm(a: Tensor, ws: list[Tensor], offs: Tensor, transpose: bool) -> Tensor:
+    """grouped_mm of token rows ``a`` (groups ending at ``offs``) with E weights: ``W^T``
+    (fprop) or ``W`` (dgrad)."""
+    return _EAGER.weights_gmm(a, ws, offs, transpose)
+
+
+@ref_weights_gmm.register_fake
+def _(a, ws, offs, transpose):
+    return a.new_empty(a.shape[0], ws[0].shape[-2 if transpose else -1])
+
+
 class TracedTorchKernels(TorchKernels):
-    """The reference kernels with the split path's three products as the custom ops above."""
+    """The reference kernels with the split path's three products, and the grouped path's
+    products with a list of weights, as the custom ops above."""
 
     def __repr__(self) -> str:
         return "TracedTorchKernels()"
@@ -82,8 +98,18 @@ class TracedTorchKernels(TorchKernels):
     def split_dgrad(self, dy_TN, w_ENK, splits):
         return ref_split_dgrad(dy_TN, op_list(w_ENK), op_splits(splits))
 
-    def split_wgrad(self, x_TK, dy_TN, splits, stack):
-        return ref_split_wgrad(x_TK, dy_TN, op_splits(splits))  # [E, N, K]: indexes like a list
+    def split_wgrad(self, x_TK, dy_TN, splits, *, out=None, accumulate=False):
+        dw = ref_split_wgrad(x_TK, dy_TN, op_splits(splits))  # [E, N, K]: indexes like a list
+        if out is None:
+            return dw
+        for t, d in zip(out, dw):
+            _write(t, d, accumulate)
+        return out
+
+    def weights_gmm(self, a_TX, w_ENK, offs, transpose):
+        if isinstance(w_ENK, Tensor):  # one [E, N, K] weight: traced as it is
+            return super().weights_gmm(a_TX, w_ENK, offs, transpose)
+        return ref_weights_gmm(a_TX, list(w_ENK), offs, transpose)
 
 
 TRACED_TORCH = TracedTorchKernels()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from . import Splits, Weights, out_in
+from . import Splits, Weights, out_in, packed, stacked
 
 _torch_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -71,7 +71,9 @@ def _list(w_ENK: Weights) -> Sequence[torch.Tensor]:
 
 
 def _stack(w_ENK: Weights) -> torch.Tensor:
-    return _mm_ready(w_ENK) if isinstance(w_ENK, torch.Tensor) else torch.stack(list(w_ENK))
+    """One ``[E, N, K]`` operand: a stacked weight as it is, consecutive slices of one buffer
+    as a view of it, separate tensors copied (NOTE: [One buffer])."""
+    return _mm_ready(w_ENK if isinstance(w_ENK, torch.Tensor) else stacked(w_ENK))
 
 
 def _mm_ready(t: torch.Tensor) -> torch.Tensor:
@@ -107,16 +109,17 @@ def _no_data(t: torch.Tensor) -> bool:
     return get_proxy_mode() is None
 
 
-def _gmm(a: torch.Tensor, b: torch.Tensor, splits: Splits) -> torch.Tensor:
-    """grouped_mm (operands through :func:`_mm_ready`). NOTE: [Shapes only] grouped_mm's meta
+def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grouped_mm on the groups' int32 end offsets ``offs`` (:meth:`Splits.ends`; operands
+    through :func:`_mm_ready`). NOTE: [Shapes only] grouped_mm's meta
     (fake) rule mirrors CUDA and takes bfloat16 only, while the CPU kernel also takes float32
     and float16: on meta or fake tensors those get an empty result of the right shape. An output
     that requires grad (create_graph) gets :class:`_DenseGrad` after it."""
     if a.dtype != torch.bfloat16 and _no_data(a):
-        E = splits.num_experts
+        E = offs.shape[0]
         shape = (E, a.shape[0], b.shape[1]) if b.dim() == 2 else (a.shape[0], b.shape[-1])
         return a.new_empty(shape)
-    out = _torch_grouped_mm(a, b, offs=splits.ends(torch.int32))
+    out = _torch_grouped_mm(a, b, offs=offs)
     return _DenseGrad.apply(out) if out.requires_grad else out
 
 
@@ -144,6 +147,12 @@ def expert_sums(dy_TN: torch.Tensor, splits: Splits) -> torch.Tensor:
 
 def _write(out: torch.Tensor, value: torch.Tensor, accumulate: bool) -> torch.Tensor:
     return out.add_(value) if accumulate else out.copy_(value)
+
+
+def _recorded(*operands: torch.Tensor) -> bool:
+    """A transform or autograd records ops on these operands (create_graph, jvp, vmap): no
+    ``out=`` products then (torch differentiates no ``out=`` op)."""
+    return not _plain(*operands) or (torch.is_grad_enabled() and any(t.requires_grad for t in operands))
 
 
 class TorchKernels:
@@ -190,7 +199,7 @@ class TorchKernels:
     def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
         if not grouped or not _plain(x_TK, *_list(w_ENK), b_EN):
             return self.split_fprop(x_TK, w_ENK, b_EN, splits)
-        y_TN = _gmm(_mm_ready(x_TK), _stack(w_ENK).transpose(-2, -1), splits)
+        y_TN = self.weights_gmm(_mm_ready(x_TK), w_ENK, splits.ends(torch.int32), transpose=True)
         if b_EN is not None:
             y_TN = y_TN + b_EN[_row_expert(splits)]
         return y_TN
@@ -198,7 +207,13 @@ class TorchKernels:
     def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
         if not grouped or not _plain(dy_TN, *_list(w_ENK)):
             return self.split_dgrad(dy_TN, w_ENK, splits)
-        return _gmm(_mm_ready(dy_TN), _stack(w_ENK), splits)
+        return self.weights_gmm(_mm_ready(dy_TN), w_ENK, splits.ends(torch.int32), transpose=False)
+
+    def weights_gmm(self, a_TX: torch.Tensor, w_ENK: Weights, offs: torch.Tensor, transpose: bool) -> torch.Tensor:
+        """grouped_mm of token rows with the weights (``W^T`` when ``transpose``), read in place
+        where they are one buffer (NOTE: [One buffer])."""
+        w = _stack(w_ENK)
+        return _gmm(a_TX, w.transpose(-2, -1) if transpose else w, offs)
 
     def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
         db_EN = expert_sums(dy_TN, splits) if with_dbias else None
@@ -209,19 +224,22 @@ class TorchKernels:
             # writes bf16 only (a bf16 product cast up would not be fp32-accurate), none writes
             # float64. The products run per expert in main_grad's dtype (a host sync for sizes).
             grouped = False
-        if grouped:
-            dy_T, x = _mm_ready(dy_TN).t(), _mm_ready(x_TK)
-            if dt != x_TK.dtype:  # (the CPU's grouped_mm takes fp32: the product in main_grad's dtype)
-                dy_T, x = dy_T.to(dt), x.to(dt)
-            dw_ENK: Sequence[torch.Tensor] = _gmm(dy_T, x, splits)
-        else:
+        if not grouped:
             if dt != x_TK.dtype:  # fp32 main_grad: the product in its dtype
                 x_TK, dy_TN = x_TK.to(dt), dy_TN.to(dt)
-            dw_ENK = self.split_wgrad(x_TK, dy_TN, splits, stack=out is None)
+            return self.split_wgrad(x_TK, dy_TN, splits, out=out, accumulate=accumulate), db_EN
+        dy_T, x = _mm_ready(dy_TN).t(), _mm_ready(x_TK)
+        if dt != x_TK.dtype:  # (the CPU's grouped_mm takes fp32: the product in main_grad's dtype)
+            dy_T, x = dy_T.to(dt), x.to(dt)
+        dw_ENK = _gmm(dy_T, x, splits.ends(torch.int32))  # one [E, N, K] buffer (grouped_mm has no out=)
         if out is None:
             return dw_ENK, db_EN
-        for e in range(splits.num_experts):
-            _write(out[e], dw_ENK[e], accumulate)
+        target = out if isinstance(out, torch.Tensor) else packed(out)  # main_grads in one buffer: one write
+        if target is not None:
+            _write(target, dw_ENK, accumulate)
+        else:
+            for t, dw in zip(out, dw_ENK):
+                _write(t, dw, accumulate)
         return out, db_EN
 
     # --- the split path: one GEMM per expert on host sizes (custom ops under torch.compile) --
@@ -232,11 +250,27 @@ class TorchKernels:
     def split_dgrad(self, dy_TN, w_ENK, splits):
         return torch.cat([dy @ w_ENK[e] for e, dy in enumerate(dy_TN.split(splits.sizes()))])
 
-    def split_wgrad(self, x_TK, dy_TN, splits, stack):
-        """E ``[N, K]`` products, as one ``[E, N, K]`` tensor when ``stack``."""
+    def split_wgrad(self, x_TK, dy_TN, splits, *, out=None, accumulate=False):
+        """E ``[N, K]`` products written into ``out`` (E ``[N, K]`` or ``[E, N, K]``; added when
+        ``accumulate``), else into one fresh ``[E, N, K]`` tensor; returns it. Each GEMM writes
+        its slice in place, unless autograd or a transform records the products (then they are
+        made, stacked or written, as ordinary ops)."""
         sizes = splits.sizes()
-        dw_ENK = [dy.t() @ x for x, dy in zip(x_TK.split(sizes), dy_TN.split(sizes))]
-        return torch.stack(dw_ENK) if stack else dw_ENK
+        pairs = list(zip(x_TK.split(sizes), dy_TN.split(sizes)))
+        if _recorded(x_TK, dy_TN):
+            dw_ENK = [dy.t() @ x for x, dy in pairs]
+            if out is None:
+                return torch.stack(dw_ENK)
+            for t, dw in zip(out, dw_ENK):
+                _write(t, dw, accumulate)
+            return out
+        dw = out if out is not None else x_TK.new_empty(splits.num_experts, dy_TN.shape[1], x_TK.shape[1])
+        for e, (x, dy) in enumerate(pairs):
+            if accumulate:
+                dw[e].addmm_(dy.t(), x)
+            else:
+                torch.mm(dy.t(), x, out=dw[e])
+        return dw
 
 
 TORCH = TorchKernels()
