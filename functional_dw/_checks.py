@@ -103,6 +103,14 @@ def count(name: str, v: Any) -> int:
         raise TypeError(f"{name} is {v!r} ({type(v).__name__}); each count must be an int") from None
 
 
+def counts(name: str, items: Sequence[Any]) -> tuple[int, ...]:
+    """:func:`count` for each item, as a tuple; plain ints (the usual case) in one pass, and an
+    error names the position, e.g. ``splits[1] is 1.5 (float)``."""
+    if all(type(v) is int for v in items):
+        return tuple(items)
+    return tuple(count(f"{name}[{e}]", v) for e, v in enumerate(items))
+
+
 def cotangent(name: str, d: Any, shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     """A bwd's incoming gradient: a dense float tensor of the output's shape, dtype and device."""
     def want() -> str:  # built only for an error (shapes may be symbolic under torch.compile)
