@@ -66,7 +66,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._C._functorch import unwrap_if_dead
 
-from .residuals import with_needs
+from .residuals import RecordSpec, split
 
 try:  # see NOTE: [Pytrees]
     import torch.utils._cxx_pytree as fast_pytree
@@ -151,8 +151,10 @@ def _out_leaves(out: Any, spec: Any) -> list:
 
 def _plan(res: Any, in_leaves: tuple, tree: Any) -> tuple[list, list[torch.Tensor], Any]:
     """How each residual leaf is kept: ("in", i) an input, ("out", j) an intermediate (saved
-    and returned as extra output j, see NOTE: [What goes where]), ("ref", obj) by reference."""
-    leaves, spec = tree.tree_flatten(res)
+    and returned as extra output j, see NOTE: [What goes where]), ("ref", obj) by reference.
+    A residual record splits itself (no pytree walk), except in a traced graph."""
+    parts = None if torch.compiler.is_compiling() else split(res)
+    leaves, spec = parts if parts is not None else tree.tree_flatten(res)
     plan, extra = [], []
     for leaf in leaves:
         if not _is_tensor(leaf):
@@ -338,13 +340,14 @@ def _residuals(ctx: Any) -> Any:
     call = ctx.call
     saved = iter(ctx.saved_tensors)
     leaves = [value if kind == "ref" else next(saved) for kind, value in call.plan]
-    res = call.res_spec.unflatten(leaves)
+    spec = call.res_spec
+    if not isinstance(spec, RecordSpec):  # any pytree; a record in a traced graph
+        return spec.unflatten(leaves)
     # NOTE: [Which gradients] A record with a `needed()` field learns here which inputs
     # autograd wants gradients for (shaped like fwd's arguments), so bwd can skip a GEMM.
     mask = getattr(ctx, "needs_input_grad", None)
-    if getattr(type(res), "__needs_field__", None) and mask is not None and not torch.compiler.is_compiling():
-        res = with_needs(res, call.in_spec.unflatten(mask[1:]))
-    return res
+    needs = call.in_spec.unflatten(mask[1:]) if spec.cls.__needs_field__ and mask is not None else None
+    return spec.unflatten(leaves, needs)
 
 
 # --- the transform rules -------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["residuals", "saved", "needed", "with_needs", "any_needed", "saved_activations"]
+__all__ = ["residuals", "saved", "needed", "with_needs", "any_needed", "split", "RecordSpec", "saved_activations"]
 
 _SAVED = "functional_dw.saved"
 _NEEDS = "functional_dw.needs"
@@ -59,6 +59,43 @@ def with_needs(res: T, needs: Any) -> T:
     record.__dict__.update(res.__dict__)
     record.__dict__[field] = needs
     return record
+
+
+class RecordSpec:
+    """How to rebuild a residual record from its saved fields' values: its other fields, by
+    reference, and None where a saved one was (a strong ref to a saved tensor would defeat
+    offloading hooks). What :func:`split` returns; the bridge keeps it in place of a pytree
+    spec (same ``unflatten``) for a record in eager code and under torch.func."""
+
+    __slots__ = ("cls", "shell")
+
+    def __init__(self, cls: type, shell: dict) -> None:
+        self.cls, self.shell = cls, shell
+
+    def unflatten(self, values: Any, needs: Any = None) -> Any:
+        """The record again, with ``values`` in its saved fields and ``needs`` (when given) in
+        its :func:`needed` field. Fresh, and checked when forward made it: no frozen
+        ``__init__`` (one ``object.__setattr__`` per field) on backward's hot path."""
+        record = object.__new__(self.cls)
+        fields = record.__dict__
+        fields.update(self.shell)
+        fields.update(zip(self.cls.__saved_fields__, values))
+        if needs is not None and self.cls.__needs_field__:
+            fields[self.cls.__needs_field__] = needs
+        return record
+
+
+def split(res: Any) -> tuple[list, RecordSpec] | None:
+    """A residual record as (its saved fields' values, a :class:`RecordSpec`), without a pytree
+    walk; None for anything else (a subclass that was not itself declared a record included)."""
+    names = type(res).__dict__.get("__saved_fields__")
+    if names is None:
+        return None
+    shell = dict(res.__dict__)
+    values = [shell[n] for n in names]
+    for n in names:
+        shell[n] = None
+    return values, RecordSpec(type(res), shell)
 
 
 def any_needed(needs: Any) -> bool:
@@ -93,6 +130,7 @@ def residuals(cls: type[T]) -> type[T]:
 
     pytree.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
     cls.__needs_field__ = next((f.name for f in dataclasses.fields(cls) if f.metadata.get(_NEEDS)), None)
+    cls.__saved_fields__ = leaves
     cls.__repr__ = _describe  # type: ignore[method-assign]
     _fast_init(cls)
     return cls
