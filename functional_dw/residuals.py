@@ -86,13 +86,16 @@ class RecordSpec:
 
 
 def split(res: Any) -> tuple[list, RecordSpec] | None:
-    """A residual record as (its saved fields' values, a :class:`RecordSpec`), without a pytree
-    walk; None for anything else (a subclass that was not itself declared a record included)."""
+    """A residual record whose saved fields hold tensors (or None) as (their values, a
+    :class:`RecordSpec`), without a pytree walk; None for anything else: a saved field holding
+    a pytree of tensors (whose leaves must be saved), a subclass not itself declared a record."""
     names = type(res).__dict__.get("__saved_fields__")
     if names is None:
         return None
     shell = dict(res.__dict__)
     values = [shell[n] for n in names]
+    if not all(v is None or isinstance(v, torch.Tensor) for v in values):
+        return None
     for n in names:
         shell[n] = None
     return values, RecordSpec(type(res), shell)

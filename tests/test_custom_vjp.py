@@ -183,3 +183,20 @@ def test_records_are_frozen():
         r.x = torch.zeros(5)
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.scale = 4
+
+
+@residuals
+class NestedResiduals:
+    pair: tuple = saved()  # a saved field holding a pytree of tensors (e.g. a quantized x)
+    k: int
+
+
+def test_saved_field_holding_a_pytree_saves_its_tensors():
+    f = custom_vjp(lambda x: (x * 2, NestedResiduals((x, torch.cos(x)), 2)),
+                   lambda res, dy: (dy * res.k + 0 * res.pair[1],), name="nested")
+    x, _ = inputs()
+    with HOOKS["identity"]()() as rec:
+        y = f(x)
+    assert len(rec.packed) == 2 and rec.packed[0] is x, "both tensors of the saved pair go through the hooks"
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
