@@ -280,14 +280,14 @@ class _Bridge(torch.autograd.Function):
         saved = [inputs[1 + i] if kind == "in" else extra[i] for kind, i in call.resolve() if kind != "ref"]
         ctx.save_for_backward(*saved)
         ctx.call = call
-        if _forward_ad_active() and not torch.compiler.is_compiling():  # (dynamo: no forward mode)
-            _setup_forward_mode(ctx, call, saved, output)
+        if (extra or _forward_ad_active()) and not torch.compiler.is_compiling():
+            _grads_as_given(ctx, call, saved, output)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple:
         call = ctx.call
         grads = grads[:call.n_out]
-        if call.out_meta is not None:  # grads not materialized (forward mode): zeros for None
+        if call.out_meta is not None:  # grads not materialized: zeros for a missing one
             grads = [torch.zeros(s, dtype=d, device=v) if g is None else g
                      for g, (s, d, v) in zip(grads, call.out_meta)]
         d_out = _unflatten_out(grads, call.out_spec)
@@ -322,14 +322,17 @@ class _Bridge(torch.autograd.Function):
         return super(torch.autograd.Function, cls).apply(*args)
 
 
-def _setup_forward_mode(ctx: Any, call: _Call, saved: list, output: tuple) -> None:
-    """NOTE: [jvp] Forward mode (eager ``dual_level`` or ``torch.func.jvp``) runs the pair's
+def _grads_as_given(ctx: Any, call: _Call, saved: list, output: tuple) -> None:
+    """Grads and tangents not materialized: backward fills a missing output grad with zeros
+    itself, and gets no zeros for the extra outputs (activation-sized intermediates), which it
+    ignores. (Dynamo has neither this nor forward mode: a compiled graph's grads are tensors.)
+
+    NOTE: [jvp] Forward mode (eager ``dual_level`` or ``torch.func.jvp``) runs the pair's
     ``jvp`` rule on the residuals and the tangents, shaped like the arguments with None where
-    there is none; the extra outputs get no tangent. Only when forward mode is on at forward
-    time, ``setup_context`` keeps the residuals for it (``save_for_forward``: a strong ref,
-    which would defeat offloading) and turns off grad materialization, so jvp sees None, not
-    zeros; backward then fills a missing output grad with zeros itself."""
-    if call.rules.jvp is not None:
+    there is none (hence not materialized); the extra outputs get no tangent. Only when
+    forward mode is on at forward time does ``setup_context`` keep the residuals for it
+    (``save_for_forward``: a strong ref, which would defeat offloading)."""
+    if call.rules.jvp is not None and _forward_ad_active():
         ctx.save_for_forward(*saved)
     ctx.set_materialize_grads(False)
     call.out_meta = [(o.shape, o.dtype, o.device) for o in output[:call.n_out]]

@@ -200,3 +200,25 @@ def test_saved_field_holding_a_pytree_saves_its_tensors():
     assert len(rec.packed) == 2 and rec.packed[0] is x, "both tensors of the saved pair go through the hooks"
     y.sum().backward()
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+
+
+def test_no_zeros_are_made_for_an_intermediate_residual_in_backward():
+    """An intermediate residual rides out of forward as an extra output that never gets a
+    gradient: backward must not materialize an activation-sized zeros tensor for it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x, w = inputs()
+    a, b = two(x, w, 3, "t")
+    loss = a.sum() + b.sum()
+    with Ops() as ops:
+        loss.backward()
+    assert not any(name.startswith(("zeros", "new_zeros", "zero_")) for name in ops.seen), ops.seen
