@@ -66,7 +66,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._C._functorch import unwrap_if_dead
 
-from .residuals import RecordSpec, split
+from .residuals import RecordSpec, split, with_needs
 
 try:  # see NOTE: [Pytrees]
     import torch.utils._cxx_pytree as fast_pytree
@@ -344,13 +344,20 @@ def _residuals(ctx: Any) -> Any:
     saved = iter(ctx.saved_tensors)
     leaves = [value if kind == "ref" else next(saved) for kind, value in call.plan]
     spec = call.res_spec
-    if not isinstance(spec, RecordSpec):  # any pytree; a record in a traced graph
-        return spec.unflatten(leaves)
-    # NOTE: [Which gradients] A record with a `needed()` field learns here which inputs
-    # autograd wants gradients for (shaped like fwd's arguments), so bwd can skip a GEMM.
+    if isinstance(spec, RecordSpec):
+        return spec.unflatten(leaves, _needs(ctx, spec.cls))
+    res = spec.unflatten(leaves)  # any pytree, or a record that took the pytree path
+    needs = None if torch.compiler.is_compiling() else _needs(ctx, type(res))
+    return res if needs is None else with_needs(res, needs)
+
+
+def _needs(ctx: Any, cls: type) -> Any:
+    """NOTE: [Which gradients] A record with a `needed()` field learns here which inputs
+    autograd wants gradients for (shaped like fwd's arguments), so bwd can skip a GEMM."""
     mask = getattr(ctx, "needs_input_grad", None)
-    needs = call.in_spec.unflatten(mask[1:]) if spec.cls.__needs_field__ and mask is not None else None
-    return spec.unflatten(leaves, needs)
+    if mask is None or not getattr(cls, "__needs_field__", None):
+        return None
+    return ctx.call.in_spec.unflatten(mask[1:])
 
 
 # --- the transform rules -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 
 from conftest import HOOKS
 from functional_dw import custom_vjp, residuals, saved, saved_activations
+from functional_dw.residuals import needed
 
 
 @residuals
@@ -222,3 +223,22 @@ def test_no_zeros_are_made_for_an_intermediate_residual_in_backward():
     with Ops() as ops:
         loss.backward()
     assert not any(name.startswith(("zeros", "new_zeros", "zero_")) for name in ops.seen), ops.seen
+
+
+@residuals
+class NestedNeeds:
+    pair: tuple = saved()
+    needs: object = needed()
+
+
+def test_record_with_a_pytree_in_a_saved_field_still_learns_which_gradients():
+    got = []
+
+    def bwd(res, dy):
+        got.append(res.needs)
+        return dy * 2, None
+
+    f = custom_vjp(lambda x, w: (x * 2, NestedNeeds((x, w))), bwd, name="nested_needs")
+    x, w = inputs()
+    f(x, w.detach()).sum().backward()
+    assert got == [(True, False)]
