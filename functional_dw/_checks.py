@@ -61,10 +61,12 @@ def fuse_flag(value: Any) -> bool:
 def dense(t: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
     """``t`` contiguous (and reshaped to ``shape``). An empty tensor may keep odd strides
     through ``.contiguous()``, which grouped GEMMs reject: it gets fresh storage instead."""
-    shape = tuple(t.shape) if shape is None else tuple(shape)
     if t.numel() == 0:
+        shape = tuple(t.shape) if shape is None else tuple(shape)
         return t if tuple(t.shape) == shape and t.stride() == _row_major(shape) else t.new_empty(shape)
-    return t.contiguous() if tuple(t.shape) == shape else t.reshape(shape).contiguous()
+    if shape is None or tuple(t.shape) == tuple(shape):
+        return t.contiguous()
+    return t.reshape(shape).contiguous()
 
 
 def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -101,6 +103,14 @@ def count(name: str, v: Any) -> int:
         return operator.index(v)
     except TypeError:
         raise TypeError(f"{name} is {v!r} ({type(v).__name__}); each count must be an int") from None
+
+
+def counts(name: str, items: Sequence[Any]) -> tuple[int, ...]:
+    """:func:`count` for each item, as a tuple; plain ints (the usual case) in one pass, and an
+    error names the position, e.g. ``splits[1] is 1.5 (float)``."""
+    if all(type(v) is int for v in items):
+        return tuple(items)
+    return tuple(count(f"{name}[{e}]", v) for e, v in enumerate(items))
 
 
 def cotangent(name: str, d: Any, shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:

@@ -25,18 +25,35 @@ Example::
     sin = custom_vjp(sin_fwd, sin_bwd)
     torch.func.grad(lambda x: sin(x).sum())(torch.ones(3))   # cos(1) three times
 
+The pieces below, one at a time: :class:`_Call` (one call's structure), :class:`_Bridge` (the
+Function: ``forward``, ``setup_context``, ``backward``, ``jvp``, ``vmap``, ``apply``), the
+transform rules (:func:`_vmap_rule`), and :func:`custom_vjp`, which picks the entry per mode.
+
 NOTE: [What goes where]
   Tensor leaves of the residuals go through ``ctx.save_for_backward``, so saved-tensor hooks
   (offloading, ``save_on_cpu``) see them and only them. Non-tensor leaves and the record's
   context (weights, DistributedWeight objects, splits, flags) stay on ``ctx`` by reference.
-  Under ``torch.func`` (see NOTE: [Two Functions]) a residual tensor that is not an input is
-  also returned from ``forward`` as an extra, non-differentiable output, which is what
-  ``torch.func`` requires of intermediates.
+  A residual tensor that is not an input is also returned from ``forward`` as an extra,
+  non-differentiable output, which is what ``torch.func`` requires of intermediates.
 
 NOTE: [Backward is re-entrant]
   ``backward`` reads ``ctx.saved_tensors`` exactly once (unpack hooks run on every read),
   rebuilds the residuals and calls ``bwd``. It never clears or mutates ``ctx``, so a second
   ``backward(retain_graph=True)`` repeats exactly the same work.
+
+NOTE: [One Function]
+  Every mode (eager autograd, ``torch.func``, ``torch.compile``) runs the same setup_context
+  style Function, :class:`_Bridge` (one subclass per pair, named after it). Its ``forward``
+  cannot see ``ctx``, so the structure it learns (the output's pytree spec, how to rebuild
+  the residuals) travels on a :class:`_Call` object, the Function's first input, which
+  ``setup_context`` then keeps on ``ctx``. One rule per mode: NOTE: [autograd], NOTE:
+  [torch.func grad and vjp], NOTE: [jvp], NOTE: [vmap], NOTE: [torch.compile].
+
+NOTE: [Pytrees]
+  Eager calls and ``torch.func`` flatten with torch's C++ pytree (optree; several times faster
+  than the Python one) when it is installed; compiled code uses the Python one (dynamo traces
+  it). Both read the same registrations (our residual records), and both kinds of spec
+  unflatten themselves (``spec.unflatten``).
 """
 
 from __future__ import annotations
@@ -47,12 +64,11 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._C._functorch import unwrap_if_dead
 
-from .residuals import with_needs
+from .residuals import RecordSpec, split, with_needs
 
-try:  # NOTE: [Fast pytrees] torch's C++ pytree (optree) flattens several times faster than
-    # the Python one; eager calls use it when installed. Compiled code and torch.func keep the
-    # Python one (dynamo traces it). Both read the same registrations (our residual records).
+try:  # see NOTE: [Pytrees]
     import torch.utils._cxx_pytree as fast_pytree
 except ImportError:  # optree is not installed
     fast_pytree = pytree
@@ -64,38 +80,90 @@ Bwd = Callable[..., Any]
 VmapRule = Callable[..., Any]
 
 
-class _Stash:
-    """Carries non-tensor results of ``forward`` to ``setup_context`` and ``apply``:
-    ``out = (out_spec, n_out)`` and ``plan = (plan, res_spec)``, or a callable that makes the
-    plan when first asked (see NOTE: [vmap])."""
-
-    __slots__ = ("out", "_plan")
-
-    def set(self, out: tuple, plan: Any) -> None:
-        self.out, self._plan = out, plan
-
-    @property
-    def plan(self) -> tuple:
-        if callable(self._plan):
-            self._plan = self._plan()
-        return self._plan
-
+# --- small helpers ---------------------------------------------------------------------------
 
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def _split_residuals(res: Any, in_leaves: tuple) -> tuple[list, list[torch.Tensor], Any]:
-    """Plan how each residual leaf is kept: ("in", i), ("out", j) or ("ref", obj)."""
-    leaves, spec = pytree.tree_flatten(res)
+def _tree(spec: Any) -> Any:
+    """The pytree module that made ``spec`` (see NOTE: [Pytrees])."""
+    return pytree if isinstance(spec, pytree.TreeSpec) else fast_pytree
+
+
+def _forward_ad_active() -> bool:
+    """True inside ``torch.func.jvp`` or an eager ``forward_ad.dual_level``."""
+    return torch.autograd.forward_ad._current_level >= 0
+
+
+def _transformed() -> bool:
+    """A torch.func transform or forward-mode AD is active."""
+    return torch._C._functorch.peek_interpreter_stack() is not None or _forward_ad_active()
+
+
+def _needs_grad(in_leaves: Any) -> bool:
+    """Can autograd take a gradient through this call? (grad mode on, a tensor requires grad;
+    autograd records nothing through inference tensors, whatever their ``requires_grad``.
+    Dynamo cannot trace ``is_inference``; a compiled graph sees no inference tensors anyway.)"""
+    if not torch.is_grad_enabled():
+        return False
+    if torch.compiler.is_compiling():
+        return any(_is_tensor(t) and t.requires_grad for t in in_leaves)
+    if torch.is_inference_mode_enabled():  # enable_grad inside inference_mode: torch records nothing
+        return False
+    for t in in_leaves:  # (a loop: the eager hot path)
+        if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_inference():
+            return True
+    return False
+
+
+def _pair(result: Any, name: str) -> tuple[Any, Any]:
+    """``fwd``'s result, checked against the contract ``fwd(*args) -> (out, residuals)``."""
+    if not isinstance(result, tuple) or len(result) != 2:
+        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
+        if isinstance(result, torch.Tensor):
+            got = f"a bare Tensor of shape {tuple(result.shape)}"
+        raise TypeError(
+            f"custom_vjp({name}): fwd must return a pair (out, residuals), e.g. `return y, (x,)`; got {got}"
+        )
+    return result
+
+
+def _flatten_out(out: Any, tree: Any, name: str) -> tuple[tuple, Any]:
+    """fwd's output as tensor leaves and a spec; one tensor (every layer here) needs no pytree:
+    spec None stands for it."""
+    if _is_tensor(out):
+        return (out,), None
+    leaves, spec = tree.tree_flatten(out)
+    if not all(_is_tensor(t) for t in leaves):
+        raise TypeError(f"custom_vjp({name}): fwd's output must be tensors; got {spec}")
+    return tuple(leaves), spec
+
+
+def _unflatten_out(leaves: Any, spec: Any) -> Any:
+    return leaves[0] if spec is None else spec.unflatten(leaves)
+
+
+def _out_leaves(out: Any, spec: Any) -> list:
+    """``out`` (an output, its tangent or its vmap dims) flattened along the output's spec."""
+    return [out] if spec is None else spec.flatten_up_to(out)
+
+
+def _plan(res: Any, in_leaves: tuple, tree: Any) -> tuple[list, list[torch.Tensor], Any]:
+    """How each residual leaf is kept: ("in", i) an input, ("out", j) an intermediate (saved
+    and returned as extra output j, see NOTE: [What goes where]), ("ref", obj) by reference.
+    A residual record splits itself (no pytree walk), except in a traced graph."""
+    parts = None if torch.compiler.is_compiling() else split(res)
+    leaves, spec = parts if parts is not None else tree.tree_flatten(res)
     plan, extra = [], []
     for leaf in leaves:
         if not _is_tensor(leaf):
             plan.append(("ref", leaf))
             continue
-        i = next((i for i, t in enumerate(in_leaves) if t is leaf), None)
-        if i is not None:
-            plan.append(("in", i))
+        for i, t in enumerate(in_leaves):
+            if t is leaf:
+                plan.append(("in", i))
+                break
         else:
             plan.append(("out", len(extra)))
             extra.append(leaf)
@@ -119,11 +187,6 @@ def _cotangent_leaves(d: Any, spec: pytree.TreeSpec, name: str) -> list:
     return [leaf for c, s in zip(children, specs) for leaf in _cotangent_leaves(c, s, name)]
 
 
-def _tree(spec: Any) -> Any:
-    """The pytree module that made ``spec``."""
-    return pytree if isinstance(spec, pytree.TreeSpec) else fast_pytree
-
-
 def _flatten_cotangents(d: Any, spec: Any, name: str) -> list:
     """Fast path: ``d`` has the arguments' full structure; else allow None for a subtree."""
     try:
@@ -134,40 +197,224 @@ def _flatten_cotangents(d: Any, spec: Any, name: str) -> list:
         return _cotangent_leaves(d, spec, name)
 
 
-def _forward_ad_active() -> bool:
-    """True inside ``torch.func.jvp`` or an eager ``forward_ad.dual_level``."""
-    return torch.autograd.forward_ad._current_level >= 0
+# --- one pair's rules, one call's structure -----------------------------------------------------
+
+class _Rules:
+    """What :func:`custom_vjp` was given, and the Function classes named after the pair."""
+
+    __slots__ = ("fwd", "bwd", "primal", "jvp", "vmap", "name", "Function", "Traced")
+
+    def __init__(self, fwd: Fwd, bwd: Bwd, primal: Any, jvp: Any, vmap: Any, name: str) -> None:
+        self.fwd, self.bwd, self.jvp, self.vmap, self.name = fwd, bwd, jvp, vmap, name
+        self.primal = primal or (lambda *args: _pair(fwd(*args), name)[0])
+        # autograd names a Function's backward node after the class when the class is created:
+        # subclass under the pair's name so grad_fn reads e.g. `CustomVJP_linearBackward`.
+        tag = "".join(c if c.isalnum() else "_" for c in name)
+        self.Function = type(f"CustomVJP_{tag}", (_Bridge,), {})
+        # NOTE: [torch.compile] dynamo refuses a Function that defines ``jvp``: the same class
+        # with torch's default jvp, used only while compiling.
+        default_jvp = staticmethod(torch.autograd.Function.jvp)
+        self.Traced = type(f"CustomVJP_{tag}_traced", (self.Function,), {"jvp": default_jvp})
 
 
-def _transformed() -> bool:
-    """A torch.func transform or forward-mode AD is active."""
-    return torch._C._functorch.peek_interpreter_stack() is not None or _forward_ad_active()
+class _Call:
+    """One call's structure, the Function's first input (NOTE: [One Function]).
+
+    The caller sets ``rules`` and ``in_spec`` (the arguments' structure: the Function's other
+    inputs are its leaves). ``forward`` sets ``out_spec`` (None: one tensor), ``n_out`` (the
+    outputs before the extra ones) and ``plan``/``res_spec`` (how ``backward`` rebuilds the
+    residuals). A vmap rule may leave ``pending``, which makes the plan when first asked
+    (NOTE: [vmap])."""
+
+    __slots__ = ("rules", "in_spec", "out_spec", "n_out", "plan", "res_spec", "pending", "out_meta")
+
+    def __init__(self, rules: _Rules, in_spec: Any) -> None:
+        self.rules, self.in_spec, self.pending, self.out_meta = rules, in_spec, None, None
+
+    def adopt(self, inner: "_Call", pending: Any = None) -> None:
+        """Take the structure of ``inner``, a call a vmap rule made for this one."""
+        self.out_spec, self.n_out, self.plan, self.res_spec = inner.out_spec, inner.n_out, inner.plan, inner.res_spec
+        self.pending = pending
+
+    def resolve(self) -> list:
+        if self.pending is not None:
+            self.plan, self.res_spec = self.pending()
+            self.pending = None
+        return self.plan
 
 
-def _needs_grad(in_leaves: Any) -> bool:
-    """Can autograd take a gradient through this call? (grad mode on, a tensor requires grad;
-    autograd records nothing through inference tensors, whatever their ``requires_grad``.
-    Dynamo cannot trace ``is_inference``; a compiled graph sees no inference tensors anyway.)"""
-    if not torch.is_grad_enabled():
-        return False
-    if torch.compiler.is_compiling():
-        return any(_is_tensor(t) and t.requires_grad for t in in_leaves)
-    if torch.is_inference_mode_enabled():  # enable_grad inside inference_mode: torch records nothing
-        return False
-    return any(_is_tensor(t) and t.requires_grad and not t.is_inference() for t in in_leaves)
+def _run(rules: _Rules, args: tuple, tree: Any, function: type, gate: bool) -> Any:
+    """Flatten ``args``, apply ``function`` to the leaves, and give ``fwd``'s output back.
+    ``gate``: with no gradient to take, run ``primal`` instead (no residuals, no node)."""
+    in_leaves, in_spec = tree.tree_flatten(args)
+    if gate and not _needs_grad(in_leaves):
+        return rules.primal(*args)
+    call = _Call(rules, in_spec)
+    flat = function.apply(call, *in_leaves)
+    return _unflatten_out(flat[:call.n_out], call.out_spec)
 
 
-def _pair(result: Any, name: str) -> tuple[Any, Any]:
-    """``fwd``'s result, checked against the contract ``fwd(*args) -> (out, residuals)``."""
-    if not isinstance(result, tuple) or len(result) != 2:
-        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
-        if isinstance(result, torch.Tensor):
-            got = f"a bare Tensor of shape {tuple(result.shape)}"
-        raise TypeError(
-            f"custom_vjp({name}): fwd must return a pair (out, residuals), e.g. `return y, (x,)`; got {got}"
-        )
-    return result
+# --- the Function --------------------------------------------------------------------------------
 
+class _Bridge(torch.autograd.Function):
+    """The bridge as one setup_context style Function; :class:`_Rules` subclasses it per pair.
+    Inputs: a :class:`_Call`, then the leaves of ``fwd``'s arguments. Outputs: the leaves of
+    ``fwd``'s output, then the intermediate residuals (NOTE: [What goes where])."""
+
+    @staticmethod
+    def forward(call: _Call, *in_leaves: Any) -> tuple:  # type: ignore[override]
+        rules = call.rules
+        tree = _tree(call.in_spec)
+        out, res = _pair(rules.fwd(*call.in_spec.unflatten(in_leaves)), rules.name)
+        out_leaves, call.out_spec = _flatten_out(out, tree, rules.name)
+        call.plan, extra, call.res_spec = _plan(res, in_leaves, tree)
+        call.n_out = len(out_leaves)
+        return (*out_leaves, *extra)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        call = inputs[0]
+        extra = output[call.n_out:]
+        if extra:
+            ctx.mark_non_differentiable(*extra)
+        saved = [inputs[1 + i] if kind == "in" else extra[i] for kind, i in call.resolve() if kind != "ref"]
+        ctx.save_for_backward(*saved)
+        ctx.call = call
+        if (extra or _forward_ad_active()) and not torch.compiler.is_compiling():
+            _grads_as_given(ctx, call, saved, output)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        call = ctx.call
+        grads = grads[:call.n_out]
+        if call.out_meta is not None:  # grads not materialized: zeros for a missing one
+            grads = [torch.zeros(s, dtype=d, device=v) if g is None else g
+                     for g, (s, d, v) in zip(grads, call.out_meta)]
+        d_out = _unflatten_out(grads, call.out_spec)
+        d_args = _flatten_cotangents(call.rules.bwd(_residuals(ctx), d_out), call.in_spec, call.rules.name)
+        needs = ctx.needs_input_grad
+        return (None, *[g if needs[1 + i] else None for i, g in enumerate(d_args)])
+
+    @staticmethod
+    def jvp(ctx: Any, _: Any, *tangents: Any) -> tuple:  # NOTE: [jvp]
+        call = ctx.call
+        if call.rules.jvp is None:
+            raise NotImplementedError(f"custom_vjp({call.rules.name}) has no forward-mode rule: pass jvp=...")
+        t_args = call.in_spec.unflatten(tangents)
+        t_out = _out_leaves(call.rules.jvp(_residuals(ctx), t_args), call.out_spec)
+        n_extra = sum(kind == "out" for kind, _ in call.plan)
+        return (*t_out, *[None] * n_extra)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, call: _Call, *in_leaves: Any) -> tuple:
+        return _vmap_rule(info.batch_size, in_dims[1:], call, in_leaves)
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:
+        """NOTE: [Fast apply] torch's ``Function.apply`` binds the arguments to ``forward``'s
+        signature (``inspect.signature``: ~15 us) on every call of a setup_context Function,
+        for keyword arguments we never pass. With no functorch transform active it then only
+        unwraps dead functorch wrappers and calls the C++ apply (forward, then setup_context);
+        we do just that. Under a transform, torch's own apply (``custom_function_call``)."""
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        args = [unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in args]
+        return super(torch.autograd.Function, cls).apply(*args)
+
+
+def _grads_as_given(ctx: Any, call: _Call, saved: list, output: tuple) -> None:
+    """Grads and tangents not materialized: backward fills a missing output grad with zeros
+    itself, and gets no zeros for the extra outputs (activation-sized intermediates), which it
+    ignores. (Dynamo has neither this nor forward mode: a compiled graph's grads are tensors.)
+
+    NOTE: [jvp] Forward mode (eager ``dual_level`` or ``torch.func.jvp``) runs the pair's
+    ``jvp`` rule on the residuals and the tangents, shaped like the arguments with None where
+    there is none (hence not materialized); the extra outputs get no tangent. Only when
+    forward mode is on at forward time does ``setup_context`` keep the residuals for it
+    (``save_for_forward``: a strong ref, which would defeat offloading)."""
+    if call.rules.jvp is not None and _forward_ad_active():
+        ctx.save_for_forward(*saved)
+    ctx.set_materialize_grads(False)
+    call.out_meta = [(o.shape, o.dtype, o.device) for o in output[:call.n_out]]
+
+
+def _residuals(ctx: Any) -> Any:
+    """The residuals again: saved tensors (read once: unpack hooks run on every read) and refs."""
+    call = ctx.call
+    saved = iter(ctx.saved_tensors)
+    leaves = [value if kind == "ref" else next(saved) for kind, value in call.plan]
+    spec = call.res_spec
+    if isinstance(spec, RecordSpec):
+        return spec.unflatten(leaves, _needs(ctx, spec.cls))
+    res = spec.unflatten(leaves)  # any pytree, or a record that took the pytree path
+    needs = None if torch.compiler.is_compiling() else _needs(ctx, type(res))
+    return res if needs is None else with_needs(res, needs)
+
+
+def _needs(ctx: Any, cls: type) -> Any:
+    """NOTE: [Which gradients] A record with a `needed()` field learns here which inputs
+    autograd wants gradients for (shaped like fwd's arguments), so bwd can skip a GEMM."""
+    mask = getattr(ctx, "needs_input_grad", None)
+    if mask is None or not getattr(cls, "__needs_field__", None):
+        return None
+    return ctx.call.in_spec.unflatten(mask[1:])
+
+
+# --- the transform rules -------------------------------------------------------------------------
+
+def _apply_inner(rules: _Rules, args: Any) -> tuple[tuple, _Call]:
+    """One call of the Function from inside a vmap rule: (all outputs, its structure)."""
+    in_leaves, in_spec = fast_pytree.tree_flatten(args)
+    inner = _Call(rules, in_spec)
+    return rules.Function.apply(inner, *in_leaves), inner
+
+
+def _vmap_rule(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> tuple:
+    """NOTE: [vmap] The pair's ``vmap`` rule may fold the batch into one unbatched call (e.g.
+    x's batch into the token dimension): run it, then ``unfold`` puts the batch back. Without
+    a rule, or when it returns None, one call per batch element, stacked.
+
+    Under ``vmap(grad(f))`` the grad level then runs ``setup_context`` on our outputs with
+    per-element semantics. A folded call's residuals hold folded context (e.g. splits * B),
+    so the grad level gets the plan of one element instead: ``fwd`` on element 0, run only
+    when asked (:func:`_element_plan`; plain ``vmap`` never asks)."""
+    rules, spec = call.rules, call.in_spec
+    folded = rules.vmap(batch_size, spec.unflatten(dims), *spec.unflatten(in_leaves)) if rules.vmap else None
+    if folded is None:
+        return _vmap_loop(batch_size, dims, call, in_leaves)
+    new_args, unfold = folded
+    flat, inner = _apply_inner(rules, new_args)
+    call.adopt(inner, functools.partial(_element_plan, rules, in_leaves, dims, call.in_spec))
+    out, out_dims = unfold(_unflatten_out(flat[:inner.n_out], inner.out_spec))
+    n_extra = len(flat) - inner.n_out
+    out_leaves, dims_out = _out_leaves(out, inner.out_spec), _out_leaves(out_dims, inner.out_spec)
+    return (*out_leaves, *flat[inner.n_out:]), (*dims_out, *[None] * n_extra)
+
+
+def _vmap_loop(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> tuple:
+    """One call per batch element; every output stacked along dim 0."""
+    results = []
+    for i in range(batch_size):
+        sliced = [t if d is None else t.select(d, i) for t, d in zip(in_leaves, dims)]
+        flat, inner = _apply_inner(call.rules, call.in_spec.unflatten(sliced))
+        call.adopt(inner)
+        results.append(flat)
+    flat = tuple(torch.stack(column) for column in zip(*results))
+    return flat, (0,) * len(flat)
+
+
+def _element_plan(rules: _Rules, in_leaves: tuple, dims: tuple, in_spec: Any) -> tuple[list, Any]:
+    """The residual plan of batch element 0 (see NOTE: [vmap])."""
+    sliced = tuple(t if d is None else t.select(d, 0) for t, d in zip(in_leaves, dims))
+    with torch.no_grad():
+        _, res = _pair(rules.fwd(*in_spec.unflatten(sliced)), rules.name)
+    plan, extra, res_spec = _plan(res, sliced, _tree(in_spec))
+    if extra:
+        raise NotImplementedError(f"custom_vjp({rules.name}): a vmap fold rule needs residuals that are inputs")
+    return plan, res_spec
+
+
+# --- the bridge ----------------------------------------------------------------------------------
 
 def custom_vjp(
     fwd: Fwd, bwd: Bwd, *, primal: Callable[..., Any] | None = None, jvp: Callable[..., Any] | None = None,
@@ -191,162 +438,28 @@ def custom_vjp(
       unbatched call: ``f(*new_args)`` runs once and ``unfold(out) -> (out, out_dims)`` puts the
       batch back. Returning None (or giving no rule) runs ``f`` once per batch element.
     """
-    name = name or getattr(fwd, "__name__", "fwd")
-    primal = primal or (lambda *args: _pair(fwd(*args), name)[0])
-
-    class FuncFunction(torch.autograd.Function):
-        @staticmethod
-        def forward(stash: _Stash, in_spec: Any, *in_leaves: Any) -> tuple:  # type: ignore[override]
-            args = pytree.tree_unflatten(in_leaves, in_spec)
-            out, res = _pair(fwd(*args), name)
-            out_leaves, out_spec = pytree.tree_flatten(out)
-            if not all(_is_tensor(t) for t in out_leaves):
-                raise TypeError(f"custom_vjp({name}): fwd's output must be tensors; got {out_spec}")
-            plan, extra, res_spec = _split_residuals(res, in_leaves)
-            stash.set((out_spec, len(out_leaves)), (plan, res_spec))
-            return (*out_leaves, *extra)
-
-        @staticmethod
-        def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-            stash, in_spec, *in_leaves = inputs
-            (out_spec, n_out), (plan, res_spec) = stash.out, stash.plan
-            extra = output[n_out:]
-            ctx.mark_non_differentiable(*extra)
-            saved = [in_leaves[i] if kind == "in" else extra[i] for kind, i in plan if kind != "ref"]
-            ctx.save_for_backward(*saved)
-            if jvp is not None and _forward_ad_active():
-                ctx.save_for_forward(*saved)  # only then: a strong ref would defeat offloading
-            ctx.plan, ctx.res_spec, ctx.in_spec, ctx.out_spec = plan, res_spec, in_spec, out_spec
-            # Not materialized: jvp must see None (not zeros) for inputs without a tangent;
-            # backward fills missing output grads itself.
-            ctx.set_materialize_grads(False)
-            ctx.out_meta = [(o.shape, o.dtype, o.device) for o in output[:n_out]]
-
-        @staticmethod
-        def backward(ctx: Any, *grads: Any) -> tuple:
-            res = _residuals_of(ctx)
-            n_out = ctx.out_spec.num_leaves
-            grads = [torch.zeros(s, dtype=d, device=v) if g is None else g for g, (s, d, v) in zip(grads[:n_out], ctx.out_meta)]
-            d_out = pytree.tree_unflatten(grads, ctx.out_spec)
-            d_args = _flatten_cotangents(bwd(res, d_out), ctx.in_spec, name)
-            d_leaves = [g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(d_args)]
-            return (None, None, *d_leaves)
-
-        @staticmethod
-        def jvp(ctx: Any, *tangents: Any) -> tuple:
-            if jvp is None:
-                raise NotImplementedError(f"custom_vjp({name}) has no forward-mode rule: pass jvp=...")
-            t_args = pytree.tree_unflatten(list(tangents[2:]), ctx.in_spec)
-            t_out = ctx.out_spec.flatten_up_to(jvp(_residuals_of(ctx), t_args))
-            n_extra = sum(kind == "out" for kind, _ in ctx.plan)
-            return (*t_out, *[None] * n_extra)
-
-        @staticmethod
-        def vmap(info: Any, in_dims: tuple, stash: _Stash, in_spec: Any, *in_leaves: Any) -> tuple:
-            args = pytree.tree_unflatten(in_leaves, in_spec)
-            folded = vmap(info.batch_size, pytree.tree_unflatten(list(in_dims[2:]), in_spec), *args) if vmap else None
-            if folded is not None:  # one call with the batch folded in
-                new_args, unfold = folded
-                flat, n_out, out_spec = _call(new_args, stash)
-                stash.set(stash.out, functools.partial(_element_plan, in_leaves, in_dims[2:], in_spec))
-                out, out_dims = unfold(pytree.tree_unflatten(list(flat[:n_out]), out_spec))
-                dims = out_spec.flatten_up_to(out_dims)
-                return (*pytree.tree_leaves(out), *flat[n_out:]), (*dims, *[None] * (len(flat) - n_out))
-            results = []  # fallback: one call per batch element
-            for i in range(info.batch_size):
-                sliced = [t if d is None else t.select(d, i) for t, d in zip(in_leaves, in_dims[2:])]
-                results.append(_call(pytree.tree_unflatten(sliced, in_spec), stash)[0])
-            flat = tuple(torch.stack(column) for column in zip(*results))
-            return flat, (0,) * len(flat)
-
-    def _residuals_of(ctx: Any) -> Any:
-        saved = iter(ctx.saved_tensors)  # read once: unpack hooks run on every read
-        leaves = [value if kind == "ref" else next(saved) for kind, value in ctx.plan]
-        res = _tree(ctx.res_spec).tree_unflatten(leaves, ctx.res_spec)
-        # NOTE: [Which gradients] A record with a `needed()` field learns here which inputs
-        # autograd wants gradients for (shaped like fwd's arguments), so bwd can skip a GEMM.
-        mask = getattr(ctx, "needs_input_grad", None)
-        if getattr(type(res), "__needs_field__", None) and mask is not None and not torch.compiler.is_compiling():
-            res = with_needs(res, _tree(ctx.in_spec).tree_unflatten(list(mask[2:]), ctx.in_spec))
-        return res
-
-    def _element_plan(in_leaves: tuple, dims: tuple, in_spec: Any) -> tuple:
-        """NOTE: [vmap] Under ``vmap(grad(f))`` the grad level runs ``setup_context`` on the
-        outputs of our vmap rule, with per-element semantics. A folded call's residuals hold
-        folded context (e.g. splits * B), so the grad level needs the context of one element:
-        run ``fwd`` on element 0 (only when asked; plain ``vmap`` never asks)."""
-        sliced = tuple(t if d is None else t.select(d, 0) for t, d in zip(in_leaves, dims))
-        with torch.no_grad():
-            out, res = _pair(fwd(*pytree.tree_unflatten(list(sliced), in_spec)), name)
-        plan, extra, res_spec = _split_residuals(res, sliced)
-        if extra:
-            raise NotImplementedError(f"custom_vjp({name}): a vmap fold rule needs residuals that are inputs")
-        return plan, res_spec
-
-    def _call(args: Any, stash: _Stash) -> tuple[tuple, int, Any]:
-        in_leaves, in_spec = pytree.tree_flatten(args)
-        inner = _Stash()
-        flat = FuncFunction.apply(inner, in_spec, *in_leaves)
-        stash.set(inner.out, inner._plan)
-        out_spec, n_out = inner.out
-        return flat, n_out, out_spec
-
-    class Function(torch.autograd.Function):
-        """NOTE: [Two Functions] ``torch.func`` needs the setup_context style (``FuncFunction``
-        above), whose residual plan reaches ``setup_context`` through a side channel (the
-        stash). Dynamo cannot trace that side channel, and the setup_context style costs an
-        ``inspect.signature`` bind on every ``apply``. So eager autograd and ``torch.compile``
-        use this ctx-style twin: forward keeps the plan on ``ctx`` and saves every residual
-        tensor itself; the plan and ``bwd`` are shared. Under ``torch.compile`` no stash
-        carries the output's structure, so ``fwd``'s output must be a tensor or a flat tuple."""
-
-        @staticmethod
-        def forward(ctx: Any, stash: _Stash | None, in_spec: Any, *in_leaves: Any) -> tuple:  # type: ignore[override]
-            tree = _tree(in_spec)
-            out, res = _pair(fwd(*tree.tree_unflatten(in_leaves, in_spec)), name)
-            # A single tensor output (every layer here) needs no pytree: spec None stands for it.
-            out_leaves, ctx.out_spec = ((out,), None) if _is_tensor(out) else tree.tree_flatten(out)
-            if ctx.out_spec is not None and not all(_is_tensor(t) for t in out_leaves):
-                raise TypeError(f"custom_vjp({name}): fwd's output must be tensors; got {ctx.out_spec}")
-            res_leaves, ctx.res_spec = tree.tree_flatten(res)
-            ctx.save_for_backward(*[t for t in res_leaves if _is_tensor(t)])
-            ctx.plan = [("saved", None) if _is_tensor(t) else ("ref", t) for t in res_leaves]
-            ctx.in_spec = in_spec
-            if stash is not None:
-                stash.out = (ctx.out_spec, len(out_leaves))
-            return tuple(out_leaves)
-
-        @staticmethod
-        def backward(ctx: Any, *grads: Any) -> tuple:
-            d_out = grads[0] if ctx.out_spec is None else _tree(ctx.out_spec).tree_unflatten(list(grads), ctx.out_spec)
-            d_args = _flatten_cotangents(bwd(_residuals_of(ctx), d_out), ctx.in_spec, name)
-            return (None, None, *[g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(d_args)])
-
-    # autograd names a Function's backward node after the class when the class is created:
-    # subclass under the pair's name so grad_fn reads e.g. `CustomVJP_linearBackward`.
-    tag = "".join(c if c.isalnum() else "_" for c in name)
-    FuncFunction = type(f"CustomVJP_{tag}_func", (FuncFunction,), {})
-    Function = type(f"CustomVJP_{tag}", (Function,), {})
+    rules = _Rules(fwd, bwd, primal, jvp, vmap, name or getattr(fwd, "__name__", "fwd"))
 
     @functools.wraps(fwd)
     def apply(*args: Any) -> Any:
+        # NOTE: [autograd] Eager: ``primal`` when no gradient can be taken, else the Function
+        # through its fast apply (NOTE: [Fast apply]).
+        #
+        # NOTE: [torch.func grad and vjp] Under a transform (or forward mode) always the
+        # Function, which torch's apply hands to ``custom_function_call``: each grad level runs
+        # ``forward`` and ``setup_context`` on its unwrapped inputs and later ``backward`` on its
+        # cotangents; that level's ``needs_input_grad`` fills NOTE: [Which gradients]. Forward
+        # mode: NOTE: [jvp]; vmap: NOTE: [vmap].
+        #
+        # NOTE: [torch.compile] Dynamo traces ``forward`` and ``setup_context`` as one function
+        # (with the writes to the _Call, made inside the traced region) and then ``backward``,
+        # on the Python pytree. It refuses a Function that defines ``jvp``, hence
+        # ``rules.Traced``; it has no ``set_materialize_grads`` nor ``save_for_forward``, which
+        # only forward mode uses (there is no forward mode in a compiled graph).
         if torch.compiler.is_compiling():
-            in_leaves, in_spec = pytree.tree_flatten(args)
-            if not _needs_grad(in_leaves):
-                return primal(*args)
-            flat = Function.apply(None, in_spec, *in_leaves)
-            return flat[0] if len(flat) == 1 else tuple(flat)
-        if _transformed():
-            flat, n_out, out_spec = _call(args, _Stash())
-            return pytree.tree_unflatten(list(flat[:n_out]), out_spec)
-        in_leaves, in_spec = fast_pytree.tree_flatten(args)
-        if not _needs_grad(in_leaves):  # inference: just the GEMMs (inference tensors welcome)
-            return primal(*args)
-        stash = _Stash()
-        flat = Function.apply(stash, in_spec, *in_leaves)
-        out_spec = stash.out[0]
-        return flat[0] if out_spec is None else fast_pytree.tree_unflatten(list(flat), out_spec)
+            return _run(rules, args, pytree, rules.Traced, gate=True)
+        return _run(rules, args, fast_pytree, rules.Function, gate=not _transformed())
 
-    apply.fwd, apply.bwd, apply.primal = fwd, bwd, primal  # type: ignore[attr-defined]
-    apply.Function, apply.FuncFunction = Function, FuncFunction  # type: ignore[attr-defined]
+    apply.fwd, apply.bwd, apply.primal = fwd, bwd, rules.primal  # type: ignore[attr-defined]
+    apply.Function = rules.Function  # type: ignore[attr-defined]
     return apply

@@ -18,7 +18,7 @@ from . import _checks, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from .kernels import Kernels, Splits, check_sizes, get_kernels, stacked
 from .kernels.torch_ref import expert_sums
-from .residuals import needed, residuals, saved
+from .residuals import any_needed, needed, residuals, saved
 
 __all__ = [
     "GroupedLinearResiduals", "grouped_linear", "grouped_linear_fwd", "grouped_linear_bwd",
@@ -58,7 +58,7 @@ def _wanted(res: GroupedLinearResiduals) -> tuple[bool, bool, bool]:
     if res.needs is None:
         return True, True, True
     x, w, _, b = res.needs[:4]
-    return bool(x), any(pytree.tree_leaves(w)), any(pytree.tree_leaves(b))
+    return bool(x), any_needed(w), any_needed(b)
 
 
 def _as_params(weights: WeightsArg) -> tuple[tuple[torch.Tensor, ...], bool]:
@@ -118,7 +118,7 @@ def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
         items = None if isinstance(splits, (str, bytes)) else _checks.sequence(splits)
         if items is None:
             raise TypeError(f"splits must be a list/tuple of ints or a 1-D integer tensor, got {type(splits).__name__}")
-        host, tensor = tuple(_checks.count(f"splits[{e}]", s) for e, s in enumerate(items)), None
+        host, tensor = _checks.counts("splits", items), None
     n = len(host) if host is not None else splits.shape[0]
     if n != num_experts:
         raise ValueError(f"splits has {n} entries but there are {num_experts} experts (weights): give one count per expert")

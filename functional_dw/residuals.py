@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["residuals", "saved", "needed", "with_needs", "saved_activations"]
+__all__ = ["residuals", "saved", "needed", "with_needs", "any_needed", "split", "RecordSpec", "saved_activations"]
 
 _SAVED = "functional_dw.saved"
 _NEEDS = "functional_dw.needs"
@@ -61,6 +61,56 @@ def with_needs(res: T, needs: Any) -> T:
     return record
 
 
+class RecordSpec:
+    """How to rebuild a residual record from its saved fields' values: its other fields, by
+    reference, and None where a saved one was (a strong ref to a saved tensor would defeat
+    offloading hooks). What :func:`split` returns; the bridge keeps it in place of a pytree
+    spec (same ``unflatten``) for a record in eager code and under torch.func."""
+
+    __slots__ = ("cls", "shell")
+
+    def __init__(self, cls: type, shell: dict) -> None:
+        self.cls, self.shell = cls, shell
+
+    def unflatten(self, values: Any, needs: Any = None) -> Any:
+        """The record again, with ``values`` in its saved fields and ``needs`` (when given) in
+        its :func:`needed` field. Fresh, and checked when forward made it: no frozen
+        ``__init__`` (one ``object.__setattr__`` per field) on backward's hot path."""
+        record = object.__new__(self.cls)
+        fields = record.__dict__
+        fields.update(self.shell)
+        fields.update(zip(self.cls.__saved_fields__, values))
+        if needs is not None and self.cls.__needs_field__:
+            fields[self.cls.__needs_field__] = needs
+        return record
+
+
+def split(res: Any) -> tuple[list, RecordSpec] | None:
+    """A residual record whose saved fields hold tensors (or None) as (their values, a
+    :class:`RecordSpec`), without a pytree walk; None for anything else: a saved field holding
+    a pytree of tensors (whose leaves must be saved), a subclass not itself declared a record."""
+    names = type(res).__dict__.get("__saved_fields__")
+    if names is None:
+        return None
+    shell = dict(res.__dict__)
+    values = [shell[n] for n in names]
+    if not all(v is None or isinstance(v, torch.Tensor) for v in values):
+        return None
+    for n in names:
+        shell[n] = None
+    return values, RecordSpec(type(res), shell)
+
+
+def any_needed(needs: Any) -> bool:
+    """Whether any leaf of a :func:`needed` (sub)tree is True: a bool, or a sequence of them
+    (the usual shapes, read without a pytree walk); anything else through the pytree."""
+    if type(needs) is bool:
+        return needs
+    if isinstance(needs, (list, tuple)) and all(type(n) is bool for n in needs):
+        return any(needs)
+    return any(pytree.tree_leaves(needs))
+
+
 def residuals(cls: type[T]) -> type[T]:
     """Make ``cls`` a frozen residual record and register it as a pytree node."""
     cls = dataclasses.dataclass(frozen=True, repr=False, eq=False)(cls)
@@ -83,8 +133,42 @@ def residuals(cls: type[T]) -> type[T]:
 
     pytree.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
     cls.__needs_field__ = next((f.name for f in dataclasses.fields(cls) if f.metadata.get(_NEEDS)), None)
+    cls.__saved_fields__ = leaves
     cls.__repr__ = _describe  # type: ignore[method-assign]
+    _fast_init(cls)
     return cls
+
+
+def _fast_init(cls: type) -> None:
+    """A frozen dataclass's ``__init__`` sets each field with ``object.__setattr__`` (about a
+    quarter of a microsecond each; a layer's record has a dozen fields, made on every forward):
+    replace it by one that fills the instance dict at once, with the same signature and
+    defaults. Dynamo traces the dataclass's own (it cannot trace ``__dict__`` writes). Records
+    with a ``default_factory``, ``__post_init__``, keyword-only or non-init fields keep it."""
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields]
+    code = cls.__init__.__code__  # (its parameters are exactly the fields: no InitVar)
+    if hasattr(cls, "__post_init__") or code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount] != tuple(names) \
+            or any(f.default_factory is not dataclasses.MISSING or not f.init or f.kw_only for f in fields):
+        return
+    scope = {"_fdw_init": cls.__init__, "_fdw_compiling": torch.compiler.is_compiling}
+    params = []
+    for f in fields:
+        if f.default is dataclasses.MISSING:
+            params.append(f.name)
+        else:
+            scope[f"_fdw_default_{f.name}"] = f.default
+            params.append(f"{f.name}=_fdw_default_{f.name}")
+    source = (
+        f"def __init__(self, {', '.join(params)}):\n"
+        f"    if _fdw_compiling():\n"
+        f"        return _fdw_init(self, {', '.join(names)})\n"
+        f"    self.__dict__.update({{{', '.join(f'{n!r}: {n}' for n in names)}}})\n"
+    )
+    exec(source, scope)  # (as dataclasses itself builds __init__)
+    init = scope["__init__"]
+    init.__qualname__, init.__wrapped__ = f"{cls.__qualname__}.__init__", cls.__init__
+    cls.__init__ = init  # type: ignore[misc]
 
 
 def saved_activations(res: Any) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 
 from conftest import HOOKS
 from functional_dw import custom_vjp, residuals, saved, saved_activations
+from functional_dw.residuals import needed
 
 
 @residuals
@@ -183,3 +184,61 @@ def test_records_are_frozen():
         r.x = torch.zeros(5)
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.scale = 4
+
+
+@residuals
+class NestedResiduals:
+    pair: tuple = saved()  # a saved field holding a pytree of tensors (e.g. a quantized x)
+    k: int
+
+
+def test_saved_field_holding_a_pytree_saves_its_tensors():
+    f = custom_vjp(lambda x: (x * 2, NestedResiduals((x, torch.cos(x)), 2)),
+                   lambda res, dy: (dy * res.k + 0 * res.pair[1],), name="nested")
+    x, _ = inputs()
+    with HOOKS["identity"]()() as rec:
+        y = f(x)
+    assert len(rec.packed) == 2 and rec.packed[0] is x, "both tensors of the saved pair go through the hooks"
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+
+
+def test_no_zeros_are_made_for_an_intermediate_residual_in_backward():
+    """An intermediate residual rides out of forward as an extra output that never gets a
+    gradient: backward must not materialize an activation-sized zeros tensor for it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x, w = inputs()
+    a, b = two(x, w, 3, "t")
+    loss = a.sum() + b.sum()
+    with Ops() as ops:
+        loss.backward()
+    assert not any(name.startswith(("zeros", "new_zeros", "zero_")) for name in ops.seen), ops.seen
+
+
+@residuals
+class NestedNeeds:
+    pair: tuple = saved()
+    needs: object = needed()
+
+
+def test_record_with_a_pytree_in_a_saved_field_still_learns_which_gradients():
+    got = []
+
+    def bwd(res, dy):
+        got.append(res.needs)
+        return dy * 2, None
+
+    f = custom_vjp(lambda x, w: (x * 2, NestedNeeds((x, w))), bwd, name="nested_needs")
+    x, w = inputs()
+    f(x, w.detach()).sum().backward()
+    assert got == [(True, False)]
