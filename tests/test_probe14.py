@@ -1,0 +1,68 @@
+"""Probe 14: a hostile user's findings against one buffer for a group's weights, the bridge
+rewrite (one setup_context Function) and the CUDA graphs helper's argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import functional_dw as fd
+from functional_dw import custom_vjp
+
+
+def _x(requires_grad=True):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(3, dtype=torch.float64, generator=g, requires_grad=requires_grad)
+
+
+# --- the bridge --------------------------------------------------------------------------------
+
+def _exp_fwd(x):
+    y = torch.exp(x)
+    return y, (y,)  # JAX's classic: the output is the residual
+
+
+exp = custom_vjp(_exp_fwd, lambda res, dy: (dy * res[0],))
+
+
+def test_a_residual_that_is_the_output_keeps_the_output_differentiable():
+    """Was: the output was also returned as an extra output and marked non-differentiable,
+    which made the output itself non-differentiable: no error when something else in the loss
+    requires grad, just a silently missing gradient."""
+    x = _x()
+    y = exp(x)
+    assert y.requires_grad and y.grad_fn is not None
+    (y.sum() + x.sum()).backward()
+    torch.testing.assert_close(x.grad, torch.exp(x).detach() + 1)
+    g, = torch.autograd.grad(torch.autograd.grad(exp(x).sum(), x, create_graph=True)[0].sum(), x)
+    torch.testing.assert_close(g, torch.exp(x).detach())
+    torch.testing.assert_close(torch.func.grad(lambda x: exp(x).sum())(x.detach()), torch.exp(x).detach())
+    torch.testing.assert_close(torch.func.vmap(torch.func.grad(lambda x: exp(x).sum()))(x.detach()[:, None]),
+                               torch.exp(x).detach()[:, None])
+
+
+def test_a_residual_output_changed_in_place_before_backward_raises():
+    x = _x()
+    y = exp(x)
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+_identity = custom_vjp(lambda x: (x, (x,)), lambda res, dy: (dy,))
+
+
+def test_an_input_returned_as_is_and_saved_as_a_residual_works():
+    """Was: torch's "An input that has been returned as-is as output is being saved for
+    backward. This is not supported if you override setup_context" (the old ctx-style
+    Function took it)."""
+    x = _x()
+    torch.testing.assert_close(torch.autograd.grad(_identity(x).sum() * 2, x)[0], torch.full_like(x, 2))
+    torch.testing.assert_close(torch.func.grad(lambda x: _identity(x).sum())(x.detach()), torch.ones(3, dtype=x.dtype))
+
+
+def test_a_residual_that_is_the_output_compiles():
+    """Was: dynamo's "Placeholder node not found in env" (the output returned twice)."""
+    x = _x()
+    y = torch.compile(exp, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(torch.autograd.grad(y.sum(), x)[0], torch.exp(x).detach())
