@@ -136,7 +136,11 @@ def _flatten_out(out: Any, tree: Any, name: str) -> tuple[tuple, Any]:
         return (out,), None
     leaves, spec = tree.tree_flatten(out)
     if not all(_is_tensor(t) for t in leaves):
-        raise TypeError(f"custom_vjp({name}): fwd's output must be tensors; got {spec}")
+        i, bad = next((i, t) for i, t in enumerate(leaves) if not _is_tensor(t))
+        raise TypeError(
+            f"custom_vjp({name}): fwd's output must be tensors; got {spec}: output leaf {i} is "
+            f"{str(bad)[:40]} ({type(bad).__name__}) (return other values through the residuals)"
+        )
     return tuple(leaves), spec
 
 

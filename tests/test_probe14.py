@@ -66,3 +66,11 @@ def test_a_residual_that_is_the_output_compiles():
     x = _x()
     y = torch.compile(exp, fullgraph=True, backend="aot_eager")(x)
     torch.testing.assert_close(torch.autograd.grad(y.sum(), x)[0], torch.exp(x).detach())
+
+
+def test_a_non_tensor_output_leaf_is_named_in_the_error():
+    """fwd's output must be tensors: the error said only the spec (``PyTreeSpec((*, *), ...)``),
+    not which leaf was wrong nor what it was."""
+    f = custom_vjp(lambda x: ((x * 2, None), ()), lambda res, d: (d[0] * 2,))
+    with pytest.raises(TypeError, match=r"output leaf 1 is None \(NoneType\)"):
+        f(_x())
