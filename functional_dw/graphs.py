@@ -179,11 +179,12 @@ def graph_step(
     if grads not in _GRADS:
         raise ValueError(f"graph_step: grads must be one of {_GRADS}, got {grads!r}")
     try:
-        warmup = operator.index(warmup) if not isinstance(warmup, bool) else 0
+        n = operator.index(warmup) if not isinstance(warmup, bool) else 0
     except TypeError:
-        warmup = 0
-    if warmup < 1:
+        n = 0
+    if n < 1:
         raise ValueError(f"graph_step: warmup must be an int >= 1 (eager runs before capture), got {warmup!r}")
+    warmup = n
     if not isinstance(check_sync, bool):
         raise TypeError(f"graph_step: check_sync must be True or False, got {check_sync!r}")
     if not torch.cuda.is_available():
