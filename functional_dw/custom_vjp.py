@@ -136,7 +136,11 @@ def _flatten_out(out: Any, tree: Any, name: str) -> tuple[tuple, Any]:
         return (out,), None
     leaves, spec = tree.tree_flatten(out)
     if not all(_is_tensor(t) for t in leaves):
-        raise TypeError(f"custom_vjp({name}): fwd's output must be tensors; got {spec}")
+        i, bad = next((i, t) for i, t in enumerate(leaves) if not _is_tensor(t))
+        raise TypeError(
+            f"custom_vjp({name}): fwd's output must be tensors; got {spec}: output leaf {i} is "
+            f"{str(bad)[:40]} ({type(bad).__name__}) (return other values through the residuals)"
+        )
     return tuple(leaves), spec
 
 
@@ -149,8 +153,10 @@ def _out_leaves(out: Any, spec: Any) -> list:
     return [out] if spec is None else spec.flatten_up_to(out)
 
 
-def _plan(res: Any, in_leaves: tuple, tree: Any) -> tuple[list, list[torch.Tensor], Any]:
-    """How each residual leaf is kept: ("in", i) an input, ("out", j) an intermediate (saved
+def _plan(res: Any, in_leaves: tuple, tree: Any, out_leaves: tuple = ()) -> tuple[list, list[torch.Tensor], Any]:
+    """How each residual leaf is kept: ("in", i) an input, ("y", j) fwd's output j (saved as
+    that output: returned again as a non-differentiable extra output, the same tensor object,
+    it would make the output itself non-differentiable), ("out", j) an intermediate (saved
     and returned as extra output j, see NOTE: [What goes where]), ("ref", obj) by reference.
     A residual record splits itself (no pytree walk), except in a traced graph."""
     parts = None if torch.compiler.is_compiling() else split(res)
@@ -165,9 +171,22 @@ def _plan(res: Any, in_leaves: tuple, tree: Any) -> tuple[list, list[torch.Tenso
                 plan.append(("in", i))
                 break
         else:
-            plan.append(("out", len(extra)))
-            extra.append(leaf)
+            for j, t in enumerate(out_leaves):
+                if t is leaf:
+                    plan.append(("y", j))
+                    break
+            else:
+                plan.append(("out", len(extra)))
+                extra.append(leaf)
     return plan, extra, spec
+
+
+def _fresh_outputs(out_leaves: tuple, in_leaves: tuple) -> tuple:
+    """An input returned as an output becomes a view of it (``view_as``), as torch asks of a
+    setup_context Function that also saves that input."""
+    if not any(o is t for o in out_leaves for t in in_leaves):
+        return out_leaves
+    return tuple(o.view_as(o) if any(o is t for t in in_leaves) else o for o in out_leaves)
 
 
 def _cotangent_leaves(d: Any, spec: pytree.TreeSpec, name: str) -> list:
@@ -267,9 +286,9 @@ class _Bridge(torch.autograd.Function):
         tree = _tree(call.in_spec)
         out, res = _pair(rules.fwd(*call.in_spec.unflatten(in_leaves)), rules.name)
         out_leaves, call.out_spec = _flatten_out(out, tree, rules.name)
-        call.plan, extra, call.res_spec = _plan(res, in_leaves, tree)
+        call.plan, extra, call.res_spec = _plan(res, in_leaves, tree, out_leaves)
         call.n_out = len(out_leaves)
-        return (*out_leaves, *extra)
+        return (*_fresh_outputs(out_leaves, in_leaves), *extra)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -277,7 +296,8 @@ class _Bridge(torch.autograd.Function):
         extra = output[call.n_out:]
         if extra:
             ctx.mark_non_differentiable(*extra)
-        saved = [inputs[1 + i] if kind == "in" else extra[i] for kind, i in call.resolve() if kind != "ref"]
+        saved = [inputs[1 + i] if kind == "in" else output[i] if kind == "y" else extra[i]
+                 for kind, i in call.resolve() if kind != "ref"]
         ctx.save_for_backward(*saved)
         ctx.call = call
         if (extra or _forward_ad_active()) and not torch.compiler.is_compiling():

@@ -186,13 +186,24 @@ def versions(params: Sequence[torch.Tensor]) -> tuple[int | None, ...]:
     return tuple(None if p.is_inference() else p._version for p in params)
 
 
+def _shares_storage(p: torch.Tensor, params: Sequence[torch.Tensor]) -> bool:
+    """Whether another of ``params`` lives in ``p``'s storage (for an error message only)."""
+    try:
+        ptr = p.untyped_storage().data_ptr()
+        return not p.is_meta and any(q is not p and q.untyped_storage().data_ptr() == ptr for q in params)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
 def check_versions(params: Sequence[torch.Tensor], recorded: tuple[int, ...], name: str) -> None:
     """The check autograd's version counter would have done had the weights been saved."""
     for e, (p, v) in enumerate(zip(params, recorded)):
         if v is not None and p._version != v:
             where = name if len(params) == 1 else f"{name}[{e}]"
+            note = (f" ({where} and other weights share one buffer, hence one version counter: any of them "
+                    "may be the one that changed)") if _shares_storage(p, params) else ""
             raise RuntimeError(
                 f"{where} was modified in place between forward and backward (version {v} -> "
-                f"{p._version}), e.g. by an optimizer step. Its gradient would be computed with the "
+                f"{p._version}), e.g. by an optimizer step{note}. Its gradient would be computed with the "
                 "new values; run backward before updating the weights."
             )

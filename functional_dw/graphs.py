@@ -32,7 +32,8 @@ What a graph replays is the device work of the capture, nothing else. For functi
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import operator
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -174,12 +175,18 @@ def graph_step(
     if not callable(step):
         raise TypeError(f"graph_step: step must be callable, got {type(step).__name__}")
     _check_tensors("inputs", inputs, cuda=False)
-    params = list(params) if not isinstance(params, torch.Tensor) else [params]
-    _check_tensors("params", params, cuda=False)
+    params = _params_list(params)
     if grads not in _GRADS:
         raise ValueError(f"graph_step: grads must be one of {_GRADS}, got {grads!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+    try:
+        n = operator.index(warmup) if not isinstance(warmup, bool) else 0
+    except TypeError:
+        n = 0
+    if n < 1:
         raise ValueError(f"graph_step: warmup must be an int >= 1 (eager runs before capture), got {warmup!r}")
+    warmup = n
+    if not isinstance(check_sync, bool):
+        raise TypeError(f"graph_step: check_sync must be True or False, got {check_sync!r}")
     if not torch.cuda.is_available():
         raise RuntimeError("graph_step: CUDA graphs need a CUDA device; none is available")
     _check_tensors("inputs", inputs, cuda=True)
@@ -228,6 +235,22 @@ def graph_step(
     return GraphedStep(graph, tuple(inputs), outputs, captured, grads)
 
 
+def _params_list(params: Any) -> list[torch.Tensor]:
+    """``params`` as a list of tensors, or an error that says what to pass."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, torch.nn.Module) or not isinstance(params, Iterable) or isinstance(params, (str, bytes)):
+        raise TypeError("graph_step: params must be a sequence of tensors (e.g. model.parameters()), "
+                        f"got {type(params).__name__}")
+    params = list(params)
+    for i, p in enumerate(params):
+        if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):
+            raise TypeError(f"graph_step: params[{i}] is a (name, tensor) pair: pass model.parameters(), "
+                            "not model.named_parameters()")
+    _check_tensors("params", params, cuda=False)
+    return params
+
+
 def _main_grads(params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(main_grad, a copy of its values) for each parameter that has one."""
     mgs = [getattr(p, "main_grad", None) for p in params]
@@ -267,6 +290,8 @@ def make_graphed_callables(callables: Any, sample_args: tuple, num_warmup_iters:
     ``sample_args``: tensors only, e.g. ``(x, splits)`` with the splits as a CUDA int tensor
     (static: each call copies its arguments into the captured ones). The grads of leaf tensors
     passed as arguments are views of the graph's buffers, valid until the next call."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("make_graphed_callables: CUDA graphs need a CUDA device; none is available")
     mods = callables if isinstance(callables, tuple) else (callables,)
     params = list({id(p): p for m in mods if isinstance(m, torch.nn.Module) for p in m.parameters()}.values())
     saved = _main_grads(params)

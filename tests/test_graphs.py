@@ -178,6 +178,7 @@ def test_make_graphed_callables_restores_main_grad(monkeypatch):
         return "graphed"
 
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # get past the device check
     hooked = []
     monkeypatch.setattr(fd.graphs, "_own_grads", lambda ps: hooked.extend(p for p in ps if p.requires_grad))
     assert fd.graphs.make_graphed_callables(lin, (torch.ones(2, 4),)) == "graphed"
