@@ -243,3 +243,33 @@ def no_jvp(p: Plan | None, layer: str) -> None:
             "quantization has no derivative, and backward's straight-through rule (dy and the weights "
             "quantized, x's saved FP8 copy) has no forward-mode counterpart. Use reverse mode "
             "(backward, torch.func.grad/vjp/jacrev), or recipe=None")
+
+
+def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
+    """Raise when a backward through an FP8 layer would itself be differentiated: autograd's
+    backward with ``create_graph=True`` where dy or a weight requires grad, or under
+    ``torch.func`` a dy tracked by a grad level other than the one running this backward (grad
+    of grad, ``jacrev(jacrev)``). dy's and the weights' quantizations are not differentiable, so
+    a second-order result would silently miss their terms. A single ``torch.func.grad``/``vjp``
+    level (which runs backward with a graph of its own) and direct calls of the pure ``*_bwd``
+    pass. (Forward mode over an FP8 layer, e.g. ``hessian``, is refused by the jvp rule.)"""
+    if not torch.is_grad_enabled():
+        return
+    func = torch._C._functorch
+    top = func.peek_interpreter_stack()
+    if top is not None:
+        own = top.level() if top.key() == func.TransformType.Grad else None  # grad(): backward runs at its level
+        higher, t = False, dy
+        while func.is_functorch_wrapped_tensor(t):
+            if func.is_gradtrackingtensor(t) and func.maybe_get_level(t) != own and t.requires_grad:
+                higher = True
+            t = func.get_unwrapped(t)
+    elif torch._C._current_autograd_node() is None:
+        return  # the pure API called directly, not autograd's backward
+    else:  # autograd's backward with create_graph=True
+        higher = dy.requires_grad or any(w.requires_grad for w in weights)
+    if higher:
+        raise NotImplementedError(
+            f"{layer}: a backward through an FP8 layer cannot be differentiated again (create_graph=True, "
+            "grad of grad, jacrev of jacrev): quantization has no derivative, so second-order terms would "
+            "be silently missing. Take first-order gradients, or use recipe=None")

@@ -179,6 +179,7 @@ def _dy_fp8(res: LinearResiduals, dy_TN: torch.Tensor, dgrad: bool, wgrad: bool)
     """With FP8, dy quantized for the GEMMs that run (None without FP8 or without GEMMs)."""
     if res.fp8 is None:
         return None
+    _fp8.check_first_order("linear", dy_TN, [res.weight])
     return res.fp8.quantize_dy(res.kernels, dy_TN, dgrad=dgrad and _wanted(res)[0], wgrad=wgrad and not _frozen(res))
 
 

@@ -194,8 +194,23 @@ def _no_dbias(with_dbias: bool) -> None:
 
 
 def _record_amax(amax: torch.Tensor, value: torch.Tensor) -> None:
-    """``amax = max(amax, value)`` in place (TE's atomicMaxFloat into the state's history)."""
-    amax.copy_(torch.maximum(amax, value.reshape(amax.shape).to(amax.device)))
+    """``amax = max(amax, value)`` in place (TE's atomicMaxFloat into the state's history).
+
+    Under ``torch.func`` a backward's dy (so its amax) is a functorch wrapper, which may not
+    write into the state (a captured tensor). An amax is data, not differentiated: the plain
+    value under the wrappers is recorded; a vmapped one (a batch of amaxes) as its max over the
+    batch, what one call per element would leave in the state."""
+    func = torch._C._functorch
+    if func.peek_interpreter_stack() is None:
+        amax.copy_(torch.maximum(amax, value.reshape(amax.shape).to(amax.device)))
+        return
+    while func.is_functorch_wrapped_tensor(value):
+        bdim = func.maybe_get_bdim(value)
+        value = func.get_unwrapped(value)
+        if bdim >= 0:
+            value = value.amax(dim=bdim)
+    with torch._C._DisableFuncTorch():  # a plain write (a transform would refuse to mutate the state)
+        amax.copy_(torch.maximum(amax, value.reshape(amax.shape).to(amax.device)))
 
 
 class TorchKernels:
