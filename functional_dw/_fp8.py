@@ -150,6 +150,11 @@ def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: 
             raise ValueError("fp8_state was given without a recipe: pass recipe=fp8.DelayedScaling(...) too")
         return None
     r = fp8.as_recipe(recipe)
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "FP8 layers do not run under torch.compile yet (per-expert quantization reads host split sizes, and "
+            "the reference GEMMs on quantized operands have no custom ops): run them eager, or compile with "
+            "recipe=None")
     if r.backward_override is not None:
         raise ValueError(f"{type(r).__name__}(backward_override={r.backward_override!r}) is not supported: "
                          "backward runs the FP8 GEMMs of the recipe (set backward_override=None)")
