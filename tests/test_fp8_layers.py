@@ -522,6 +522,15 @@ def test_torch_func_grad_vjp_vmap(name, layer, path):
     assert_same(yb[1], f(2 * x, ws, bs), "vmap")
     per = vmap(grad(lambda x: (f(x, ws, bs).float() * dy.float()).sum()))(xb)
     assert_same(per[0], want[1], "vmap(grad)")
+    if layer == "linear":  # jacrev: d y[0, 0] / d x is the FP8 weight (dgrad of unit cotangents), at x[0, 0] only
+        from torch.func import jacrev
+
+        jac = jacrev(lambda x: f(x, ws, bs)[0, 0])(x)
+        scale = None if state is None else fp8.scale_for(state, "weight", 0)
+        wq = fp8.quantize(ws[0], fp8.tensor_spec(recipe, "weight"), scale=scale, rowwise=False, columnwise=True)
+        torch.testing.assert_close(jac[:, 0, 0], wq.dequantize().to(BF16), rtol=2**-8, atol=0)
+        jac[:, 0, 0] = 0
+        assert not jac.any()
 
 
 @pytest.mark.parametrize("layer", ["linear", "grouped"])
@@ -670,3 +679,11 @@ def test_backward_uses_forwards_weight_scales_after_a_forward_update(layer, path
     assert_same(xr.grad, want_dx)
     _, stale_dx, _ = direct(layer, recipe, [(a, b * 0.3, c) for a, b, c in after], x, ws, bs, dy)
     assert not torch.equal(xr.grad, stale_dx)  # (the test can tell the two apart)
+
+
+def test_torch_compile_is_refused_clearly():
+    x, ws, bs, _ = _inputs("grouped", dtype=torch.float32)
+    f = torch.compile(lambda x: fd.linear(x, ws[0], recipe=RECIPES["current"]), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="FP8 layers do not run under torch.compile yet"):
+        f(x)
+    torch._dynamo.reset()
