@@ -2,7 +2,7 @@
 
 A layer builds its plan in ``_prepare`` (:func:`plan`; None when ``recipe`` is None, and then
 nothing here runs) and hands each tensor to the kernels' ``quantize``/``grouped_quantize``
-through the plan's methods (see /work/fp8-seam.md, "What the layer does"):
+through the plan's methods (the kernels' side: ``kernels/__init__.py``, NOTE: [FP8 operands]):
 
 =================  ===================================  ==========================================
 when               tensor                               copies, scale (delayed scaling)
@@ -31,7 +31,6 @@ delayed scaling the weight scales forward used.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +39,7 @@ import torch
 from . import fp8
 from .fp8.state import BWD_PER_GEMM, FWD_PER_GEMM
 
-__all__ = ["Plan", "plan", "with_usage"]
+__all__ = ["Plan", "plan", "with_usage", "check_dims", "check_first_order", "no_jvp", "Args", "unpack"]
 
 _ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
 FEATURE_MULTIPLE = 16  # K and N (TE: assert_dim_for_fp8_exec's last dim; cuBLASLt's FP8 leading dims)
@@ -212,10 +211,6 @@ def check_dims(K: int, N: int, *, tokens: int | None = None, splits: Sequence[in
                 raise ValueError(f"FP8 grouped GEMMs need each expert's tokens to be a multiple of "
                                  f"{GROUP_TOKEN_MULTIPLE}; splits[{e}] is {s} (pad the routing: te.Fp8Padding, "
                                  "Megatron's moe_router_padding_for_fp8)")
-
-
-def tokens(shape: Sequence[int]) -> int:
-    return math.prod(shape[:-1])
 
 
 class Args:
