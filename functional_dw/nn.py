@@ -138,7 +138,7 @@ class _FP8:
         if not isinstance(recipe, fp8.DelayedScaling):
             return recipe, None
         state = self.fp8_state
-        if state is None or state.scale_fwd.device != x.device:
+        if state is None:  # (a state follows the module's .to(); on another device than x, the layer says so)
             state = fp8.init_state(recipe, self._fp8_gemms, device=x.device)
             self._fp8_set(state, recipe)
         self._fp8_flush()
