@@ -14,7 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
-from . import _checks, distributed_weight as dwp
+from . import _checks, _fp8, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from .kernels import Kernels, Splits, check_sizes, get_kernels, stacked
 from .kernels.torch_ref import expert_sums
@@ -37,8 +37,9 @@ SplitsArg = Union[Sequence[int], torch.Tensor]
 
 @residuals
 class GroupedLinearResiduals:
-    x_TK: torch.Tensor = saved()  # the only tensor saved for backward: x as given (NOTE: [Saved x])
-    x_version: _checks.Stamp  # x_TK's version at forward: the pure API checks it in backward
+    x_TK: Any = saved()  # all that is saved for backward: x as given (NOTE: [Saved x]); with FP8, its
+    # quantized columnwise copy per expert (what wgrad reads; x itself is not kept)
+    x_version: _checks.Stamp  # x_TK's version at forward: the pure API checks it in backward (None with FP8)
     weights: tuple[torch.Tensor, ...]  # the parameters by reference: E x [N, K], or one [E, N, K]
     stacked: bool  # weights is one [E, N, K] tensor
     weight_version: tuple[int, ...]
@@ -50,6 +51,8 @@ class GroupedLinearResiduals:
     path: str  # the GEMM path that ran: "split" (per-expert GEMMs) or "grouped" (one kernel)
     fuse_wgrad_accumulation: bool
     kernels: Kernels
+    fp8: _fp8.Plan | None  # None without FP8; else how forward quantized (recipe, specs, the state by
+    # reference, forward's weight scales): backward quantizes dy and the weights by it
     needs: Any = needed()  # which gradients bwd computes (None: all); see NOTE: [Which gradients]
 
 
@@ -182,10 +185,13 @@ class _Call(NamedTuple):
     x_TK: torch.Tensor
     kernels: Kernels
     path: str
+    fp8: _fp8.Plan | None  # None: no FP8
 
 
-def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend) -> _Call:
-    """Check every argument, materialize the weights, pick the kernels and the GEMM path."""
+def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend,
+             recipe=None, fp8_state=None) -> _Call:
+    """Check every argument, materialize the weights, pick the kernels, the GEMM path and (with a
+    recipe) the FP8 plan."""
     _checks.tensor("x", x, ndim=2)
     _checks.flag("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
     if use_grouped_tensor is not None:
@@ -210,27 +216,50 @@ def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tens
     path = _choose_path(kernels, x_TK, w_ENK, use_grouped_tensor)
     if path == "split" and split.host is None and not torch.compiler.is_compiling():
         check_sizes(split.sizes(), x.shape[0])  # the split path syncs for host sizes anyway
-    return _Call(params, stacked, distributed, w_ENK, tuple(shapes), split, b_EN, bias_form, x_TK, kernels, path)
+    plan = None
+    if recipe is not None or fp8_state is not None:
+        plan = _fp8.plan(recipe, fp8_state, E, x, kernels)
+        known = split.host if split.host is not None or path == "grouped" else split.sizes()
+        _fp8.check_dims(K, N, splits=known)  # device-only counts: not checked (a sync)
+    return _Call(params, stacked, distributed, w_ENK, tuple(shapes), split, b_EN, bias_form, x_TK, kernels, path, plan)
 
 
 def _fprop(c: _Call) -> torch.Tensor:
+    if c.fp8 is not None:
+        return _fprop_fp8(c, keep=False)[0]
     return c.kernels.grouped_fprop(c.x_TK, c.w_ENK, c.b_EN, c.split, c.path == "grouped")
+
+
+def _fprop_fp8(c: _Call, keep: bool) -> tuple[torch.Tensor, Any, _fp8.Plan]:
+    """FP8 forward: x per expert and each weight quantized, the FP8 grouped GEMM; with ``keep``,
+    also x's columnwise copy for wgrad. Returns (y, that copy or None, the plan with forward's
+    weight scales)."""
+    grouped = c.path == "grouped"
+    xq = c.fp8.quantize_x(c.kernels, c.x_TK, c.split, grouped, keep=keep)
+    wq, plan = c.fp8.quantize_weights(c.kernels, c.w_ENK)
+    y = c.kernels.grouped_fprop(xq, wq, c.b_EN, c.split, grouped, split_accumulator=plan.acc.fprop)
+    return y, (_fp8.with_usage(xq, rowwise=False, columnwise=True) if keep else None), plan
 
 
 def grouped_linear_fwd(
     x: torch.Tensor, weights: WeightsArg, splits: SplitsArg, bias: Any = None, *,
     fuse_wgrad_accumulation: bool = False, use_grouped_tensor: bool | None = None,
-    backend: str | Kernels | None = None,
+    backend: str | Kernels | None = None, recipe: Any = None, fp8_state: Any = None,
 ) -> tuple[torch.Tensor, GroupedLinearResiduals]:
-    """``y`` ``[T, N]`` and the residuals. x ``[T, K]``; weights E ``[N, K]`` or ``[E, N, K]``."""
-    c = _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend)
+    """``y`` ``[T, N]`` and the residuals. x ``[T, K]``; weights E ``[N, K]`` or ``[E, N, K]``;
+    ``recipe``/``fp8_state`` as for :func:`grouped_linear`."""
+    c = _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend, recipe, fp8_state)
+    if c.fp8 is None:
+        y, x_saved, plan = _fprop(c), x, None
+    else:
+        y, x_saved, plan = _fprop_fp8(c, keep=True)
     res = GroupedLinearResiduals(
-        x_TK=x, x_version=_checks.stamp(x), weights=c.params, stacked=c.stacked,
+        x_TK=x_saved, x_version=_checks.stamp(x) if plan is None else None, weights=c.params, stacked=c.stacked,
         weight_version=dwp.versions(c.params), distributed=c.distributed, weight_shapes=c.shapes, splits=c.split,
         bias=c.bias_form, out_features=c.shapes[0][-2], path=c.path,
-        fuse_wgrad_accumulation=fuse_wgrad_accumulation, kernels=c.kernels,
+        fuse_wgrad_accumulation=fuse_wgrad_accumulation, kernels=c.kernels, fp8=plan,
     )
-    return _fprop(c), res
+    return y, res
 
 
 def _check_res(res: Any, fn: str) -> GroupedLinearResiduals:
@@ -239,8 +268,13 @@ def _check_res(res: Any, fn: str) -> GroupedLinearResiduals:
     return res
 
 
+def _like(res: GroupedLinearResiduals) -> Any:
+    """What has x's dtype and device: x, or with FP8 the plan (x is not kept)."""
+    return res.x_TK if res.fp8 is None else res.fp8
+
+
 def _dy_TN(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
-    return _checks.dense(_checks.cotangent("dy", dy, (res.x_TK.shape[0], res.out_features), res.x_TK))
+    return _checks.dense(_checks.cotangent("dy", dy, (res.splits.num_tokens, res.out_features), _like(res)))
 
 
 def _x_TK(res: GroupedLinearResiduals) -> torch.Tensor:
@@ -264,34 +298,55 @@ def _checked(res: Any, dy: Any, fn: str) -> torch.Tensor:
 def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     """dx ``[T, K]``, with the weights materialized again (never kept from forward); None when
     x needs no gradient (a DistributedWeight is still gathered: its collectives match across ranks)."""
-    return _dgrad(res, _checked(res, dy, "grouped_linear_bwd_dgrad"))
+    dy_TN = _checked(res, dy, "grouped_linear_bwd_dgrad")
+    return _dgrad(res, dy_TN, _dy_fp8(res, dy_TN, dgrad=True, wgrad=False))
 
 
 def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[Any, Any]:
     """(dweights, dbiases) shaped like the weights and bias arguments (see finalize)."""
-    return _wgrad(res, _checked(res, dy, "grouped_linear_bwd_wgrad"))
+    dy_TN = _checked(res, dy, "grouped_linear_bwd_wgrad")
+    return _wgrad(res, dy_TN, _dy_fp8(res, dy_TN, dgrad=False, wgrad=True))
 
 
 def grouped_linear_bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
-    """(dx, dweights, dbiases): dgrad then wgrad, on one checked (and densified) dy."""
+    """(dx, dweights, dbiases): dgrad then wgrad, on one checked (and densified) dy (with FP8,
+    quantized once for both)."""
     dy_TN = _checked(res, dy, "grouped_linear_bwd")
-    return (_dgrad(res, dy_TN), *_wgrad(res, dy_TN))
+    dyq = _dy_fp8(res, dy_TN, dgrad=True, wgrad=True)
+    return (_dgrad(res, dy_TN, dyq), *_wgrad(res, dy_TN, dyq))
 
 
-def _dgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor) -> torch.Tensor | None:
-    full = dwp.materialize(res.weights, res.distributed, for_backward=True, like=res.x_TK)
+def _frozen(res: GroupedLinearResiduals) -> bool:
+    """No wgrad GEMM: no weight grad wanted, or fused and every weight frozen (main_grad untouched)."""
+    return not _wanted(res)[1] or (res.fuse_wgrad_accumulation and not any(p.requires_grad for p in res.weights))
+
+
+def _dy_fp8(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dgrad: bool, wgrad: bool) -> Any:
+    """With FP8, dy quantized for the GEMMs that run (None without FP8 or without GEMMs)."""
+    if res.fp8 is None:
+        return None
+    _fp8.check_first_order("grouped_linear", dy_TN, res.weights)
+    return res.fp8.quantize_dy(res.kernels, dy_TN, res.splits, res.path == "grouped",
+                               dgrad=dgrad and _wanted(res)[0], wgrad=wgrad and not _frozen(res))
+
+
+def _dgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> torch.Tensor | None:
+    full = dwp.materialize(res.weights, res.distributed, for_backward=True, like=_like(res))
     dwp.check_materialized(full, res.weight_shapes, "materialize_group_for_backward()")
     if not _wanted(res)[0]:
         return None
     w_ENK = full[0] if res.stacked else full
-    return res.kernels.grouped_dgrad(dy_TN, w_ENK, res.splits, res.path == "grouped")
+    grouped = res.path == "grouped"
+    if res.fp8 is not None:  # dy and the weights (quantized again) in FP8
+        wq = res.fp8.requantize_weights(res.kernels, w_ENK)
+        return res.kernels.grouped_dgrad(dyq, wq, res.splits, grouped, split_accumulator=res.fp8.acc.dgrad)
+    return res.kernels.grouped_dgrad(dy_TN, w_ENK, res.splits, grouped)
 
 
-def _wgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor) -> tuple[Any, Any]:
+def _wgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> tuple[Any, Any]:
     fused = res.fuse_wgrad_accumulation
-    _, want_w, want_b = _wanted(res)
-    frozen = not want_w or (fused and not any(p.requires_grad for p in res.weights))  # main_grad untouched
-    if frozen:  # no wgrad GEMM; a DistributedWeight still finalizes (zeros), once, as every rank does
+    want_b = _wanted(res)[2]
+    if _frozen(res):  # no wgrad GEMM; a DistributedWeight still finalizes (zeros), once, as every rank does
         db_EN = expert_sums(dy_TN, res.splits) if res.bias is not None and want_b else None
         if res.distributed:
             zeros = [dy_TN.new_zeros(s) for s in res.weight_shapes]
@@ -302,10 +357,14 @@ def _wgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor) -> tuple[Any, Any]:
     if fused:
         targets = dwp.grad_targets(res.weights, res.distributed, res.weight_shapes, "weights")
         out = targets[0] if res.stacked else targets
-    dw, db_EN = res.kernels.grouped_wgrad(
-        _x_TK(res), dy_TN, res.splits, res.path == "grouped", out=out,
-        accumulate=fused and dwp.accumulates(res.weights, res.distributed), with_dbias=res.bias is not None and want_b,
-    )
+    accumulate, with_dbias = fused and dwp.accumulates(res.weights, res.distributed), res.bias is not None and want_b
+    if res.fp8 is not None:  # the saved FP8 x and dy; the bias grad from the high-precision dy
+        dw = res.kernels.grouped_wgrad(res.x_TK, dyq, res.splits, res.path == "grouped", out=out, accumulate=accumulate,
+                                       split_accumulator=res.fp8.acc.wgrad)[0]
+        db_EN = expert_sums(dy_TN, res.splits) if with_dbias else None
+    else:
+        dw, db_EN = res.kernels.grouped_wgrad(_x_TK(res), dy_TN, res.splits, res.path == "grouped", out=out,
+                                              accumulate=accumulate, with_dbias=with_dbias)
     wgrads = dwp.finalize(res.weights, res.distributed, fused, [dw] if res.stacked else list(dw))
     dweights = wgrads[0] if res.stacked else wgrads
     return dweights, _bias_grads(res, db_EN)
@@ -317,25 +376,26 @@ def _bias_grads(res: GroupedLinearResiduals, db_EN: torch.Tensor | None) -> Any:
     return db_EN
 
 
-def _fwd(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend):
+def _fwd(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend, fp8_args):
     return grouped_linear_fwd(
         x, weights, splits, bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        use_grouped_tensor=use_grouped_tensor, backend=backend,
+        use_grouped_tensor=use_grouped_tensor, backend=backend, **_fp8.unpack(fp8_args),
     )
 
 
 def _primal(*args) -> torch.Tensor:
     """Forward alone, when no gradient can be taken: checks and GEMMs, no residuals."""
-    return _fprop(_prepare(*args))
+    return _fprop(_prepare(*args[:-1], **_fp8.unpack(args[-1])))
 
 
 def _bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple:
     dx, dweights, dbias = grouped_linear_bwd(res, dy)
-    return dx, dweights, None, dbias, None, None, None
+    return dx, dweights, None, dbias, None, None, None, None
 
 
 def _jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
     """Forward mode, per expert ``dy_e = dx_e W_e^T + x_e dW_e^T + db_e``."""
+    _fp8.no_jvp(res.fp8, "grouped_linear")
     tx, tw, _, tb = tangents[:4]
     grouped = res.path == "grouped"
     if isinstance(tw, (list, tuple)) and all(t is None for t in tw):
@@ -360,19 +420,21 @@ def _jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
     return dy
 
 
-def _vmap(batch_size: int, in_dims: tuple, x, weights, splits, bias, fuse, use_grouped_tensor, backend):
+def _vmap(batch_size: int, in_dims: tuple, x, weights, splits, bias, fuse, use_grouped_tensor, backend, fp8_args):
     """Fold a batch of x (shared weights, host splits) into the token dimension: sort the B*T
-    rows by (expert, batch), run one grouped GEMM with splits*B, and unsort the output."""
+    rows by (expert, batch), run one grouped GEMM with splits*B, and unsort the output. Not with
+    FP8: a folded call would take each expert's amax over the whole batch, not per element."""
     x_dim, *rest = pytree.tree_leaves(in_dims, is_leaf=lambda d: d is None)
-    if x_dim is None or any(d is not None for d in rest) or not isinstance(splits, tuple):
-        return None  # batched weights/bias/splits, or device splits: one call per element
+    if x_dim is None or any(d is not None for d in rest) or not isinstance(splits, tuple) or fp8_args is not None:
+        return None  # batched weights/bias/splits, device splits, or FP8: one call per element
     xb = x.movedim(x_dim, 0)
     B, T, K = xb.shape
     E = len(splits)
     expert_T = torch.repeat_interleave(torch.arange(E, device=x.device), torch.tensor(splits, device=x.device), output_size=T)
     keys_BT = expert_T[None, :] * B + torch.arange(B, device=x.device)[:, None]
     order = torch.argsort(keys_BT.flatten(), stable=True)
-    new_args = (xb.reshape(B * T, K)[order], weights, _HostSplits(s * B for s in splits), bias, fuse, use_grouped_tensor, backend)
+    new_args = (xb.reshape(B * T, K)[order], weights, _HostSplits(s * B for s in splits), bias, fuse, use_grouped_tensor,
+                backend, None)
     return new_args, lambda y: (y[torch.argsort(order)].view(B, T, -1), 0)
 
 
@@ -382,7 +444,7 @@ _grouped_linear = custom_vjp(_fwd, _bwd, primal=_primal, jvp=_jvp, vmap=_vmap, n
 def grouped_linear(
     x: torch.Tensor, weights: WeightsArg, splits: SplitsArg, bias: Any = None, *,
     fuse_wgrad_accumulation: bool = False, use_grouped_tensor: bool | None = None,
-    backend: str | Kernels | None = None,
+    backend: str | Kernels | None = None, recipe: Any = None, fp8_state: Any = None,
 ) -> torch.Tensor:
     """Differentiable GroupedLinear (TE ``GroupedLinear`` semantics).
 
@@ -404,6 +466,13 @@ def grouped_linear(
             None to take the grouped path wherever the backend can run it.
         backend: None (TE on CUDA when installed, else torch), "te", "torch", or "auto" (the
             fastest measured: torch's grouped GEMM on CUDA where it can run, else as None).
+        recipe: None (no FP8), or an FP8 recipe (``functional_dw.fp8``'s or TE's
+            ``DelayedScaling``, ``Float8CurrentScaling``, ``Float8BlockScaling``): x, the weights
+            and dy are quantized per expert and every GEMM runs in FP8 (emulated on the reference
+            backend). K, N and each expert's tokens must be multiples of 16.
+        fp8_state: ``DelayedScaling``'s state, ``fp8.init_state(recipe, num_gemms=E, device=...)``:
+            forward reads its scales and records amaxes into it, backward records dy's; the
+            caller updates it between steps (``fp8.update_state_(state, recipe)``).
     """
     if not isinstance(weights, torch.Tensor):  # a list, tuple or nn.ParameterList: a pytree list
         weights = _checks.sequence(weights) or weights
@@ -413,4 +482,5 @@ def grouped_linear(
         items = _checks.sequence(splits)
         splits = _HostSplits(items) if items is not None else splits
     fuse = _checks.fuse_flag(fuse_wgrad_accumulation)  # (under torch.func: refused here, where it is visible)
-    return _grouped_linear(x, weights, splits, bias, fuse, use_grouped_tensor, backend)
+    fp8_args = None if recipe is None and fp8_state is None else _fp8.Args(recipe, fp8_state)
+    return _grouped_linear(x, weights, splits, bias, fuse, use_grouped_tensor, backend, fp8_args)

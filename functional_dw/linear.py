@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _checks, distributed_weight as dwp
+from . import _checks, _fp8, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from .kernels import Kernels, get_kernels
 from .kernels.torch_ref import column_sums
@@ -21,8 +21,9 @@ __all__ = ["LinearResiduals", "linear", "linear_fwd", "linear_bwd", "linear_bwd_
 
 @residuals
 class LinearResiduals:
-    x: torch.Tensor = saved()  # the input as given (see grouped_linear's NOTE: [Saved x]): the only saved tensor
-    x_version: _checks.Stamp  # x's version at forward: the pure API checks it in backward
+    x: Any = saved()  # the input as given (see grouped_linear's NOTE: [Saved x]): all that is saved; with
+    # FP8 its quantized columnwise copy ([T, K], what wgrad reads; x itself is not kept)
+    x_version: _checks.Stamp  # x's version at forward: the pure API checks it in backward (None with FP8)
     weight: torch.Tensor  # the parameter itself (plain or DistributedWeight), by reference
     weight_version: tuple[int | None, ...]
     distributed: bool
@@ -31,6 +32,7 @@ class LinearResiduals:
     has_bias: bool
     fuse_wgrad_accumulation: bool
     kernels: Kernels
+    fp8: _fp8.Plan | None  # None without FP8; else how forward quantized (see grouped_linear's field)
     needs: Any = needed()  # which gradients bwd computes (None: all); see NOTE: [Which gradients]
 
 
@@ -49,10 +51,12 @@ class _Call(NamedTuple):
     x: torch.Tensor  # dense
     bias: torch.Tensor | None
     kernels: Kernels
+    fp8: _fp8.Plan | None  # None: no FP8
 
 
-def _prepare(x, weight, bias, fuse_wgrad_accumulation, backend) -> _Call:
-    """Check every argument, materialize the weight, pick the kernels."""
+def _prepare(x, weight, bias, fuse_wgrad_accumulation, backend, recipe=None, fp8_state=None) -> _Call:
+    """Check every argument, materialize the weight, pick the kernels and (with a recipe) the
+    FP8 plan."""
     _checks.tensor("x", x, ndim=tuple(range(1, 9)))
     _checks.tensor("weight", weight, ndim=2)
     _checks.flag("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
@@ -68,26 +72,50 @@ def _prepare(x, weight, bias, fuse_wgrad_accumulation, backend) -> _Call:
         _checks.tensor("bias", bias, ndim=1)
         _checks.shape("bias", bias, (N,))
         _checks.like("bias", bias, x)
-    return _Call(distributed, w_NK, _checks.dense(x), bias, get_kernels(backend, x))
+    kernels = get_kernels(backend, x)
+    plan = None
+    if recipe is not None or fp8_state is not None:
+        plan = _fp8.plan(recipe, fp8_state, 1, x, kernels)
+        _fp8.check_dims(K, N, tokens=_tokens(x.shape))
+    return _Call(distributed, w_NK, _checks.dense(x), bias, kernels, plan)
 
 
 def _fprop(c: _Call) -> torch.Tensor:
+    if c.fp8 is not None:
+        return _fprop_fp8(c, keep=False)[0]
     K, N = c.x.shape[-1], c.w_NK.shape[0]
     return c.kernels.fprop(_checks.dense(c.x, (_tokens(c.x.shape), K)), c.w_NK, c.bias).view(*c.x.shape[:-1], N)
 
 
+def _fprop_fp8(c: _Call, keep: bool) -> tuple[torch.Tensor, Any, _fp8.Plan]:
+    """FP8 forward: x and the weight quantized, the FP8 GEMM; with ``keep``, also x's columnwise
+    copy for wgrad. Returns (y, that copy or None, the plan with forward's weight scale)."""
+    K, N = c.x.shape[-1], c.w_NK.shape[0]
+    xq = c.fp8.quantize_x(c.kernels, _checks.dense(c.x, (_tokens(c.x.shape), K)), keep=keep)
+    (wq,), plan = c.fp8.quantize_weights(c.kernels, [c.w_NK])
+    y = c.kernels.fprop(xq, wq, c.bias, split_accumulator=plan.acc.fprop).view(*c.x.shape[:-1], N)
+    return y, (xq.with_usage(rowwise=False, columnwise=True) if keep else None), plan
+
+
 def linear_fwd(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-    fuse_wgrad_accumulation: bool = False, backend: str | Kernels | None = None,
+    fuse_wgrad_accumulation: bool = False, backend: str | Kernels | None = None, recipe: Any = None,
+    fp8_state: Any = None,
 ) -> tuple[torch.Tensor, LinearResiduals]:
-    """``y = x @ W^T + b`` and the residuals its backward needs. x ``[..., K]``, weight ``[N, K]``."""
-    c = _prepare(x, weight, bias, fuse_wgrad_accumulation, backend)
+    """``y = x @ W^T + b`` and the residuals its backward needs. x ``[..., K]``, weight ``[N, K]``;
+    ``recipe``/``fp8_state`` as for :func:`linear`."""
+    c = _prepare(x, weight, bias, fuse_wgrad_accumulation, backend, recipe, fp8_state)
+    if c.fp8 is None:
+        y, x_saved, plan = _fprop(c), x, None
+    else:
+        y, x_saved, plan = _fprop_fp8(c, keep=True)
     res = LinearResiduals(
-        x=x, x_version=_checks.stamp(x), weight=weight, weight_version=dwp.versions([weight]),
-        distributed=c.distributed, x_shape=tuple(c.x.shape), out_features=c.w_NK.shape[0],
-        has_bias=bias is not None, fuse_wgrad_accumulation=fuse_wgrad_accumulation, kernels=c.kernels,
+        x=x_saved, x_version=_checks.stamp(x) if plan is None else None, weight=weight,
+        weight_version=dwp.versions([weight]), distributed=c.distributed, x_shape=tuple(c.x.shape),
+        out_features=c.w_NK.shape[0], has_bias=bias is not None, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        kernels=c.kernels, fp8=plan,
     )
-    return _fprop(c), res
+    return y, res
 
 
 def _check_res(res: Any, fn: str) -> LinearResiduals:
@@ -96,8 +124,13 @@ def _check_res(res: Any, fn: str) -> LinearResiduals:
     return res
 
 
+def _like(res: LinearResiduals) -> Any:
+    """What has x's dtype and device: x, or with FP8 the plan (x is not kept)."""
+    return res.x if res.fp8 is None else res.fp8
+
+
 def _dy_TN(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
-    _checks.cotangent("dy", dy, (*res.x_shape[:-1], res.out_features), res.x)
+    _checks.cotangent("dy", dy, (*res.x_shape[:-1], res.out_features), _like(res))
     return _checks.dense(dy, (_tokens(dy.shape), dy.shape[-1]))
 
 
@@ -119,62 +152,85 @@ def _checked(res: Any, dy: Any, fn: str) -> torch.Tensor:
 def linear_bwd_dgrad(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     """dx = dy @ W, with W materialized again (never kept from forward); None when x needs no
     gradient."""
-    return _dgrad(res, _checked(res, dy, "linear_bwd_dgrad"))
+    dy_TN = _checked(res, dy, "linear_bwd_dgrad")
+    return _dgrad(res, dy_TN, _dy_fp8(res, dy_TN, dgrad=True, wgrad=False))
 
 
 def linear_bwd_wgrad(res: LinearResiduals, dy: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
     """(dweight, dbias); dweight is what autograd gets for the parameter (see finalize)."""
-    return _wgrad(res, _checked(res, dy, "linear_bwd_wgrad"))
+    dy_TN = _checked(res, dy, "linear_bwd_wgrad")
+    return _wgrad(res, dy_TN, _dy_fp8(res, dy_TN, dgrad=False, wgrad=True))
 
 
 def linear_bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
     """(dx, dweight, dbias): :func:`linear_bwd_dgrad` then :func:`linear_bwd_wgrad`, on one
-    checked (and densified) dy."""
+    checked (and densified) dy (with FP8, quantized once for both)."""
     dy_TN = _checked(res, dy, "linear_bwd")
-    return (_dgrad(res, dy_TN), *_wgrad(res, dy_TN))
+    dyq = _dy_fp8(res, dy_TN, dgrad=True, wgrad=True)
+    return (_dgrad(res, dy_TN, dyq), *_wgrad(res, dy_TN, dyq))
 
 
-def _dgrad(res: LinearResiduals, dy_TN: torch.Tensor) -> torch.Tensor | None:
-    w_NK = dwp.materialize([res.weight], res.distributed, for_backward=True, like=res.x, name="weight")[0]
+def _frozen(res: LinearResiduals) -> bool:
+    """No wgrad GEMM: no weight grad wanted, or fused and the weight frozen (main_grad untouched)."""
+    return not _wanted(res)[1] or (res.fuse_wgrad_accumulation and not res.weight.requires_grad)
+
+
+def _dy_fp8(res: LinearResiduals, dy_TN: torch.Tensor, dgrad: bool, wgrad: bool) -> Any:
+    """With FP8, dy quantized for the GEMMs that run (None without FP8 or without GEMMs)."""
+    if res.fp8 is None:
+        return None
+    _fp8.check_first_order("linear", dy_TN, [res.weight])
+    return res.fp8.quantize_dy(res.kernels, dy_TN, dgrad=dgrad and _wanted(res)[0], wgrad=wgrad and not _frozen(res))
+
+
+def _dgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> torch.Tensor | None:
+    w_NK = dwp.materialize([res.weight], res.distributed, for_backward=True, like=_like(res), name="weight")[0]
     dwp.check_materialized([w_NK], [(res.out_features, res.x_shape[-1])], "materialize_group_for_backward()", "weight")
     if not _wanted(res)[0]:
         return None  # (a DistributedWeight was still gathered: its collectives match across ranks)
+    if res.fp8 is not None:  # dy and the weight (quantized again) in FP8
+        (wq,) = res.fp8.requantize_weights(res.kernels, [w_NK])
+        return res.kernels.dgrad(dyq, wq, split_accumulator=res.fp8.acc.dgrad).view(res.x_shape)
     return res.kernels.dgrad(dy_TN, w_NK).view(res.x_shape)
 
 
-def _wgrad(res: LinearResiduals, dy_TN: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
+def _wgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> tuple[Any, torch.Tensor | None]:
     params, fused = [res.weight], res.fuse_wgrad_accumulation
-    _, want_w, want_b = _wanted(res)
+    want_b = _wanted(res)[2]
     shape = (res.out_features, res.x_shape[-1])
-    if not want_w or (fused and not res.weight.requires_grad):  # frozen: no wgrad GEMM, main_grad untouched
+    if _frozen(res):  # frozen: no wgrad GEMM, main_grad untouched
         db = column_sums(dy_TN) if res.has_bias and want_b else None
         if res.distributed:  # it still finalizes (zeros), once, as every rank does
             return dwp.finalize(params, True, False, [dy_TN.new_zeros(shape)], "weight")[0], db
         return None, db
     out = dwp.grad_targets(params, res.distributed, [shape], "weight")[0] if fused else None
-    dw, db = res.kernels.wgrad(
-        _x_TK(res), dy_TN, out=out, accumulate=fused and dwp.accumulates(params, res.distributed),
-        with_dbias=res.has_bias and want_b,
-    )
+    accumulate, with_dbias = fused and dwp.accumulates(params, res.distributed), res.has_bias and want_b
+    if res.fp8 is not None:  # the saved FP8 x and dy; the bias grad from the high-precision dy
+        dw = res.kernels.wgrad(res.x, dyq, out=out, accumulate=accumulate, split_accumulator=res.fp8.acc.wgrad)[0]
+        db = column_sums(dy_TN) if with_dbias else None
+    else:
+        dw, db = res.kernels.wgrad(_x_TK(res), dy_TN, out=out, accumulate=accumulate, with_dbias=with_dbias)
     return dwp.finalize(params, res.distributed, fused, [dw], "weight")[0], db
 
 
 def _bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple:
     dx, dw, db = linear_bwd(res, dy)
-    return dx, dw, db, None, None  # cotangents of (x, weight, bias, fuse, backend)
+    return dx, dw, db, None, None, None  # cotangents of (x, weight, bias, fuse, backend, fp8_args)
 
 
-def _fwd(x, weight, bias, fuse_wgrad_accumulation, backend):  # positional form for custom_vjp
-    return linear_fwd(x, weight, bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation, backend=backend)
+def _fwd(x, weight, bias, fuse_wgrad_accumulation, backend, fp8_args):  # positional form for custom_vjp
+    return linear_fwd(x, weight, bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation, backend=backend,
+                      **_fp8.unpack(fp8_args))
 
 
 def _primal(*args) -> torch.Tensor:
     """Forward alone, when no gradient can be taken: checks and the GEMM, no residuals."""
-    return _fprop(_prepare(*args))
+    return _fprop(_prepare(*args[:-1], **_fp8.unpack(args[-1])))
 
 
 def _jvp(res: LinearResiduals, tangents: tuple) -> torch.Tensor:
     """Forward mode: the layer is bilinear, so ``dy = dx W^T + x dW^T + db``."""
+    _fp8.no_jvp(res.fp8, "linear")
     tx, tw, tb = tangents[:3]
     if tw is not None and res.distributed:
         raise ValueError("forward-mode (jvp) tangents for a DistributedWeight are not supported: "
@@ -194,11 +250,12 @@ def _jvp(res: LinearResiduals, tangents: tuple) -> torch.Tensor:
     return dy.view(*res.x_shape[:-1], -1)
 
 
-def _vmap(batch_size: int, in_dims: tuple, x, weight, bias, fuse, backend):
-    """A batch of x with shared weights is just more leading dims: one GEMM for the batch."""
-    if in_dims[0] is None or in_dims[1] is not None or in_dims[2] is not None:
-        return None  # batched weights or bias (an ensemble): one call per element
-    return (x.movedim(in_dims[0], 0), weight, bias, fuse, backend), lambda y: (y, 0)
+def _vmap(batch_size: int, in_dims: tuple, x, weight, bias, fuse, backend, fp8_args):
+    """A batch of x with shared weights is just more leading dims: one GEMM for the batch (not
+    with FP8: a folded call would take x's amax over the whole batch, not per element)."""
+    if in_dims[0] is None or in_dims[1] is not None or in_dims[2] is not None or fp8_args is not None:
+        return None  # batched weights or bias (an ensemble), or FP8: one call per element
+    return (x.movedim(in_dims[0], 0), weight, bias, fuse, backend, None), lambda y: (y, 0)
 
 
 _linear = custom_vjp(_fwd, _bwd, primal=_primal, jvp=_jvp, vmap=_vmap, name="linear")
@@ -206,12 +263,22 @@ _linear = custom_vjp(_fwd, _bwd, primal=_primal, jvp=_jvp, vmap=_vmap, name="lin
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-    fuse_wgrad_accumulation: bool = False, backend: str | Kernels | None = None,
+    fuse_wgrad_accumulation: bool = False, backend: str | Kernels | None = None, recipe: Any = None,
+    fp8_state: Any = None,
 ) -> torch.Tensor:
     """Differentiable ``y = x @ weight^T + bias`` (TE ``Linear`` semantics).
 
     ``weight`` may be a DistributedWeight: it is materialized for forward and again for
     backward, and its grads go through ``finalize_group_grads``. Saved-tensor hooks see only
     ``x``. ``fuse_wgrad_accumulation`` accumulates dW into ``weight.main_grad``.
+
+    ``recipe`` (None: no FP8) is an FP8 recipe, ``functional_dw.fp8``'s or TE's
+    (``DelayedScaling``, ``Float8CurrentScaling``, ``Float8BlockScaling``): x, the weight and dy
+    are quantized and the three GEMMs run in FP8 (emulated on the reference backend); only x's
+    FP8 copy is saved. K and N must be multiples of 16, the tokens of 8. ``fp8_state``:
+    ``DelayedScaling``'s state (``fp8.init_state(recipe, num_gemms=1, device=...)``), whose scales
+    forward and backward read and whose amax histories they record into; the caller updates it
+    between steps (``fp8.update_state_(state, recipe)``).
     """
-    return _linear(x, weight, bias, _checks.fuse_flag(fuse_wgrad_accumulation), backend)
+    fp8_args = None if recipe is None and fp8_state is None else _fp8.Args(recipe, fp8_state)
+    return _linear(x, weight, bias, _checks.fuse_flag(fuse_wgrad_accumulation), backend, fp8_args)

@@ -176,6 +176,10 @@ def saved_activations(res: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(res) if isinstance(t, torch.Tensor)]
 
 
+def _nbytes(v: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor))
+
+
 def _describe_value(v: Any) -> str:
     if isinstance(v, torch.Tensor):
         kind = type(v).__name__
@@ -184,6 +188,12 @@ def _describe_value(v: Any) -> str:
         shapes = {tuple(t.shape) for t in v}
         shape = list(shapes.pop()) if len(shapes) == 1 else "mixed"
         return f"{len(v)} x {type(v[0]).__name__}{shape} (by reference)"
+    nested = pytree.tree_leaves(v) if not isinstance(v, (str, bytes)) else []
+    if any(isinstance(t, torch.Tensor) for t in nested):  # a pytree node holding tensors, e.g. a
+        # quantized tensor (its repr says the FP8 dtype and scaling), or a list of them (one per expert)
+        if isinstance(v, (list, tuple)):
+            return f"{len(v)} x {type(v[0]).__name__}, e.g. {v[0]!r}: {_nbytes(v)} B"
+        return f"{v!r} {_nbytes(v)} B"
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -193,6 +203,6 @@ def _describe(self: Any) -> str:
     for f in dataclasses.fields(self):
         tag = "saved" if f.metadata.get(_SAVED) else "ref  "
         lines.append(f"  [{tag}] {f.name} = {_describe_value(getattr(self, f.name))}")
-    total = sum(t.numel() * t.element_size() for t in saved_activations(self))
+    total = _nbytes(saved_activations(self))
     lines.append(f")  # {total} B through save_for_backward")
     return "\n".join(lines)

@@ -40,7 +40,7 @@ BUGS = [  # (name, file, original line fragment, planted fragment)
      "w_NK = dwp.materialize([res.weight], res.distributed, for_backward=False)[0]",
      "w_NK = dwp.materialize([res.weight], res.distributed, for_backward=True)[0]"),
     ("nn.GroupedLinear drops use_grouped_tensor", "functional_dw/nn.py",
-     "use_grouped_tensor=self.use_grouped_tensor, backend=self.backend)", "backend=self.backend)"),
+     "use_grouped_tensor=self.use_grouped_tensor, backend=self.backend,", "backend=self.backend,"),
 ]
 
 CPU_EQUIVALENT = {2}  # (see its note): reported, not counted as a survivor here

@@ -121,15 +121,17 @@ def test_record_repr_states_every_field_exactly():
 
 
 def _fresh_linear():
-    """The Linear bridge exactly as linear.py builds it at import."""
-    return custom_vjp(lin_mod._fwd, lin_mod._bwd, primal=lin_mod._primal, jvp=lin_mod._jvp, vmap=lin_mod._vmap,
-                      name="linear")
+    """The Linear bridge exactly as linear.py builds it at import (called without FP8: the last
+    argument, fp8_args, None)."""
+    f = custom_vjp(lin_mod._fwd, lin_mod._bwd, primal=lin_mod._primal, jvp=lin_mod._jvp, vmap=lin_mod._vmap,
+                   name="linear")
+    return lambda x, w, b, fuse, backend: f(x, w, b, fuse, backend, None)
 
 
 def _fresh_grouped():
     f = custom_vjp(gl_mod._fwd, gl_mod._bwd, primal=gl_mod._primal, jvp=gl_mod._jvp, vmap=gl_mod._vmap,
                    name="grouped_linear")
-    return lambda x, ws, bs=None, backend=None: f(x, ws, gl_mod._HostSplits(SPLITS), bs, False, None, backend)
+    return lambda x, ws, bs=None, backend=None: f(x, ws, gl_mod._HostSplits(SPLITS), bs, False, None, backend, None)
 
 
 class CountingKernels(TorchKernels):

@@ -62,9 +62,12 @@ def test_grouped_loads_te_state_dict_and_matches_functional(bias):
     assert_close(y, ref, torch.float32)
 
 
-def test_fp8_extra_state_is_ignored_with_a_warning():
+def test_a_corrupt_extra_state_is_refused():
+    """TE's FP8 extra state is loaded (tests/test_fp8_nn.py); bytes that are no pickle raise."""
+    import pickle
+
     sd = {**te_linear_state_dict(), "_extra_state": torch.ones(3, dtype=torch.uint8)}
-    with pytest.warns(UserWarning, match="FP8"):
+    with pytest.raises(pickle.UnpicklingError):
         fdw.nn.Linear(K, N).load_state_dict(sd, strict=True)
 
 

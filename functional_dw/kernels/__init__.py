@@ -23,6 +23,22 @@ NOTE: [One buffer] E weights that are consecutive slices of one buffer (``nn.Gro
 parameters, ``list(w_ENK)``, Megatron's contiguous ``main_grad`` buffer) are read, and written,
 in place as one ``[E, N, K]`` tensor: :func:`packed` recognises them, :func:`stacked` falls back
 to one copy (``torch.stack``) for separately made tensors.
+
+NOTE: [FP8 operands] (the layers' side: ``functional_dw/_fp8.py``; README, FP8)
+  ``quantize(t, spec, *, scale, amax, rowwise, columnwise) -> Q`` and
+  ``grouped_quantize(x_TK, splits, spec, *, scales, amaxes, rowwise, columnwise, grouped) -> QGroup``
+  quantize as a ``functional_dw.fp8.TensorSpec`` says. For delayed scaling ``scale``/``amax``
+  are views into the caller's ``DelayedScalingState`` (0-d for one GEMM; for a group, one
+  strided ``[E]`` view each, indexable per expert): quantize with ``scale`` and max the tensor's
+  amax into ``amax`` in place (None: record nothing). ``Q`` offers ``with_usage(rowwise=,
+  columnwise=)``, ``dtype`` (the source's) and ``shape``, and is a pytree node whose leaves are
+  its tensors (it rides in a residuals record and through saved-tensor hooks). A ``QGroup`` is
+  opaque to the layer: a list of E ``Q`` (split path), or the backend's grouped object.
+  Every GEMM method takes ``Q`` operands (both, or neither) in place of tensors, reading
+  fprop's x and W rowwise, dgrad's dy rowwise and W columnwise, wgrad's x and dy columnwise,
+  and a keyword ``split_accumulator`` (read only with ``Q`` operands); outputs are in the
+  activations' dtype, ``out``/``accumulate`` work as without FP8, and ``with_dbias`` is False
+  (the layer sums the bias grad from its high-precision dy).
 """
 
 from __future__ import annotations
@@ -243,11 +259,12 @@ class Kernels(Protocol):
 
     name: str
 
-    def fprop(self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None) -> torch.Tensor: ...
-    def dgrad(self, dy_TN: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor: ...
+    def fprop(self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, *,
+              split_accumulator: bool = False) -> torch.Tensor: ...
+    def dgrad(self, dy_TN: torch.Tensor, w_NK: torch.Tensor, *, split_accumulator: bool = False) -> torch.Tensor: ...
     def wgrad(
         self, x_TK: torch.Tensor, dy_TN: torch.Tensor, *, out: torch.Tensor | None = None,
-        accumulate: bool = False, with_dbias: bool = False,
+        accumulate: bool = False, with_dbias: bool = False, split_accumulator: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def grouped_path_unsupported(self, x_TK: torch.Tensor, w_ENK: Weights) -> str | None:
@@ -255,13 +272,23 @@ class Kernels(Protocol):
         ...
 
     def grouped_fprop(
-        self, x_TK: torch.Tensor, w_ENK: Weights, b_EN: torch.Tensor | None, splits: Splits, grouped: bool
+        self, x_TK: torch.Tensor, w_ENK: Weights, b_EN: torch.Tensor | None, splits: Splits, grouped: bool, *,
+        split_accumulator: bool = False,
     ) -> torch.Tensor: ...
-    def grouped_dgrad(self, dy_TN: torch.Tensor, w_ENK: Weights, splits: Splits, grouped: bool) -> torch.Tensor: ...
+    def grouped_dgrad(self, dy_TN: torch.Tensor, w_ENK: Weights, splits: Splits, grouped: bool, *,
+                      split_accumulator: bool = False) -> torch.Tensor: ...
     def grouped_wgrad(
         self, x_TK: torch.Tensor, dy_TN: torch.Tensor, splits: Splits, grouped: bool, *,
         out: Weights | None = None, accumulate: bool = False, with_dbias: bool = False,
+        split_accumulator: bool = False,
     ) -> tuple[Weights, torch.Tensor | None]: ...
+
+    # FP8 (NOTE: [FP8 operands]); a backend without them runs no FP8 layer
+    def quantize(self, t: torch.Tensor, spec: Any, *, scale: torch.Tensor | None = None,
+                 amax: torch.Tensor | None = None, rowwise: bool = True, columnwise: bool = False) -> Any: ...
+    def grouped_quantize(self, x_TK: torch.Tensor, splits: Splits, spec: Any, *, scales: Any = None,
+                         amaxes: Any = None, rowwise: bool = True, columnwise: bool = False,
+                         grouped: bool = False) -> Any: ...
 
 
 _TE_AVAILABLE: list[bool] = []  # filled once; a plain global read under torch.compile

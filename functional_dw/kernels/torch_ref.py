@@ -3,6 +3,14 @@
 Split path: a per-expert loop of GEMMs. Grouped path: ``torch.nn.functional.grouped_mm``
 (``torch._grouped_mm`` on older builds) with offsets computed on the device: no per-expert
 host loop and no host sync. Bias add and bias gradients use a device-side row->expert index.
+
+FP8 (NOTE: [FP8 emulation]): ``quantize``/``grouped_quantize`` are ``functional_dw.fp8``'s
+emulated quantization (TE's formulas) into :class:`~functional_dw.fp8.QTensor` (a group: a list
+of E, one per expert); a GEMM given QTensor operands dequantizes both to fp32, multiplies in
+fp32 (bias added in fp32, as cuBLASLt's epilogue adds it to the fp32 accumulator) and rounds
+once to the activations' dtype (an fp32 ``main_grad`` gets the fp32 product). Split
+accumulation is a cuBLASLt mode; the fp32 reference has nothing to split (the keyword is read
+and ignored).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..fp8 import QTensor, quantize as fp8_quantize, quantize_groups
 from . import Splits, Weights, out_in, packed, stacked
 
 _torch_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -155,6 +164,64 @@ def _recorded(*operands: torch.Tensor) -> bool:
     return not _plain(*operands) or (torch.is_grad_enabled() and any(t.requires_grad for t in operands))
 
 
+# --- FP8 operands (NOTE: [FP8 emulation] in the module docstring) -------------------------------
+
+
+def _rows(q: QTensor) -> torch.Tensor:
+    """The rowwise copy, dequantized to fp32 (fprop's x and W, dgrad's dy)."""
+    return q.dequantize(torch.float32, columnwise=False)
+
+
+def _cols(q: QTensor) -> torch.Tensor:
+    """The columnwise copy, dequantized to fp32, in the source's shape (dgrad's W, wgrad's x and dy)."""
+    return q.dequantize(torch.float32, columnwise=True)
+
+
+def _cat(qs: Sequence[QTensor], columnwise: bool) -> torch.Tensor:
+    """A group's ``[T, C]`` rows (one QTensor per expert), dequantized to fp32."""
+    return torch.cat([q.dequantize(torch.float32, columnwise=columnwise) for q in qs])
+
+
+def _stack32(qs: Sequence[QTensor], columnwise: bool) -> torch.Tensor:
+    return torch.stack([q.dequantize(torch.float32, columnwise=columnwise) for q in qs])
+
+
+def _fp32_grouped(grouped: bool, a: torch.Tensor) -> bool:
+    """The grouped path can run the fp32 products: the CPU's grouped_mm takes fp32 (CUDA's takes
+    bf16 only, so there the products run per expert)."""
+    return grouped and _torch_grouped_mm is not None and not a.is_cuda and _plain(a)
+
+
+def _bias_add(y32: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return y32 if b is None else y32 + b.to(torch.float32)
+
+
+def _no_dbias(with_dbias: bool) -> None:
+    if with_dbias:
+        raise ValueError("with_dbias=True needs dy in high precision; with FP8 operands the layer sums the bias "
+                         "grad from its high-precision dy itself")
+
+
+def _record_amax(amax: torch.Tensor, value: torch.Tensor) -> None:
+    """``amax = max(amax, value)`` in place (TE's atomicMaxFloat into the state's history).
+
+    Under ``torch.func`` a backward's dy (so its amax) is a functorch wrapper, which may not
+    write into the state (a captured tensor). An amax is data, not differentiated: the plain
+    value under the wrappers is recorded; a vmapped one (a batch of amaxes) as its max over the
+    batch, what one call per element would leave in the state."""
+    func = torch._C._functorch
+    if func.peek_interpreter_stack() is None:
+        amax.copy_(torch.maximum(amax, value.reshape(amax.shape).to(amax.device)))
+        return
+    while func.is_functorch_wrapped_tensor(value):
+        bdim = func.maybe_get_bdim(value)
+        value = func.get_unwrapped(value)
+        if bdim >= 0:
+            value = value.amax(dim=bdim)
+    with torch._C._DisableFuncTorch():  # a plain write (a transform would refuse to mutate the state)
+        amax.copy_(torch.maximum(amax, value.reshape(amax.shape).to(amax.device)))
+
+
 class TorchKernels:
     name = "torch"
 
@@ -162,13 +229,22 @@ class TorchKernels:
         return "TorchKernels()"
 
     # --- one GEMM -------------------------------------------------------------------------
-    def fprop(self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None) -> torch.Tensor:
+    def fprop(self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, *,
+              split_accumulator: bool = False) -> torch.Tensor:
+        if isinstance(x_TK, QTensor):
+            return _bias_add(_rows(x_TK) @ _rows(w_NK).t(), b_N).to(x_TK.dtype)
         return F.linear(x_TK, w_NK, b_N)
 
-    def dgrad(self, dy_TN: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    def dgrad(self, dy_TN: torch.Tensor, w_NK: torch.Tensor, *, split_accumulator: bool = False) -> torch.Tensor:
+        if isinstance(dy_TN, QTensor):
+            return (_rows(dy_TN) @ _cols(w_NK)).to(dy_TN.dtype)
         return dy_TN @ w_NK
 
-    def wgrad(self, x_TK, dy_TN, *, out=None, accumulate=False, with_dbias=False):
+    def wgrad(self, x_TK, dy_TN, *, out=None, accumulate=False, with_dbias=False, split_accumulator=False):
+        if isinstance(x_TK, QTensor):
+            _no_dbias(with_dbias)
+            dw = _cols(dy_TN).t() @ _cols(x_TK)
+            return (dw.to(x_TK.dtype) if out is None else _write(out, dw.to(out.dtype), accumulate)), None
         db_N = column_sums(dy_TN) if with_dbias else None
         if out is None:
             return dy_TN.t() @ x_TK, db_N
@@ -196,7 +272,11 @@ class TorchKernels:
             return f"grouped_mm needs rows of 16-byte multiples; in={K}, out={N} in {dt} are not"
         return None
 
-    def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
+    def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped, *, split_accumulator=False):
+        if not isinstance(x_TK, torch.Tensor):  # FP8: E QTensors per operand
+            y_TN = self._q_fprop(_cat(x_TK, False), _stack32(w_ENK, False), splits, grouped)
+            b32 = None if b_EN is None else b_EN.to(torch.float32)[_row_expert(splits)]
+            return _bias_add(y_TN, b32).to(x_TK[0].dtype)
         if not grouped or not _plain(x_TK, *_list(w_ENK), b_EN):
             return self.split_fprop(x_TK, w_ENK, b_EN, splits)
         y_TN = self.weights_gmm(_mm_ready(x_TK), w_ENK, splits.ends(torch.int32), transpose=True)
@@ -204,7 +284,12 @@ class TorchKernels:
             y_TN = y_TN + b_EN[_row_expert(splits)]
         return y_TN
 
-    def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped):
+    def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped, *, split_accumulator=False):
+        if not isinstance(dy_TN, torch.Tensor):  # FP8
+            dy32, w32 = _cat(dy_TN, False), _stack32(w_ENK, True)
+            if _fp32_grouped(grouped, dy32):
+                return _gmm(dy32, w32, splits.ends(torch.int32)).to(dy_TN[0].dtype)
+            return self.split_dgrad(dy32, w32, splits).to(dy_TN[0].dtype)
         if not grouped or not _plain(dy_TN, *_list(w_ENK)):
             return self.split_dgrad(dy_TN, w_ENK, splits)
         return self.weights_gmm(_mm_ready(dy_TN), w_ENK, splits.ends(torch.int32), transpose=False)
@@ -215,7 +300,20 @@ class TorchKernels:
         w = _stack(w_ENK)
         return _gmm(a_TX, w.transpose(-2, -1) if transpose else w, offs)
 
-    def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False):
+    def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False,
+                      split_accumulator=False):
+        if not isinstance(x_TK, torch.Tensor):  # FP8
+            _no_dbias(with_dbias)
+            x32, dy32 = _cat(x_TK, True), _cat(dy_TN, True)
+            if _fp32_grouped(grouped, x32):
+                dw32 = _gmm(dy32.t(), x32, splits.ends(torch.int32))
+            else:
+                dw32 = self.split_wgrad(x32, dy32, splits)
+            if out is None:
+                return dw32.to(x_TK[0].dtype), None
+            for e in range(splits.num_experts):
+                _write(out[e], dw32[e].to(out[e].dtype), accumulate)
+            return out, None
         db_EN = expert_sums(dy_TN, splits) if with_dbias else None
         dt = x_TK.dtype if out is None else out[0].dtype
         grouped = grouped and _plain(x_TK, dy_TN)
@@ -241,6 +339,33 @@ class TorchKernels:
             for t, dw in zip(out, dw_ENK):
                 _write(t, dw, accumulate)
         return out, db_EN
+
+    def _q_fprop(self, x32: torch.Tensor, w32: torch.Tensor, splits: Splits, grouped: bool) -> torch.Tensor:
+        if _fp32_grouped(grouped, x32):
+            return _gmm(x32, w32.transpose(-2, -1), splits.ends(torch.int32))
+        return self.split_fprop(x32, w32, None, splits)
+
+    # --- FP8 quantization (NOTE: [FP8 emulation]) ------------------------------------------
+    def quantize(self, t: torch.Tensor, spec, *, scale=None, amax=None, rowwise=True, columnwise=False) -> QTensor:
+        """``functional_dw.fp8.quantize``; with ``amax`` (a view into a delayed-scaling state) the
+        tensor's amax is maxed into it, as TE's cast kernel's atomic max does."""
+        q = fp8_quantize(t, spec, scale=scale, rowwise=rowwise, columnwise=columnwise)
+        if amax is not None:
+            _record_amax(amax, q.amax)
+        return q
+
+    def grouped_quantize(self, x_TK: torch.Tensor, splits: Splits, spec, *, scales=None, amaxes=None,
+                         rowwise=True, columnwise=False, grouped=False) -> list[QTensor]:
+        """Each expert's rows on their own (``quantize_groups``; host sizes, a sync for device
+        splits); ``amaxes`` (E views, or one strided ``[E]`` view) get the experts' amaxes."""
+        qs = quantize_groups(x_TK, splits.sizes(), spec, scales=scales, rowwise=rowwise, columnwise=columnwise)
+        if amaxes is not None:
+            if isinstance(amaxes, torch.Tensor):
+                _record_amax(amaxes, torch.cat([q.amax for q in qs]))
+            else:
+                for a, q in zip(amaxes, qs):
+                    _record_amax(a, q.amax)
+        return qs
 
     # --- the split path: one GEMM per expert on host sizes (custom ops under torch.compile) --
     def split_fprop(self, x_TK, w_ENK, b_EN, splits):

@@ -1,0 +1,275 @@
+"""FP8 plumbing for the layers: one record, the :class:`Plan`, says how a call quantizes.
+
+A layer builds its plan in ``_prepare`` (:func:`plan`; None when ``recipe`` is None, and then
+nothing here runs) and hands each tensor to the kernels' ``quantize``/``grouped_quantize``
+through the plan's methods (the kernels' side: ``kernels/__init__.py``, NOTE: [FP8 operands]):
+
+=================  ===================================  ==========================================
+when               tensor                               copies, scale (delayed scaling)
+=================  ===================================  ==========================================
+forward            x (per expert for a group)           rowwise for fprop + columnwise kept for
+                                                        wgrad; the state's input scale, amax
+                                                        recorded into its history row 0
+forward            each expert's weight                 rowwise; the state's weight scale (a
+                                                        snapshot is kept), amax recorded
+backward           each expert's weight, materialized   columnwise for dgrad; forward's scale
+                   again                                snapshot, no amax recorded (the bits of
+                                                        forward's FP8 weight)
+backward           dy (per expert for a group)          rowwise for dgrad, columnwise for wgrad;
+                                                        the state's grad_output scale, amax
+                                                        recorded into the backward history
+=================  ===================================  ==========================================
+
+Current and block scaling compute every scale from the tensor itself (no state, no snapshot).
+
+The plan is context in the residuals (by reference, never saved): the recipe, the three
+:class:`~functional_dw.fp8.TensorSpec`, the split-accumulator flags, the state (the caller's
+object: its amax histories are written in place), the activations' dtype and device, and for
+delayed scaling the weight scales forward used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import fp8
+from .fp8.state import BWD_PER_GEMM, FWD_PER_GEMM
+
+__all__ = ["Plan", "plan", "with_usage", "check_dims", "check_first_order", "no_jvp", "Args", "unpack"]
+
+_ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
+FEATURE_MULTIPLE = 16  # K and N (TE: assert_dim_for_fp8_exec's last dim; cuBLASLt's FP8 leading dims)
+LINEAR_TOKEN_MULTIPLE = 8  # TE 2.20 utils.py: assert_dim_for_fp8_exec, product of the leading dims
+GROUP_TOKEN_MULTIPLE = 16  # TE 2.20 quantization.py: get_align_size_for_quantization (what Fp8Padding pads to)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """How one call quantizes (see the module docstring). ``dtype``/``device`` are the
+    activations' (the record stands in for x where the layer checks dy: ``like=``)."""
+
+    recipe: fp8.Recipe
+    x: fp8.TensorSpec
+    w: fp8.TensorSpec
+    dy: fp8.TensorSpec
+    acc: fp8.SplitAccumulator
+    state: fp8.DelayedScalingState | None
+    num_gemms: int
+    dtype: torch.dtype
+    device: torch.device
+    w_scales: torch.Tensor | None = None  # delayed: the E weight scales forward used (a clone)
+
+    @property
+    def delayed(self) -> bool:
+        return self.state is not None
+
+    def __repr__(self) -> str:
+        names = "/".join(str(s.fp8_dtype).removeprefix("torch.float8_") for s in (self.x, self.w, self.dy))
+        return f"FP8({type(self.recipe).__name__}, x/w/dy {names}{', state' if self.delayed else ''})"
+
+    # --- delayed scaling: views into the state -------------------------------------------------
+    def _views(self, role: str, gemm: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(scale, amax) views into the state for ``role``: 0-d for one GEMM, strided ``[E]`` for
+        all (``gemm=None``); (None, None) without a state."""
+        if self.state is None:
+            return None, None
+        side, first = fp8.slot(role, 0)
+        scale = getattr(self.state, f"scale_{side}")
+        amax = getattr(self.state, f"amax_history_{side}")[0]
+        if gemm is not None:
+            col = first + gemm * (FWD_PER_GEMM if side == "fwd" else BWD_PER_GEMM)
+            return scale[col], amax[col]
+        cols = slice(first, None, FWD_PER_GEMM if side == "fwd" else BWD_PER_GEMM)
+        return scale[cols], amax[cols]
+
+    # --- forward ---------------------------------------------------------------------------------
+    def quantize_x(self, kernels: Any, x_TK: torch.Tensor, splits: Any = None, grouped: bool = False, *,
+                   keep: bool) -> Any:
+        """x for fprop (rowwise), plus the columnwise copy wgrad reads when ``keep``. ``splits``
+        None: one GEMM (``quantize``), else per expert (``grouped_quantize``)."""
+        if splits is None:
+            scale, amax = self._views("input", 0)
+            return kernels.quantize(x_TK, self.x, scale=scale, amax=amax, rowwise=True, columnwise=keep)
+        scales, amaxes = self._views("input", None)
+        return kernels.grouped_quantize(x_TK, splits, self.x, scales=scales, amaxes=amaxes, rowwise=True,
+                                        columnwise=keep, grouped=grouped)
+
+    def quantize_weights(self, kernels: Any, w_ENK: Any) -> tuple[list[Any], Plan]:
+        """Each expert's weight for fprop (rowwise), and the plan with the weight scales used
+        (delayed scaling: a snapshot, so backward re-quantizes with them after a state update)."""
+        plan = self
+        if self.state is not None:
+            plan = dataclasses.replace(self, w_scales=self._views("weight", None)[0].clone())
+        qs = []
+        for e in range(self.num_gemms):
+            scale, amax = self._views("weight", e)
+            qs.append(kernels.quantize(w_ENK[e], self.w, scale=scale, amax=amax, rowwise=True, columnwise=False))
+        return qs, plan
+
+    # --- backward --------------------------------------------------------------------------------
+    def requantize_weights(self, kernels: Any, w_ENK: Any) -> list[Any]:
+        """The weights (materialized again) for dgrad (columnwise), with forward's scales and no
+        amax recorded: for an unchanged weight, forward's FP8 bits."""
+        return [kernels.quantize(w_ENK[e], self.w, scale=None if self.w_scales is None else self.w_scales[e],
+                                 amax=None, rowwise=False, columnwise=True) for e in range(self.num_gemms)]
+
+    def quantize_dy(self, kernels: Any, dy_TN: torch.Tensor, splits: Any = None, grouped: bool = False, *,
+                    dgrad: bool, wgrad: bool) -> Any:
+        """dy for dgrad (rowwise) and wgrad (columnwise), as asked; None when neither GEMM runs."""
+        if not (dgrad or wgrad):
+            return None
+        if splits is None:
+            scale, amax = self._views("grad_output", 0)
+            return kernels.quantize(dy_TN, self.dy, scale=scale, amax=amax, rowwise=dgrad, columnwise=wgrad)
+        scales, amaxes = self._views("grad_output", None)
+        return kernels.grouped_quantize(dy_TN, splits, self.dy, scales=scales, amaxes=amaxes, rowwise=dgrad,
+                                        columnwise=wgrad, grouped=grouped)
+
+
+def with_usage(q: Any, *, rowwise: bool, columnwise: bool) -> Any:
+    """``q`` (a quantized tensor, or a group of them: a list per expert, or a backend's grouped
+    object) with only the copies asked for."""
+    if isinstance(q, (list, tuple)):
+        return [m.with_usage(rowwise=rowwise, columnwise=columnwise) for m in q]
+    return q.with_usage(rowwise=rowwise, columnwise=columnwise)
+
+
+def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: Any) -> Plan | None:
+    """The checked plan of a call, or None for ``recipe=None`` (no FP8: nothing else here runs).
+
+    Raises TypeError for a recipe that is not one, float64 activations or a backend without FP8;
+    ValueError for MXFP8/NVFP4 (from :func:`fp8.as_recipe`), ``backward_override``, a delayed
+    recipe without its state, or a state of another size or device."""
+    if recipe is None:
+        if fp8_state is not None:
+            raise ValueError("fp8_state was given without a recipe: pass recipe=fp8.DelayedScaling(...) too")
+        return None
+    r = fp8.as_recipe(recipe)
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "FP8 layers do not run under torch.compile yet (per-expert quantization reads host split sizes, and "
+            "the reference GEMMs on quantized operands have no custom ops): run them eager, or compile with "
+            "recipe=None")
+    if r.backward_override is not None:
+        raise ValueError(f"{type(r).__name__}(backward_override={r.backward_override!r}) is not supported: "
+                         "backward runs the FP8 GEMMs of the recipe (set backward_override=None)")
+    if x.dtype not in _ACTIVATIONS:
+        raise TypeError(f"FP8 ({type(r).__name__}) takes float32, bfloat16 or float16 activations (what TE "
+                        f"quantizes); x is {x.dtype}")
+    if not callable(getattr(kernels, "quantize", None)) or not callable(getattr(kernels, "grouped_quantize", None)):
+        raise TypeError(f"backend {kernels!r} has no FP8 support (no quantize/grouped_quantize methods): use "
+                        "backend='torch' (the reference) or 'te'")
+    delayed = isinstance(r, fp8.DelayedScaling)
+    if delayed:
+        _check_state(fp8_state, r, num_gemms, x.device)
+    elif fp8_state is not None:
+        raise ValueError(f"fp8_state is delayed scaling's; {type(r).__name__} computes its scales from each "
+                         "tensor and keeps no state: pass fp8_state=None")
+    specs = [fp8.tensor_spec(r, role) for role in fp8.ROLES]
+    return Plan(r, *specs, fp8.split_accumulator(r), fp8_state if delayed else None, num_gemms, x.dtype, x.device)
+
+
+def _check_state(state: Any, recipe: fp8.DelayedScaling, num_gemms: int, device: torch.device) -> None:
+    make = f"fp8.init_state(recipe, num_gemms={num_gemms}, device={str(device)!r})"
+    if state is None:
+        raise ValueError("DelayedScaling quantizes with scales from amaxes of earlier steps, kept in a state: "
+                         f"make one with {make}, pass it as fp8_state=..., and call fp8.update_state_(state, "
+                         "recipe) between steps")
+    if not isinstance(state, fp8.DelayedScalingState):
+        raise TypeError(f"fp8_state must be a DelayedScalingState (made by {make}), got {type(state).__name__}")
+    if state.num_gemms != num_gemms:
+        raise ValueError(f"fp8_state is for {state.num_gemms} GEMM(s) but this layer runs {num_gemms}: "
+                         f"make it with {make}")
+    if state.scale_fwd.device != device:
+        raise ValueError(f"fp8_state is on {state.scale_fwd.device} but x is on {device}: make it with {make} "
+                         "(or move its tensors)")
+    if state.history_len != recipe.amax_history_len:
+        raise ValueError(f"fp8_state has {state.history_len} history rows but recipe.amax_history_len is "
+                         f"{recipe.amax_history_len}: fp8.adjust_history_len(state, {recipe.amax_history_len})")
+
+
+def check_dims(K: int, N: int, *, tokens: int | None = None, splits: Sequence[int] | None = None) -> None:
+    """The sizes TE's FP8 GEMMs take (checked on every backend, so the CPU refuses what the GPU
+    would): in/out features multiples of 16; a Linear's tokens a multiple of 8 (TE's
+    ``assert_dim_for_fp8_exec``); a group's tokens per expert multiples of 16 (TE's FP8 alignment
+    for grouped GEMMs, ``get_align_size_for_quantization``; pad with ``te.Fp8Padding`` or
+    Megatron's ``moe_router_padding_for_fp8``). ``splits`` None: counts known only on the device
+    (not checked: that would sync)."""
+    for name, n in (("in_features (x's last dim, K)", K), ("out_features (the weight's rows, N)", N)):
+        if n % FEATURE_MULTIPLE:
+            raise ValueError(f"FP8 GEMMs need {name} to be a multiple of {FEATURE_MULTIPLE}, got {n}")
+    if tokens is not None and tokens % LINEAR_TOKEN_MULTIPLE:
+        raise ValueError(f"FP8 GEMMs need x's tokens (the product of its leading dims) to be a multiple of "
+                         f"{LINEAR_TOKEN_MULTIPLE} (TE's assert_dim_for_fp8_exec), got {tokens}")
+    if splits is not None:
+        for e, s in enumerate(splits):
+            if s % GROUP_TOKEN_MULTIPLE:
+                raise ValueError(f"FP8 grouped GEMMs need each expert's tokens to be a multiple of "
+                                 f"{GROUP_TOKEN_MULTIPLE}; splits[{e}] is {s} (pad the routing: te.Fp8Padding, "
+                                 "Megatron's moe_router_padding_for_fp8)")
+
+
+class Args:
+    """``(recipe, fp8_state)`` as ONE opaque argument of the autograd bridge. A
+    :class:`~functional_dw.fp8.DelayedScalingState` is a pytree node: passed as it is, its
+    tensors would become inputs of the autograd Function; this wrapper is not a node, so the
+    bridge holds it by reference (the state is written in place, never differentiated)."""
+
+    __slots__ = ("recipe", "state")
+
+    def __init__(self, recipe: Any, state: Any) -> None:
+        self.recipe, self.state = recipe, state
+
+    def __repr__(self) -> str:
+        return f"fp8.Args(recipe={self.recipe!r}, state={self.state!r})"
+
+
+def unpack(args: Args | None) -> dict[str, Any]:
+    """The keywords ``recipe``/``fp8_state`` of a layer's ``*_fwd`` from an :class:`Args`."""
+    if args is None:
+        return {}
+    return {"recipe": args.recipe, "fp8_state": args.state}
+
+
+def no_jvp(p: Plan | None, layer: str) -> None:
+    """Forward mode has no rule for an FP8 layer: raise saying so (nothing without FP8)."""
+    if p is not None:
+        raise NotImplementedError(
+            f"{layer}: forward-mode AD (torch.func.jvp, jacfwd, hessian) is not defined for FP8 layers: "
+            "quantization has no derivative, and backward's straight-through rule (dy and the weights "
+            "quantized, x's saved FP8 copy) has no forward-mode counterpart. Use reverse mode "
+            "(backward, torch.func.grad/vjp/jacrev), or recipe=None")
+
+
+def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
+    """Raise when a backward through an FP8 layer would itself be differentiated: autograd's
+    backward with ``create_graph=True`` where dy or a weight requires grad, or under
+    ``torch.func`` a dy tracked by a grad level other than the one running this backward (grad
+    of grad, ``jacrev(jacrev)``). dy's and the weights' quantizations are not differentiable, so
+    a second-order result would silently miss their terms. A single ``torch.func.grad``/``vjp``
+    level (which runs backward with a graph of its own) and direct calls of the pure ``*_bwd``
+    pass. (Forward mode over an FP8 layer, e.g. ``hessian``, is refused by the jvp rule.)"""
+    if not torch.is_grad_enabled():
+        return
+    func = torch._C._functorch
+    top = func.peek_interpreter_stack()
+    if top is not None:
+        own = top.level() if top.key() == func.TransformType.Grad else None  # grad(): backward runs at its level
+        higher, t = False, dy
+        while func.is_functorch_wrapped_tensor(t):
+            if func.is_gradtrackingtensor(t) and func.maybe_get_level(t) != own and t.requires_grad:
+                higher = True
+            t = func.get_unwrapped(t)
+    elif torch._C._current_autograd_node() is None:
+        return  # the pure API called directly, not autograd's backward
+    else:  # autograd's backward with create_graph=True
+        higher = dy.requires_grad or any(w.requires_grad for w in weights)
+    if higher:
+        raise NotImplementedError(
+            f"{layer}: a backward through an FP8 layer cannot be differentiated again (create_graph=True, "
+            "grad of grad, jacrev of jacrev): quantization has no derivative, so second-order terms would "
+            "be silently missing. Take first-order gradients, or use recipe=None")
