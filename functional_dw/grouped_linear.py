@@ -157,13 +157,16 @@ def _weight_shapes(w_ENK: WeightsArg, stacked: bool) -> list[tuple[int, ...]]:
     return [tuple(w_ENK.shape)] if stacked else [tuple(w.shape) for w in w_ENK]
 
 
-def _choose_path(kernels: Kernels, x_TK: torch.Tensor, w_ENK: WeightsArg, use_grouped_tensor: bool | None) -> str:
-    """``None``: the grouped path where it can run; ``True``: grouped, or split with a warning
-    where it cannot (at the caller's line; Python's default filter shows it once per reason);
-    ``False``: split. The path taken is recorded on the residuals."""
+def _choose_path(kernels: Kernels, x_TK: torch.Tensor, w_ENK: WeightsArg, use_grouped_tensor: bool | None,
+                 recipe: Any = None) -> str:
+    """``None``: the grouped path where it can run (these operands, and with a ``recipe`` its FP8
+    kernels: TE has no grouped delayed scaling, for one); ``True``: grouped, or split with a
+    warning where it cannot (at the caller's line; Python's default filter shows it once per
+    reason); ``False``: split. The path taken is recorded on the residuals."""
     if use_grouped_tensor is False:
         return "split"
-    why_not = kernels.grouped_path_unsupported(x_TK, w_ENK)
+    why_not = (kernels.grouped_path_unsupported(x_TK, w_ENK) if recipe is None
+               else kernels.grouped_path_unsupported(x_TK, w_ENK, recipe=recipe))
     if why_not is None:
         return "grouped"
     if use_grouped_tensor:
@@ -209,11 +212,12 @@ def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tens
         raise ValueError(f"x has {x.shape[1]} features but the weights are [{N}, {K}]{what}: x must be [T, {K}]")
     split = _as_splits(splits, E, x)
     b_EN, bias_form = _as_bias(bias, E, N, x)
-    if backend == "auto" and fuse_wgrad_accumulation:  # torch's CUDA grouped GEMM cannot write an
-        backend = None  # fp32 main_grad (it writes bf16); TE's can, without a sync
+    if backend == "auto" and (fuse_wgrad_accumulation or recipe is not None):  # torch's CUDA grouped
+        backend = None  # GEMM cannot write an fp32 main_grad (it writes bf16; TE's can, without a
+        # sync), and FP8 on torch is the CPU emulation: auto is TE's kernels there
     kernels = get_kernels(backend, x, w_ENK if use_grouped_tensor is not False else None)
     x_TK = _checks.dense(x)
-    path = _choose_path(kernels, x_TK, w_ENK, use_grouped_tensor)
+    path = _choose_path(kernels, x_TK, w_ENK, use_grouped_tensor, recipe)
     if path == "split" and split.host is None and not torch.compiler.is_compiling():
         check_sizes(split.sizes(), x.shape[0])  # the split path syncs for host sizes anyway
     plan = None

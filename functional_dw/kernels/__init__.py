@@ -267,8 +267,9 @@ class Kernels(Protocol):
         accumulate: bool = False, with_dbias: bool = False, split_accumulator: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
-    def grouped_path_unsupported(self, x_TK: torch.Tensor, w_ENK: Weights) -> str | None:
-        """Why the one-kernel grouped path cannot run these operands, or None if it can."""
+    def grouped_path_unsupported(self, x_TK: torch.Tensor, w_ENK: Weights, recipe=None) -> str | None:
+        """Why the one-kernel grouped path cannot run these operands (with FP8: quantized by
+        ``recipe``, an ``fp8`` recipe), or None if it can."""
         ...
 
     def grouped_fprop(

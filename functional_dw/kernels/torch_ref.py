@@ -252,7 +252,7 @@ class TorchKernels:
         return _write(out, dw, accumulate), db_N
 
     # --- a group --------------------------------------------------------------------------
-    def grouped_path_unsupported(self, x_TK: torch.Tensor, w_ENK: Weights) -> str | None:
+    def grouped_path_unsupported(self, x_TK: torch.Tensor, w_ENK: Weights, recipe=None) -> str | None:
         if _torch_grouped_mm is None:
             return f"torch {torch.__version__} has no grouped_mm"
         dt = x_TK.dtype
