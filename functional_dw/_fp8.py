@@ -213,6 +213,22 @@ def check_dims(K: int, N: int, *, tokens: int | None = None, splits: Sequence[in
                                  "Megatron's moe_router_padding_for_fp8)")
 
 
+BLOCK_GROUPED_TOKEN_MULTIPLE = 128  # TE's grouped block-scaling quantize (group_quantize)
+
+
+def grouped_sizes_problem(plan: Plan, splits: Any) -> str | None:
+    """Why the grouped path cannot quantize these per-expert counts (a ``Splits``), or None. TE's
+    grouped block-scaling quantize takes 128-row blocks per expert; other counts go to the split
+    path (checked on every backend, so the path is the same on the CPU as on the GPU; counts
+    known only on the device are read once, a sync, since TE's kernel would fail on the device)."""
+    if isinstance(plan.recipe, fp8.Float8BlockScaling):
+        bad = next(((e, s) for e, s in enumerate(splits.sizes()) if s % BLOCK_GROUPED_TOKEN_MULTIPLE), None)
+        if bad is not None:
+            return (f"Float8BlockScaling on the grouped path needs each expert's tokens to be a multiple of "
+                    f"{BLOCK_GROUPED_TOKEN_MULTIPLE} (splits[{bad[0]}] is {bad[1]})")
+    return None
+
+
 class Args:
     """``(recipe, fp8_state)`` as ONE opaque argument of the autograd bridge. A
     :class:`~functional_dw.fp8.DelayedScalingState` is a pytree node: passed as it is, its

@@ -223,6 +223,12 @@ def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tens
     plan = None
     if recipe is not None or fp8_state is not None:
         plan = _fp8.plan(recipe, fp8_state, E, x, kernels)
+        if path == "grouped" and not torch.compiler.is_compiling():
+            why_not = _fp8.grouped_sizes_problem(plan, split)
+            if why_not is not None:
+                if use_grouped_tensor:
+                    _checks.warn(f"grouped_linear: use_grouped_tensor=True but {why_not}; running the split path")
+                path = "split"
         known = split.host if split.host is not None or path == "grouped" else split.sizes()
         _fp8.check_dims(K, N, splits=known)  # device-only counts: not checked (a sync)
     return _Call(params, stacked, distributed, w_ENK, tuple(shapes), split, b_EN, bias_form, x_TK, kernels, path, plan)

@@ -687,3 +687,18 @@ def test_torch_compile_is_refused_clearly():
     with pytest.raises(Exception, match="FP8 layers do not run under torch.compile yet"):
         f(x)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("sizes, path", [([32, 0, 48, 48], "split"), ([128, 0, 256, 128], "grouped")])
+def test_block_scaling_takes_the_grouped_path_only_with_128_row_experts(sizes, path):
+    """TE's grouped block-scaling quantize takes 128-row blocks per expert: other counts run the
+    split path (a warning when use_grouped_tensor=True asked for grouped), on every backend."""
+    T, K, N = sum(sizes), 32, 48
+    x = _rand(T, K, seed=1)
+    ws = [_rand(N, K, seed=2 + e).requires_grad_() for e in range(len(sizes))]
+    warns = pytest.warns(UserWarning, match="multiple of 128") if path == "split" else contextlib.nullcontext()
+    with warns:
+        _, res = fd.grouped_linear_fwd(x, ws, sizes, use_grouped_tensor=True, recipe=RECIPES["block"], backend="torch")
+    assert res.path == path
+    _, res = fd.grouped_linear_fwd(x, ws, sizes, recipe=RECIPES["current"], backend="torch")
+    assert res.path == "grouped"  # (only block scaling has the rule)
