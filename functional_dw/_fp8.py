@@ -31,6 +31,7 @@ delayed scaling the weight scales forward used.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -149,11 +150,7 @@ def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: 
             raise ValueError("fp8_state was given without a recipe: pass recipe=fp8.DelayedScaling(...) too")
         return None
     r = fp8.as_recipe(recipe)
-    if torch.compiler.is_compiling():
-        raise NotImplementedError(
-            "FP8 layers do not run under torch.compile yet (per-expert quantization reads host split sizes, and "
-            "the reference GEMMs on quantized operands have no custom ops): run them eager, or compile with "
-            "recipe=None")
+    refuse_compile()
     if r.backward_override is not None:
         raise ValueError(f"{type(r).__name__}(backward_override={r.backward_override!r}) is not supported: "
                          "backward runs the FP8 GEMMs of the recipe (set backward_override=None)")
@@ -211,6 +208,26 @@ def check_dims(K: int, N: int, *, tokens: int | None = None, splits: Sequence[in
                 raise ValueError(f"FP8 grouped GEMMs need each expert's tokens to be a multiple of "
                                  f"{GROUP_TOKEN_MULTIPLE}; splits[{e}] is {s} (pad the routing: te.Fp8Padding, "
                                  "Megatron's moe_router_padding_for_fp8)")
+
+
+_NO_COMPILE = ("FP8 layers do not run under torch.compile yet (per-expert quantization reads host split sizes, and "
+               "the reference GEMMs on quantized operands have no custom ops): run them eager, or compile with "
+               "recipe=None")
+
+
+@functools.partial(torch.compiler.disable, reason=_NO_COMPILE)
+def fp8_layers_do_not_run_under_torch_compile() -> None:
+    """Raises :data:`_NO_COMPILE`, eagerly: dynamo does not trace a disabled function, so without
+    ``fullgraph`` the graph breaks here and the user sees this error; with ``fullgraph`` dynamo's
+    own error names this function."""
+    raise NotImplementedError(_NO_COMPILE)
+
+
+def refuse_compile() -> None:
+    """FP8 under torch.compile: a clear error, from the public wrappers before the autograd
+    Function (a raise traced inside its forward surfaces as dynamo's own error instead)."""
+    if torch.compiler.is_compiling():
+        fp8_layers_do_not_run_under_torch_compile()
 
 
 BLOCK_GROUPED_TOKEN_MULTIPLE = 128  # TE's grouped block-scaling quantize (group_quantize)

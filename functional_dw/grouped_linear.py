@@ -493,4 +493,6 @@ def grouped_linear(
         splits = _HostSplits(items) if items is not None else splits
     fuse = _checks.fuse_flag(fuse_wgrad_accumulation)  # (under torch.func: refused here, where it is visible)
     fp8_args = None if recipe is None and fp8_state is None else _fp8.Args(recipe, fp8_state)
+    if fp8_args is not None:
+        _fp8.refuse_compile()
     return _grouped_linear(x, weights, splits, bias, fuse, use_grouped_tensor, backend, fp8_args)

@@ -281,4 +281,6 @@ def linear(
     between steps (``fp8.update_state_(state, recipe)``).
     """
     fp8_args = None if recipe is None and fp8_state is None else _fp8.Args(recipe, fp8_state)
+    if fp8_args is not None:
+        _fp8.refuse_compile()
     return _linear(x, weight, bias, _checks.fuse_flag(fuse_wgrad_accumulation), backend, fp8_args)

@@ -15,23 +15,20 @@ def _ws(E=2, requires_grad=True):
     return [torch.randn(N, K, generator=g).requires_grad_(requires_grad) for _ in range(E)]
 
 
-@pytest.mark.xfail(strict=True, reason="under torch.compile the FP8 refusal (plan()'s NotImplementedError) is raised "
-                   "inside the autograd Function's traced forward: dynamo reports 'Observed exception' (fullgraph) or "
-                   "InternalTorchDynamoError 'AutogradFunctionVariable() is not a constant', not the message")
 @pytest.mark.parametrize("fullgraph", [True, False])
 def test_compile_with_recipe_raises_clear_error(fullgraph):
     torch._dynamo.reset()
     w = _ws(1)[0]
     x = torch.randn(16, K, requires_grad=True)
-    f = torch.compile(lambda a: fd.linear(a, w, recipe=fp8.Float8CurrentScaling()), backend="eager",
-                      fullgraph=fullgraph)
+    recipe = fp8.Float8CurrentScaling()
+    f = torch.compile(lambda a: fd.linear(a, w, recipe=recipe), backend="eager", fullgraph=fullgraph)
     with pytest.raises(Exception) as info:
         f(x)
     text, e = "", info.value
     while e is not None:
         text += str(e)
         e = e.__cause__ or e.__context__
-    assert "do not run under torch.compile" in text
+    assert "do not run under torch.compile" in text  # (fullgraph: dynamo's error gives the disable reason)
 
 
 @pytest.mark.xfail(strict=True, reason="torch.utils.checkpoint's recompute re-runs the FP8 forward with the state's "
