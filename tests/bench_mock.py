@@ -34,6 +34,31 @@ class GL(fd.nn.GroupedLinear):
 te.GroupedLinear, te.Linear = GL, fd.nn.Linear
 pkg = types.ModuleType("transformer_engine"); pkg.pytorch = te
 sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"] = pkg, te
+# TE's FP8 autocast and recipes: fd.nn.GroupedLinear (the mock's te.GroupedLinear) follows the
+# autocast through FP8GlobalStateManager, as it does TE's; the recipes are ours (as_recipe takes them)
+import contextlib  # noqa: E402
+from functional_dw import fp8  # noqa: E402
+class Manager:
+    recipe = None
+    @classmethod
+    def is_fp8_enabled(cls): return cls.recipe is not None
+    @classmethod
+    def get_fp8_recipe(cls): return cls.recipe
+@contextlib.contextmanager
+def autocast(enabled=True, recipe=None, **kw):
+    old, Manager.recipe = Manager.recipe, (recipe if enabled else None)
+    try:
+        yield
+    finally:
+        Manager.recipe = old
+te.autocast = autocast
+quant = types.ModuleType("transformer_engine.pytorch.quantization"); quant.FP8GlobalStateManager = Manager
+common, recipes = types.ModuleType("transformer_engine.common"), types.ModuleType("transformer_engine.common.recipe")
+recipes.DelayedScaling, recipes.Float8CurrentScaling, recipes.Float8BlockScaling = (
+    fp8.DelayedScaling, fp8.Float8CurrentScaling, fp8.Float8BlockScaling)
+pkg.common, common.recipe = common, recipes
+sys.modules.update({"transformer_engine.pytorch.quantization": quant, "transformer_engine.common": common,
+                    "transformer_engine.common.recipe": recipes})
 tex = types.ModuleType("transformer_engine_torch"); tex.get_cublasLt_version = lambda: 0
 sys.modules["transformer_engine_torch"] = tex
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
