@@ -19,6 +19,11 @@ One interleaved run (bf16) records, in this order:
   stacked ``[E, N, K]`` tensor, and the E ``[N, K]`` weights an ``nn.GroupedLinear`` holds),
   next to te.GroupedLinear's two paths and torch's grouped_mm. Shapes go by token count, so
   ``--budget`` (seconds for the whole run) drops the largest if time runs short;
+* fp8: forward+backward TFLOP/s of GroupedLinear under TE's Hopper FP8 recipes (delayed scaling
+  on the split path; current and block scaling on the split and grouped paths), fd vs
+  te.GroupedLinear with the same recipe, path and weights (under TE's autocast), next to the best
+  bf16 rows and torchao's FP8 rowwise grouped GEMM (if importable); and the bytes through a
+  saved-tensor pack hook per layer call, bf16 vs each recipe;
 * the dense bf16 peak: the highest of several dense GEMMs (shapes and layouts, torch and TE),
   measured at the start and again at the end.
 
@@ -38,6 +43,7 @@ import json
 import statistics
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -47,7 +53,7 @@ from functional_dw.graphs import graph_step
 
 BF16 = torch.bfloat16
 DEV = "cuda"
-SECTIONS = ("host", "linear", "offload", "frozen", "graphed", "grouped")
+SECTIONS = ("host", "linear", "offload", "frozen", "graphed", "fp8", "grouped")
 
 
 # --- timing --------------------------------------------------------------------------------
@@ -688,6 +694,249 @@ def offload_rows(args, te):
     return {"shape": {"E": E, "hidden": H, "ffn": FF, "tokens": T}, "results": out}
 
 
+# --- FP8 -------------------------------------------------------------------------------------
+
+
+FP8_CONFIGS = [("delayed", False), ("current", False), ("current", True), ("block", False), ("block", True)]
+FP8_TE_CLASSES = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling", "block": "Float8BlockScaling"}
+FP8_OTHERS = ["bf16 fd auto", "bf16 te grouped", "torchao fp8 rowwise"]
+FP8_HOOK_SHAPE = (8, 2048, 2048, 8192)
+
+
+def fp8_tag(kind, grouped):
+    return f"{kind} {'grouped' if grouped else 'split'}"
+
+
+def fp8_shapes(args):
+    if args.smoke:
+        return [(2, 128, 128, 256)]  # 128 tokens per expert: block scaling's grouped path
+    if args.quick:
+        return [FP8_HOOK_SHAPE, (32, 4096, 1536, 32768)]
+    return [FP8_HOOK_SHAPE, (32, 4096, 1536, 32768), (8, 4096, 4096, 65536)]
+
+
+def _te_autocast(te, recipe):
+    """TE 2.x's ``te.autocast(enabled=True, recipe=)``; older TE's ``fp8_autocast``."""
+    if hasattr(te, "autocast"):
+        try:
+            return te.autocast(enabled=True, recipe=recipe)
+        except TypeError:
+            pass
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+
+
+def _torchao_gmm():
+    """torchao's FP8 rowwise grouped GEMM (``_to_fp8_rowwise_then_scaled_grouped_mm(A [M, K],
+    B_t [E, K, N] column-major, offs int32 group ends)``), or why not."""
+    try:
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm as f
+        return f
+    except Exception as e:  # noqa: BLE001
+        return f"n/a: torchao not importable ({str(e).splitlines()[0][:80] if str(e) else type(e).__name__})"
+
+
+def fp8_impls(layer: Layer, te) -> dict:
+    """name -> (forward(x) -> y, params, after_step or None), or the reason it cannot run. fd:
+    fd.grouped_linear on the E weights of an fd.nn.GroupedLinear (backend te), delayed scaling's
+    state updated after each step (fp8.update_state_); TE: te.GroupedLinear with the same weights
+    under TE's autocast with the same recipe (TE updates its state itself)."""
+    from functional_dw import fp8
+
+    out = {}
+    ws = layer.mod.weights()
+    for kind, grouped in FP8_CONFIGS:
+        tag, arg = fp8_tag(kind, grouped), layer.split_arg(grouped)
+        if te is None:
+            out[f"fd {tag}"] = out[f"te {tag}"] = "n/a: Transformer Engine is not installed"
+            continue
+        try:
+            r = {"delayed": fp8.DelayedScaling, "current": fp8.Float8CurrentScaling, "block": fp8.Float8BlockScaling}[kind]()
+            state = fp8.init_state(r, num_gemms=layer.E, device=DEV) if kind == "delayed" else None
+            out[f"fd {tag}"] = ((lambda x, r=r, state=state, arg=arg, grouped=grouped: fd.grouped_linear(
+                x, ws, arg, backend="te", use_grouped_tensor=grouped, recipe=r, fp8_state=state)), ws,
+                (lambda r=r, state=state: fp8.update_state_(state, r)) if state is not None else None)
+        except Exception as e:  # noqa: BLE001
+            out[f"fd {tag}"] = _reason(e)
+        try:
+            from transformer_engine.common import recipe as te_recipes
+
+            tr = getattr(te_recipes, FP8_TE_CLASSES[kind])()
+            m = layer._te_module(grouped, trainable=True)
+            if isinstance(m, str):
+                out[f"te {tag}"] = m
+                continue
+
+            def te_fwd(x, m=m, tr=tr, arg=arg):
+                with _te_autocast(te, tr):
+                    return m(x, arg)
+            out[f"te {tag}"] = (te_fwd, list(m.parameters()), None)
+        except Exception as e:  # noqa: BLE001
+            out[f"te {tag}"] = _reason(e)
+    fwd, params = layer.fd_forward("auto", None, "list")
+    out["bf16 fd auto"] = (fwd, params, None)
+    m = layer.te_mods[True]
+    out["bf16 te grouped"] = m if isinstance(m, str) else ((lambda x, m=m: m(x, layer.splits_dev)), list(m.parameters()), None)
+    f = _torchao_gmm()
+    if isinstance(f, str):
+        out["torchao fp8 rowwise"] = f
+    else:
+        import inspect
+
+        try:
+            kw = {"pad_token_groups_for_grouped_mm": False} if "pad_token_groups_for_grouped_mm" in inspect.signature(f).parameters else {}
+        except (TypeError, ValueError):
+            kw = {}
+        w = layer.w_ENK  # B_t = w^T: [E, K, N] with strides (N*K, 1, K), the column-major layout torchao asks for
+        out["torchao fp8 rowwise"] = ((lambda x: f(x, w.transpose(-2, -1), layer.offs, out_dtype=BF16, **kw)), [w], None)
+    return out
+
+
+def fp8_step(fwd, params, after):
+    def step(inp):
+        x, dy = inp
+        g = torch.autograd.grad(fwd(x), [x, *params], dy)
+        if after is not None:
+            after()
+        return g
+    return step
+
+
+def _packed_bytes(t) -> int:
+    """Bytes of one packed tensor; a quantized tensor subclass (TE's Float8Tensor...) counts its
+    data and scales, not its nominal dtype."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        inner = [getattr(t, a, None) for a in ("_data", "_transpose", "_rowwise_data", "_columnwise_data", "_scale_inv",
+                                               "_rowwise_scale_inv", "_columnwise_scale_inv")]
+        inner = [u for u in inner if isinstance(u, torch.Tensor)]
+        if inner:
+            return sum(u.numel() * u.element_size() for u in inner)
+    return t.numel() * t.element_size()
+
+
+class Fp8PackCounter:
+    def __init__(self):
+        self.count, self.bytes, self.param_bytes, self.types = 0, 0, 0, set()
+
+    def pack(self, t):
+        n = _packed_bytes(t)
+        self.count += 1
+        self.bytes += n
+        self.types.add(type(t).__name__)
+        if isinstance(t, torch.nn.Parameter):
+            self.param_bytes += n
+        return t
+
+    def unpack(self, t):
+        return t
+
+
+def fp8_hook_bytes(layer: Layer, impls: dict, inputs) -> dict:
+    """Bytes through a saved-tensor pack hook for one forward (then backward) per implementation."""
+    out = {}
+    cases = {"bf16 fd te split": ((lambda x: fd.grouped_linear(x, layer.mod.weights(), layer.splits, backend="te",
+                                                               use_grouped_tensor=False)), layer.mod.weights(), None)}
+    m = layer.te_mods[False]
+    cases["bf16 te split"] = m if isinstance(m, str) else ((lambda x: m(x, layer.splits)), list(m.parameters()), None)
+    cases |= {n: v for n, v in impls.items() if n.startswith(("fd ", "te "))}
+    x, dy = inputs[0]
+    for name, impl in cases.items():
+        if isinstance(impl, str):
+            out[name] = impl
+            continue
+        fwd, params, after = impl
+        try:
+            c = Fp8PackCounter()
+            with torch.autograd.graph.saved_tensors_hooks(c.pack, c.unpack):
+                y = fwd(x)
+            torch.autograd.grad(y, [x, *params], dy)
+            if after is not None:
+                after()
+            out[name] = {"hook_tensors": c.count, "hook_bytes": c.bytes, "param_bytes": c.param_bytes,
+                         "types": sorted(c.types)}
+        except Exception as e:  # noqa: BLE001
+            out[name] = _reason(e)
+    base = out.get("bf16 fd te split")
+    for v in out.values():
+        if isinstance(v, dict) and isinstance(base, dict) and base["hook_bytes"]:
+            v["/ bf16 fd"] = round(v["hook_bytes"] / base["hook_bytes"], 3)
+    print("fp8 hook bytes", out, flush=True)
+    return out
+
+
+def _fd_path(layer, kind, grouped):
+    """The path fd.grouped_linear takes for this recipe (grouped, or split when it falls back)."""
+    from functional_dw import fp8
+
+    try:
+        r = {"delayed": fp8.DelayedScaling, "current": fp8.Float8CurrentScaling, "block": fp8.Float8BlockScaling}[kind]()
+        st = fp8.init_state(r, num_gemms=layer.E, device=DEV) if kind == "delayed" else None
+        x = torch.zeros(layer.T, layer.H, device=DEV, dtype=BF16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fd.grouped_linear_fwd(x, layer.mod.weights(), layer.split_arg(grouped), backend="te",
+                                         use_grouped_tensor=grouped, recipe=r, fp8_state=st)[1].path
+    except Exception as e:  # noqa: BLE001
+        return _reason(e)
+
+
+def fp8_rows(args, te, clock):
+    """Forward+backward of one grouped layer under each FP8 recipe and path, fd vs te.GroupedLinear
+    with the same recipe, path and weights; the best bf16 rows and torchao's FP8 rowwise grouped
+    GEMM next to them; balanced splits (multiples of 128 tokens per expert); and the bytes through
+    a saved-tensor hook at one shape."""
+    rows, hooks = [], None
+    for (E, H, FF, T) in fp8_shapes(args):
+        if clock.over():
+            clock.skipped.append(f"fp8 E={E} hidden={H} ffn={FF} tokens={T}")
+            continue
+        splits = make_splits(E, T, "balanced")
+        assert all(s % 128 == 0 for s in splits), splits
+        layer = Layer(E, H, FF, splits, te)
+        inputs = make_inputs(T, H, FF)
+        flops = 3 * 2 * T * H * FF
+        impls = fp8_impls(layer, te)
+        if (E, H, FF, T) == FP8_HOOK_SHAPE or (args.smoke and hooks is None):
+            hooks = {"shape": {"E": E, "hidden": H, "ffn": FF, "tokens": T}, "results": fp8_hook_bytes(layer, impls, inputs)}
+            clock.save("fp8", {"rows": rows, "hook_bytes": hooks})
+        res, steps = {}, {}
+        for name, impl in impls.items():
+            if isinstance(impl, str):
+                res[name] = impl
+                continue
+            step = fp8_step(*impl)
+            try:  # runs at all (and delayed scaling's warm-up: a few steps with state updates)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    for i in range(3 if "delayed" in name else 1):
+                        step(inputs[i % len(inputs)])
+                steps[name] = step
+                if caught:
+                    res[f"{name} warning"] = str(caught[0].message)[:200]
+            except Exception as e:  # noqa: BLE001
+                print(f"fp8 {name} at E={E} hidden={H} ffn={FF} tokens={T}: {e}", flush=True)
+                res[name] = _reason(e)
+        try:
+            timed = cuda_times(steps, inputs, repeats=args.repeats)
+        except Exception as e:  # noqa: BLE001  (one implementation failing mid-timing: time the rest one by one)
+            timed = {}
+            for name, step in steps.items():
+                try:
+                    timed |= cuda_times({name: step}, inputs, repeats=args.repeats)
+                except Exception as e2:  # noqa: BLE001
+                    res[name] = _reason(e2)
+            print("fp8 interleaved timing failed, timed one by one:", e, flush=True)
+        for name, ms in timed.items():
+            res[name] = _timing(flops, ms)
+        res["fd path"] = {fp8_tag(k, g): _fd_path(layer, k, g) for k, g in FP8_CONFIGS} if te is not None else {}
+        rows.append({"E": E, "hidden": H, "ffn": FF, "tokens": T, "splits": "balanced", "results": res})
+        clock.save("fp8", {"rows": rows, "hook_bytes": hooks})
+        print("fp8", E, H, FF, T, {k: (v["tflops"] if isinstance(v, dict) and "tflops" in v else v) for k, v in res.items()},
+              flush=True)
+        del layer, inputs, impls, steps
+        torch.cuda.empty_cache()
+    return {"rows": rows, "hook_bytes": hooks}
+
+
 # --- report ----------------------------------------------------------------------------------
 
 
@@ -702,7 +951,7 @@ def add_fractions(result, peak):
         elif isinstance(v, list):
             for u in v:
                 walk(u)
-    for key in ("grouped", "linear", "graphed"):
+    for key in ("grouped", "linear", "graphed", "fp8"):
         walk(result.get(key))
 
 
@@ -782,6 +1031,50 @@ def markdown(result):
                 a, b = res.get(f"{p} list"), res.get(f"{p} stacked")
                 cells.append(f"{a['ms'] / b['ms']:.2f}" if isinstance(a, dict) and isinstance(b, dict) else "n/a")
             lines.append(f"| {r['E']} | {r['hidden']} | {r['ffn']} | {r['tokens']} | {r['splits']} | " + " | ".join(cells) + " |")
+    if result.get("fp8") and result["fp8"].get("rows"):
+        lines += ["", "## FP8: forward+backward TFLOP/s (fraction of the bf16 peak), fd vs te.GroupedLinear, same recipe and path", "",
+                  "| E | hidden | ffn | tokens | recipe | path | fd ms | te ms | fd | te | fd / te | fd path taken |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result["fp8"]["rows"]:
+            res = r["results"]
+            for kind, grouped in FP8_CONFIGS:
+                tag = fp8_tag(kind, grouped)
+                a, b = res.get(f"fd {tag}"), res.get(f"te {tag}")
+                ratio = f"{a['ms'] / b['ms']:.2f}" if isinstance(a, dict) and isinstance(b, dict) else "n/a"
+                lines.append(f"| {r['E']} | {r['hidden']} | {r['ffn']} | {r['tokens']} | {kind} | "
+                             f"{'grouped' if grouped else 'split'} | {_ms(a)} | {_ms(b)} | {_cell(a)} | {_cell(b)} | {ratio} | "
+                             f"{res.get('fd path', {}).get(tag, 'n/a')} |")
+        lines += ["", "Same shapes, bf16 and torchao: TFLOP/s (fraction of peak)", "",
+                  "| E | hidden | ffn | tokens | " + " | ".join(FP8_OTHERS) + " | best fd FP8 / best bf16 |",
+                  "|---|---|---|---|" + "---|" * (len(FP8_OTHERS) + 1)]
+        for r in result["fp8"]["rows"]:
+            res = r["results"]
+            f8 = [res[f"fd {fp8_tag(k, g)}"]["ms"] for k, g in FP8_CONFIGS if isinstance(res.get(f"fd {fp8_tag(k, g)}"), dict)]
+            bf = [res[n]["ms"] for n in FP8_OTHERS[:2] if isinstance(res.get(n), dict)]
+            ratio = f"{min(f8) / min(bf):.2f}" if f8 and bf else "n/a"
+            lines.append(f"| {r['E']} | {r['hidden']} | {r['ffn']} | {r['tokens']} | "
+                         + " | ".join(_cell(res.get(n)) for n in FP8_OTHERS) + f" | {ratio} |")
+        warned = [f"{r['E']}/{r['hidden']}/{r['ffn']}/{r['tokens']} {k[:-len(' warning')]}: {v}"
+                  for r in result["fp8"]["rows"] for k, v in r["results"].items() if k.endswith(" warning")]
+        lines += ["", "Balanced splits (a multiple of 128 tokens per expert, so block scaling can take the grouped path), bf16 "
+                  "activations. fd: fd.grouped_linear(..., recipe=fp8.<Recipe>(), backend='te', use_grouped_tensor=path), "
+                  "delayed scaling with fp8.update_state_ after each step (in the timed step); te: te.GroupedLinear with fd's "
+                  "weights under TE's autocast with TE's recipe of the same class; delayed scaling warmed up 3 steps for both. "
+                  "fd / te <= 1.00: fd at least as fast. bf16 fd auto: fd's bf16 auto path (list weights); torchao fp8 "
+                  "rowwise: torchao.prototype.moe_training._to_fp8_rowwise_then_scaled_grouped_mm (per-row scales, "
+                  "differentiable)."] + ([""] + [f"Warning: {w}" for w in warned] if warned else [])
+    hb = (result.get("fp8") or {}).get("hook_bytes")
+    if hb:
+        s = hb["shape"]
+        lines += ["", f"## FP8: bytes through a saved-tensor pack hook per layer call (E={s['E']}, hidden {s['hidden']}, "
+                  f"ffn {s['ffn']}, {s['tokens']} tokens)", "",
+                  "| impl | tensors packed | bytes packed | of which parameters | / bf16 fd | packed types |", "|---|---|---|---|---|---|"]
+        for k, v in hb["results"].items():
+            if isinstance(v, dict):
+                lines.append(f"| {k} | {v['hook_tensors']} | {v['hook_bytes']:,} | {v['param_bytes']:,} | "
+                             f"{v.get('/ bf16 fd', 'n/a')} | {', '.join(v['types'])} |")
+            else:
+                lines.append(f"| {k} | {v} | | | | |")
     if result.get("frozen"):
         lines += ["", "## Frozen experts: backward ms (forward not timed), and the ratio to trainable", "",
                   "| E | hidden | ffn | tokens | impl | trainable | frozen weights | x without grad | frozen / trainable | "
@@ -878,8 +1171,8 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script, measures nothing")
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections to run, of {','.join(SECTIONS)}")
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--budget", type=float, default=330,
-                   help="seconds for the whole run (default 330; 0: none): grouped shapes that would start later are "
+    p.add_argument("--budget", type=float, default=450,
+                   help="seconds for the whole run (default 450; 0: none): fp8 and grouped shapes that would start later are "
                         "skipped, and listed in the results")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
@@ -906,7 +1199,8 @@ def main(argv=None):
     samples = clock.section("dense_samples", lambda: dense_samples(args.smoke, te is not None, 1))
     runs = {"host": lambda: host_rows(args, te), "linear": lambda: linear_rows(args, te),
             "offload": lambda: offload_rows(args, te), "frozen": lambda: frozen_rows(args, te),
-            "graphed": lambda: graphed_rows(args, te), "grouped": lambda: grouped_rows(args, te, clock)}
+            "graphed": lambda: graphed_rows(args, te), "fp8": lambda: fp8_rows(args, te, clock),
+            "grouped": lambda: grouped_rows(args, te, clock)}
     for name in SECTIONS:
         result[name] = clock.section(name, runs[name]) if name in only else None
     end = clock.section("dense_samples_end", lambda: dense_samples(args.smoke, te is not None, 2))

@@ -34,8 +34,44 @@ class GL(fd.nn.GroupedLinear):
 te.GroupedLinear, te.Linear = GL, fd.nn.Linear
 pkg = types.ModuleType("transformer_engine"); pkg.pytorch = te
 sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"] = pkg, te
+# TE's FP8 autocast and recipes: fd.nn.GroupedLinear (the mock's te.GroupedLinear) follows the
+# autocast through FP8GlobalStateManager, as it does TE's; the recipes are ours (as_recipe takes them)
+import contextlib  # noqa: E402
+from functional_dw import fp8  # noqa: E402
+class Manager:
+    recipe = None
+    @classmethod
+    def is_fp8_enabled(cls): return cls.recipe is not None
+    @classmethod
+    def get_fp8_recipe(cls): return cls.recipe
+@contextlib.contextmanager
+def autocast(enabled=True, recipe=None, **kw):
+    old, Manager.recipe = Manager.recipe, (recipe if enabled else None)
+    try:
+        yield
+    finally:
+        Manager.recipe = old
+te.autocast = autocast
+quant = types.ModuleType("transformer_engine.pytorch.quantization"); quant.FP8GlobalStateManager = Manager
+common, recipes = types.ModuleType("transformer_engine.common"), types.ModuleType("transformer_engine.common.recipe")
+recipes.DelayedScaling, recipes.Float8CurrentScaling, recipes.Float8BlockScaling = (
+    fp8.DelayedScaling, fp8.Float8CurrentScaling, fp8.Float8BlockScaling)
+pkg.common, common.recipe = common, recipes
+sys.modules.update({"transformer_engine.pytorch.quantization": quant, "transformer_engine.common": common,
+                    "transformer_engine.common.recipe": recipes})
 tex = types.ModuleType("transformer_engine_torch"); tex.get_cublasLt_version = lambda: 0
 sys.modules["transformer_engine_torch"] = tex
+def fake_ao_gmm(A, B_t, offs, out_dtype=torch.bfloat16, float8_dtype=None, pad_token_groups_for_grouped_mm=True):
+    """torchao 0.18's FP8 rowwise grouped GEMM stood in for (bf16 products), with its argument
+    checks: A [M, K] row-major, B_t [E, K, N] column-major per group, offs int32 group ends."""
+    assert not pad_token_groups_for_grouped_mm and offs.dtype == torch.int32 and B_t.ndim == 3
+    assert A.shape[1] == B_t.shape[1] and B_t.stride(-2) == 1 and B_t.stride(-1) == B_t.shape[1] and offs.numel() == B_t.shape[0]
+    ends = offs.tolist()
+    return torch.cat([A[s:e] @ B_t[g] for g, (s, e) in enumerate(zip([0] + ends[:-1], ends))]).to(out_dtype)
+ao, ao_proto, ao_moe = (types.ModuleType(n) for n in ("torchao", "torchao.prototype", "torchao.prototype.moe_training"))
+ao_moe._to_fp8_rowwise_then_scaled_grouped_mm = fake_ao_gmm
+ao.prototype, ao_proto.moe_training = ao_proto, ao_moe
+sys.modules.update({"torchao": ao, "torchao.prototype": ao_proto, "torchao.prototype.moe_training": ao_moe})
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench
 bench.DEV = "cpu"

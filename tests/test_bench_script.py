@@ -38,7 +38,8 @@ PEERS = ("te split", "te grouped", "torch._grouped_mm")
 def test_bench_script_writes_its_tables(results):
     out, data, md = results
     for section in ("## GroupedLinear", "## Weight layout", "## Frozen experts", "## CUDA graphs", "## Linear",
-                    "## Host time", "## Saved-tensor hooks", "## Dense bf16 GEMMs"):
+                    "## Host time", "## Saved-tensor hooks", "## Dense bf16 GEMMs", "## FP8: forward+backward",
+                    "## FP8: bytes through a saved-tensor pack hook"):
         assert section in md
     e80 = [r for r in data["grouped"] if r["E"] == 80]
     assert e80 and all(r["results"]["te grouped"].startswith("raises") for r in e80), "TE's 64-expert limit is recorded"
@@ -49,7 +50,7 @@ def test_bench_script_writes_its_tables(results):
     v = data["meta"]["versions"]
     assert {"torch", "cuda", "te", "cublaslt_te", "cublaslt_loaded", "cublaslt"} <= set(v)
     assert (out / "tflops.png").stat().st_size > 0
-    assert set(data["meta"]["elapsed_s"]) >= {"host", "linear", "offload", "frozen", "graphed", "grouped", "total"}
+    assert set(data["meta"]["elapsed_s"]) >= {"host", "linear", "offload", "frozen", "graphed", "fp8", "grouped", "total"}
     assert data["meta"]["errors"] == {}, "no section failed"
 
 
@@ -148,3 +149,46 @@ def test_only_and_budget_leave_out_what_they_say(tmp_path):
     assert data["host"] and data["grouped"] == [] and data["frozen"] is None and data["graphed"] is None
     assert data["meta"]["skipped"] and all(s.startswith("grouped E=") for s in data["meta"]["skipped"])
     assert "## Host time" in md and "## Frozen experts" not in md and "Skipped for time" in md
+
+
+FP8_CONFIGS = [("delayed", "split"), ("current", "split"), ("current", "grouped"), ("block", "split"), ("block", "grouped")]
+
+
+def test_fp8_rows_are_consistent(results):
+    _, data, md = results
+    peak = data["dense_peak_tflops"]
+    rows = data["fp8"]["rows"]
+    assert rows
+    for row in rows:
+        res = row["results"]
+        flops = 3 * 2 * row["tokens"] * row["hidden"] * row["ffn"]
+        for kind, path in FP8_CONFIGS:
+            a, b = res[f"fd {kind} {path}"], res[f"te {kind} {path}"]
+            assert isinstance(a, dict) and isinstance(b, dict), (kind, path, a, b)
+            _check_timing(a, flops, peak, md, f"fd {kind} {path}")
+            _check_timing(b, flops, peak, md, f"te {kind} {path}")
+            line = f"| {row['E']} | {row['hidden']} | {row['ffn']} | {row['tokens']} | {kind} | {path} | {a['ms']} | {b['ms']} |"
+            assert line in md and f"| {a['ms'] / b['ms']:.2f} | {path} |" in md, (line, "fd / te and the path fd took")
+            assert res["fd path"][f"{kind} {path}"] == path, "balanced splits of 128s: every path runs as asked"
+            assert f"fd {kind} {path} warning" not in res
+        for name in ("bf16 fd auto", "bf16 te grouped", "torchao fp8 rowwise"):
+            _check_timing(res[name], flops, peak, md, name)
+
+
+def test_fp8_hook_bytes(results):
+    _, data, md = results
+    hb = data["fp8"]["hook_bytes"]
+    r = hb["results"]
+    bf16 = r["bf16 fd te split"]["hook_bytes"]
+    assert bf16 == hb["shape"]["tokens"] * hb["shape"]["hidden"] * 2, "bf16 saves x"
+    for kind, path in FP8_CONFIGS:
+        for who in ("fd", "te"):
+            v = r[f"{who} {kind} {path}"]
+            assert 0 < v["hook_bytes"] <= 0.55 * bf16 and v["/ bf16 fd"] == pytest.approx(v["hook_bytes"] / bf16, abs=6e-4)
+            assert f"| {who} {kind} {path} | {v['hook_tensors']} | {v['hook_bytes']:,} |" in md
+
+
+def test_only_fp8(tmp_path):
+    data, md = run_mock(tmp_path, "--only", "fp8")
+    assert data["fp8"]["rows"] and data["grouped"] is None and data["host"] is None
+    assert "## FP8: forward+backward" in md and "## GroupedLinear" not in md and data["meta"]["errors"] == {}
