@@ -10,8 +10,11 @@ Writes benchmarks/results/host_cpu.json.
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's functional_dw
 
 import torch
 import torch.nn.functional as F
