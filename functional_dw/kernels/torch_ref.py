@@ -25,7 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ..fp8 import QTensor, quantize as fp8_quantize, quantize_groups
 from . import Splits, Weights, out_in, packed, stacked
 
-_torch_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_torch_grouped_mm = getattr(torch, "_grouped_mm", None) or getattr(F, "grouped_mm", None)  # (F.grouped_mm is
+# a Python wrapper that calls torch._grouped_mm: the op itself saves ~1 us a call)
 
 
 class _DenseGrad(torch.autograd.Function):
