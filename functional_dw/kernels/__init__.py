@@ -139,10 +139,11 @@ class Splits:
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def __init__(self, host: tuple[int, ...] | None, tensor: torch.Tensor | None, device: torch.device,
-                 num_tokens: int, num_experts: int) -> None:
+                 num_tokens: int, num_experts: int, _cache: dict | None = None) -> None:
         # one dict update: a frozen dataclass's own __init__ sets each field through object.__setattr__
+        # (``_cache`` as dataclasses.replace passes it: the record's, shared as before)
         self.__dict__.update(host=host, tensor=tensor, device=device, num_tokens=num_tokens,
-                             num_experts=num_experts, _cache={})
+                             num_experts=num_experts, _cache={} if _cache is None else _cache)
 
     def sizes(self) -> tuple[int, ...]:
         """Host split sizes; a device-only splits tensor is copied to the host once (a sync)."""
