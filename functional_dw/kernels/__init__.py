@@ -142,8 +142,13 @@ class Splits:
                  num_tokens: int, num_experts: int, _cache: dict | None = None) -> None:
         # one dict update: a frozen dataclass's own __init__ sets each field through object.__setattr__
         # (``_cache`` as dataclasses.replace passes it: the record's, shared as before)
-        self.__dict__.update(host=host, tensor=tensor, device=device, num_tokens=num_tokens,
-                             num_experts=num_experts, _cache={} if _cache is None else _cache)
+        fields = dict(host=host, tensor=tensor, device=device, num_tokens=num_tokens, num_experts=num_experts,
+                      _cache={} if _cache is None else _cache)
+        if torch.compiler.is_compiling():  # torch 2.11's dynamo cannot trace a __dict__ write (2.13's can)
+            for name, value in fields.items():
+                object.__setattr__(self, name, value)
+            return
+        self.__dict__.update(fields)
 
     def sizes(self) -> tuple[int, ...]:
         """Host split sizes; a device-only splits tensor is copied to the host once (a sync)."""
