@@ -92,12 +92,7 @@ class Plan:
                    keep: bool) -> Any:
         """x for fprop (rowwise), plus the columnwise copy wgrad reads when ``keep``. ``splits``
         None: one GEMM (``quantize``), else per expert (``grouped_quantize``)."""
-        if splits is None:
-            scale, amax = self._views("input", 0)
-            return kernels.quantize(x_TK, self.x, scale=scale, amax=amax, rowwise=True, columnwise=keep)
-        scales, amaxes = self._views("input", None)
-        return kernels.grouped_quantize(x_TK, splits, self.x, scales=scales, amaxes=amaxes, rowwise=True,
-                                        columnwise=keep, grouped=grouped)
+        return self._quantize(kernels, "input", self.x, x_TK, splits, grouped, rowwise=True, columnwise=keep)
 
     def quantize_weights(self, kernels: Any, w_ENK: Any) -> tuple[list[Any], Plan]:
         """Each expert's weight for fprop (rowwise), and the plan with the weight scales used
@@ -123,12 +118,18 @@ class Plan:
         """dy for dgrad (rowwise) and wgrad (columnwise), as asked; None when neither GEMM runs."""
         if not (dgrad or wgrad):
             return None
+        return self._quantize(kernels, "grad_output", self.dy, dy_TN, splits, grouped, rowwise=dgrad, columnwise=wgrad)
+
+    def _quantize(self, kernels: Any, role: str, spec: fp8.TensorSpec, t: torch.Tensor, splits: Any, grouped: bool,
+                  *, rowwise: bool, columnwise: bool) -> Any:
+        """An activation (x or dy) through the kernels: one GEMM's (``splits`` None) or per expert,
+        with the state's scale/amax views for ``role`` (None without delayed scaling)."""
         if splits is None:
-            scale, amax = self._views("grad_output", 0)
-            return kernels.quantize(dy_TN, self.dy, scale=scale, amax=amax, rowwise=dgrad, columnwise=wgrad)
-        scales, amaxes = self._views("grad_output", None)
-        return kernels.grouped_quantize(dy_TN, splits, self.dy, scales=scales, amaxes=amaxes, rowwise=dgrad,
-                                        columnwise=wgrad, grouped=grouped)
+            scale, amax = self._views(role, 0)
+            return kernels.quantize(t, spec, scale=scale, amax=amax, rowwise=rowwise, columnwise=columnwise)
+        scales, amaxes = self._views(role, None)
+        return kernels.grouped_quantize(t, splits, spec, scales=scales, amaxes=amaxes, rowwise=rowwise,
+                                        columnwise=columnwise, grouped=grouped)
 
 
 def with_usage(q: Any, *, rowwise: bool, columnwise: bool) -> Any:
