@@ -63,6 +63,7 @@ class Plan:
     dtype: torch.dtype
     device: torch.device
     w_scales: torch.Tensor | None = None  # delayed: the E weight scales forward used (a clone)
+    w_dgrad: tuple | None = None  # forward's FP8 weights, columnwise (NOTE: [FP8 weights for dgrad])
 
     @property
     def delayed(self) -> bool:
@@ -94,22 +95,36 @@ class Plan:
         None: one GEMM (``quantize``), else per expert (``grouped_quantize``)."""
         return self._quantize(kernels, "input", self.x, x_TK, splits, grouped, rowwise=True, columnwise=keep)
 
-    def quantize_weights(self, kernels: Any, w_ENK: Any) -> tuple[list[Any], Plan]:
+    def quantize_weights(self, kernels: Any, w_ENK: Any, *, keep: bool = False) -> tuple[list[Any], Plan]:
         """Each expert's weight for fprop (rowwise), and the plan with the weight scales used
-        (delayed scaling: a snapshot, so backward re-quantizes with them after a state update)."""
+        (delayed scaling: a snapshot, so backward re-quantizes with them after a state update).
+        ``keep``: also the columnwise copies dgrad reads, held on the plan by reference.
+
+        NOTE: [FP8 weights for dgrad] With ``keep`` (plain weights; the layer checks their
+        versions in backward, so a cached copy is never stale) forward quantizes each weight
+        both ways in one pass and the plan holds the columnwise copies by reference, as TE's
+        module keeps its FP8 weights: backward runs no weight quantization. They live on the
+        residual record's context, never through ``save_for_backward`` (hooks see no weight).
+        A DistributedWeight is re-materialized and re-quantized in backward instead (its hooks
+        fire as without FP8); so is a weight whose copy was not kept."""
         plan = self
         if self.state is not None:
             plan = dataclasses.replace(self, w_scales=self._views("weight", None)[0].clone())
         qs = []
         for e in range(self.num_gemms):
             scale, amax = self._views("weight", e)
-            qs.append(kernels.quantize(w_ENK[e], self.w, scale=scale, amax=amax, rowwise=True, columnwise=False))
+            qs.append(kernels.quantize(w_ENK[e], self.w, scale=scale, amax=amax, rowwise=True, columnwise=keep))
+        if keep:
+            plan = dataclasses.replace(plan, w_dgrad=tuple(q.with_usage(rowwise=False, columnwise=True) for q in qs))
         return qs, plan
 
     # --- backward --------------------------------------------------------------------------------
     def requantize_weights(self, kernels: Any, w_ENK: Any) -> list[Any]:
-        """The weights (materialized again) for dgrad (columnwise), with forward's scales and no
-        amax recorded: for an unchanged weight, forward's FP8 bits."""
+        """The weights for dgrad (columnwise): forward's copies when kept, else quantized again
+        (materialized again) with forward's scales and no amax recorded: for an unchanged
+        weight, forward's FP8 bits."""
+        if self.w_dgrad is not None:
+            return list(self.w_dgrad)
         return [kernels.quantize(w_ENK[e], self.w, scale=None if self.w_scales is None else self.w_scales[e],
                                  amax=None, rowwise=False, columnwise=True) for e in range(self.num_gemms)]
 

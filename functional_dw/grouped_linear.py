@@ -246,7 +246,7 @@ def _fprop_fp8(c: _Call, keep: bool) -> tuple[torch.Tensor, Any, _fp8.Plan]:
     weight scales)."""
     grouped = c.path == "grouped"
     xq = c.fp8.quantize_x(c.kernels, c.x_TK, c.split, grouped, keep=keep)
-    wq, plan = c.fp8.quantize_weights(c.kernels, c.w_ENK)
+    wq, plan = c.fp8.quantize_weights(c.kernels, c.w_ENK, keep=keep and not c.distributed)
     y = c.kernels.grouped_fprop(xq, wq, c.b_EN, c.split, grouped, split_accumulator=plan.acc.fprop)
     return y, (_fp8.with_usage(xq, rowwise=False, columnwise=True) if keep else None), plan
 

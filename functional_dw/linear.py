@@ -92,7 +92,7 @@ def _fprop_fp8(c: _Call, keep: bool) -> tuple[torch.Tensor, Any, _fp8.Plan]:
     copy for wgrad. Returns (y, that copy or None, the plan with forward's weight scale)."""
     K, N = c.x.shape[-1], c.w_NK.shape[0]
     xq = c.fp8.quantize_x(c.kernels, _checks.dense(c.x, (_tokens(c.x.shape), K)), keep=keep)
-    (wq,), plan = c.fp8.quantize_weights(c.kernels, [c.w_NK])
+    (wq,), plan = c.fp8.quantize_weights(c.kernels, [c.w_NK], keep=keep and not c.distributed)
     y = c.kernels.fprop(xq, wq, c.bias, split_accumulator=plan.acc.fprop).view(*c.x.shape[:-1], N)
     return y, (xq.with_usage(rowwise=False, columnwise=True) if keep else None), plan
 
