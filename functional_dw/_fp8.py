@@ -268,13 +268,25 @@ class Args:
     tensors would become inputs of the autograd Function; this wrapper is not a node, so the
     bridge holds it by reference (the state is written in place, never differentiated)."""
 
-    __slots__ = ("recipe", "state")
+    __slots__ = ("recipe", "state", "keep_x")
 
-    def __init__(self, recipe: Any, state: Any) -> None:
-        self.recipe, self.state = recipe, state
+    def __init__(self, recipe: Any, state: Any, keep_x: bool = True) -> None:
+        # keep_x: whether forward keeps x's FP8 copy (False: every weight is frozen, wgrad never runs)
+        self.recipe, self.state, self.keep_x = recipe, state, keep_x
 
     def __repr__(self) -> str:
         return f"fp8.Args(recipe={self.recipe!r}, state={self.state!r})"
+
+
+def wgrad_possible(weights: Any) -> bool:
+    """Whether a weight gradient may be asked of this call: some weight requires grad, or a
+    functorch transform is active (its levels decide what they differentiate). With FP8 the
+    layers keep x's FP8 copy (wgrad's operand) only then, as TE keeps it only for a weight that
+    requires grad. (Direct ``*_fwd`` calls always keep it: a pure forward cannot know.)"""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    ws = [weights] if isinstance(weights, torch.Tensor) else weights
+    return any(isinstance(w, torch.Tensor) and w.requires_grad for w in ws)
 
 
 def unpack(args: Args | None) -> dict[str, Any]:

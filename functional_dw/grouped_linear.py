@@ -236,19 +236,19 @@ def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tens
 
 def _fprop(c: _Call) -> torch.Tensor:
     if c.fp8 is not None:
-        return _fprop_fp8(c, keep=False)[0]
+        return _fprop_fp8(c, keep_x=False, keep_w=False)[0]
     return c.kernels.grouped_fprop(c.x_TK, c.w_ENK, c.b_EN, c.split, c.path == "grouped")
 
 
-def _fprop_fp8(c: _Call, keep: bool) -> tuple[torch.Tensor, Any, _fp8.Plan]:
-    """FP8 forward: x per expert and each weight quantized, the FP8 grouped GEMM; with ``keep``,
-    also x's columnwise copy for wgrad. Returns (y, that copy or None, the plan with forward's
-    weight scales)."""
+def _fprop_fp8(c: _Call, keep_x: bool, keep_w: bool) -> tuple[torch.Tensor, Any, _fp8.Plan]:
+    """FP8 forward: x per expert and each weight quantized, the FP8 grouped GEMM; with
+    ``keep_x``, also x's columnwise copy for wgrad; with ``keep_w``, the weights' for dgrad (on
+    the plan). Returns (y, x's copy or None, the plan with forward's weight scales)."""
     grouped = c.path == "grouped"
-    xq = c.fp8.quantize_x(c.kernels, c.x_TK, c.split, grouped, keep=keep)
-    wq, plan = c.fp8.quantize_weights(c.kernels, c.w_ENK, keep=keep and not c.distributed)
+    xq = c.fp8.quantize_x(c.kernels, c.x_TK, c.split, grouped, keep=keep_x)
+    wq, plan = c.fp8.quantize_weights(c.kernels, c.w_ENK, keep=keep_w and not c.distributed)
     y = c.kernels.grouped_fprop(xq, wq, c.b_EN, c.split, grouped, split_accumulator=plan.acc.fprop)
-    return y, (_fp8.with_usage(xq, rowwise=False, columnwise=True) if keep else None), plan
+    return y, (_fp8.with_usage(xq, rowwise=False, columnwise=True) if keep_x else None), plan
 
 
 def grouped_linear_fwd(
@@ -259,10 +259,16 @@ def grouped_linear_fwd(
     """``y`` ``[T, N]`` and the residuals. x ``[T, K]``; weights E ``[N, K]`` or ``[E, N, K]``;
     ``recipe``/``fp8_state`` as for :func:`grouped_linear`."""
     c = _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend, recipe, fp8_state)
+    return _forward(c, x, fuse_wgrad_accumulation, keep_x=True)
+
+
+def _forward(c: _Call, x: torch.Tensor, fuse_wgrad_accumulation: bool, keep_x: bool):
+    """y and the residuals of a checked call; ``keep_x`` False (FP8, every weight frozen): no
+    FP8 copy of x is made or saved (wgrad, its only reader, never runs)."""
     if c.fp8 is None:
         y, x_saved, plan = _fprop(c), x, None
     else:
-        y, x_saved, plan = _fprop_fp8(c, keep=True)
+        y, x_saved, plan = _fprop_fp8(c, keep_x=keep_x, keep_w=True)
     res = GroupedLinearResiduals(
         x_TK=x_saved, x_version=_checks.stamp(x) if plan is None else None, weights=c.params, stacked=c.stacked,
         weight_version=dwp.versions(c.params), distributed=c.distributed, weight_shapes=c.shapes, splits=c.split,
@@ -387,10 +393,9 @@ def _bias_grads(res: GroupedLinearResiduals, db_EN: torch.Tensor | None) -> Any:
 
 
 def _fwd(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend, fp8_args):
-    return grouped_linear_fwd(
-        x, weights, splits, bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        use_grouped_tensor=use_grouped_tensor, backend=backend, **_fp8.unpack(fp8_args),
-    )
+    c = _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend,
+                 **_fp8.unpack(fp8_args))
+    return _forward(c, x, fuse_wgrad_accumulation, keep_x=fp8_args is None or fp8_args.keep_x)
 
 
 def _primal(*args) -> torch.Tensor:
@@ -492,7 +497,8 @@ def grouped_linear(
         items = _checks.sequence(splits)
         splits = _HostSplits(items) if items is not None else splits
     fuse = _checks.fuse_flag(fuse_wgrad_accumulation)  # (under torch.func: refused here, where it is visible)
-    fp8_args = None if recipe is None and fp8_state is None else _fp8.Args(recipe, fp8_state)
-    if fp8_args is not None:
+    fp8_args = None
+    if recipe is not None or fp8_state is not None:
         _fp8.refuse_compile()
+        fp8_args = _fp8.Args(recipe, fp8_state, keep_x=_fp8.wgrad_possible(weights))
     return _grouped_linear(x, weights, splits, bias, fuse, use_grouped_tensor, backend, fp8_args)

@@ -82,19 +82,20 @@ def _prepare(x, weight, bias, fuse_wgrad_accumulation, backend, recipe=None, fp8
 
 def _fprop(c: _Call) -> torch.Tensor:
     if c.fp8 is not None:
-        return _fprop_fp8(c, keep=False)[0]
+        return _fprop_fp8(c, keep_x=False, keep_w=False)[0]
     K, N = c.x.shape[-1], c.w_NK.shape[0]
     return c.kernels.fprop(_checks.dense(c.x, (_tokens(c.x.shape), K)), c.w_NK, c.bias).view(*c.x.shape[:-1], N)
 
 
-def _fprop_fp8(c: _Call, keep: bool) -> tuple[torch.Tensor, Any, _fp8.Plan]:
-    """FP8 forward: x and the weight quantized, the FP8 GEMM; with ``keep``, also x's columnwise
-    copy for wgrad. Returns (y, that copy or None, the plan with forward's weight scale)."""
+def _fprop_fp8(c: _Call, keep_x: bool, keep_w: bool) -> tuple[torch.Tensor, Any, _fp8.Plan]:
+    """FP8 forward: x and the weight quantized, the FP8 GEMM; with ``keep_x``, also x's
+    columnwise copy for wgrad; with ``keep_w``, the weight's for dgrad (on the plan). Returns
+    (y, x's copy or None, the plan with forward's weight scale)."""
     K, N = c.x.shape[-1], c.w_NK.shape[0]
-    xq = c.fp8.quantize_x(c.kernels, _checks.dense(c.x, (_tokens(c.x.shape), K)), keep=keep)
-    (wq,), plan = c.fp8.quantize_weights(c.kernels, [c.w_NK], keep=keep and not c.distributed)
+    xq = c.fp8.quantize_x(c.kernels, _checks.dense(c.x, (_tokens(c.x.shape), K)), keep=keep_x)
+    (wq,), plan = c.fp8.quantize_weights(c.kernels, [c.w_NK], keep=keep_w and not c.distributed)
     y = c.kernels.fprop(xq, wq, c.bias, split_accumulator=plan.acc.fprop).view(*c.x.shape[:-1], N)
-    return y, (xq.with_usage(rowwise=False, columnwise=True) if keep else None), plan
+    return y, (xq.with_usage(rowwise=False, columnwise=True) if keep_x else None), plan
 
 
 def linear_fwd(
@@ -105,10 +106,17 @@ def linear_fwd(
     """``y = x @ W^T + b`` and the residuals its backward needs. x ``[..., K]``, weight ``[N, K]``;
     ``recipe``/``fp8_state`` as for :func:`linear`."""
     c = _prepare(x, weight, bias, fuse_wgrad_accumulation, backend, recipe, fp8_state)
+    return _forward(c, x, weight, bias, fuse_wgrad_accumulation, keep_x=True)
+
+
+def _forward(c: _Call, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fuse_wgrad_accumulation: bool,
+             keep_x: bool):
+    """y and the residuals of a checked call; ``keep_x`` False (FP8, a frozen weight): no FP8
+    copy of x is made or saved (wgrad, its only reader, never runs)."""
     if c.fp8 is None:
         y, x_saved, plan = _fprop(c), x, None
     else:
-        y, x_saved, plan = _fprop_fp8(c, keep=True)
+        y, x_saved, plan = _fprop_fp8(c, keep_x=keep_x, keep_w=True)
     res = LinearResiduals(
         x=x_saved, x_version=_checks.stamp(x) if plan is None else None, weight=weight,
         weight_version=dwp.versions([weight]), distributed=c.distributed, x_shape=tuple(c.x.shape),
@@ -219,8 +227,8 @@ def _bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple:
 
 
 def _fwd(x, weight, bias, fuse_wgrad_accumulation, backend, fp8_args):  # positional form for custom_vjp
-    return linear_fwd(x, weight, bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation, backend=backend,
-                      **_fp8.unpack(fp8_args))
+    c = _prepare(x, weight, bias, fuse_wgrad_accumulation, backend, **_fp8.unpack(fp8_args))
+    return _forward(c, x, weight, bias, fuse_wgrad_accumulation, keep_x=fp8_args is None or fp8_args.keep_x)
 
 
 def _primal(*args) -> torch.Tensor:
@@ -280,7 +288,8 @@ def linear(
     forward and backward read and whose amax histories they record into; the caller updates it
     between steps (``fp8.update_state_(state, recipe)``).
     """
-    fp8_args = None if recipe is None and fp8_state is None else _fp8.Args(recipe, fp8_state)
-    if fp8_args is not None:
+    fp8_args = None
+    if recipe is not None or fp8_state is not None:
         _fp8.refuse_compile()
+        fp8_args = _fp8.Args(recipe, fp8_state, keep_x=_fp8.wgrad_possible(weight))
     return _linear(x, weight, bias, _checks.fuse_flag(fuse_wgrad_accumulation), backend, fp8_args)

@@ -67,9 +67,6 @@ def _saved_fp8_bytes(x, ws):
     return sum(got)
 
 
-@pytest.mark.xfail(strict=True, reason="the FP8 forward quantizes and saves x's columnwise copy even when no weight "
-                   "requires grad (wgrad never runs): a new T x K FP8 allocation per layer in frozen-base fine-tuning; "
-                   "TE saves inputmat only when weight.requires_grad (backward_needs_input)")
 def test_frozen_weights_save_no_fp8_copy_of_x():
     x = torch.randn(32, K, requires_grad=True)
     assert _saved_fp8_bytes(x.detach(), _ws()) > 0  # wgrad runs: the copy is needed
