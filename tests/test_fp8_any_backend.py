@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
-import functional_dw as fd
 from conftest import HOOKS, FakeDW, Recorder, assert_same
 from functional_dw import fp8
-from test_fp8_layers import BF16, E, K, LAYER_IDS, LAYERS, N, RECIPES, SPLITS, T, _inputs, _scales, direct
+from test_fp8_layers import (
+    BF16, E, K, LAYER_IDS, LAYERS, N, RECIPES, SPLITS, T, _call, _inputs, _run, _scales, _state, direct,
+)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -27,27 +28,6 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 
 def _to(device, *ts):
     return [None if t is None else [u.to(device) for u in t] if isinstance(t, list) else t.to(device) for t in ts]
-
-
-def _state(recipe, layer, device):
-    if not isinstance(recipe, fp8.DelayedScaling):
-        return None
-    return fp8.init_state(recipe, num_gemms=1 if layer == "linear" else E, device=device)
-
-
-def _call(layer, path, x, ws, bs, recipe, state, splits=SPLITS, **kw):
-    if layer == "linear":
-        return fd.linear(x, ws[0], None if bs is None else bs[0], recipe=recipe, fp8_state=state, **kw)
-    return fd.grouped_linear(x, ws, splits, bs, use_grouped_tensor=path, recipe=recipe, fp8_state=state, **kw)
-
-
-def _run(layer, path, recipe, state, x, ws, bs, dy, **kw):
-    x = x.clone().requires_grad_()
-    ws = [w.clone().requires_grad_() for w in ws]
-    bs = None if bs is None else [b.clone().requires_grad_() for b in bs]
-    y = _call(layer, path, x, ws, bs, recipe, state, **kw)
-    y.backward(dy)
-    return y.detach(), x.grad, [w.grad for w in ws], None if bs is None else [b.grad for b in bs]
 
 
 BIG_SPLITS = [128, 0, 256]  # whole 1x128 tiles per expert

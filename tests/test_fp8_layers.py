@@ -47,16 +47,16 @@ def _inputs(layer, dtype=BF16, seed=0, bias=True):
     return x, ws, bs, dy
 
 
-def _state(recipe, layer):
+def _state(recipe, layer, device=None):
     if not isinstance(recipe, fp8.DelayedScaling):
         return None
-    return fp8.init_state(recipe, num_gemms=1 if layer == "linear" else E)
+    return fp8.init_state(recipe, num_gemms=1 if layer == "linear" else E, device=device)
 
 
-def _call(layer, path, x, ws, bs, recipe, state, **kw):
+def _call(layer, path, x, ws, bs, recipe, state, splits=SPLITS, **kw):
     if layer == "linear":
         return fd.linear(x, ws[0], None if bs is None else bs[0], recipe=recipe, fp8_state=state, **kw)
-    return fd.grouped_linear(x, ws, SPLITS, bs, use_grouped_tensor=path, recipe=recipe, fp8_state=state, **kw)
+    return fd.grouped_linear(x, ws, splits, bs, use_grouped_tensor=path, recipe=recipe, fp8_state=state, **kw)
 
 
 def _run(layer, path, recipe, state, x, ws, bs, dy, **kw):
