@@ -429,10 +429,10 @@ class TEKernels:
         return _uniform(w, w.shape[0], tuple(w.shape[1:]))
 
     def _wgrad_out(self, dw, targets: list[torch.Tensor], stacked: bool) -> tuple[object, torch.Tensor | None]:
-        """(D operand, scratch). Separate per-expert outputs up to 64 experts: the list itself
-        (discrete_out, as te.GroupedLinear). A stacked [E, N, K] output, or outputs that are
-        consecutive slices of one buffer: one uniform GroupedTensor over it. Otherwise one over a
-        zeroed scratch buffer, which the caller then adds (or copies) into ``targets``."""
+        """(D operand, scratch). A stacked [E, N, K] output, or outputs that are consecutive
+        slices of one buffer (a fresh dw's views too): one uniform GroupedTensor over it.
+        Otherwise, up to 64 experts, the list itself (discrete_out, as te.GroupedLinear); beyond,
+        one over a zeroed scratch buffer, which the caller then adds (or copies) into ``targets``."""
         E, (N, K) = len(targets), targets[0].shape
         one = dw if stacked and dw.is_contiguous() else packed(targets)
         if one is not None:  # one buffer (also a fresh dw's views): uniform, as for the weights
