@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -110,10 +111,10 @@ class Plan:
         plan = self
         if self.state is not None:
             plan = dataclasses.replace(self, w_scales=self._views("weight", None)[0].clone())
-        qs = []
-        for e in range(self.num_gemms):
-            scale, amax = self._views("weight", e)
-            qs.append(kernels.quantize(w_ENK[e], self.w, scale=scale, amax=amax, rowwise=True, columnwise=keep))
+        scales, amaxes = self._views("weight", None)
+        per = zip(scales.unbind(0), amaxes.unbind(0)) if scales is not None else itertools.repeat((None, None))
+        qs = [kernels.quantize(w, self.w, scale=scale, amax=amax, rowwise=True, columnwise=keep)
+              for w, (scale, amax) in zip(w_ENK, per)]
         if keep:
             plan = dataclasses.replace(plan, w_dgrad=tuple(q.with_usage(rowwise=False, columnwise=True) for q in qs))
         return qs, plan
@@ -125,8 +126,9 @@ class Plan:
         weight, forward's FP8 bits."""
         if self.w_dgrad is not None:
             return list(self.w_dgrad)
-        return [kernels.quantize(w_ENK[e], self.w, scale=None if self.w_scales is None else self.w_scales[e],
-                                 amax=None, rowwise=False, columnwise=True) for e in range(self.num_gemms)]
+        scales = self.w_scales.unbind(0) if self.w_scales is not None else itertools.repeat(None)
+        return [kernels.quantize(w, self.w, scale=scale, amax=None, rowwise=False, columnwise=True)
+                for w, scale in zip(w_ENK, scales)]
 
     def quantize_dy(self, kernels: Any, dy_TN: torch.Tensor, splits: Any = None, grouped: bool = False, *,
                     dgrad: bool, wgrad: bool) -> Any:

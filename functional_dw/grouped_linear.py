@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import _checks, _fp8, distributed_weight as dwp
 from .custom_vjp import custom_vjp
-from .kernels import Kernels, Splits, check_sizes, get_kernels, stacked
+from .kernels import Kernels, Splits, check_sizes, get_kernels, packed, stacked
 from .kernels.torch_ref import expert_sums
 from .residuals import any_needed, needed, residuals, saved
 
@@ -153,6 +153,15 @@ def _as_bias(bias: Any, E: int, N: int, x: torch.Tensor) -> tuple[torch.Tensor |
     return stacked(bs), "list"  # slices of one buffer (nn.GroupedLinear's): a view, no copy
 
 
+def _one_buffer(w_ENK: WeightsArg) -> WeightsArg:
+    """E weights that are consecutive slices of one buffer as that ``[E, N, K]`` view (found
+    once here, not again by every kernel call; NOTE: [One buffer]); anything else unchanged."""
+    if isinstance(w_ENK, torch.Tensor):
+        return w_ENK
+    one = packed(w_ENK)
+    return w_ENK if one is None else one
+
+
 def _weight_shapes(w_ENK: WeightsArg, stacked: bool) -> list[tuple[int, ...]]:
     return [tuple(w_ENK.shape)] if stacked else [tuple(w.shape) for w in w_ENK]
 
@@ -205,6 +214,7 @@ def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tens
     w_ENK = full[0] if stacked else full
     _check_weights([w_ENK] if stacked else w_ENK, 3 if stacked else 2, x)
     shapes = _weight_shapes(w_ENK, stacked)
+    w_ENK = _one_buffer(w_ENK)
     E = shapes[0][0] if stacked else len(shapes)
     N, K = shapes[0][-2:]
     if x.shape[1] != K:
@@ -351,7 +361,7 @@ def _dgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> torch.
     dwp.check_materialized(full, res.weight_shapes, "materialize_group_for_backward()")
     if not _wanted(res)[0]:
         return None
-    w_ENK = full[0] if res.stacked else full
+    w_ENK = full[0] if res.stacked else _one_buffer(full)
     grouped = res.path == "grouped"
     if res.fp8 is not None:  # dy and the weights (quantized again) in FP8
         wq = res.fp8.requantize_weights(res.kernels, w_ENK)

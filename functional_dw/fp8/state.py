@@ -76,6 +76,7 @@ import torch.utils._pytree as pytree
 
 from .quantize import FLT_MAX
 from .recipe import DelayedScaling, as_recipe
+from .spec import tensor_spec
 
 __all__ = [
     "DelayedScalingState", "init_state", "slot", "scale_for", "group_scales", "record_amax", "record_amax_",
@@ -263,6 +264,23 @@ def _unfused_update(hist: torch.Tensor, scale: torch.Tensor, fp8_max: float, r: 
     return new_hist, sf
 
 
+def _update_args(state: DelayedScalingState, recipe: Any, which: str, fused: Optional[bool]) -> tuple[DelayedScaling, bool]:
+    """The checked recipe, and whether TE's fused rule applies (see :func:`update_state`)."""
+    r = _delayed(recipe)
+    if which not in ("fwd", "bwd", "both"):
+        raise ValueError(f"which must be 'fwd', 'bwd' or 'both', got {which!r}")
+    if state.history_len != r.amax_history_len:
+        raise ValueError(f"the state has {state.history_len} history rows but recipe.amax_history_len is "
+                         f"{r.amax_history_len}: resize it with adjust_history_len(state, {r.amax_history_len})")
+    wants_python = callable(r.amax_compute_algo) or callable(r.scaling_factor_compute_algo)
+    if fused is None:
+        fused = not (wants_python or bool(int(os.getenv("NVTE_UNFUSED_FP8_UPDATE", "0"))))
+    elif fused and wants_python:
+        raise ValueError("fused=True runs TE's kernel, which takes amax_compute_algo 'max' or 'most_recent' "
+                         "and no scaling_factor_compute_algo: leave fused=None for callables")
+    return r, fused
+
+
 def update_state(
     state: DelayedScalingState, recipe: Any, *, which: Literal["fwd", "bwd", "both"] = "both",
     group: Any = None, fused: Optional[bool] = None,
@@ -276,18 +294,7 @@ def update_state(
     ``fused``: None picks as TE does (its fused kernel unless a callable or
     ``NVTE_UNFUSED_FP8_UPDATE=1`` asks for the Python path); see the module NOTE for both rules.
     """
-    r = _delayed(recipe)
-    if which not in ("fwd", "bwd", "both"):
-        raise ValueError(f"which must be 'fwd', 'bwd' or 'both', got {which!r}")
-    if state.history_len != r.amax_history_len:
-        raise ValueError(f"the state has {state.history_len} history rows but recipe.amax_history_len is "
-                         f"{r.amax_history_len}: resize it with adjust_history_len(state, {r.amax_history_len})")
-    wants_python = callable(r.amax_compute_algo) or callable(r.scaling_factor_compute_algo)
-    if fused is None:
-        fused = not (wants_python or bool(int(os.getenv("NVTE_UNFUSED_FP8_UPDATE", "0"))))
-    elif fused and wants_python:
-        raise ValueError("fused=True runs TE's kernel, which takes amax_compute_algo 'max' or 'most_recent' "
-                         "and no scaling_factor_compute_algo: leave fused=None for callables")
+    r, fused = _update_args(state, recipe, which, fused)
     new = {}
     for side in (("fwd", "bwd") if which == "both" else (which,)):
         hist, scale = getattr(state, f"amax_history_{side}"), getattr(state, f"scale_{side}")
@@ -305,12 +312,36 @@ def update_state(
 def update_state_(state: DelayedScalingState, recipe: Any, **kwargs: Any) -> DelayedScalingState:
     """:func:`update_state` in place: the state's own tensors take the new values (what a
     module holding a state calls); returns ``state``."""
+    if _te_update_(state, recipe, **kwargs):
+        return state
     new = update_state(state, recipe, **kwargs)
     with torch.no_grad():
         for name in _TENSORS:
             if getattr(new, name) is not getattr(state, name):
                 getattr(state, name).copy_(getattr(new, name))
     return state
+
+
+def _te_update_(state: DelayedScalingState, recipe: Any, *, which: str = "both", group: Any = None,
+                fused: Optional[bool] = None) -> bool:
+    """:func:`update_state_` on a CUDA state through TE's own kernel
+    (``tex.fused_amax_and_scale_update_after_reduction``: one launch per direction, what TE's
+    autocast runs, in place of about thirty small torch ops), where the fused rule applies and
+    TE is installed; False (nothing done) otherwise."""
+    r, fused = _update_args(state, recipe, which, fused)
+    if not fused or state.scale_fwd.device.type != "cuda":
+        return False
+    from ..kernels import te_available
+    if not te_available():
+        return False
+    from ..kernels.te_fp8 import update_delayed_
+    with torch.no_grad():
+        for side in (("fwd", "bwd") if which == "both" else (which,)):
+            hist, scale = getattr(state, f"amax_history_{side}"), getattr(state, f"scale_{side}")
+            last = _reduce_row0(hist, group) if group is not None and r.reduce_amax else hist[0].clone()
+            dtype = tensor_spec(r, "input" if side == "fwd" else "grad_output").fp8_dtype
+            update_delayed_(last, hist, scale, r.amax_compute_algo, dtype, r.margin)
+    return True
 
 
 def adjust_history_len(state: DelayedScalingState, length: int) -> DelayedScalingState:

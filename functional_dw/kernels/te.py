@@ -388,7 +388,10 @@ class TEKernels:
     def _grouped_wgrad(self, x_TK, dy_TN, splits, grouped, dw, accumulate, with_dbias, stacked):
         """:meth:`grouped_wgrad` into ``dw`` (contiguous: one [E, N, K] or E [N, K]); db_EN."""
         E, K, N = splits.num_experts, x_TK.shape[1], dy_TN.shape[1]
-        targets = list(dw)  # E [N, K] tensors (views of dw, or the caller's), written in place
+        if grouped and isinstance(dw, torch.Tensor) and dw.is_contiguous():  # one [E, N, K]: one uniform operand
+            stacked, targets = True, None
+        else:
+            targets = list(dw)  # E [N, K] tensors (views of dw, or the caller's), written in place
         if not grouped:
             self.prepare(x_TK.device, E)
             sizes = _host_sizes(splits)
@@ -433,8 +436,10 @@ class TEKernels:
         slices of one buffer (a fresh dw's views too): one uniform GroupedTensor over it.
         Otherwise, up to 64 experts, the list itself (discrete_out, as te.GroupedLinear); beyond,
         one over a zeroed scratch buffer, which the caller then adds (or copies) into ``targets``."""
+        if stacked and dw.is_contiguous():
+            return _uniform(dw, dw.shape[0], tuple(dw.shape[1:])), None
         E, (N, K) = len(targets), targets[0].shape
-        one = dw if stacked and dw.is_contiguous() else packed(targets)
+        one = packed(targets)
         if one is not None:  # one buffer (also a fresh dw's views): uniform, as for the weights
             return _uniform(one, E, (N, K)), None
         if E <= _MAX_LIST and self._discrete_out_ok():

@@ -21,6 +21,7 @@ without it recomputes it the same way from dy (one more quantization, nothing re
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import torch
@@ -46,6 +47,31 @@ _TE_FP8 = {torch.float8_e4m3fn: tex.DType.kFloat8E4M3, torch.float8_e5m2: tex.DT
 _USAGE = {Float8TensorStorage: (("data",), ("data_transpose",)),
           Float8BlockwiseQTensorStorage: (("rowwise_data", "rowwise_scale_inv"), ("columnwise_data", "columnwise_scale_inv")),
           GroupedTensorStorage: (("data", "scale_inv"), ("columnwise_data", "columnwise_scale_inv"))}
+# The per-expert storages' instance attributes: (rowwise ones, columnwise ones, shared tensors).
+# NOTE: [Storages by attribute] Per expert and per step, rebuilding a storage through its
+# constructor (get_metadata, **kwargs, a quantizer copy) cost more host time than the GEMM
+# launches at E=32; these two classes are plain attribute bags (no __slots__, no __init__), so
+# a copy of the instance dict with some tensors set to None is the same storage, built in a
+# microsecond. (The grouped storage, one per call, keeps the constructor.)
+_ATTRS = {Float8TensorStorage: (("_data",), ("_transpose",), ("_scale_inv",)),
+          Float8BlockwiseQTensorStorage: (("_rowwise_data", "_rowwise_scale_inv"),
+                                          ("_columnwise_data", "_columnwise_scale_inv"), ())}
+
+
+def _fields(st: Any) -> dict:
+    """``st``'s instance dict, a stale FP8 transpose (``_transpose_invalid``) dropped."""
+    d = dict(st.__dict__)
+    if d.get("_transpose_invalid"):
+        d["_transpose"] = None
+    return d
+
+
+def _rebuilt(cls: type, d: dict) -> Any:
+    st = object.__new__(cls)
+    st.__dict__.update(d)
+    if cls is Float8TensorStorage:
+        st._transpose_invalid = st._transpose is None
+    return st
 
 
 def _meta(st: Any) -> dict:
@@ -65,16 +91,24 @@ def _meta(st: Any) -> dict:
 
 def _with_usage(st: Any, rowwise: bool, columnwise: bool) -> Any:
     """A new storage over the same tensors, holding only the copies asked for."""
-    meta = _meta(st)
-    for want, names, what in zip((rowwise, columnwise), _USAGE[type(st)], ("rowwise", "columnwise")):
-        if want and meta[names[0]] is None:
+    attrs = _ATTRS.get(type(st))
+    d = _fields(st) if attrs is not None else _meta(st)
+    names = attrs[:2] if attrs is not None else _USAGE[type(st)]
+    for want, ns, what in zip((rowwise, columnwise), names, ("rowwise", "columnwise")):
+        if want and d[ns[0]] is None:
             raise ValueError(f"this FP8 tensor holds no {what} data; quantize it with {what}=True")
         if not want:
-            meta.update(dict.fromkeys(names))
-    return type(st)(**meta)
+            d.update(dict.fromkeys(ns))
+    return _rebuilt(type(st), d) if attrs is not None else type(st)(**d)
 
 
 def _split_meta(st: Any) -> tuple[list, tuple]:
+    attrs = _ATTRS.get(type(st))
+    if attrs is not None:  # NOTE: [Storages by attribute]
+        d = _fields(st)
+        names = tuple(n for group in attrs for n in group if d[n] is not None)
+        tensors = [d.pop(n) for n in names]
+        return tensors, (type(st), names, tuple(d.items()))
     meta = _meta(st)
     names = tuple(k for k, v in meta.items() if isinstance(v, torch.Tensor))
     return [meta[k] for k in names], (type(st), names, tuple((k, v) for k, v in meta.items() if k not in names))
@@ -82,6 +116,8 @@ def _split_meta(st: Any) -> tuple[list, tuple]:
 
 def _join_meta(tensors: list, ctx: tuple) -> Any:
     cls, names, others = ctx
+    if cls in _ATTRS:
+        return _rebuilt(cls, {**dict(others), **dict(zip(names, tensors))})
     return cls(**dict(others), **dict(zip(names, tensors)))
 
 
@@ -169,17 +205,29 @@ def quantizer(spec: fp8.TensorSpec, device: torch.device, *, scale: torch.Tensor
               amax: torch.Tensor | None = None, rowwise: bool = True, columnwise: bool = False) -> Any:
     """TE's quantizer for ``spec``, as TE's modules build and configure it. Delayed scaling:
     ``Float8Quantizer(scale, amax.reshape(1), dtype)`` over views into the caller's state
-    (``DelayedScalingRecipeState.make_quantizers``); ``amax=None`` records into a scratch."""
+    (``DelayedScalingRecipeState.make_quantizers``), fresh per call; ``amax=None`` records into
+    a scratch. Current and block scaling: made once per (spec, device, usage) and reused, as a
+    TE module reuses its quantizers (they hold settings only; each storage made copies it)."""
+    if spec.scaling != "delayed":
+        return _settings_quantizer(spec, device, rowwise, columnwise)
+    amax = torch.zeros(1, dtype=torch.float32, device=device) if amax is None else (
+        amax if amax.dim() == 1 else amax.reshape(1))
+    return _configured(Float8Quantizer(scale, amax, _TE_FP8[spec.fp8_dtype]), spec, rowwise, columnwise)
+
+
+@functools.lru_cache(maxsize=256)
+def _settings_quantizer(spec: fp8.TensorSpec, device: torch.device, rowwise: bool, columnwise: bool) -> Any:
     dt = _TE_FP8[spec.fp8_dtype]
-    if spec.scaling == "delayed":
-        amax = torch.zeros(1, dtype=torch.float32, device=device) if amax is None else amax.reshape(1)
-        q = Float8Quantizer(scale, amax, dt)
-    elif spec.scaling == "current":  # with the module's _customize_quantizers_float8_current_scaling
+    if spec.scaling == "current":  # with the module's _customize_quantizers_float8_current_scaling
         q = Float8CurrentScalingQuantizer(dt, device=device, force_pow_2_scales=spec.power_2_scale,
                                           amax_epsilon=spec.amax_epsilon)
     else:  # Float8BlockScalingRecipeState._make
         q = Float8BlockQuantizer(fp8_dtype=dt, rowwise=True, columnwise=True, amax_epsilon=spec.amax_epsilon,
                                  force_pow_2_scales=spec.power_2_scale, block_scaling_dim=1 if spec.block[0] == 1 else 2)
+    return _configured(q, spec, rowwise, columnwise)
+
+
+def _configured(q: Any, spec: fp8.TensorSpec, rowwise: bool, columnwise: bool) -> Any:
     q.set_usage(rowwise=rowwise, columnwise=columnwise)
     q.internal = True  # storages, not QuantizedTensor subclasses (TE's _get_quantizers)
     q.optimize_for_gemm = spec.role != "weight"  # inputs and grads; weights: _enable_weight_preswizzle -> False
@@ -192,7 +240,12 @@ def _env(t: Any) -> tuple:
         return (0, 0), 0, (0, 0)  # check_quantize refuses it first
     if t.device.type != "cuda":
         raise ValueError(f"backend='te' quantizes CUDA tensors; got one on {t.device}. Use backend='torch'")
-    return env_of(*_te._te_env(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+    return _device_env(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_env(index: int) -> tuple:
+    return env_of(*_te._te_env(index))
 
 
 def _made_usage(spec, rowwise: bool, columnwise: bool, with_dbias: bool) -> tuple[bool, bool]:
@@ -255,8 +308,9 @@ def grouped_quantize(x: torch.Tensor, splits, spec: fp8.TensorSpec, *, scales=No
         return TEQ(st, x.shape, x.dtype, dbias, later)
     sizes = _te._host_sizes(splits)
     row, col = _made_usage(spec, rowwise, columnwise, with_dbias)
-    qs = [quantizer(spec, x.device, scale=None if scales is None else scales[e],
-                    amax=None if amaxes is None else amaxes[e], rowwise=row, columnwise=col) for e in range(E)]
+    per = zip(scales.unbind(0), amaxes.unbind(0) if amaxes is not None else itertools.repeat(None)) \
+        if scales is not None else itertools.repeat((None, None), E)
+    qs = [quantizer(spec, x.device, scale=scale, amax=amax, rowwise=row, columnwise=col) for scale, amax in per]
     dbias = None
     if with_dbias and spec.scaling != "block":  # _split_quantize: one bgrad_quantize per expert
         pairs = [tex.bgrad_quantize(part, q) for part, q in zip(torch.split(x, sizes), qs)]
@@ -267,6 +321,14 @@ def grouped_quantize(x: torch.Tensor, splits, spec: fp8.TensorSpec, *, scales=No
     parts = [TEQ(st, (n, x.shape[1]), x.dtype) for st, n in zip(sts, sizes)]
     g = TEQGroup(parts, x.shape, x.dtype, dbias, later)
     return g if (row, col) == (rowwise, columnwise) else g.with_usage(rowwise=rowwise, columnwise=columnwise)
+
+
+def update_delayed_(last: torch.Tensor, hist: torch.Tensor, scale: torch.Tensor, algo: str,
+                    fp8_dtype: torch.dtype, margin: float) -> None:
+    """Delayed scaling's amax-and-scale update in place, by TE's kernel (``kernel_bulk``, what
+    ``te.autocast`` runs): ``last`` this step's amaxes (after any reduction), ``hist`` ``[H, C]``
+    and ``scale`` ``[C]`` (``fp8.state``, NOTE: [The update rule])."""
+    tex.fused_amax_and_scale_update_after_reduction(last, [hist], [scale], algo, _TE_FP8[fp8_dtype], float(margin))
 
 
 # --- GEMMs: the calls of te.Linear / te.GroupedLinear under FP8 ------------------------------
@@ -394,7 +456,7 @@ def grouped_wgrad(kern, x: _Q, dy: _Q, splits, out, accumulate: bool, with_dbias
     targets = list(dense)  # E [N, K], written in place (te.GroupedLinear: wgrad_packed[i] or main_grads)
     if x.is_grouped:
         kern.prepare(splits.device, E, grouped=True)
-        D, scratch = kern._wgrad_out(dense, targets, stacked=stacked and out is not None)
+        D, scratch = kern._wgrad_out(dense, targets, stacked=stacked)
         general_grouped_gemm_for_grouped_tensor(x.storage, dy.storage, D, layout="NT",
                                                 accumulate=accumulate and scratch is None,
                                                 use_split_accumulator=split_accumulator)
