@@ -112,9 +112,7 @@ class Plan:
         if self.state is not None:
             plan = dataclasses.replace(self, w_scales=self._views("weight", None)[0].clone())
         scales, amaxes = self._views("weight", None)
-        per = zip(scales.unbind(0), amaxes.unbind(0)) if scales is not None else itertools.repeat((None, None))
-        qs = [kernels.quantize(w, self.w, scale=scale, amax=amax, rowwise=True, columnwise=keep)
-              for w, (scale, amax) in zip(w_ENK, per)]
+        qs = _quantize_each(kernels, w_ENK, self.w, scales, amaxes, rowwise=True, columnwise=keep)
         if keep:
             plan = dataclasses.replace(plan, w_dgrad=tuple(q.with_usage(rowwise=False, columnwise=True) for q in qs))
         return qs, plan
@@ -126,9 +124,7 @@ class Plan:
         weight, forward's FP8 bits."""
         if self.w_dgrad is not None:
             return list(self.w_dgrad)
-        scales = self.w_scales.unbind(0) if self.w_scales is not None else itertools.repeat(None)
-        return [kernels.quantize(w, self.w, scale=scale, amax=None, rowwise=False, columnwise=True)
-                for w, scale in zip(w_ENK, scales)]
+        return _quantize_each(kernels, w_ENK, self.w, self.w_scales, None, rowwise=False, columnwise=True)
 
     def quantize_dy(self, kernels: Any, dy_TN: torch.Tensor, splits: Any = None, grouped: bool = False, *,
                     dgrad: bool, wgrad: bool) -> Any:
@@ -147,6 +143,20 @@ class Plan:
         scales, amaxes = self._views(role, None)
         return kernels.grouped_quantize(t, splits, spec, scales=scales, amaxes=amaxes, rowwise=rowwise,
                                         columnwise=columnwise, grouped=grouped)
+
+
+def _quantize_each(kernels: Any, ts: Any, spec: fp8.TensorSpec, scales: Any, amaxes: Any, *, rowwise: bool,
+                   columnwise: bool) -> list[Any]:
+    """Each of a group's weights quantized on its own: the kernels' ``quantize_each`` where they
+    have one (checks once, one call per weight), else ``quantize`` per weight; ``scales``/
+    ``amaxes`` strided ``[E]`` views (delayed scaling) or None."""
+    each = getattr(kernels, "quantize_each", None)
+    if each is not None:
+        return each(ts, spec, scales=scales, amaxes=amaxes, rowwise=rowwise, columnwise=columnwise)
+    per = zip(scales.unbind(0), amaxes.unbind(0) if amaxes is not None else itertools.repeat(None)) \
+        if scales is not None else itertools.repeat((None, None))
+    return [kernels.quantize(t, spec, scale=scale, amax=amax, rowwise=rowwise, columnwise=columnwise)
+            for t, (scale, amax) in zip(ts, per)]
 
 
 def with_usage(q: Any, *, rowwise: bool, columnwise: bool) -> Any:

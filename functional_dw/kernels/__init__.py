@@ -34,6 +34,9 @@ NOTE: [FP8 operands] (the layers' side: ``functional_dw/_fp8.py``; README, FP8)
   columnwise=)``, ``dtype`` (the source's) and ``shape``, and is a pytree node whose leaves are
   its tensors (it rides in a residuals record and through saved-tensor hooks). A ``QGroup`` is
   opaque to the layer: a list of E ``Q`` (split path), or the backend's grouped object.
+  Optional: ``quantize_each(ts, spec, *, scales, amaxes, rowwise, columnwise) -> list[Q]``,
+  ``quantize`` of each of E tensors of one shape (a group's weights) with one check (the
+  layers fall back to ``quantize`` per tensor).
   Every GEMM method takes ``Q`` operands (both, or neither) in place of tensors, reading
   fprop's x and W rowwise, dgrad's dy rowwise and W columnwise, wgrad's x and dy columnwise,
   and a keyword ``split_accumulator`` (read only with ``Q`` operands); outputs are in the

@@ -231,6 +231,9 @@ class TEKernels:
         return te_fp8.quantize(t, spec, scale=scale, amax=amax, rowwise=rowwise, columnwise=columnwise,
                                with_dbias=with_dbias)
 
+    def quantize_each(self, ts, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False):
+        return te_fp8.quantize_each(ts, spec, scales=scales, amaxes=amaxes, rowwise=rowwise, columnwise=columnwise)
+
     def grouped_quantize(self, x_TK, splits, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False,
                          grouped=False, with_dbias=False):
         return te_fp8.grouped_quantize(x_TK, splits, spec, scales=scales, amaxes=amaxes, rowwise=rowwise,

@@ -40,7 +40,7 @@ from .. import fp8
 from . import te as _te
 from .te_fp8_checks import MAX_LIST, check_quantize, env_of
 
-__all__ = ["TEQ", "TEQGroup", "quantizer", "quantize", "grouped_quantize", "is_fp8"]
+__all__ = ["TEQ", "TEQGroup", "quantizer", "quantize", "quantize_each", "grouped_quantize", "is_fp8"]
 
 _TE_FP8 = {torch.float8_e4m3fn: tex.DType.kFloat8E4M3, torch.float8_e5m2: tex.DType.kFloat8E5M2}
 # (rowwise names, columnwise names) of each storage's get_metadata() (= its constructor's kwargs)
@@ -273,6 +273,37 @@ def quantize(t: torch.Tensor, spec: fp8.TensorSpec, *, scale=None, amax=None, ro
         quantize, x, spec, scale=scale, rowwise=rowwise, columnwise=columnwise, with_dbias=True)
     out = TEQ(st, x.shape, x.dtype, dbias, redo)
     return out if (row, col) == (rowwise, columnwise) else out.with_usage(rowwise=rowwise, columnwise=columnwise)
+
+
+def quantize_each(ts: Any, spec: fp8.TensorSpec, *, scales=None, amaxes=None, rowwise: bool = True,
+                  columnwise: bool = False) -> list[TEQ]:
+    """:func:`quantize` of each of E tensors of one shape, dtype and device (a group's weights),
+    with delayed scaling's per-tensor ``scales``/``amaxes`` (strided ``[E]`` views, or None):
+    checked once, then one TE quantize call each (the per-expert loop is the host's hot path
+    of an FP8 group)."""
+    ts = list(ts)
+    if not ts:
+        return []
+    t0 = ts[0]
+    check_quantize(t0, spec, scales, amaxes, rowwise, columnwise, _env(t0), None)
+    if not all(isinstance(t, torch.Tensor) and t.shape == t0.shape and t.dtype == t0.dtype and t.device == t0.device
+               for t in ts):
+        raise ValueError(f"quantize_each takes tensors of one shape, dtype and device (like the first, "
+                         f"{tuple(t0.shape)} {t0.dtype} on {t0.device}); quantize others one by one")
+    if scales is not None:
+        _per = scales.unbind(0), (amaxes.unbind(0) if amaxes is not None else itertools.repeat(None))
+        per = zip(*_per)
+    else:
+        per = itertools.repeat((None, None))
+    row, col = _made_usage(spec, rowwise, columnwise, False)
+    trim = (row, col) != (rowwise, columnwise)
+    out = []
+    for t, (scale, amax) in zip(ts, per):
+        q = quantizer(spec, t0.device, scale=scale, amax=amax, rowwise=row, columnwise=col)
+        x = t.detach().contiguous()
+        tq = TEQ(q(x), x.shape, x.dtype)
+        out.append(tq.with_usage(rowwise=rowwise, columnwise=columnwise) if trim else tq)
+    return out
 
 
 def _offsets1(splits, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import functools
+
 import torch
 
 from .. import fp8
@@ -34,6 +36,7 @@ def _ver(v: int) -> str:
     return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
 
 
+@functools.lru_cache(maxsize=64)  # per (scaling, device): on every quantize call
 def device_problem(scaling: str, env: tuple) -> Optional[str]:
     """Why this device cannot run ``scaling`` ("delayed", "current", "block") on TE, or None
     (TE ``quantization.py: _compute_fp8_support``, ``_compute_fp8_block_scaling_support``)."""
