@@ -205,11 +205,34 @@ def quantizer(spec: fp8.TensorSpec, device: torch.device, *, scale: torch.Tensor
               amax: torch.Tensor | None = None, rowwise: bool = True, columnwise: bool = False) -> Any:
     """TE's quantizer for ``spec``, as TE's modules build and configure it. Delayed scaling:
     ``Float8Quantizer(scale, amax.reshape(1), dtype)`` over views into the caller's state
-    (``DelayedScalingRecipeState.make_quantizers``), fresh per call; ``amax=None`` records into
-    a scratch. Current and block scaling: made once per (spec, device, usage) and reused, as a
+    (``DelayedScalingRecipeState.make_quantizers``), made once per pair of state slots (NOTE:
+    [Delayed quantizers by address]); ``amax=None`` records into a scratch. Current and block scaling: made once per (spec, device, usage) and reused, as a
     TE module reuses its quantizers (they hold settings only; each storage made copies it)."""
     if spec.scaling != "delayed":
         return _settings_quantizer(spec, device, rowwise, columnwise)
+    if not (isinstance(scale, torch.Tensor) and isinstance(amax, torch.Tensor) and scale.numel() == 1
+            and amax.numel() == 1):  # (backward's re-quantization: forward's scale snapshot, no amax)
+        return _delayed_quantizer(spec, device, scale, amax, rowwise, columnwise)
+    # NOTE: [Delayed quantizers by address] Made once per (spec, usage, scale and amax slots)
+    # and reused, as TE's module keeps its quantizers: the key is the slots' addresses, and
+    # the cached quantizer holds views of them, so their memory stays allocated (no other
+    # tensor can take the address) while the entry lives; the values are read on the device
+    # at each cast, so in-place state updates are seen. A state replaced by new tensors has
+    # new addresses, hence new quantizers.
+    key = (spec, rowwise, columnwise, device, scale.data_ptr(), amax.data_ptr())
+    q = _DELAYED.get(key)
+    if q is None:
+        if len(_DELAYED) >= _DELAYED_MAX:
+            _DELAYED.pop(next(iter(_DELAYED)))
+        q = _DELAYED[key] = _delayed_quantizer(spec, device, scale, amax, rowwise, columnwise)
+    return q
+
+
+_DELAYED: dict = {}
+_DELAYED_MAX = 8192  # quantizers (a few hundred bytes each): E per role and usage per layer
+
+
+def _delayed_quantizer(spec, device, scale, amax, rowwise: bool, columnwise: bool) -> Any:
     amax = torch.zeros(1, dtype=torch.float32, device=device) if amax is None else (
         amax if amax.dim() == 1 else amax.reshape(1))
     return _configured(Float8Quantizer(scale, amax, _TE_FP8[spec.fp8_dtype]), spec, rowwise, columnwise)
