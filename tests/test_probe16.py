@@ -97,3 +97,61 @@ def test_a_quantizer_handed_out_is_not_the_cached_one(recipe):
         if hasattr(after, name):
             assert getattr(after, name) is None, "a copy nobody asked for"
     """)
+
+
+def test_te_update_leaves_a_non_contiguous_state_to_the_torch_path():
+    # TE's kernel_bulk reads a history by its data pointer with stride shape[1] (and a scale
+    # densely); a state over column slices of one buffer (several layers' histories in one
+    # [H, L*3E] tensor, reduced with one all-reduce) was updated in the wrong places. The
+    # CUDA-looking tensors stand in for a CUDA state; the fake kernel reads memory as TE's does.
+    _run("""
+    import transformer_engine_torch as tex
+    from functional_dw.fp8 import state as S
+
+    class Cuda(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    def kernel_bulk(buf, hists, scales, algo, dtype, margin):  # TE's memory access, fd's rule
+        for h, s in zip(hists, scales):
+            H, C = h.shape
+            raw_h = h.as_subclass(torch.Tensor).as_strided((H, C), (C, 1))
+            raw_s = s.as_subclass(torch.Tensor).as_strided((C,), (1,))
+            last = torch.where(buf.as_subclass(torch.Tensor) != 0, buf.as_subclass(torch.Tensor), raw_h[0])
+            nh, ns = S._fused_update(torch.cat([last[None], raw_h[1:]]), raw_s.clone(), algo,
+                                     448.0 if dtype == tex.DType.kFloat8E4M3 else 57344.0, margin)
+            raw_h.copy_(nh)
+            raw_s.copy_(ns)
+
+    tex.fused_amax_and_scale_update_after_reduction = kernel_bulk
+    R = fp8.DelayedScaling(amax_history_len=3)
+    E, L = 2, 2
+
+    def states():
+        g = torch.Generator().manual_seed(5)
+        big_f, big_b = torch.rand(3, L * 3 * E, generator=g), torch.rand(3, L * 2 * E, generator=g)
+        sf, sb = torch.rand(L * 3 * E, generator=g) + 1, torch.rand(L * 2 * E, generator=g) + 1
+        return big_f, big_b, sf, sb
+
+    plain = [S.DelayedScalingState(f[:, :3 * E], s[:3 * E], b[:, :2 * E], t[:2 * E], E)
+             for f, b, s, t in [states()]][0]
+    want = S.update_state(plain, R, fused=True)
+    big_f, big_b, sf, sb = (t.as_subclass(Cuda) for t in states())
+    st = S.DelayedScalingState(big_f[:, :3 * E], sf[:3 * E], big_b[:, :2 * E], sb[:2 * E], E)
+    assert not st.amax_history_fwd.is_contiguous()
+    untouched = [t.as_subclass(torch.Tensor).clone() for t in (big_f, big_b, sf, sb)]
+    done = S._te_update_(st, R)
+    if done:  # TE's kernel ran: it must have done what the torch path does, and nothing else
+        for n in S._TENSORS:
+            assert torch.equal(getattr(st, n).as_subclass(torch.Tensor), getattr(want, n)), n
+    else:  # left to the torch path: nothing written
+        for t, u in zip((big_f, big_b, sf, sb), untouched):
+            assert torch.equal(t.as_subclass(torch.Tensor), u)
+    # a contiguous CUDA state still takes TE's kernel, with the torch path's result
+    c = S.DelayedScalingState(*(t.clone().as_subclass(Cuda) for t in
+                                (plain.amax_history_fwd, plain.scale_fwd, plain.amax_history_bwd, plain.scale_bwd)), E)
+    assert S._te_update_(c, R)
+    for n in S._TENSORS:
+        assert torch.equal(getattr(c, n).as_subclass(torch.Tensor), getattr(want, n)), n
+    """)
