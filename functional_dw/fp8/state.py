@@ -331,6 +331,8 @@ def _te_update_(state: DelayedScalingState, recipe: Any, *, which: str = "both",
     r, fused = _update_args(state, recipe, which, fused)
     if not fused or state.scale_fwd.device.type != "cuda":
         return False
+    if not all(getattr(state, n).is_contiguous() for n in _TENSORS):
+        return False  # TE's kernel reads a history by its data pointer with stride shape[1], a scale densely
     from ..kernels import te_available
     if not te_available():
         return False

@@ -38,7 +38,7 @@ from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import Gro
 
 from .. import fp8
 from . import te as _te
-from .te_fp8_checks import MAX_LIST, check_quantize, env_of
+from .te_fp8_checks import MAX_LIST, _per, check_quantize, env_of
 
 __all__ = ["TEQ", "TEQGroup", "quantizer", "quantize", "quantize_each", "grouped_quantize", "is_fp8"]
 
@@ -205,9 +205,21 @@ def quantizer(spec: fp8.TensorSpec, device: torch.device, *, scale: torch.Tensor
               amax: torch.Tensor | None = None, rowwise: bool = True, columnwise: bool = False) -> Any:
     """TE's quantizer for ``spec``, as TE's modules build and configure it. Delayed scaling:
     ``Float8Quantizer(scale, amax.reshape(1), dtype)`` over views into the caller's state
-    (``DelayedScalingRecipeState.make_quantizers``), made once per pair of state slots (NOTE:
-    [Delayed quantizers by address]); ``amax=None`` records into a scratch. Current and block scaling: made once per (spec, device, usage) and reused, as a
-    TE module reuses its quantizers (they hold settings only; each storage made copies it)."""
+    (``DelayedScalingRecipeState.make_quantizers``); ``amax=None`` records into a scratch.
+    A new quantizer on every call: the caller may configure it (``set_usage``, its settings)
+    without changing what this module's own quantizations do (they reuse cached ones)."""
+    if spec.scaling != "delayed":
+        return _settings_quantizer.__wrapped__(spec, device, rowwise, columnwise)
+    return _delayed_quantizer(spec, device, scale, amax, rowwise, columnwise)
+
+
+def _quantizer(spec: fp8.TensorSpec, device: torch.device, *, scale: torch.Tensor | None = None,
+               amax: torch.Tensor | None = None, rowwise: bool = True, columnwise: bool = False) -> Any:
+    """:func:`quantizer` for this module's quantizations, reused as a TE module reuses its
+    quantizers: current and block scaling's made once per (spec, device, usage) (they hold
+    settings only; each storage made copies it); delayed scaling's once per pair of state slots
+    (NOTE: [Delayed quantizers by address]). Never handed out: a caller's change to a shared
+    one would change every later quantization."""
     if spec.scaling != "delayed":
         return _settings_quantizer(spec, device, rowwise, columnwise)
     if not (isinstance(scale, torch.Tensor) and isinstance(amax, torch.Tensor) and scale.numel() == 1
@@ -285,7 +297,7 @@ def quantize(t: torch.Tensor, spec: fp8.TensorSpec, *, scale=None, amax=None, ro
     check_quantize(t, spec, scale, amax, rowwise, columnwise, _env(t), None)
     x = t.detach().contiguous()
     row, col = _made_usage(spec, rowwise, columnwise, with_dbias)
-    q = quantizer(spec, x.device, scale=scale, amax=amax, rowwise=row, columnwise=col)
+    q = _quantizer(spec, x.device, scale=scale, amax=amax, rowwise=row, columnwise=col)
     dbias = None
     if with_dbias and spec.scaling != "block":
         dbias, st = tex.bgrad_quantize(x.reshape(-1, x.shape[-1]), q)
@@ -313,20 +325,29 @@ def quantize_each(ts: Any, spec: fp8.TensorSpec, *, scales=None, amaxes=None, ro
                for t in ts):
         raise ValueError(f"quantize_each takes tensors of one shape, dtype and device (like the first, "
                          f"{tuple(t0.shape)} {t0.dtype} on {t0.device}); quantize others one by one")
-    if scales is not None:
-        _per = scales.unbind(0), (amaxes.unbind(0) if amaxes is not None else itertools.repeat(None))
-        per = zip(*_per)
-    else:
-        per = itertools.repeat((None, None))
+    if scales is not None:  # (check_quantize counts them only for a group of rows)
+        _per(scales, len(ts), "scales")
+        if amaxes is not None:
+            _per(amaxes, len(ts), "amaxes")
+    per = _per_tensor(scales, amaxes, len(ts))
     row, col = _made_usage(spec, rowwise, columnwise, False)
     trim = (row, col) != (rowwise, columnwise)
     out = []
     for t, (scale, amax) in zip(ts, per):
-        q = quantizer(spec, t0.device, scale=scale, amax=amax, rowwise=row, columnwise=col)
+        q = _quantizer(spec, t0.device, scale=scale, amax=amax, rowwise=row, columnwise=col)
         x = t.detach().contiguous()
         tq = TEQ(q(x), x.shape, x.dtype)
         out.append(tq.with_usage(rowwise=rowwise, columnwise=columnwise) if trim else tq)
     return out
+
+
+def _per_tensor(scales: Any, amaxes: Any, n: int):
+    """(scale, amax) of each of ``n`` tensors: delayed scaling's ``scales``/``amaxes`` as strided
+    ``[E]`` views or sequences of 0-d views (the protocol's "indexable per expert"), or None."""
+    if scales is None:
+        return itertools.repeat((None, None), n)
+    flat = lambda v: v.reshape(-1) if isinstance(v, torch.Tensor) else v  # noqa: E731  (a 0-d one for E=1)
+    return zip(flat(scales), flat(amaxes) if amaxes is not None else itertools.repeat(None))
 
 
 def _offsets1(splits, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -353,7 +374,7 @@ def grouped_quantize(x: torch.Tensor, splits, spec: fp8.TensorSpec, *, scales=No
         grouped=grouped, with_dbias=True)
     if grouped and splits.num_tokens:
         sizes_E, rows_E1, offs = _offsets1(splits, x.shape[1])
-        q = quantizer(spec, x.device, rowwise=rowwise, columnwise=columnwise)
+        q = _quantizer(spec, x.device, rowwise=rowwise, columnwise=columnwise)
         if with_dbias and spec.scaling == "block" and rowwise:  # the fused block-scaling bgrad needs rowwise
             st, dbias = tex.bgrad_group_quantize(x, q, E, sizes_E, tensor_offsets=offs)
         else:
@@ -362,9 +383,8 @@ def grouped_quantize(x: torch.Tensor, splits, spec: fp8.TensorSpec, *, scales=No
         return TEQ(st, x.shape, x.dtype, dbias, later)
     sizes = _te._host_sizes(splits)
     row, col = _made_usage(spec, rowwise, columnwise, with_dbias)
-    per = zip(scales.unbind(0), amaxes.unbind(0) if amaxes is not None else itertools.repeat(None)) \
-        if scales is not None else itertools.repeat((None, None), E)
-    qs = [quantizer(spec, x.device, scale=scale, amax=amax, rowwise=row, columnwise=col) for scale, amax in per]
+    qs = [_quantizer(spec, x.device, scale=scale, amax=amax, rowwise=row, columnwise=col)
+          for scale, amax in _per_tensor(scales, amaxes, E)]
     dbias = None
     if with_dbias and spec.scaling != "block":  # _split_quantize: one bgrad_quantize per expert
         pairs = [tex.bgrad_quantize(part, q) for part, q in zip(torch.split(x, sizes), qs)]
