@@ -106,7 +106,7 @@ def any_needed(needs: Any) -> bool:
     (the usual shapes, read without a pytree walk); anything else through the pytree."""
     if type(needs) is bool:
         return needs
-    if isinstance(needs, (list, tuple)) and all(type(n) is bool for n in needs):
+    if isinstance(needs, (list, tuple)) and set(map(type, needs)) <= {bool}:  # (C loops: E experts)
         return any(needs)
     return any(pytree.tree_leaves(needs))
 
