@@ -303,7 +303,7 @@ def quantize(t: torch.Tensor, spec: fp8.TensorSpec, *, scale=None, amax=None, ro
         dbias, st = tex.bgrad_quantize(x.reshape(-1, x.shape[-1]), q)
     else:  # block: grad_output_preprocess sums dy in torch, then quantizes
         dbias = x.reshape(-1, x.shape[-1]).sum(dim=0) if with_dbias else None
-        st = q(x)
+        st = tex.quantize(x, q)  # what q(x) runs, without its Python frames (an internal quantizer)
     redo = None if with_dbias or spec.role != "grad_output" else functools.partial(
         quantize, x, spec, scale=scale, rowwise=rowwise, columnwise=columnwise, with_dbias=True)
     out = TEQ(st, x.shape, x.dtype, dbias, redo)
@@ -332,11 +332,13 @@ def quantize_each(ts: Any, spec: fp8.TensorSpec, *, scales=None, amaxes=None, ro
     per = _per_tensor(scales, amaxes, len(ts))
     row, col = _made_usage(spec, rowwise, columnwise, False)
     trim = (row, col) != (rowwise, columnwise)
-    out = []
+    out, device = [], t0.device
+    shared = None if spec.scaling == "delayed" else _quantizer(spec, device, rowwise=row, columnwise=col)
     for t, (scale, amax) in zip(ts, per):
-        q = _quantizer(spec, t0.device, scale=scale, amax=amax, rowwise=row, columnwise=col)
+        q = shared if shared is not None else _quantizer(spec, device, scale=scale, amax=amax, rowwise=row,
+                                                          columnwise=col)
         x = t.detach().contiguous()
-        tq = TEQ(q(x), x.shape, x.dtype)
+        tq = TEQ(tex.quantize(x, q), x.shape, x.dtype)  # q(x) without its Python frames
         out.append(tq.with_usage(rowwise=rowwise, columnwise=columnwise) if trim else tq)
     return out
 
