@@ -7,6 +7,7 @@ Legend: ``T`` tokens, ``K`` in-features, ``N`` out-features, ``E`` experts.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Union
 
@@ -26,6 +27,8 @@ __all__ = [
 ]
 
 WeightsArg = Union[Sequence[torch.Tensor], torch.Tensor]
+_PLAIN = {torch.Tensor, torch.nn.Parameter}
+_SIG = operator.attrgetter("shape", "dtype", "device", "layout")
 
 
 class _HostSplits(tuple):
@@ -83,6 +86,12 @@ def _as_params(weights: WeightsArg) -> tuple[tuple[torch.Tensor, ...], bool]:
 
 def _check_weights(ws: Sequence[torch.Tensor], ndim: int, x: torch.Tensor) -> None:
     """One cheap pass over the experts' weights; the slow path names the first bad one."""
+    if ndim == 2 and not torch.compiler.is_compiling() and set(map(type, ws)) <= _PLAIN:  # C loops over E
+        sigs = set(map(_SIG, ws))
+        if len(sigs) == 1:
+            shape, dtype, device, layout = next(iter(sigs))
+            if len(shape) == 2 and dtype == x.dtype and device == x.device and layout == torch.strided:
+                return
     w0 = ws[0]
     ok = isinstance(w0, torch.Tensor) and w0.dim() == ndim
     if ok:

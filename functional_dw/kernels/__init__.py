@@ -49,6 +49,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import itertools
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, Union
 
@@ -67,6 +68,7 @@ def out_in(w_ENK: Weights) -> tuple[int, int]:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_REQUIRES_GRAD, _DTYPE = operator.attrgetter("requires_grad"), operator.attrgetter("dtype")
 
 
 def packed(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -82,19 +84,19 @@ def packed(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     t0 = ts[0]
     if type(t0) not in _PLAIN or not t0.numel() or t0.layout != torch.strided:
         return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+    if torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, ts)):
         return None
     if torch._C._functorch.peek_interpreter_stack() is not None and any(
             torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts):
         return None
     step, dtype = t0.numel() * t0.element_size(), t0.dtype
     try:
-        ptrs = [t.data_ptr() for t in ts]  # (meta: offsets from 0)
-    except RuntimeError:  # a tensor without storage
+        ptrs = list(map(torch.Tensor.data_ptr, ts))  # (meta: offsets from 0; C loops: E experts)
+    except (RuntimeError, TypeError):  # a tensor without storage (TypeError: not a tensor)
         return None
     if ptrs != list(range(ptrs[0], ptrs[0] + len(ts) * step, step)):
         return None
-    if not all(t.is_contiguous() and t.dtype is dtype for t in ts):
+    if not all(map(torch.Tensor.is_contiguous, ts)) or set(map(_DTYPE, ts)) != {dtype}:
         return None
     if t0.untyped_storage().nbytes() < (t0.storage_offset() + len(ts) * t0.numel()) * t0.element_size():
         return None  # the addresses run past t0's storage: not one buffer (inside it: one device)
