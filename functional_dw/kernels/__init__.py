@@ -68,6 +68,7 @@ def out_in(w_ENK: Weights) -> tuple[int, int]:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_SET = frozenset(_PLAIN)
 _REQUIRES_GRAD, _DTYPE = operator.attrgetter("requires_grad"), operator.attrgetter("dtype")
 
 
@@ -75,15 +76,15 @@ def packed(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """One ``[E, ...]`` view over ``ts`` (no copy) when they are contiguous tensors at
     consecutive addresses of one buffer (NOTE: [One buffer]); else None. ``ts`` share shape,
     dtype and device (the layers check that first; the dtype is checked again). Also None where
-    addresses are unknown (while tracing for ``torch.compile``, fake tensors, storage-less
-    subclasses, functorch's wrappers), and where autograd would have to record the view (grad
+    addresses are unknown (while tracing for ``torch.compile``, fake tensors, tensor
+    subclasses at any position, functorch's wrappers), and where autograd would have to record the view (grad
     mode on and a tensor requires grad: every expert's gradient would flow to ``ts[0]``);
     :func:`stacked` then copies, differentiably. Costs about 0.4 us per tensor on the host."""
     if torch.compiler.is_compiling() or not ts:
         return None
     t0 = ts[0]
-    if type(t0) not in _PLAIN or not t0.numel() or t0.layout != torch.strided:
-        return None
+    if not set(map(type, ts)) <= _PLAIN_SET or not t0.numel() or t0.layout != torch.strided:
+        return None  # (every expert's type: a subclass anywhere keeps its semantics, as at ts[0])
     if torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, ts)):
         return None
     if torch._C._functorch.peek_interpreter_stack() is not None and any(
