@@ -18,6 +18,9 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 def tensor(name: str, t: Any, ndim: int | tuple[int, ...] | None = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested:  # (a strided nested tensor has layout strided, and no .shape to report)
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a nested tensor; call .to_padded_tensor() "
+                        "or .unbind() first")
     if t.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}; call .to_dense() first")
     if t.dtype not in _FLOATS:

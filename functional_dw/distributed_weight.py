@@ -89,12 +89,16 @@ def materialize(
 
 def check_materialized(full: Sequence[torch.Tensor], shapes: Sequence[tuple], what: str, name: str = "weights") -> None:
     """Raise if a materialized weight does not have the shape the forward used."""
-    if (not torch.compiler.is_compiling() and set(map(type, full)) <= _PLAIN
-            and list(map(_SHAPE, full)) == list(shapes)):
-        return  # (C loops: this runs once per backward over E experts)
+    if not torch.compiler.is_compiling() and set(map(type, full)) <= _PLAIN:  # (C loops: this runs once
+        try:  # per backward over E experts)
+            if list(map(_SHAPE, full)) == list(shapes):
+                return
+        except RuntimeError:  # a (strided) nested tensor has no .shape: the loop names it
+            pass
     for e, (w, shape) in enumerate(zip(full, shapes)):
-        if not isinstance(w, torch.Tensor) or tuple(w.shape) != tuple(shape):
-            got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+        if not isinstance(w, torch.Tensor) or w.is_nested or tuple(w.shape) != tuple(shape):
+            got = (type(w).__name__ if not isinstance(w, torch.Tensor) else "a nested tensor" if w.is_nested
+                   else tuple(w.shape))
             raise ValueError(f"{name}: {what} returned {got} for weight {e}, expected {tuple(shape)}")
 
 

@@ -87,16 +87,19 @@ def _as_params(weights: WeightsArg) -> tuple[tuple[torch.Tensor, ...], bool]:
 def _check_weights(ws: Sequence[torch.Tensor], ndim: int, x: torch.Tensor) -> None:
     """One cheap pass over the experts' weights; the slow path names the first bad one."""
     if ndim == 2 and not torch.compiler.is_compiling() and set(map(type, ws)) <= _PLAIN:  # C loops over E
-        sigs = set(map(_SIG, ws))
+        try:
+            sigs = set(map(_SIG, ws))
+        except RuntimeError:  # a (strided) nested tensor has no .shape: the slow path names it
+            sigs = ()
         if len(sigs) == 1:
             shape, dtype, device, layout = next(iter(sigs))
             if len(shape) == 2 and dtype == x.dtype and device == x.device and layout == torch.strided:
                 return
     w0 = ws[0]
-    ok = isinstance(w0, torch.Tensor) and w0.dim() == ndim
+    ok = isinstance(w0, torch.Tensor) and not w0.is_nested and w0.dim() == ndim
     if ok:
         shape, dtype, device = w0.shape[-2:], x.dtype, x.device
-        ok = all(isinstance(w, torch.Tensor) and w.dim() == ndim and w.shape[-2:] == shape
+        ok = all(isinstance(w, torch.Tensor) and not w.is_nested and w.dim() == ndim and w.shape[-2:] == shape
                  and w.dtype == dtype and w.device == device and w.layout == torch.strided for w in ws)
     if ok:
         return

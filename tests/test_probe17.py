@@ -53,6 +53,32 @@ def test_packed_non_tensor_in_the_tail_is_not_a_buffer_under_grad_mode_too():
             assert packed([buf[0], 7]) is None
 
 
+@pytest.mark.parametrize("pos", [0, 1])
+def test_a_nested_weight_is_named(pos):
+    # A strided nested tensor has layout torch.strided and no .shape: the fast path (and the
+    # slow one) died in torch with "Internal error: NestedTensorImpl doesn't support sizes"
+    nt = torch.nested.nested_tensor([torch.randn(5), torch.randn(5)])  # dim() == 2
+    ws = [torch.randn(4, 5), torch.randn(4, 5)]
+    ws[pos] = nt
+    with pytest.raises(TypeError, match=rf"weights\[{pos}\] must be a dense .*nested"):
+        fd.grouped_linear(torch.randn(4, 5), ws, [2, 2])
+
+
+def test_a_nested_x_or_stacked_weight_is_named():
+    nt3 = torch.nested.nested_tensor([torch.randn(4, 5), torch.randn(4, 5)])
+    with pytest.raises(TypeError, match=r"^weights must be a dense .*nested"):
+        fd.grouped_linear(torch.randn(4, 5), nt3, [2, 2])
+    nt2 = torch.nested.nested_tensor([torch.randn(5), torch.randn(5)])
+    with pytest.raises(TypeError, match=r"^x must be a dense .*nested"):
+        fd.grouped_linear(nt2, [torch.randn(4, 5)] * 2, [1, 1])
+
+
+def test_check_materialized_names_a_nested_weight():
+    nt = torch.nested.nested_tensor([torch.randn(5), torch.randn(5)])
+    with pytest.raises(ValueError, match=r"returned a nested tensor for weight 1, expected \(2, 5\)"):
+        check_materialized([torch.randn(2, 5), nt], [(2, 5), (2, 5)], "materialize_group_for_backward()")
+
+
 def test_fast_paths_agree_with_the_loops_on_hostile_lists():
     # equivalence of the C-loop checks with the per-expert loops they replaced (errors name the expert)
     x = torch.randn(4, 3)
