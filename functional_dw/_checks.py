@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})  # no subclass: attributes read in C loops mean the same
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 

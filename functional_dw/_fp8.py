@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from . import fp8
+from .kernels import per_expert
 from .fp8.state import BWD_PER_GEMM, FWD_PER_GEMM
 
 __all__ = ["Plan", "plan", "with_usage", "check_dims", "check_first_order", "no_jvp", "Args", "unpack"]
@@ -153,10 +153,8 @@ def _quantize_each(kernels: Any, ts: Any, spec: fp8.TensorSpec, scales: Any, ama
     each = getattr(kernels, "quantize_each", None)
     if each is not None:
         return each(ts, spec, scales=scales, amaxes=amaxes, rowwise=rowwise, columnwise=columnwise)
-    per = zip(scales.unbind(0), amaxes.unbind(0) if amaxes is not None else itertools.repeat(None)) \
-        if scales is not None else itertools.repeat((None, None))
     return [kernels.quantize(t, spec, scale=scale, amax=amax, rowwise=rowwise, columnwise=columnwise)
-            for t, (scale, amax) in zip(ts, per)]
+            for t, (scale, amax) in zip(ts, per_expert(scales, amaxes, len(ts)))]
 
 
 def with_usage(q: Any, *, rowwise: bool, columnwise: bool) -> Any:

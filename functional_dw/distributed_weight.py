@@ -21,7 +21,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-_PLAIN = {torch.Tensor, torch.nn.Parameter}  # types whose attributes the C loops below read
+from ._checks import PLAIN_TYPES
+
 _SHAPE = operator.attrgetter("shape")
 
 __all__ = ["DistributedWeight", "is_distributed_weight"]
@@ -89,7 +90,7 @@ def materialize(
 
 def check_materialized(full: Sequence[torch.Tensor], shapes: Sequence[tuple], what: str, name: str = "weights") -> None:
     """Raise if a materialized weight does not have the shape the forward used."""
-    if not torch.compiler.is_compiling() and set(map(type, full)) <= _PLAIN:  # (C loops: this runs once
+    if not torch.compiler.is_compiling() and set(map(type, full)) <= PLAIN_TYPES:  # (C loops: this runs once
         try:  # per backward over E experts)
             if list(map(_SHAPE, full)) == list(shapes):
                 return

@@ -27,7 +27,6 @@ __all__ = [
 ]
 
 WeightsArg = Union[Sequence[torch.Tensor], torch.Tensor]
-_PLAIN = {torch.Tensor, torch.nn.Parameter}
 _SIG = operator.attrgetter("shape", "dtype", "device", "layout")
 
 
@@ -86,7 +85,8 @@ def _as_params(weights: WeightsArg) -> tuple[tuple[torch.Tensor, ...], bool]:
 
 def _check_weights(ws: Sequence[torch.Tensor], ndim: int, x: torch.Tensor) -> None:
     """One cheap pass over the experts' weights; the slow path names the first bad one."""
-    if ndim == 2 and not torch.compiler.is_compiling() and set(map(type, ws)) <= _PLAIN:  # C loops over E
+    if ndim == 2 and not torch.compiler.is_compiling() and set(map(type, ws)) <= _checks.PLAIN_TYPES:
+        # (C loops over E experts)
         try:
             sigs = set(map(_SIG, ws))
         except RuntimeError:  # a (strided) nested tensor has no .shape: the slow path names it

@@ -295,6 +295,12 @@ def update_state(
     ``NVTE_UNFUSED_FP8_UPDATE=1`` asks for the Python path); see the module NOTE for both rules.
     """
     r, fused = _update_args(state, recipe, which, fused)
+    return _updated(state, r, which, group, fused)
+
+
+def _updated(state: DelayedScalingState, r: DelayedScaling, which: str, group: Any,
+             fused: bool) -> DelayedScalingState:
+    """:func:`update_state` after its checks (:func:`_update_args`)."""
     new = {}
     for side in (("fwd", "bwd") if which == "both" else (which,)):
         hist, scale = getattr(state, f"amax_history_{side}"), getattr(state, f"scale_{side}")
@@ -309,12 +315,14 @@ def update_state(
     return dataclasses.replace(state, **new)
 
 
-def update_state_(state: DelayedScalingState, recipe: Any, **kwargs: Any) -> DelayedScalingState:
+def update_state_(state: DelayedScalingState, recipe: Any, *, which: Literal["fwd", "bwd", "both"] = "both",
+                  group: Any = None, fused: Optional[bool] = None) -> DelayedScalingState:
     """:func:`update_state` in place: the state's own tensors take the new values (what a
     module holding a state calls); returns ``state``."""
-    if _te_update_(state, recipe, **kwargs):
+    r, fused = _update_args(state, recipe, which, fused)
+    if fused and _te_update_(state, r, which, group):
         return state
-    new = update_state(state, recipe, **kwargs)
+    new = _updated(state, r, which, group, fused)
     with torch.no_grad():
         for name in _TENSORS:
             if getattr(new, name) is not getattr(state, name):
@@ -322,14 +330,12 @@ def update_state_(state: DelayedScalingState, recipe: Any, **kwargs: Any) -> Del
     return state
 
 
-def _te_update_(state: DelayedScalingState, recipe: Any, *, which: str = "both", group: Any = None,
-                fused: Optional[bool] = None) -> bool:
-    """:func:`update_state_` on a CUDA state through TE's own kernel
-    (``tex.fused_amax_and_scale_update_after_reduction``: one launch per direction, what TE's
-    autocast runs, in place of about thirty small torch ops), where the fused rule applies and
-    TE is installed; False (nothing done) otherwise."""
-    r, fused = _update_args(state, recipe, which, fused)
-    if not fused or state.scale_fwd.device.type != "cuda":
+def _te_update_(state: DelayedScalingState, r: DelayedScaling, which: str = "both", group: Any = None) -> bool:
+    """The fused update (:func:`update_state_`'s checks done) on a CUDA state through TE's own
+    kernel (``tex.fused_amax_and_scale_update_after_reduction``: one launch per direction, what
+    TE's autocast runs, in place of about thirty small torch ops), where TE is installed;
+    False (nothing done) otherwise."""
+    if state.scale_fwd.device.type != "cuda":
         return False
     if not all(getattr(state, n).is_contiguous() for n in _TENSORS):
         return False  # TE's kernel reads a history by its data pointer with stride shape[1], a scale densely

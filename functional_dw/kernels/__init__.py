@@ -56,6 +56,8 @@ from typing import Any, Protocol, Union
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .._checks import PLAIN_TYPES
+
 __all__ = ["Kernels", "Splits", "check_sizes", "get_kernels", "te_available", "out_in", "packed", "stacked"]
 
 Weights = Union[Sequence[torch.Tensor], torch.Tensor]
@@ -67,9 +69,17 @@ def out_in(w_ENK: Weights) -> tuple[int, int]:
     return N, K
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_PLAIN_SET = frozenset(_PLAIN)
 _REQUIRES_GRAD, _DTYPE = operator.attrgetter("requires_grad"), operator.attrgetter("dtype")
+
+
+def per_expert(scales: Any, amaxes: Any, n: int) -> Iterable[tuple[Any, Any]]:
+    """(scale, amax) of each of ``n`` tensors (NOTE: [FP8 operands]): delayed scaling's
+    ``scales``/``amaxes`` as strided ``[E]`` views or sequences of 0-d views, or ``(None, None)``
+    each without them (``amaxes`` None: no amax recorded)."""
+    if scales is None:
+        return itertools.repeat((None, None), n)
+    flat = lambda v: v.reshape(-1) if isinstance(v, torch.Tensor) else v  # noqa: E731  (a 0-d one for E=1)
+    return zip(flat(scales), flat(amaxes) if amaxes is not None else itertools.repeat(None))
 
 
 def packed(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -83,7 +93,7 @@ def packed(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if torch.compiler.is_compiling() or not ts:
         return None
     t0 = ts[0]
-    if not set(map(type, ts)) <= _PLAIN_SET or not t0.numel() or t0.layout != torch.strided:
+    if not set(map(type, ts)) <= PLAIN_TYPES or not t0.numel() or t0.layout != torch.strided:
         return None  # (every expert's type: a subclass anywhere keeps its semantics, as at ts[0])
     if torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, ts)):
         return None

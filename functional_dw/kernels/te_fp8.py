@@ -21,7 +21,6 @@ without it recomputes it the same way from dy (one more quantization, nothing re
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Floa
 from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage
 
 from .. import fp8
-from . import te as _te
+from . import per_expert, te as _te
 from .te_fp8_checks import MAX_LIST, _per, check_quantize, env_of
 
 __all__ = ["TEQ", "TEQGroup", "quantizer", "quantize", "quantize_each", "grouped_quantize", "is_fp8"]
@@ -329,7 +328,7 @@ def quantize_each(ts: Any, spec: fp8.TensorSpec, *, scales=None, amaxes=None, ro
         _per(scales, len(ts), "scales")
         if amaxes is not None:
             _per(amaxes, len(ts), "amaxes")
-    per = _per_tensor(scales, amaxes, len(ts))
+    per = per_expert(scales, amaxes, len(ts))
     row, col = _made_usage(spec, rowwise, columnwise, False)
     trim = (row, col) != (rowwise, columnwise)
     out, device = [], t0.device
@@ -341,15 +340,6 @@ def quantize_each(ts: Any, spec: fp8.TensorSpec, *, scales=None, amaxes=None, ro
         tq = TEQ(tex.quantize(x, q), x.shape, x.dtype)  # q(x) without its Python frames
         out.append(tq.with_usage(rowwise=rowwise, columnwise=columnwise) if trim else tq)
     return out
-
-
-def _per_tensor(scales: Any, amaxes: Any, n: int):
-    """(scale, amax) of each of ``n`` tensors: delayed scaling's ``scales``/``amaxes`` as strided
-    ``[E]`` views or sequences of 0-d views (the protocol's "indexable per expert"), or None."""
-    if scales is None:
-        return itertools.repeat((None, None), n)
-    flat = lambda v: v.reshape(-1) if isinstance(v, torch.Tensor) else v  # noqa: E731  (a 0-d one for E=1)
-    return zip(flat(scales), flat(amaxes) if amaxes is not None else itertools.repeat(None))
 
 
 def _offsets1(splits, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -386,7 +376,7 @@ def grouped_quantize(x: torch.Tensor, splits, spec: fp8.TensorSpec, *, scales=No
     sizes = _te._host_sizes(splits)
     row, col = _made_usage(spec, rowwise, columnwise, with_dbias)
     qs = [_quantizer(spec, x.device, scale=scale, amax=amax, rowwise=row, columnwise=col)
-          for scale, amax in _per_tensor(scales, amaxes, E)]
+          for scale, amax in per_expert(scales, amaxes, E)]
     dbias = None
     if with_dbias and spec.scaling != "block":  # _split_quantize: one bgrad_quantize per expert
         pairs = [tex.bgrad_quantize(part, q) for part, q in zip(torch.split(x, sizes), qs)]
