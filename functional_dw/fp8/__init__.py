@@ -4,7 +4,8 @@ Pure torch; Transformer Engine is never imported (TE's recipe objects and checkp
 read by name). The modules, in the order a layer needs them:
 
 - :mod:`.recipe`: ``Format``, ``MMParams``, ``QParams``, ``DelayedScaling``,
-  ``Float8CurrentScaling``, ``Float8BlockScaling`` (TE 2.20's fields and defaults, checked);
+  ``Float8CurrentScaling``, ``Float8BlockScaling`` (TE 2.20's fields and defaults, checked),
+  and functional_dw's own ``RowwiseScaling`` (the fast expert recipe, :mod:`.rowwise`);
   :func:`as_recipe` takes ours, TE's, or None.
 - :mod:`.spec`: :func:`tensor_spec` (how a recipe quantizes ``"input"``, ``"weight"``,
   ``"grad_output"``) and :func:`split_accumulator` (per GEMM).
@@ -41,8 +42,8 @@ from .extra_state import read_extra_state, state_from_extra_state, state_to_extr
 from .qtensor import QTensor, from_te_scale_inv, te_scale_inv
 from .quantize import FLT_MAX, amax_of, compute_scale_from_amax, quantize, quantize_groups
 from .recipe import (
-    HOPPER_RECIPES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MMParams, QParams, Recipe,
-    as_recipe,
+    HOPPER_RECIPES, RECIPES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MMParams, QParams,
+    Recipe, RowwiseScaling, as_recipe,
 )
 from .spec import FP8_MAX, ROLES, SplitAccumulator, TensorSpec, split_accumulator, tensor_spec
 from .state import (
@@ -51,8 +52,8 @@ from .state import (
 )
 
 __all__ = [
-    "Format", "MMParams", "QParams", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "Recipe",
-    "HOPPER_RECIPES", "as_recipe",
+    "Format", "MMParams", "QParams", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "RowwiseScaling", "Recipe",
+    "HOPPER_RECIPES", "RECIPES", "as_recipe",
     "ROLES", "FP8_MAX", "TensorSpec", "SplitAccumulator", "tensor_spec", "split_accumulator",
     "QTensor", "te_scale_inv", "from_te_scale_inv",
     "FLT_MAX", "compute_scale_from_amax", "amax_of", "quantize", "quantize_groups",

@@ -119,6 +119,9 @@ def quantize(
         raise TypeError(f"spec must be a TensorSpec (see tensor_spec), got {type(spec).__name__}")
     if not (rowwise or columnwise):
         raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
+    if spec.scaling == "rowwise":
+        raise ValueError("RowwiseScaling quantizes a whole group (its columnwise scales span each expert's tokens): "
+                         "use functional_dw.fp8.rowwise.quantize_activation / quantize_weight")
     if (spec.scaling == "delayed") != (scale is not None):
         raise ValueError("delayed scaling quantizes with the state's scale: pass scale=" if scale is None else
                          f"scale= is for delayed scaling only; {spec.scaling} scaling computes its own")

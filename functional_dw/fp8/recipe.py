@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 __all__ = [
     "Format", "MMParams", "QParams", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
-    "Recipe", "as_recipe", "HOPPER_RECIPES",
+    "RowwiseScaling", "Recipe", "as_recipe", "HOPPER_RECIPES", "RECIPES",
 ]
 
 _BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
@@ -238,6 +238,53 @@ class Float8BlockScaling:
                                  "with Float8BlockScaling)")
 
 
+@_frozen
+class RowwiseScaling:
+    """functional_dw's own recipe for MoE experts: every scale covers one row or one column of
+    a GEMM operand, along the dimension the GEMM sums over, so the GEMM applies it in its
+    epilogue (``torch._scaled_grouped_mm``, CUTLASS, on Hopper). Not a TE recipe: TE's modules
+    cannot run it; a layer runs it on torch's scaled grouped GEMM (``backend`` None, "auto" or
+    "torch"; the CPU emulates it exactly, see ``functional_dw/fp8/rowwise.py``).
+
+    =========  ===================================  ======================================
+    GEMM       operands                             one scale per
+    =========  ===================================  ======================================
+    fprop      ``y = x W^T``                        token of x; output feature of W
+    dgrad      ``dx = dy W``                        token of dy; input feature of W
+    wgrad      ``dW_e = dy_e^T x_e``                (expert, feature) of dy and of x: over
+                                                    that expert's tokens
+    =========  ===================================  ======================================
+
+    ``fp8_format``: E4M3 only (the scaled grouped GEMM takes E4M3 operands on Hopper; dy's range
+    is kept by its per-token scales). ``power_2_scale``: scales rounded down to powers of two,
+    so scaling and unscaling are exact. ``amax_epsilon``: amaxes floored at it. ``fp8_gemm_*``:
+    ``use_split_accumulator`` False runs the GEMM's fast accumulation (measured on the H200:
+    split accumulation makes the grouped FP8 GEMM 2.5-3x slower, slower than bf16).
+
+    Each expert's tokens need not be a multiple of 16: wgrad's operands are padded per expert
+    on the device (zeros), with no host round trip."""
+
+    fp8_format: Format = Format.E4M3
+    power_2_scale: bool = True
+    amax_epsilon: float = 0.0
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=False)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=False)
+    backward_override: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        me = "RowwiseScaling"
+        _typed(me, "fp8_format", self.fp8_format, Format)
+        if self.fp8_format != Format.E4M3:
+            raise ValueError(f"{me}.fp8_format must be Format.E4M3, got {self.fp8_format} (torch's scaled grouped "
+                             "GEMM takes E4M3 operands only on Hopper)")
+        _bool(me, "power_2_scale", self.power_2_scale)
+        QParams(amax_epsilon=self.amax_epsilon)  # checks it
+        for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            _typed(me, name, getattr(self, name), MMParams)
+        _backward_override(me, self.backward_override, only_none=True)
+
+
 def _check_common(r: Any, me: str) -> None:
     _fp8_format(me, r.fp8_format)
     for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
@@ -249,8 +296,9 @@ def _check_common(r: Any, me: str) -> None:
     _backward_override(me, r.backward_override)
 
 
-Recipe = Union[DelayedScaling, Float8CurrentScaling, Float8BlockScaling]
-HOPPER_RECIPES = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)
+Recipe = Union[DelayedScaling, Float8CurrentScaling, Float8BlockScaling, RowwiseScaling]
+HOPPER_RECIPES = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)  # TE's, on sm_90
+RECIPES = (*HOPPER_RECIPES, RowwiseScaling)
 _OURS = {c.__name__: c for c in HOPPER_RECIPES}
 _TE_MODULE = "transformer_engine.common.recipe"
 _NOT_ON_HOPPER = ("MXFP8BlockScaling", "NVFP4BlockScaling")
@@ -271,7 +319,7 @@ def as_recipe(obj: Any) -> Recipe | None:
     field-by-field copy of one of TE's (``transformer_engine.common.recipe``, recognized by module
     and class name, TE is never imported). MXFP8/NVFP4/custom recipes raise ``ValueError``
     saying what runs on Hopper; anything else raises ``TypeError``."""
-    if obj is None or isinstance(obj, HOPPER_RECIPES):
+    if obj is None or isinstance(obj, RECIPES):
         return obj
     te_cls = _te_class(obj)
     if te_cls is None:

@@ -27,12 +27,14 @@ from typing import Any, Literal, NamedTuple, Optional
 
 import torch
 
-from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, QParams, Recipe, as_recipe
+from .recipe import (
+    DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, QParams, Recipe, RowwiseScaling, as_recipe,
+)
 
 __all__ = ["ROLES", "FP8_MAX", "TensorSpec", "SplitAccumulator", "tensor_spec", "split_accumulator"]
 
 Role = Literal["input", "weight", "grad_output"]
-Scaling = Literal["delayed", "current", "block"]
+Scaling = Literal["delayed", "current", "block", "rowwise"]
 ROLES: tuple[str, ...] = ("input", "weight", "grad_output")
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # largest finite values
 _BLOCKS = {1: (1, 128), 2: (128, 128)}
@@ -43,8 +45,8 @@ class TensorSpec:
     """How one tensor role is quantized.
 
     ``scaling``: ``"delayed"`` (a given per-tensor scale; the tensor's amax goes to the
-    state), ``"current"`` (a per-tensor scale from this tensor's amax) or ``"block"`` (a scale
-    per tile). ``block``: the tile, ``(1, 128)`` or ``(128, 128)``, for block scaling, else
+    state), ``"current"`` (a per-tensor scale from this tensor's amax), ``"block"`` (a scale
+    per tile) or ``"rowwise"`` (a scale per row, and per expert column: :mod:`.rowwise`). ``block``: the tile, ``(1, 128)`` or ``(128, 128)``, for block scaling, else
     None. ``power_2_scale``/``amax_epsilon``: how a scale is computed from an amax (current and
     block scaling; TE's ``compute_scale_from_amax``). ``margin``: delayed scaling's margin,
     which applies when the state is updated, not when a tensor is quantized.
@@ -61,8 +63,9 @@ class TensorSpec:
     def __post_init__(self) -> None:
         if self.fp8_dtype not in FP8_MAX:
             raise ValueError(f"TensorSpec.fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.fp8_dtype}")
-        if self.scaling not in ("delayed", "current", "block"):
-            raise ValueError(f"TensorSpec.scaling must be 'delayed', 'current' or 'block', got {self.scaling!r}")
+        if self.scaling not in ("delayed", "current", "block", "rowwise"):
+            raise ValueError(f"TensorSpec.scaling must be 'delayed', 'current', 'block' or 'rowwise', got "
+                             f"{self.scaling!r}")
         if (self.scaling == "block") != (self.block is not None) or self.block not in (None, *_BLOCKS.values()):
             raise ValueError(f"TensorSpec.block must be (1, 128) or (128, 128) with block scaling and None "
                              f"otherwise, got {self.block!r} with {self.scaling!r} scaling")
@@ -111,6 +114,9 @@ def tensor_spec(recipe: Any, role: str) -> TensorSpec:
     dtype = _fp8_dtype(r.fp8_format, forward)
     if isinstance(r, DelayedScaling):
         return TensorSpec(role, "delayed", dtype, margin=r.margin)
+    if isinstance(r, RowwiseScaling):
+        return TensorSpec(role, "rowwise", torch.float8_e4m3fn, power_2_scale=r.power_2_scale,
+                          amax_epsilon=float(r.amax_epsilon))
     q: QParams = {"input": r.fp8_quant_fwd_inp, "weight": r.fp8_quant_fwd_weight,
                   "grad_output": r.fp8_quant_bwd_grad}[role]
     if isinstance(r, Float8CurrentScaling):

@@ -1,0 +1,200 @@
+"""``RowwiseScaling``: functional_dw's FP8 recipe for experts, as data and as reference math.
+
+Every scale covers a row or a column of a GEMM operand along the dimension the GEMM sums
+over, so the GEMM applies it in its epilogue (``torch._scaled_grouped_mm`` on Hopper). Legend:
+``T`` tokens (rows of x and dy, sorted by expert), ``K`` in-features, ``N`` out-features, ``E``
+experts, ``P`` padded token columns (below).
+
+==========  ===============================  ====================  ===========================
+tensor      copy (GEMM that reads it)        data                  inverse scales
+==========  ===============================  ====================  ===========================
+x  [T, K]   rowwise (fprop)                  ``[T, K]``            ``[T]``: one per token
+            columnwise (wgrad)               ``[K, P]``            ``[E, K]``: per expert and
+                                                                   feature, over its tokens
+dy [T, N]   rowwise (dgrad)                  ``[T, N]``            ``[T]``
+            columnwise (wgrad)               ``[N, P]``            ``[E, N]``
+W  [E,N,K]  rowwise (fprop)                  ``[E, N, K]``         ``[E, N]``: over K
+            columnwise (dgrad)               ``[E, K, N]``         ``[E, K]``: over N
+==========  ===============================  ====================  ===========================
+
+NOTE: [Padded token columns] wgrad's grouped GEMM sums over each expert's tokens, and torch's
+scaled grouped GEMM needs each such group to be a multiple of 16 columns (else a device-side
+assert). So a columnwise copy puts expert ``e``'s tokens at columns ``pstart[e] ...`` where
+``pstart`` is the running sum of the counts rounded up to 16, and fills the gap with zeros;
+``P = round_up(T + 15 E, 16)`` bounds it on the host, so nothing is read back from the device
+(the counts may live only there). fprop and dgrad group along the GEMM's rows, which take any
+counts.
+
+Scales: ``scale = fp8_max / amax`` (an amax of 0, inf or NaN gives 1; ``amax_epsilon`` floors
+the amax), rounded down to a power of two with ``power_2_scale``; data ``fp8(x * scale)``
+saturated, NaN kept; inverse scale ``1 / scale`` (exact for a power of two). Amaxes skip NaN
+(TE's formulas: :func:`.quantize.compute_scale_from_amax`).
+
+The functions here are the recipe's definition in plain torch ops, on any device and without a
+host sync: the reference backend runs them, and the CUDA kernels
+(``functional_dw/kernels/triton_rowwise.py``) are tested against them bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+from .quantize import amax_of, compute_scale_from_amax
+from .spec import TensorSpec
+
+__all__ = ["PAD", "RowwiseActivation", "RowwiseWeight", "padded_columns", "padded_ends", "quantize_activation",
+           "quantize_weight", "scale_of"]
+
+PAD = 16  # wgrad's token groups: multiples of 16 columns (torch's scaled grouped GEMM)
+
+
+def padded_columns(num_tokens: int, num_experts: int) -> int:
+    """``P``: the columns of a columnwise copy, enough for any counts (see the module NOTE)."""
+    return -(-(num_tokens + (PAD - 1) * num_experts) // PAD) * PAD
+
+
+def padded_ends(counts_E: torch.Tensor) -> torch.Tensor:
+    """int32 ``[E]`` ends of the padded token groups: the running sum of counts rounded up to 16."""
+    return ((counts_E.to(torch.int64) + PAD - 1) // PAD * PAD).cumsum(0).to(torch.int32)
+
+
+def scale_of(amax: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """The fp32 scales of fp32 amaxes, elementwise (the module docstring's rule)."""
+    return compute_scale_from_amax(amax, spec.fp8_max, power_2_scale=spec.power_2_scale, epsilon=spec.amax_epsilon)
+
+
+def _cast(v: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    return v.clamp(-spec.fp8_max, spec.fp8_max).to(spec.fp8_dtype)  # saturating; NaN stays NaN
+
+
+def _rows(t: torch.Tensor, spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [..., D]`` with one scale per row: (FP8 data, inverse scales ``[...]``)."""
+    v = t.detach().to(torch.float32)
+    s = scale_of(amax_of(v, dim=-1) if v.shape[-1] else v.new_zeros(v.shape[:-1]), spec)
+    return _cast(v * s[..., None], spec), torch.reciprocal(s)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowwiseActivation:
+    """x or dy of a group, quantized (see the module table): rowwise ``[T, D]`` + ``[T]``,
+    columnwise ``[D, P]`` + ``[E, D]``; either may be None. ``shape``/``dtype``: the source's."""
+
+    rowwise_data: Optional[torch.Tensor]
+    rowwise_scale_inv: Optional[torch.Tensor]
+    columnwise_data: Optional[torch.Tensor]
+    columnwise_scale_inv: Optional[torch.Tensor]
+    shape: tuple[int, int]
+    dtype: torch.dtype
+
+    def with_usage(self, *, rowwise: bool, columnwise: bool) -> "RowwiseActivation":
+        """This tensor with only the copies asked for (a copy it lacks cannot be made)."""
+        return _with_usage(self, rowwise, columnwise)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowwiseWeight:
+    """A group's weights ``[E, N, K]``, quantized: rowwise ``[E, N, K]`` + ``[E, N]`` (fprop),
+    columnwise ``[E, K, N]`` + ``[E, K]`` (dgrad); either may be None."""
+
+    rowwise_data: Optional[torch.Tensor]
+    rowwise_scale_inv: Optional[torch.Tensor]
+    columnwise_data: Optional[torch.Tensor]
+    columnwise_scale_inv: Optional[torch.Tensor]
+    shape: tuple[int, int, int]
+    dtype: torch.dtype
+
+    def with_usage(self, *, rowwise: bool, columnwise: bool) -> "RowwiseWeight":
+        """This tensor with only the copies asked for (a copy it lacks cannot be made)."""
+        return _with_usage(self, rowwise, columnwise)
+
+
+def _with_usage(q: Any, rowwise: bool, columnwise: bool) -> Any:
+    for name, want in (("rowwise", rowwise), ("columnwise", columnwise)):
+        if want and getattr(q, f"{name}_data") is None:
+            raise ValueError(f"this {type(q).__name__} holds no {name} data; quantize with {name}=True")
+    return dataclasses.replace(
+        q, rowwise_data=q.rowwise_data if rowwise else None,
+        rowwise_scale_inv=q.rowwise_scale_inv if rowwise else None,
+        columnwise_data=q.columnwise_data if columnwise else None,
+        columnwise_scale_inv=q.columnwise_scale_inv if columnwise else None)
+
+
+_TENSORS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+
+
+def _register(cls: type) -> None:
+    """A pytree node whose leaves are the tensors it holds (no None leaves)."""
+    def flatten(q):
+        present = tuple(n for n in _TENSORS if getattr(q, n) is not None)
+        return [getattr(q, n) for n in present], (present, q.shape, q.dtype)
+
+    def unflatten(values, context):
+        present, shape, dtype = context
+        tensors = dict.fromkeys(_TENSORS)
+        tensors.update(zip(present, values))
+        return cls(**tensors, shape=shape, dtype=dtype)
+
+    def flatten_with_keys(q):
+        leaves, context = flatten(q)
+        return [(pytree.GetAttrKey(n), t) for n, t in zip(context[0], leaves)], context
+
+    pytree.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
+
+
+_register(RowwiseActivation)
+_register(RowwiseWeight)
+
+
+def quantize_activation(t_TD: torch.Tensor, ends_E: torch.Tensor, pends_E: torch.Tensor, spec: TensorSpec, *,
+                        rowwise: bool, columnwise: bool) -> RowwiseActivation:
+    """x or dy ``[T, D]`` of a group whose expert ``e`` holds rows ``ends[e-1]:ends[e]`` (int
+    ``[E]``, on t's device, ending at T) into a :class:`RowwiseActivation`; ``pends``: the padded
+    ends (:func:`padded_ends`). No host sync."""
+    T, D = t_TD.shape
+    E = ends_E.shape[0]
+    row_data = row_sinv = col_data = col_sinv = None
+    if rowwise:
+        row_data, row_sinv = _rows(t_TD, spec)
+    if columnwise:
+        v = t_TD.detach().to(torch.float32)
+        ends = ends_E.to(torch.int64)
+        expert_T = torch.searchsorted(ends, torch.arange(T, device=t_TD.device), right=True)
+        a = v.abs()
+        a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
+        amax_ED = a.new_zeros(E, D).scatter_reduce_(0, expert_T[:, None].expand(T, D), a, "amax")  # 0: no rows
+        s_ED = scale_of(amax_ED, spec)
+        q_TD = _cast(v * s_ED[expert_T], spec)
+        starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
+        pstarts = pends_E.to(torch.int64) - ((torch.diff(ends, prepend=ends.new_zeros(1)) + PAD - 1) // PAD * PAD)
+        column_T = pstarts[expert_T] + torch.arange(T, device=t_TD.device) - starts[expert_T]
+        col = torch.zeros(D, padded_columns(T, E), dtype=torch.uint8, device=t_TD.device)
+        col[:, column_T] = q_TD.view(torch.uint8).t()
+        col_data, col_sinv = col.view(spec.fp8_dtype), torch.reciprocal(s_ED)
+    return RowwiseActivation(row_data, row_sinv, col_data, col_sinv, (T, D), t_TD.dtype)
+
+
+def quantize_weight(w_ENK: torch.Tensor, spec: TensorSpec, *, rowwise: bool = True,
+                    columnwise: bool = True) -> RowwiseWeight:
+    """A group's weights ``[E, N, K]`` into a :class:`RowwiseWeight` (see the module table)."""
+    row_data = row_sinv = col_data = col_sinv = None
+    if rowwise:
+        row_data, row_sinv = _rows(w_ENK, spec)
+    if columnwise:
+        col_data, col_sinv = _rows(w_ENK.transpose(-2, -1), spec)
+        col_data = col_data.contiguous()
+    return RowwiseWeight(row_data, row_sinv, col_data, col_sinv, tuple(w_ENK.shape), w_ENK.dtype)
+
+
+def dequantize_columns(q: RowwiseActivation, ends_E: torch.Tensor, pends_E: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[T, D]`` from the columnwise copy (its padding dropped): what wgrad multiplies."""
+    T, D = q.shape
+    ends = ends_E.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    expert_T = torch.searchsorted(ends, torch.arange(T, device=ends.device), right=True)
+    pstarts = pends_E.to(torch.int64) - (counts + PAD - 1) // PAD * PAD
+    column_T = pstarts[expert_T] + torch.arange(T, device=ends.device) - (ends - counts)[expert_T]
+    return q.columnwise_data[:, column_T].to(torch.float32).t() * q.columnwise_scale_inv[expert_T]
