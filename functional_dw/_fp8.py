@@ -36,8 +36,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from . import fp8
+from . import _checks, fp8
 from .kernels import per_expert
 from .fp8.state import BWD_PER_GEMM, FWD_PER_GEMM
 
@@ -96,7 +97,8 @@ class Plan:
         None: one GEMM (``quantize``), else per expert (``grouped_quantize``)."""
         return self._quantize(kernels, "input", self.x, x_TK, splits, grouped, rowwise=True, columnwise=keep)
 
-    def quantize_weights(self, kernels: Any, w_ENK: Any, *, keep: bool = False) -> tuple[list[Any], Plan]:
+    def quantize_weights(self, kernels: Any, w_ENK: Any, *, keep: bool = False,
+                         params: Sequence[torch.Tensor] | None = None) -> tuple[Any, Plan]:
         """Each expert's weight for fprop (rowwise), and the plan with the weight scales used
         (delayed scaling: a snapshot, so backward re-quantizes with them after a state update).
         ``keep``: also the columnwise copies dgrad reads, held on the plan by reference.
@@ -107,7 +109,14 @@ class Plan:
         module keeps its FP8 weights: backward runs no weight quantization. They live on the
         residual record's context, never through ``save_for_backward`` (hooks see no weight).
         A DistributedWeight is re-materialized and re-quantized in backward instead (its hooks
-        fire as without FP8); so is a weight whose copy was not kept."""
+        fire as without FP8); so is a weight whose copy was not kept.
+
+        RowwiseScaling quantizes the group at once (its scales span experts' rows and columns),
+        both copies when ``keep``, and with ``params`` (the plain parameters the weights are)
+        at most once per weight version: NOTE: [FP8 weights per version]."""
+        if self.w.scaling == "rowwise":
+            qw = _rowwise_weights(kernels, w_ENK, self.w, keep, params)
+            return qw, (dataclasses.replace(self, w_dgrad=qw.with_usage(rowwise=False, columnwise=True)) if keep else self)
         plan = self
         if self.state is not None:
             plan = dataclasses.replace(self, w_scales=self._views("weight", None)[0].clone())
@@ -123,7 +132,9 @@ class Plan:
         (materialized again) with forward's scales and no amax recorded: for an unchanged
         weight, forward's FP8 bits."""
         if self.w_dgrad is not None:
-            return list(self.w_dgrad)
+            return list(self.w_dgrad) if isinstance(self.w_dgrad, tuple) else self.w_dgrad
+        if self.w.scaling == "rowwise":
+            return kernels.quantize_group(w_ENK, self.w, rowwise=False, columnwise=True)
         return _quantize_each(kernels, w_ENK, self.w, self.w_scales, None, rowwise=False, columnwise=True)
 
     def quantize_dy(self, kernels: Any, dy_TN: torch.Tensor, splits: Any = None, grouped: bool = False, *,
@@ -143,6 +154,36 @@ class Plan:
         scales, amaxes = self._views(role, None)
         return kernels.grouped_quantize(t, splits, spec, scales=scales, amaxes=amaxes, rowwise=rowwise,
                                         columnwise=columnwise, grouped=grouped)
+
+
+# NOTE: [FP8 weights per version] An optimizer step changes a weight in place, which bumps its
+# version counter (``Tensor._version``); nothing else between steps does. So RowwiseScaling's
+# quantized weights are cached per group of parameters, keyed on the parameters' identities,
+# versions and addresses (``param.data = ...`` changes the address), held weakly by the first
+# parameter: the entry dies with it, and a changed weight misses and replaces it. Gradient
+# accumulation's micro-batches and every backward then read one quantized copy per step. Not
+# cached: DistributedWeights (quantized once per materialize, which gathers anew), tensors a
+# transform wraps, and anything while compiling. The cache holds one FP8 copy of each weight
+# both ways (as many bytes as the bf16 weight); ``clear_weight_cache()`` drops it all.
+_WEIGHT_CACHE = WeakIdKeyDictionary()  # (tensors compare elementwise: keyed by identity)
+
+
+def clear_weight_cache() -> None:
+    """Drop every cached quantized weight (NOTE: [FP8 weights per version])."""
+    _WEIGHT_CACHE.clear()
+
+
+def _rowwise_weights(kernels: Any, w_ENK: Any, spec: fp8.TensorSpec, keep: bool, params: Any) -> Any:
+    if params is None or torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None \
+            or not set(map(type, params)) <= _checks.PLAIN_TYPES:
+        return kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=keep)
+    key = (tuple(map(id, params)), tuple(p._version for p in params), tuple(p.data_ptr() for p in params), spec)
+    hit = _WEIGHT_CACHE.get(params[0])
+    if hit is not None and hit[0] == key and (hit[1].columnwise_data is not None or not keep):
+        return hit[1]
+    qw = kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=True)  # both: dgrad reads the other
+    _WEIGHT_CACHE[params[0]] = (key, qw)
+    return qw
 
 
 def _quantize_each(kernels: Any, ts: Any, spec: fp8.TensorSpec, scales: Any, amaxes: Any, *, rowwise: bool,
@@ -165,9 +206,10 @@ def with_usage(q: Any, *, rowwise: bool, columnwise: bool) -> Any:
     return q.with_usage(rowwise=rowwise, columnwise=columnwise)
 
 
-def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: Any) -> Plan | None:
+def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: Any, grouped: bool = True) -> Plan | None:
     """The checked plan of a call, or None for ``recipe=None`` (no FP8: nothing else here runs).
 
+    ``grouped``: a GroupedLinear's call (RowwiseScaling runs only there).
     Raises TypeError for a recipe that is not one, float64 activations or a backend without FP8;
     ValueError for MXFP8/NVFP4 (from :func:`fp8.as_recipe`), ``backward_override``, a delayed
     recipe without its state, or a state of another size or device."""
@@ -183,6 +225,9 @@ def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: 
     if x.dtype not in _ACTIVATIONS:
         raise TypeError(f"FP8 ({type(r).__name__}) takes float32, bfloat16 or float16 activations (what TE "
                         f"quantizes); x is {x.dtype}")
+    if isinstance(r, fp8.RowwiseScaling) and not callable(getattr(kernels, "quantize_group", None)):
+        raise ValueError(f"RowwiseScaling runs on torch's scaled grouped GEMM: use backend=None, 'auto' or 'torch', "
+                         f"not {getattr(kernels, 'name', kernels)!r}")
     if not callable(getattr(kernels, "quantize", None)) or not callable(getattr(kernels, "grouped_quantize", None)):
         raise TypeError(f"backend {kernels!r} has no FP8 support (no quantize/grouped_quantize methods): use "
                         "backend='torch' (the reference) or 'te'")
@@ -192,6 +237,13 @@ def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: 
     elif fp8_state is not None:
         raise ValueError(f"fp8_state is delayed scaling's; {type(r).__name__} computes its scales from each "
                          "tensor and keeps no state: pass fp8_state=None")
+    if isinstance(r, fp8.RowwiseScaling):
+        if not grouped:
+            raise ValueError("RowwiseScaling is functional_dw's grouped (expert) recipe; a Linear runs TE's recipes "
+                             "(Float8CurrentScaling, Float8BlockScaling, DelayedScaling)")
+        from .kernels.rowwise import check_device
+
+        check_device(x)
     specs = [fp8.tensor_spec(r, role) for role in fp8.ROLES]
     return Plan(r, *specs, fp8.split_accumulator(r), fp8_state if delayed else None, num_gemms, x.dtype, x.device)
 

@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
-from . import _checks, _fp8, distributed_weight as dwp
+from . import _checks, _fp8, distributed_weight as dwp, fp8
 from .custom_vjp import custom_vjp
 from .kernels import Kernels, Splits, check_sizes, get_kernels, packed, stacked
 from .kernels.torch_ref import expert_sums
@@ -234,12 +234,19 @@ def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tens
         raise ValueError(f"x has {x.shape[1]} features but the weights are [{N}, {K}]{what}: x must be [T, {K}]")
     split = _as_splits(splits, E, x)
     b_EN, bias_form = _as_bias(bias, E, N, x)
-    if backend == "auto" and (fuse_wgrad_accumulation or recipe is not None):  # torch's CUDA grouped
+    rowwise = isinstance(recipe, fp8.RowwiseScaling)  # functional_dw's recipe: torch's scaled grouped GEMM
+    if rowwise:
+        if backend in (None, "auto"):
+            backend = "torch"
+        if use_grouped_tensor is False:
+            raise ValueError("RowwiseScaling runs one grouped GEMM per product (there is no per-expert path): pass "
+                             "use_grouped_tensor=None or True")
+    elif backend == "auto" and (fuse_wgrad_accumulation or recipe is not None):  # torch's CUDA grouped
         backend = None  # GEMM cannot write an fp32 main_grad (it writes bf16; TE's can, without a
         # sync), and FP8 on torch is the CPU emulation: auto is TE's kernels there
     kernels = get_kernels(backend, x, w_ENK if use_grouped_tensor is not False else None)
     x_TK = _checks.dense(x)
-    path = _choose_path(kernels, x_TK, w_ENK, use_grouped_tensor, recipe)
+    path = "grouped" if rowwise else _choose_path(kernels, x_TK, w_ENK, use_grouped_tensor, recipe)
     if path == "split" and split.host is None and not torch.compiler.is_compiling():
         check_sizes(split.sizes(), x.shape[0])  # the split path syncs for host sizes anyway
     plan = None
@@ -252,7 +259,8 @@ def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tens
                     _checks.warn(f"grouped_linear: use_grouped_tensor=True but {why_not}; running the split path")
                 path = "split"
         known = split.host if split.host is not None or path == "grouped" else split.sizes()
-        _fp8.check_dims(K, N, splits=known)  # device-only counts: not checked (a sync)
+        _fp8.check_dims(K, N, splits=None if rowwise else known)  # device-only counts: not checked (a sync);
+        # RowwiseScaling takes any counts (NOTE: [Padded token columns])
     return _Call(params, stacked, distributed, w_ENK, tuple(shapes), split, b_EN, bias_form, x_TK, kernels, path, plan)
 
 
@@ -268,7 +276,8 @@ def _fprop_fp8(c: _Call, keep_x: bool, keep_w: bool) -> tuple[torch.Tensor, Any,
     the plan). Returns (y, x's copy or None, the plan with forward's weight scales)."""
     grouped = c.path == "grouped"
     xq = c.fp8.quantize_x(c.kernels, c.x_TK, c.split, grouped, keep=keep_x)
-    wq, plan = c.fp8.quantize_weights(c.kernels, c.w_ENK, keep=keep_w and not c.distributed)
+    wq, plan = c.fp8.quantize_weights(c.kernels, c.w_ENK, keep=keep_w and not c.distributed,
+                                      params=None if c.distributed else c.params)
     y = c.kernels.grouped_fprop(xq, wq, c.b_EN, c.split, grouped, split_accumulator=plan.acc.fprop)
     return y, (_fp8.with_usage(xq, rowwise=False, columnwise=True) if keep_x else None), plan
 

@@ -75,7 +75,7 @@ def _prepare(x, weight, bias, fuse_wgrad_accumulation, backend, recipe=None, fp8
     kernels = get_kernels(backend, x)
     plan = None
     if recipe is not None or fp8_state is not None:
-        plan = _fp8.plan(recipe, fp8_state, 1, x, kernels)
+        plan = _fp8.plan(recipe, fp8_state, 1, x, kernels, grouped=False)
         _fp8.check_dims(K, N, tokens=_tokens(x.shape))
     return _Call(distributed, w_NK, _checks.dense(x), bias, kernels, plan)
 

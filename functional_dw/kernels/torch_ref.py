@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..fp8 import QTensor, quantize as fp8_quantize, quantize_groups
+from ..fp8.rowwise import RowwiseActivation
 from . import Splits, Weights, out_in, packed, stacked
+from . import rowwise as rowwise_ops
 
 _torch_grouped_mm = getattr(torch, "_grouped_mm", None) or getattr(F, "grouped_mm", None)  # (F.grouped_mm is
 # a Python wrapper that calls torch._grouped_mm: the op itself saves ~1 us a call)
@@ -286,6 +288,8 @@ class TorchKernels:
         return None
 
     def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped, *, split_accumulator=False):
+        if isinstance(x_TK, RowwiseActivation):  # FP8, RowwiseScaling: one grouped GEMM
+            return rowwise_ops.fprop(x_TK, w_ENK, b_EN, splits, split_accumulator=split_accumulator)
         if not isinstance(x_TK, torch.Tensor):  # FP8: E QTensors per operand
             y_TN = self._q_fprop(_cat(x_TK, False), _stack32(w_ENK, False), splits, grouped)
             b32 = None if b_EN is None else b_EN.to(torch.float32)[_row_expert(splits)]
@@ -298,6 +302,8 @@ class TorchKernels:
         return y_TN
 
     def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped, *, split_accumulator=False):
+        if isinstance(dy_TN, RowwiseActivation):
+            return rowwise_ops.dgrad(dy_TN, w_ENK, splits, split_accumulator=split_accumulator)
         if not isinstance(dy_TN, torch.Tensor):  # FP8
             dy32, w32 = _cat(dy_TN, False), _stack32(w_ENK, True)
             if _fp32_grouped(grouped, dy32):
@@ -315,6 +321,10 @@ class TorchKernels:
 
     def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False,
                       split_accumulator=False):
+        if isinstance(x_TK, RowwiseActivation):
+            _no_dbias(with_dbias)
+            return rowwise_ops.wgrad(x_TK, dy_TN, splits, out=out, accumulate=accumulate,
+                                 split_accumulator=split_accumulator), None
         if not isinstance(x_TK, torch.Tensor):  # FP8
             _no_dbias(with_dbias)
             x32, dy32 = _cat(x_TK, True), _cat(dy_TN, True)
@@ -368,9 +378,12 @@ class TorchKernels:
         return q
 
     def grouped_quantize(self, x_TK: torch.Tensor, splits: Splits, spec, *, scales=None, amaxes=None,
-                         rowwise=True, columnwise=False, grouped=False) -> list[QTensor]:
+                         rowwise=True, columnwise=False, grouped=False) -> list[QTensor] | RowwiseActivation:
         """Each expert's rows on their own (``quantize_groups``; host sizes, a sync for device
-        splits); ``amaxes`` (E views, or one strided ``[E]`` view) get the experts' amaxes."""
+        splits); ``amaxes`` (E views, or one strided ``[E]`` view) get the experts' amaxes.
+        RowwiseScaling: the whole group at once (``kernels/rowwise.py``, no sync)."""
+        if spec.scaling == "rowwise":
+            return rowwise_ops.quantize_activation(x_TK, splits, spec, rowwise=rowwise, columnwise=columnwise)
         qs = quantize_groups(x_TK, splits.sizes(), spec, scales=scales, rowwise=rowwise, columnwise=columnwise)
         if amaxes is not None:
             if isinstance(amaxes, torch.Tensor):
@@ -379,6 +392,10 @@ class TorchKernels:
                 for a, q in zip(amaxes, qs):
                     _record_amax(a, q.amax)
         return qs
+
+    def quantize_group(self, w_ENK: Weights, spec, *, rowwise: bool, columnwise: bool):
+        """A group's weights quantized together (RowwiseScaling, ``kernels/rowwise.py``)."""
+        return rowwise_ops.quantize_weight(w_ENK, spec, rowwise=rowwise, columnwise=columnwise)
 
     # --- the split path: one GEMM per expert on host sizes (custom ops under torch.compile) --
     def split_fprop(self, x_TK, w_ENK, b_EN, splits):
