@@ -125,7 +125,9 @@ def test_layer_is_fp32_products_of_the_quantized_operands():
 @pytest.mark.parametrize("device", DEVICES)
 def test_error_against_float64_is_bounded(device):
     """The stated bound: on N(0, 1) data every output and gradient is within 6% (relative
-    Frobenius error) of the float64 result; measured on the H200 at 3.4-4.6%."""
+    Frobenius error) of the float64 result (E4M3 keeps 3 mantissa bits: about 2^-5 relative
+    error per element; the CPU emulation measures 2.8-3.7% here, torchao's rowwise recipe is
+    at 3.8%)."""
     x, ws, b, dy = _inputs(device, sizes=[64, 48, 0, 144])
     got = _grads(x, ws, b, dy, sizes=[64, 48, 0, 144])
     x64, ws64, b64 = x.detach().double().cpu(), [w.detach().double().cpu() for w in ws], b.detach().double().cpu()
@@ -281,12 +283,8 @@ def test_triton_kernels_match_the_reference_bit_for_bit(sizes):
     pends = rw.padded_ends(torch.tensor(sizes, device="cuda"))
     want = rw.quantize_activation(x, ends, pends, SPEC, rowwise=True, columnwise=True)
     got = triton_rowwise.quantize_activation(x, ends, pends, SPEC, rowwise=True, columnwise=True)
-    used = int(pends[-1])  # columns past the last padded group are never read
     for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
-        a, b = getattr(want, name), getattr(got, name)
-        if name == "columnwise_data":
-            a, b = a[:, :used], b[:, :used]
-        af, bf = a.float(), b.float()
+        af, bf = getattr(want, name).float(), getattr(got, name).float()  # (padding and tail: zeros in both)
         assert torch.equal(af.isnan(), bf.isnan()), name
         assert torch.equal(af.nan_to_num(), bf.nan_to_num()), name
     w = torch.randn(3, 48, 64, generator=g).to("cuda", torch.bfloat16)
