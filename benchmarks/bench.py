@@ -699,7 +699,9 @@ def offload_rows(args, te):
 
 FP8_CONFIGS = [("delayed", False), ("current", False), ("current", True), ("block", False), ("block", True)]
 FP8_TE_CLASSES = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling", "block": "Float8BlockScaling"}
-FP8_OTHERS = ["bf16 fd auto", "bf16 te grouped", "torchao fp8 rowwise"]
+FP8_OTHERS = ["fd rowwise", "fd rowwise new weights", "bf16 fd auto", "bf16 te grouped", "torchao fp8 rowwise"]
+FP8_SPLITS = ("balanced", "zipf")
+FP8_ONLY: set = set()  # --fp8-configs
 FP8_HOOK_SHAPE = (8, 2048, 2048, 8192)
 
 
@@ -712,7 +714,19 @@ def fp8_shapes(args):
         return [(2, 128, 128, 256)]  # 128 tokens per expert: block scaling's grouped path
     if args.quick:
         return [FP8_HOOK_SHAPE, (32, 4096, 1536, 32768)]
-    return [FP8_HOOK_SHAPE, (32, 4096, 1536, 32768), (8, 4096, 4096, 65536)]
+    return [FP8_HOOK_SHAPE, (32, 4096, 1536, 32768), (128, 4096, 1536, 65536), (8, 4096, 4096, 65536)]
+
+
+def fp8_splits(E, T, kind):
+    """balanced, or zipf rounded to multiples of 128 tokens per expert (what TE's grouped block
+    scaling takes; every FP8 path here runs them), summing to T."""
+    if kind == "balanced":
+        return make_splits(E, T, kind)
+    raw = make_splits(E, T, kind)
+    counts = [c // 128 * 128 for c in raw]
+    hot = max(range(E), key=lambda e: raw[e])
+    counts[hot] += T - sum(counts)
+    return counts
 
 
 def _te_autocast(te, recipe):
@@ -744,7 +758,17 @@ def fp8_impls(layer: Layer, te) -> dict:
 
     out = {}
     ws = layer.mod.weights()
+    r = fp8.RowwiseScaling()
+    out["fd rowwise"] = ((lambda x: fd.grouped_linear(x, ws, layer.splits_dev, recipe=r)), ws, None)
+
+    def bump():  # what an optimizer step does to the weights (an in-place update, here of +0): their
+        with torch.no_grad():  # versions change, so the next step quantizes them again
+            for w in ws:
+                w.add_(0)
+    out["fd rowwise new weights"] = ((lambda x: fd.grouped_linear(x, ws, layer.splits_dev, recipe=r)), ws, bump)
     for kind, grouped in FP8_CONFIGS:
+        if FP8_ONLY and fp8_tag(kind, grouped) not in FP8_ONLY:
+            continue
         tag, arg = fp8_tag(kind, grouped), layer.split_arg(grouped)
         if te is None:
             out[f"fd {tag}"] = out[f"te {tag}"] = "n/a: Transformer Engine is not installed"
@@ -885,17 +909,17 @@ def fp8_rows(args, te, clock):
     GEMM next to them; balanced splits (multiples of 128 tokens per expert); and the bytes through
     a saved-tensor hook at one shape."""
     rows, hooks = [], None
-    for (E, H, FF, T) in fp8_shapes(args):
+    for (E, H, FF, T), kind in [(shape, k) for shape in fp8_shapes(args) for k in (FP8_SPLITS if not args.smoke else ("balanced",))]:
         if clock.over():
-            clock.skipped.append(f"fp8 E={E} hidden={H} ffn={FF} tokens={T}")
+            clock.skipped.append(f"fp8 E={E} hidden={H} ffn={FF} tokens={T} {kind}")
             continue
-        splits = make_splits(E, T, "balanced")
+        splits = fp8_splits(E, T, kind)
         assert all(s % 128 == 0 for s in splits), splits
         layer = Layer(E, H, FF, splits, te)
         inputs = make_inputs(T, H, FF)
         flops = 3 * 2 * T * H * FF
         impls = fp8_impls(layer, te)
-        if (E, H, FF, T) == FP8_HOOK_SHAPE or (args.smoke and hooks is None):
+        if hooks is None and ((E, H, FF, T) == FP8_HOOK_SHAPE or args.smoke):
             hooks = {"shape": {"E": E, "hidden": H, "ffn": FF, "tokens": T}, "results": fp8_hook_bytes(layer, impls, inputs)}
             clock.save("fp8", {"rows": rows, "hook_bytes": hooks})
         res, steps = {}, {}
@@ -927,8 +951,9 @@ def fp8_rows(args, te, clock):
             print("fp8 interleaved timing failed, timed one by one:", e, flush=True)
         for name, ms in timed.items():
             res[name] = _timing(flops, ms)
-        res["fd path"] = {fp8_tag(k, g): _fd_path(layer, k, g) for k, g in FP8_CONFIGS} if te is not None else {}
-        rows.append({"E": E, "hidden": H, "ffn": FF, "tokens": T, "splits": "balanced", "results": res})
+        res["fd path"] = {fp8_tag(k, g): _fd_path(layer, k, g) for k, g in FP8_CONFIGS
+                          if not FP8_ONLY or fp8_tag(k, g) in FP8_ONLY} if te is not None else {}
+        rows.append({"E": E, "hidden": H, "ffn": FF, "tokens": T, "splits": kind, "results": res})
         clock.save("fp8", {"rows": rows, "hook_bytes": hooks})
         print("fp8", E, H, FF, T, {k: (v["tflops"] if isinstance(v, dict) and "tflops" in v else v) for k, v in res.items()},
               flush=True)
@@ -1044,25 +1069,33 @@ def markdown(result):
                 lines.append(f"| {r['E']} | {r['hidden']} | {r['ffn']} | {r['tokens']} | {kind} | "
                              f"{'grouped' if grouped else 'split'} | {_ms(a)} | {_ms(b)} | {_cell(a)} | {_cell(b)} | {ratio} | "
                              f"{res.get('fd path', {}).get(tag, 'n/a')} |")
-        lines += ["", "Same shapes, bf16 and torchao: TFLOP/s (fraction of peak)", "",
-                  "| E | hidden | ffn | tokens | " + " | ".join(FP8_OTHERS) + " | best fd FP8 / best bf16 |",
-                  "|---|---|---|---|" + "---|" * (len(FP8_OTHERS) + 1)]
+        lines += ["", "Same shapes: fd's own RowwiseScaling, bf16 and torchao, TFLOP/s (fraction of peak); speedups of fd "
+                  "rowwise (time of the other / time of fd rowwise)", "",
+                  "| E | hidden | ffn | tokens | splits | " + " | ".join(FP8_OTHERS)
+                  + " | rowwise / bf16 fd | rowwise / best te FP8 | rowwise / torchao |",
+                  "|---|---|---|---|---|" + "---|" * (len(FP8_OTHERS) + 3)]
         for r in result["fp8"]["rows"]:
             res = r["results"]
-            f8 = [res[f"fd {fp8_tag(k, g)}"]["ms"] for k, g in FP8_CONFIGS if isinstance(res.get(f"fd {fp8_tag(k, g)}"), dict)]
-            bf = [res[n]["ms"] for n in FP8_OTHERS[:2] if isinstance(res.get(n), dict)]
-            ratio = f"{min(f8) / min(bf):.2f}" if f8 and bf else "n/a"
-            lines.append(f"| {r['E']} | {r['hidden']} | {r['ffn']} | {r['tokens']} | "
-                         + " | ".join(_cell(res.get(n)) for n in FP8_OTHERS) + f" | {ratio} |")
+            ms = lambda n: res[n]["ms"] if isinstance(res.get(n), dict) else None  # noqa: E731
+            te8 = [ms(f"te {fp8_tag(k, g)}") for k, g in FP8_CONFIGS if ms(f"te {fp8_tag(k, g)}")]
+            ours = ms("fd rowwise")
+            speed = lambda other: f"{other / ours:.2f}" if ours and other else "n/a"  # noqa: E731
+            lines.append(f"| {r['E']} | {r['hidden']} | {r['ffn']} | {r['tokens']} | {r.get('splits', 'balanced')} | "
+                         + " | ".join(_cell(res.get(n)) for n in FP8_OTHERS)
+                         + f" | {speed(ms('bf16 fd auto'))} | {speed(min(te8) if te8 else None)} | "
+                         f"{speed(ms('torchao fp8 rowwise'))} |")
         warned = [f"{r['E']}/{r['hidden']}/{r['ffn']}/{r['tokens']} {k[:-len(' warning')]}: {v}"
                   for r in result["fp8"]["rows"] for k, v in r["results"].items() if k.endswith(" warning")]
-        lines += ["", "Balanced splits (a multiple of 128 tokens per expert, so block scaling can take the grouped path), bf16 "
+        lines += ["", "Balanced and zipf splits (multiples of 128 tokens per expert, so block scaling can take the grouped path), bf16 "
                   "activations. fd: fd.grouped_linear(..., recipe=fp8.<Recipe>(), backend='te', use_grouped_tensor=path), "
                   "delayed scaling with fp8.update_state_ after each step (in the timed step); te: te.GroupedLinear with fd's "
                   "weights under TE's autocast with TE's recipe of the same class; delayed scaling warmed up 3 steps for both. "
                   "fd / te <= 1.00: fd at least as fast. bf16 fd auto: fd's bf16 auto path (list weights); torchao fp8 "
                   "rowwise: torchao.prototype.moe_training._to_fp8_rowwise_then_scaled_grouped_mm (per-row scales, "
-                  "differentiable)."] + ([""] + [f"Warning: {w}" for w in warned] if warned else [])
+                  "differentiable). fd rowwise: fd.grouped_linear(..., recipe=fp8.RowwiseScaling()) on device splits, "
+                  "weights unchanged between steps (quantized once, NOTE: [FP8 weights per version]); fd rowwise new "
+                  "weights: the same with an in-place update of the weights after each step (an optimizer step), so "
+                  "every step quantizes them again."] + ([""] + [f"Warning: {w}" for w in warned] if warned else [])
     hb = (result.get("fp8") or {}).get("hook_bytes")
     if hb:
         s = hb["shape"]
@@ -1171,11 +1204,15 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script, measures nothing")
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections to run, of {','.join(SECTIONS)}")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--fp8-configs", default="", help="fp8 section: only these TE recipe/path rows, e.g. "
+                   "'delayed split,block grouped' (default: all)")
     p.add_argument("--budget", type=float, default=450,
                    help="seconds for the whole run (default 450; 0: none): fp8 and grouped shapes that would start later are "
                         "skipped, and listed in the results")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
+    global FP8_ONLY
+    FP8_ONLY = {c.strip() for c in args.fp8_configs.split(",") if c.strip()}
     only = [s for s in args.only.split(",") if s]
     if set(only) - set(SECTIONS):
         p.error(f"unknown section(s) {sorted(set(only) - set(SECTIONS))}; choose from {SECTIONS}")
