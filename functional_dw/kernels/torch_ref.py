@@ -407,24 +407,26 @@ class TorchKernels:
 
     def split_wgrad(self, x_TK, dy_TN, splits, *, out=None, accumulate=False):
         """E ``[N, K]`` products written into ``out`` (E ``[N, K]`` or ``[E, N, K]``; added when
-        ``accumulate``), else into one fresh ``[E, N, K]`` tensor; returns it. Each GEMM writes
-        its slice in place, unless autograd or a transform records the products (then they are
-        made, stacked or written, as ordinary ops)."""
+        ``accumulate``), else into one fresh ``[E, N, K]`` tensor; returns it.
+
+        NOTE: [Layouts] ``out`` (a caller's main_grad or grad buffer, any strides) is only written
+        elementwise: each product is made dense, then copied or added, as on the grouped path. A
+        GEMM writing into it (``addmm_``, ``mm(out=)``) would take its fp32 summation order from
+        the buffer's strides (the BLAS runs a column-major output as the transposed product, and
+        ``addmm_`` adds main_grad inside the sum): other bits for another layout of the same
+        main_grad. The fresh buffer gets each product in place, unless autograd or a transform
+        records the products (then they are stacked, as ordinary ops)."""
         sizes = splits.sizes()
         pairs = list(zip(x_TK.split(sizes), dy_TN.split(sizes)))
-        if _recorded(x_TK, dy_TN):
-            dw_ENK = [dy.t() @ x for x, dy in pairs]
-            if out is None:
-                return torch.stack(dw_ENK)
-            for t, dw in zip(out, dw_ENK):
-                _write(t, dw, accumulate)
+        if out is not None:
+            for t, (x, dy) in zip(out, pairs):
+                _write(t, dy.t() @ x, accumulate)
             return out
-        dw = out if out is not None else x_TK.new_empty(splits.num_experts, dy_TN.shape[1], x_TK.shape[1])
+        if _recorded(x_TK, dy_TN):
+            return torch.stack([dy.t() @ x for x, dy in pairs])
+        dw = x_TK.new_empty(splits.num_experts, dy_TN.shape[1], x_TK.shape[1])
         for e, (x, dy) in enumerate(pairs):
-            if accumulate:
-                dw[e].addmm_(dy.t(), x)
-            else:
-                torch.mm(dy.t(), x, out=dw[e])
+            torch.mm(dy.t(), x, out=dw[e])
         return dw
 
 
