@@ -409,7 +409,7 @@ class TorchKernels:
         """E ``[N, K]`` products written into ``out`` (E ``[N, K]`` or ``[E, N, K]``; added when
         ``accumulate``), else into one fresh ``[E, N, K]`` tensor; returns it.
 
-        NOTE: [Layouts] ``out`` (a caller's main_grad or grad buffer, any strides) is only written
+        NOTE: [main_grad is written elementwise] ``out`` (a caller's main_grad or grad buffer, any strides) is only written
         elementwise: each product is made dense, then copied or added, as on the grouped path. A
         GEMM writing into it (``addmm_``, ``mm(out=)``) would take its fp32 summation order from
         the buffer's strides (the BLAS runs a column-major output as the transposed product, and
