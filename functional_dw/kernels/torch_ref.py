@@ -409,9 +409,9 @@ class TorchKernels:
         """E ``[N, K]`` products written into ``out`` (E ``[N, K]`` or ``[E, N, K]``; added when
         ``accumulate``), else into one fresh ``[E, N, K]`` tensor; returns it.
 
-        NOTE: [main_grad is written elementwise] ``out`` (a caller's main_grad or grad buffer, any strides) is only written
-        elementwise: each product is made dense, then copied or added, as on the grouped path. A
-        GEMM writing into it (``addmm_``, ``mm(out=)``) would take its fp32 summation order from
+        NOTE: [main_grad is written elementwise] ``out`` (a caller's main_grad or grad buffer,
+        any strides) is only written elementwise: each product is made dense, then copied or
+        added, as on the grouped path. A GEMM writing into it (``addmm_``, ``mm(out=)``) would take its fp32 summation order from
         the buffer's strides (the BLAS runs a column-major output as the transposed product, and
         ``addmm_`` adds main_grad inside the sum): other bits for another layout of the same
         main_grad. The fresh buffer gets each product in place, unless autograd or a transform
