@@ -36,10 +36,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _checks, fp8
 from .kernels import per_expert
+from .fp8.rowwise import WEIGHT_CACHE
 from .fp8.state import BWD_PER_GEMM, FWD_PER_GEMM
 
 __all__ = ["Plan", "plan", "with_usage", "check_dims", "check_first_order", "no_jvp", "Args", "unpack"]
@@ -113,7 +113,7 @@ class Plan:
 
         RowwiseScaling quantizes the group at once (its scales span experts' rows and columns),
         both copies when ``keep``, and with ``params`` (the plain parameters the weights are)
-        at most once per weight version: NOTE: [FP8 weights per version]."""
+        at most once per weight version: NOTE: [FP8 weights per version] (``fp8/rowwise.py``)."""
         if self.w.scaling == "rowwise":
             qw = _rowwise_weights(kernels, w_ENK, self.w, keep, params)
             return qw, (dataclasses.replace(self, w_dgrad=qw.with_usage(rowwise=False, columnwise=True)) if keep else self)
@@ -156,33 +156,18 @@ class Plan:
                                         columnwise=columnwise, grouped=grouped)
 
 
-# NOTE: [FP8 weights per version] An optimizer step changes a weight in place, which bumps its
-# version counter (``Tensor._version``); nothing else between steps does. So RowwiseScaling's
-# quantized weights are cached per group of parameters, keyed on the parameters' identities,
-# versions and addresses (``param.data = ...`` changes the address), held weakly by the first
-# parameter: the entry dies with it, and a changed weight misses and replaces it. Gradient
-# accumulation's micro-batches and every backward then read one quantized copy per step. Not
-# cached: DistributedWeights (quantized once per materialize, which gathers anew), tensors a
-# transform wraps, and anything while compiling. The cache holds one FP8 copy of each weight
-# both ways (as many bytes as the bf16 weight); ``clear_weight_cache()`` drops it all.
-_WEIGHT_CACHE = WeakIdKeyDictionary()  # (tensors compare elementwise: keyed by identity)
-
-
-def clear_weight_cache() -> None:
-    """Drop every cached quantized weight (NOTE: [FP8 weights per version])."""
-    _WEIGHT_CACHE.clear()
-
-
 def _rowwise_weights(kernels: Any, w_ENK: Any, spec: fp8.TensorSpec, keep: bool, params: Any) -> Any:
+    """The group's quantized weights, from the cache when current (NOTE: [FP8 weights per
+    version] in ``fp8/rowwise.py``)."""
     if params is None or torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None \
             or not set(map(type, params)) <= _checks.PLAIN_TYPES:
         return kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=keep)
     key = (tuple(map(id, params)), tuple(p._version for p in params), tuple(p.data_ptr() for p in params), spec)
-    hit = _WEIGHT_CACHE.get(params[0])
+    hit = WEIGHT_CACHE.get(params[0])
     if hit is not None and hit[0] == key and (hit[1].columnwise_data is not None or not keep):
         return hit[1]
     qw = kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=True)  # both: dgrad reads the other
-    _WEIGHT_CACHE[params[0]] = (key, qw)
+    WEIGHT_CACHE[params[0]] = (key, qw)
     return qw
 
 

@@ -42,12 +42,13 @@ from typing import Any, Optional
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .quantize import amax_of, compute_scale_from_amax
 from .spec import TensorSpec
 
-__all__ = ["PAD", "RowwiseActivation", "RowwiseWeight", "padded_columns", "padded_ends", "quantize_activation",
-           "quantize_weight", "scale_of"]
+__all__ = ["PAD", "RowwiseActivation", "RowwiseWeight", "WEIGHT_CACHE", "clear_weight_cache", "padded_columns",
+           "padded_ends", "quantize_activation", "quantize_weight", "scale_of"]
 
 PAD = 16  # wgrad's token groups: multiples of 16 columns (torch's scaled grouped GEMM)
 
@@ -198,3 +199,21 @@ def dequantize_columns(q: RowwiseActivation, ends_E: torch.Tensor, pends_E: torc
     pstarts = pends_E.to(torch.int64) - (counts + PAD - 1) // PAD * PAD
     column_T = pstarts[expert_T] + torch.arange(T, device=ends.device) - (ends - counts)[expert_T]
     return q.columnwise_data[:, column_T].to(torch.float32).t() * q.columnwise_scale_inv[expert_T]
+
+
+# NOTE: [FP8 weights per version] An optimizer step changes a weight in place, which bumps its
+# version counter (``Tensor._version``); nothing else between steps does. So RowwiseScaling's
+# quantized weights are cached per group of parameters, keyed on the parameters' identities,
+# versions and addresses (``param.data = ...`` changes the address), held weakly by the first
+# parameter: the entry dies with it, and a changed weight misses and replaces it. Gradient
+# accumulation's micro-batches and every backward then read one quantized copy per step. Not
+# cached: DistributedWeights (quantized once per materialize, which gathers anew), tensors a
+# transform wraps, and anything while compiling. The cache holds one FP8 copy of each weight
+# both ways (as many bytes as the bf16 weight); :func:`clear_weight_cache` drops it all. The
+# layers' side: ``_fp8._rowwise_weights``.
+WEIGHT_CACHE = WeakIdKeyDictionary()  # (tensors compare elementwise: keyed by identity)
+
+
+def clear_weight_cache() -> None:
+    """Drop every cached quantized weight (NOTE: [FP8 weights per version])."""
+    WEIGHT_CACHE.clear()
