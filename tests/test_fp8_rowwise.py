@@ -20,7 +20,6 @@ import functional_dw as fd
 from conftest import FakeDW
 from functional_dw import fp8
 from functional_dw.fp8 import rowwise as rw
-from functional_dw.kernels import Splits
 from functional_dw.kernels.torch_ref import TorchKernels
 
 R = fp8.RowwiseScaling()

@@ -41,7 +41,7 @@ from typing import Any, Optional
 import torch
 
 from .recipe import DelayedScaling, Format, MMParams, QParams, _FormatHelper, as_recipe
-from .state import BWD_PER_GEMM, FWD_PER_GEMM, DelayedScalingState
+from .state import FWD_PER_GEMM, DelayedScalingState
 
 __all__ = ["read_extra_state", "state_from_extra_state", "state_to_extra_state"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
