@@ -115,6 +115,7 @@ class Plan:
         both copies when ``keep``, and with ``params`` (the plain parameters the weights are)
         at most once per weight version: NOTE: [FP8 weights per version] (``fp8/rowwise.py``)."""
         if self.w.scaling == "rowwise":
+            keep = keep and not torch.compiler.is_compiling()  # NOTE: [RowwiseScaling under torch.compile]
             qw = _rowwise_weights(kernels, w_ENK, self.w, keep, params)
             return qw, (dataclasses.replace(self, w_dgrad=qw.with_usage(rowwise=False, columnwise=True)) if keep else self)
         plan = self
@@ -203,7 +204,8 @@ def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: 
             raise ValueError("fp8_state was given without a recipe: pass recipe=fp8.DelayedScaling(...) too")
         return None
     r = fp8.as_recipe(recipe)
-    refuse_compile()
+    if not isinstance(r, fp8.RowwiseScaling):  # (RowwiseScaling runs compiled: NOTE: [RowwiseScaling under torch.compile])
+        refuse_compile()
     if r.backward_override is not None:
         raise ValueError(f"{type(r).__name__}(backward_override={r.backward_override!r}) is not supported: "
                          "backward runs the FP8 GEMMs of the recipe (set backward_override=None)")

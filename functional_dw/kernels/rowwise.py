@@ -38,7 +38,7 @@ def fast(t: torch.Tensor) -> bool:
 
 def check_device(x: torch.Tensor) -> None:
     """RowwiseScaling runs on the CPU (emulated) or on an sm_90 GPU in bfloat16; else ValueError/TypeError."""
-    if not x.is_cuda:
+    if not x.is_cuda or torch.compiler.is_compiling():  # (compiled: the ops' own checks at run time)
         return
     if not fast(x):
         raise ValueError(f"RowwiseScaling on CUDA runs torch's rowwise-scaled grouped GEMM and Triton kernels, which "
@@ -59,6 +59,14 @@ def quantize_activation(t_TD: torch.Tensor, splits: Splits, spec: Any, *, rowwis
                         columnwise: bool) -> RowwiseActivation:
     """x or dy ``[T, D]`` per the recipe: the copies asked for."""
     ends, pends = _ends(splits)
+    if torch.compiler.is_compiling():
+        tensors = rowwise_quantize(t_TD, ends, pends, spec.power_2_scale, spec.amax_epsilon, rowwise, columnwise)
+        row, row_sinv, col, col_sinv = (t if keep else None for t, keep in zip(tensors, (rowwise,) * 2 + (columnwise,) * 2))
+        return RowwiseActivation(row, row_sinv, col, col_sinv, tuple(t_TD.shape), t_TD.dtype)
+    return _quantize_activation(t_TD, ends, pends, spec, rowwise, columnwise)
+
+
+def _quantize_activation(t_TD, ends, pends, spec, rowwise, columnwise) -> RowwiseActivation:
     impl = triton_rowwise if fast(t_TD) else ref
     return impl.quantize_activation(t_TD, ends, pends, spec, rowwise=rowwise, columnwise=columnwise)
 
@@ -68,6 +76,10 @@ def quantize_weight(w_ENK: Weights, spec: Any, *, rowwise: bool, columnwise: boo
     if not isinstance(w_ENK, torch.Tensor):
         one = packed(w_ENK)
         w_ENK = one if one is not None else torch.stack(list(w_ENK))
+    if torch.compiler.is_compiling():
+        tensors = rowwise_quantize_weight(w_ENK, spec.power_2_scale, spec.amax_epsilon, rowwise, columnwise)
+        row, row_sinv, col, col_sinv = (t if keep else None for t, keep in zip(tensors, (rowwise,) * 2 + (columnwise,) * 2))
+        return RowwiseWeight(row, row_sinv, col, col_sinv, tuple(w_ENK.shape), w_ENK.dtype)
     impl = triton_rowwise if fast(w_ENK) else ref
     return impl.quantize_weight(w_ENK.detach(), spec, rowwise=rowwise, columnwise=columnwise)
 
@@ -92,6 +104,10 @@ def _row_bias(b_EN: torch.Tensor, splits: Splits) -> torch.Tensor:
 def fprop(xq: RowwiseActivation, wq: RowwiseWeight, b_EN: torch.Tensor | None, splits: Splits, *,
           split_accumulator: bool) -> torch.Tensor:
     """``y_e = x_e W_e^T + b_e`` from x's and W's rowwise copies."""
+    if torch.compiler.is_compiling():
+        y = rowwise_gemm("fprop", xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv,
+                         splits.tensor, splits.num_tokens, xq.dtype, split_accumulator)
+        return y if b_EN is None else y + _row_bias(b_EN, splits)
     x, w = xq.rowwise_data, wq.rowwise_data
     if fast(x):
         y = _gmm(x, w.transpose(-2, -1), xq.rowwise_scale_inv, wq.rowwise_scale_inv, splits.ends(torch.int32),
@@ -106,6 +122,9 @@ def fprop(xq: RowwiseActivation, wq: RowwiseWeight, b_EN: torch.Tensor | None, s
 
 def dgrad(dyq: RowwiseActivation, wq: RowwiseWeight, splits: Splits, *, split_accumulator: bool) -> torch.Tensor:
     """``dx_e = dy_e W_e`` from dy's rowwise and W's columnwise copies."""
+    if torch.compiler.is_compiling():
+        return rowwise_gemm("dgrad", dyq.rowwise_data, dyq.rowwise_scale_inv, wq.columnwise_data,
+                            wq.columnwise_scale_inv, splits.tensor, splits.num_tokens, dyq.dtype, split_accumulator)
     dy, wt = dyq.rowwise_data, wq.columnwise_data  # wt: [E, K, N]
     if fast(dy):
         return _gmm(dy, wt.transpose(-2, -1), dyq.rowwise_scale_inv, wq.columnwise_scale_inv,
@@ -119,6 +138,10 @@ def wgrad(xq: RowwiseActivation, dyq: RowwiseActivation, splits: Splits, *, out:
           split_accumulator: bool) -> Weights:
     """``dW_e = dy_e^T x_e`` from both columnwise copies: a fresh ``[E, N, K]`` in the
     activations' dtype, or written (added when ``accumulate``) into ``out``."""
+    if torch.compiler.is_compiling():
+        dw = rowwise_gemm("wgrad", xq.columnwise_data, xq.columnwise_scale_inv, dyq.columnwise_data,
+                          dyq.columnwise_scale_inv, splits.tensor, splits.num_tokens, xq.dtype, split_accumulator)
+        return _written(dw, out, accumulate)
     ends, pends = _ends(splits)
     if fast(xq.columnwise_data):
         dw = _gmm(dyq.columnwise_data, xq.columnwise_data.t(), dyq.columnwise_scale_inv.reshape(-1),
@@ -130,6 +153,10 @@ def wgrad(xq: RowwiseActivation, dyq: RowwiseActivation, splits: Splits, *, out:
         dw = torch.stack([d.t() @ x for d, x in zip(dy32.split(sizes), x32.split(sizes))])
         if out is None:
             dw = dw.to(xq.dtype)
+    return _written(dw, out, accumulate)
+
+
+def _written(dw: torch.Tensor, out: Weights | None, accumulate: bool) -> Weights:
     if out is None:
         return dw
     target = out if isinstance(out, torch.Tensor) else packed(out)
@@ -137,3 +164,87 @@ def wgrad(xq: RowwiseActivation, dyq: RowwiseActivation, splits: Splits, *, out:
     for t, d in pairs:
         t.add_(d) if accumulate else t.copy_(d)
     return out
+
+
+# NOTE: [RowwiseScaling under torch.compile] While compiling, the quantization and the three
+# GEMMs are the opaque custom ops below: their real implementations are the eager functions
+# above (Triton and torch's scaled grouped GEMM on an sm_90 GPU, the emulation elsewhere, which
+# reads host sizes at run time), their fake ones give the shapes. So one graph serves every
+# routing (the counts are data: NOTE: [Splits under torch.compile]), and nothing of Triton or
+# of the host sizes is traced. Compiled, forward keeps no FP8 weight for backward (backward
+# quantizes the weights again) and the weight cache is not used (NOTE: [FP8 weights per version]).
+
+
+@torch.library.custom_op("functional_dw::rowwise_quantize", mutates_args=())
+def rowwise_quantize(t: torch.Tensor, ends: torch.Tensor, pends: torch.Tensor, power_2_scale: bool,
+                     amax_epsilon: float, rowwise: bool, columnwise: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rowwise data, its inverse scales, columnwise data, its inverse scales); a copy not asked
+    for is an empty tensor."""
+    spec = _spec(power_2_scale, amax_epsilon)
+    q = _quantize_activation(t, ends, pends, spec, rowwise, columnwise)
+    return tuple(v if v is not None else f(t) for v, f in zip(
+        (q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data, q.columnwise_scale_inv), _EMPTY))
+
+
+@rowwise_quantize.register_fake
+def _(t, ends, pends, power_2_scale, amax_epsilon, rowwise, columnwise):
+    T, D = t.shape
+    E = ends.shape[0]
+    f8, f32 = torch.float8_e4m3fn, torch.float32
+    return (t.new_empty((T, D) if rowwise else (0,), dtype=f8), t.new_empty((T,) if rowwise else (0,), dtype=f32),
+            t.new_empty((D, ref.padded_columns(T, E)) if columnwise else (0,), dtype=f8),
+            t.new_empty((E, D) if columnwise else (0,), dtype=f32))
+
+
+_EMPTY = [lambda t, d=d: t.new_empty(0, dtype=d) for d in (torch.float8_e4m3fn, torch.float32) * 2]
+
+
+@torch.library.custom_op("functional_dw::rowwise_quantize_weight", mutates_args=())
+def rowwise_quantize_weight(w: torch.Tensor, power_2_scale: bool, amax_epsilon: float, rowwise: bool,
+                            columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_weight` of ``[E, N, K]`` as tensors (a copy not asked for: empty)."""
+    q = quantize_weight(w, _spec(power_2_scale, amax_epsilon), rowwise=rowwise, columnwise=columnwise)
+    return tuple(v if v is not None else f(w) for v, f in zip(
+        (q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data, q.columnwise_scale_inv), _EMPTY))
+
+
+@rowwise_quantize_weight.register_fake
+def _(w, power_2_scale, amax_epsilon, rowwise, columnwise):
+    E, N, K = w.shape
+    f8, f32 = torch.float8_e4m3fn, torch.float32
+    return (w.new_empty((E, N, K) if rowwise else (0,), dtype=f8), w.new_empty((E, N) if rowwise else (0,), dtype=f32),
+            w.new_empty((E, K, N) if columnwise else (0,), dtype=f8), w.new_empty((E, K) if columnwise else (0,), dtype=f32))
+
+
+def _spec(power_2_scale: bool, amax_epsilon: float) -> Any:
+    from ..fp8.spec import TensorSpec
+
+    return TensorSpec("input", "rowwise", torch.float8_e4m3fn, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
+
+
+@torch.library.custom_op("functional_dw::rowwise_gemm", mutates_args=())
+def rowwise_gemm(kind: str, a: torch.Tensor, a_sinv: torch.Tensor, b: torch.Tensor, b_sinv: torch.Tensor,
+                 splits: torch.Tensor, num_tokens: int, dtype: torch.dtype, split_accumulator: bool) -> torch.Tensor:
+    """One of the three products on the copies :func:`fprop`, :func:`dgrad`, :func:`wgrad` read
+    (``a``, ``b``: x/W, dy/W, x/dy), the splits as a tensor (read at run time)."""
+    E = splits.shape[0]
+    sp = Splits(host=None, tensor=splits, device=a.device, num_tokens=num_tokens, num_experts=E)
+    if kind == "wgrad":
+        shape = (num_tokens, a.shape[0])
+        xq = RowwiseActivation(None, None, a, a_sinv, shape, dtype)
+        dyq = RowwiseActivation(None, None, b, b_sinv, (num_tokens, b.shape[0]), dtype)
+        return wgrad(xq, dyq, sp, out=None, accumulate=False, split_accumulator=split_accumulator)
+    q = RowwiseActivation(a, a_sinv, None, None, tuple(a.shape), dtype)
+    if kind == "fprop":
+        return fprop(q, RowwiseWeight(b, b_sinv, None, None, tuple(b.shape), dtype), None, sp,
+                     split_accumulator=split_accumulator)
+    w = RowwiseWeight(None, None, b, b_sinv, (b.shape[0], b.shape[2], b.shape[1]), dtype)
+    return dgrad(q, w, sp, split_accumulator=split_accumulator)
+
+
+@rowwise_gemm.register_fake
+def _(kind, a, a_sinv, b, b_sinv, splits, num_tokens, dtype, split_accumulator):
+    if kind == "wgrad":
+        return a.new_empty((a_sinv.shape[0], b.shape[0], a.shape[0]), dtype=dtype)  # [E, N, K]
+    return a.new_empty((num_tokens, b.shape[1]), dtype=dtype)  # fprop: [T, N] (b [E, N, K]); dgrad: [T, K]
