@@ -172,8 +172,8 @@ def quantize_activation(t_TD: torch.Tensor, ends_E: torch.Tensor, pends_E: torch
         starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
         pstarts = pends_E.to(torch.int64) - ((torch.diff(ends, prepend=ends.new_zeros(1)) + PAD - 1) // PAD * PAD)
         column_T = pstarts[expert_T] + torch.arange(T, device=t_TD.device) - starts[expert_T]
-        col = torch.zeros(D, padded_columns(T, E), dtype=torch.uint8, device=t_TD.device)
-        col[:, column_T] = q_TD.view(torch.uint8).t()
+        col = torch.zeros(D, padded_columns(T, E), dtype=torch.uint8, device=t_TD.device)  # out of place (vmap)
+        col = col.index_copy(1, column_T, q_TD.view(torch.uint8).t())
         col_data, col_sinv = col.view(spec.fp8_dtype), torch.reciprocal(s_ED)
     return RowwiseActivation(row_data, row_sinv, col_data, col_sinv, (T, D), t_TD.dtype)
 
