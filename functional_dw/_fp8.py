@@ -211,7 +211,8 @@ def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: 
                          "backward runs the FP8 GEMMs of the recipe (set backward_override=None)")
     if x.dtype not in _ACTIVATIONS:
         raise TypeError(f"FP8 ({type(r).__name__}) takes float32, bfloat16 or float16 activations (what TE "
-                        f"quantizes); x is {x.dtype}")
+                        f"quantizes); x is {x.dtype}: cast x and the weights (e.g. .to(torch.bfloat16)), or "
+                        "pass recipe=None")
     if isinstance(r, fp8.RowwiseScaling) and not callable(getattr(kernels, "quantize_group", None)):
         raise ValueError(f"RowwiseScaling runs on torch's scaled grouped GEMM: use backend=None, 'auto' or 'torch', "
                          f"not {getattr(kernels, 'name', kernels)!r}")
@@ -362,7 +363,18 @@ def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tens
     of grad, ``jacrev(jacrev)``). dy's and the weights' quantizations are not differentiable, so
     a second-order result would silently miss their terms. A single ``torch.func.grad``/``vjp``
     level (which runs backward with a graph of its own) and direct calls of the pure ``*_bwd``
-    pass. (Forward mode over an FP8 layer, e.g. ``hessian``, is refused by the jvp rule.)"""
+    pass. (Forward mode over an FP8 layer, e.g. ``hessian``, is refused by the jvp rule.)
+
+    Also refused: a dy batched by autograd's legacy vmap (``is_grads_batched=True``,
+    ``torch.autograd.functional.jacobian(vectorize=True)``), which has no rules for the
+    quantization's ops (``detach``, dtype views) and failed inside them."""
+    legacy = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
+    if legacy is not None and legacy(dy):
+        raise NotImplementedError(
+            f"{layer}: batched gradients through an FP8 layer (torch.autograd.grad(..., is_grads_batched=True), "
+            "torch.autograd.functional.jacobian(..., vectorize=True)) are not supported: autograd's legacy "
+            "batching has no rules for the quantization's ops. Loop over the cotangents, use torch.func.vmap "
+            "over torch.func.vjp, or recipe=None")
     if not torch.is_grad_enabled():
         return
     func = torch._C._functorch

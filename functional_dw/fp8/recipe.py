@@ -279,7 +279,9 @@ class RowwiseScaling:
             raise ValueError(f"{me}.fp8_format must be Format.E4M3, got {self.fp8_format} (torch's scaled grouped "
                              "GEMM takes E4M3 operands only on Hopper)")
         _bool(me, "power_2_scale", self.power_2_scale)
-        QParams(amax_epsilon=self.amax_epsilon)  # checks it
+        eps = self.amax_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+            raise _fail(me, "amax_epsilon", "a finite float >= 0", eps)
         for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
             _typed(me, name, getattr(self, name), MMParams)
         _backward_override(me, self.backward_override, only_none=True)
@@ -321,10 +323,14 @@ def as_recipe(obj: Any) -> Recipe | None:
     saying what runs on Hopper; anything else raises ``TypeError``."""
     if obj is None or isinstance(obj, RECIPES):
         return obj
+    if isinstance(obj, type) and (issubclass(obj, RECIPES) or any(
+            getattr(c, "__module__", "").startswith(_TE_MODULE) for c in obj.__mro__)):
+        raise TypeError(f"recipe must be a recipe instance, got the class {obj.__name__}: pass {obj.__name__}()")
     te_cls = _te_class(obj)
     if te_cls is None:
-        raise TypeError(f"expected an FP8 recipe ({', '.join(_OURS)}; ours or Transformer Engine's) "
-                        f"or None, got {type(obj).__module__}.{type(obj).__qualname__}: {obj!r:.200}")
+        raise TypeError(f"expected an FP8 recipe ({', '.join(_OURS)}; ours or Transformer Engine's; or "
+                        f"functional_dw's RowwiseScaling) or None, got {type(obj).__module__}."
+                        f"{type(obj).__qualname__}: {obj!r:.200}")
     name = te_cls.__name__
     if name in _NOT_ON_HOPPER:
         raise ValueError(f"{name} is not supported: {_SUPPORTED}. MXFP8BlockScaling and "
