@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,7 +40,7 @@ import torch
 
 from . import _checks, fp8
 from .kernels import per_expert
-from .fp8.rowwise import WEIGHT_CACHE
+from .fp8.rowwise import OPTIMIZER_STEPS, WEIGHT_CACHE
 from .fp8.state import BWD_PER_GEMM, FWD_PER_GEMM
 
 __all__ = ["Plan", "plan", "with_usage", "check_dims", "check_first_order", "no_jvp", "Args", "unpack"]
@@ -161,14 +162,16 @@ def _rowwise_weights(kernels: Any, w_ENK: Any, spec: fp8.TensorSpec, keep: bool,
     """The group's quantized weights, from the cache when current (NOTE: [FP8 weights per
     version] in ``fp8/rowwise.py``)."""
     if params is None or torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None \
-            or not set(map(type, params)) <= _checks.PLAIN_TYPES:
+            or not set(map(type, params)) <= _checks.PLAIN_TYPES or any(p.is_inference() for p in params):
         return kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=keep)
-    key = (tuple(map(id, params)), tuple(p._version for p in params), tuple(p.data_ptr() for p in params), spec)
+    key = (tuple(map(id, params)), tuple(p._version for p in params), tuple(p.data_ptr() for p in params), spec,
+           OPTIMIZER_STEPS[0])
     hit = WEIGHT_CACHE.get(params[0])
-    if hit is not None and hit[0] == key and (hit[1].columnwise_data is not None or not keep):
-        return hit[1]
+    if hit is not None and hit[0] == key and all(r() is p for r, p in zip(hit[1], params)) \
+            and (hit[2].columnwise_data is not None or not keep):
+        return hit[2]
     qw = kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=True)  # both: dgrad reads the other
-    WEIGHT_CACHE[params[0]] = (key, qw)
+    WEIGHT_CACHE[params[0]] = (key, tuple(map(weakref.ref, params)), qw)
     return qw
 
 
@@ -369,7 +372,7 @@ def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tens
     ``torch.autograd.functional.jacobian(vectorize=True)``), which has no rules for the
     quantization's ops (``detach``, dtype views) and failed inside them."""
     legacy = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
-    if legacy is not None and legacy(dy):
+    if legacy is not None and not torch.compiler.is_compiling() and legacy(dy):  # (no legacy batching in a graph)
         raise NotImplementedError(
             f"{layer}: batched gradients through an FP8 layer (torch.autograd.grad(..., is_grads_batched=True), "
             "torch.autograd.functional.jacobian(..., vectorize=True)) are not supported: autograd's legacy "

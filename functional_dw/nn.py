@@ -207,6 +207,9 @@ class Linear(_FP8, torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **kw))
         self.bias = torch.nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.fuse_wgrad_accumulation, self.backend = fuse_wgrad_accumulation, backend
+        if isinstance(fp8.as_recipe(recipe), fp8.RowwiseScaling):
+            raise ValueError("recipe=RowwiseScaling() is functional_dw's grouped (expert) recipe; a Linear runs TE's "
+                             "recipes (Float8CurrentScaling, Float8BlockScaling, DelayedScaling)")
         self._init_fp8(recipe, 1, self.weight.device)
         self.reset_parameters()
 

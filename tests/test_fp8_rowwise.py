@@ -336,3 +336,8 @@ def test_cuda_is_close_to_the_emulation_and_does_not_sync():
         _grads(x, ws, b, dy, sizes=splits)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_nn_linear_refuses_the_grouped_recipe_at_construction():
+    with pytest.raises(ValueError, match="grouped"):
+        fd.nn.Linear(K, N, recipe=R)

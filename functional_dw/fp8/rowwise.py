@@ -42,12 +42,13 @@ from typing import Any, Optional
 
 import torch
 import torch.utils._pytree as pytree
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .quantize import amax_of, compute_scale_from_amax
 from .spec import TensorSpec
 
-__all__ = ["PAD", "RowwiseActivation", "RowwiseWeight", "WEIGHT_CACHE", "clear_weight_cache", "padded_columns",
+__all__ = ["PAD", "RowwiseActivation", "RowwiseWeight", "WEIGHT_CACHE", "OPTIMIZER_STEPS", "clear_weight_cache", "padded_columns",
            "padded_ends", "quantize_activation", "quantize_weight", "scale_of"]
 
 PAD = 16  # wgrad's token groups: multiples of 16 columns (torch's scaled grouped GEMM)
@@ -202,18 +203,33 @@ def dequantize_columns(q: RowwiseActivation, ends_E: torch.Tensor, pends_E: torc
 
 
 # NOTE: [FP8 weights per version] An optimizer step changes a weight in place, which bumps its
-# version counter (``Tensor._version``); nothing else between steps does. So RowwiseScaling's
-# quantized weights are cached per group of parameters, keyed on the parameters' identities,
-# versions and addresses (``param.data = ...`` changes the address), held weakly by the first
-# parameter: the entry dies with it, and a changed weight misses and replaces it. Gradient
-# accumulation's micro-batches and every backward then read one quantized copy per step. Not
-# cached: DistributedWeights (quantized once per materialize, which gathers anew), tensors a
-# transform wraps, and anything while compiling. The cache holds one FP8 copy of each weight
-# both ways (as many bytes as the bf16 weight); :func:`clear_weight_cache` drops it all. The
+# version counter (``Tensor._version``), or, in torch's fused optimizers (``fused=True``) and
+# ones that write through their own kernels (Apex's/TE's multi_tensor_applier), leaves it as it
+# was; nothing else between steps should change a weight. So RowwiseScaling's quantized weights
+# are cached per group of parameters, keyed on the parameters (held weakly: an id reused by a
+# new tensor misses), their versions and addresses (``param.data = ...`` changes the address),
+# and the count of optimizer steps taken (a global ``torch.optim`` post-step hook counts them,
+# so a step that bumps no version misses too); the entry hangs weakly off the first parameter
+# and dies with it, and a changed weight misses and replaces it. Gradient accumulation's
+# micro-batches and every backward then read one quantized copy per step. Writes that neither
+# an optimizer step nor a version sees (``param.data.copy_(...)``, numpy views, custom kernels
+# outside a torch optimizer's ``step``) must be followed by :func:`clear_weight_cache`. Not
+# cached: DistributedWeights (quantized once per materialize, which gathers anew), inference
+# tensors (no version counter), tensors a transform wraps, and anything while compiling. The
+# cache holds one FP8 copy of each weight both ways (as many bytes as the bf16 weight). The
 # layers' side: ``_fp8._rowwise_weights``.
 WEIGHT_CACHE = WeakIdKeyDictionary()  # (tensors compare elementwise: keyed by identity)
+OPTIMIZER_STEPS = [0]  # steps of any torch.optim optimizer so far (a key part: NOTE above)
+
+
+def _count_optimizer_step(*_: Any) -> None:
+    OPTIMIZER_STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def clear_weight_cache() -> None:
-    """Drop every cached quantized weight (NOTE: [FP8 weights per version])."""
+    """Drop every cached quantized weight (NOTE: [FP8 weights per version]); call it after
+    changing weights in a way neither their versions nor an optimizer step shows."""
     WEIGHT_CACHE.clear()

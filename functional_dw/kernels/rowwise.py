@@ -32,8 +32,11 @@ def _sm90(device: torch.device) -> bool:
 
 
 def fast(t: torch.Tensor) -> bool:
-    """Whether the CUDA kernels run on ``t``: an sm_90 GPU with Triton and torch's scaled grouped GEMM."""
-    return t.is_cuda and triton_rowwise.available(t) and hasattr(torch, "_scaled_grouped_mm") and _sm90(t.device)
+    """Whether the CUDA kernels run on ``t``: an sm_90 GPU with Triton and torch's scaled grouped
+    GEMM, and a plain tensor (a torch.func transform's wrapper has no memory Triton can read: the
+    emulation runs under transforms)."""
+    return (t.is_cuda and triton_rowwise.available(t) and hasattr(torch, "_scaled_grouped_mm") and _sm90(t.device)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def check_device(x: torch.Tensor) -> None:

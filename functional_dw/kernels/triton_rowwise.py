@@ -201,6 +201,8 @@ def _launch(t2d: torch.Tensor, ends: torch.Tensor, pends: torch.Tensor, E: int, 
     row_out = torch.empty(R, D, dtype=spec.fp8_dtype, device=dev) if rowwise else row_part
     row_sinv = torch.empty(R, dtype=torch.float32, device=dev) if rowwise else row_part
     col_sinv = torch.empty(E, D, dtype=torch.float32, device=dev) if columnwise else row_part
+    if not D and rowwise:  # rows of no features: every amax is 0, scale 1 (as the reference)
+        row_sinv.fill_(1.0)
     if D and (R or columnwise):
         with torch.cuda.device(dev):
             if R:
