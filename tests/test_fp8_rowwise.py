@@ -11,6 +11,7 @@ scale, a misplaced column, or a product rounded to bf16 before it is summed fail
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -20,6 +21,7 @@ import functional_dw as fd
 from conftest import FakeDW
 from functional_dw import fp8
 from functional_dw.fp8 import rowwise as rw
+from functional_dw.kernels import Splits
 from functional_dw.kernels.torch_ref import TorchKernels
 
 R = fp8.RowwiseScaling()
@@ -341,3 +343,15 @@ def test_cuda_is_close_to_the_emulation_and_does_not_sync():
 def test_nn_linear_refuses_the_grouped_recipe_at_construction():
     with pytest.raises(ValueError, match="grouped"):
         fd.nn.Linear(K, N, recipe=R)
+
+
+def test_padded_ends_from_host_and_device_counts_agree():
+    from functional_dw.kernels import rowwise as ops
+
+    for sizes in ([5, 0, 40, 19], [0], [16, 17, 0, 1]):
+        host = Splits(host=tuple(sizes), tensor=None, device=torch.device("cpu"), num_tokens=sum(sizes),
+                      num_experts=len(sizes))
+        dev = Splits(host=None, tensor=torch.tensor(sizes), device=torch.device("cpu"), num_tokens=sum(sizes),
+                     num_experts=len(sizes))
+        assert torch.equal(ops._ends(host)[1], ops._ends(dev)[1])
+        assert ops._ends(host)[1].tolist() == list(itertools.accumulate(-(-s // 16) * 16 for s in sizes))

@@ -14,13 +14,14 @@ clamped]); wgrad's groups are the padded ones (NOTE: [Padded token columns]).
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import torch
 
 from ..fp8 import rowwise as ref
 from ..fp8.rowwise import RowwiseActivation, RowwiseWeight
-from . import Splits, Weights, packed
+from . import Splits, Weights, _to_device, packed
 from . import triton_rowwise
 
 __all__ = ["fast", "check_device", "quantize_activation", "quantize_weight", "fprop", "dgrad", "wgrad"]
@@ -53,9 +54,15 @@ def check_device(x: torch.Tensor) -> None:
 
 
 def _ends(splits: Splits) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int32 ends, int32 padded ends) of the token groups, on the device, cached on the record."""
-    ends = splits.ends(torch.int32)
-    return ends, splits.cached("rowwise_pends", lambda: ref.padded_ends(splits.on_device()))
+    """(int32 ends, int32 padded ends) of the token groups, on the device, cached on the record
+    (host counts: summed on the host, one copy; device counts: on the device, no sync)."""
+    def padded() -> torch.Tensor:
+        if splits.host is not None:
+            return _to_device(itertools.accumulate(-(-s // ref.PAD) * ref.PAD for s in splits.host), torch.int32,
+                              splits.device)
+        return ref.padded_ends(splits.on_device())
+
+    return splits.ends(torch.int32), splits.cached("rowwise_pends", padded)
 
 
 def quantize_activation(t_TD: torch.Tensor, splits: Splits, spec: Any, *, rowwise: bool,
