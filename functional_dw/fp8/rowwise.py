@@ -163,16 +163,12 @@ def quantize_activation(t_TD: torch.Tensor, ends_E: torch.Tensor, pends_E: torch
         row_data, row_sinv = _rows(t_TD, spec)
     if columnwise:
         v = t_TD.detach().to(torch.float32)
-        ends = ends_E.to(torch.int64)
-        expert_T = torch.searchsorted(ends, torch.arange(T, device=t_TD.device), right=True)
+        expert_T, column_T = _token_columns(ends_E, pends_E, T)
         a = v.abs()
         a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
         amax_ED = a.new_zeros(E, D).scatter_reduce_(0, expert_T[:, None].expand(T, D), a, "amax")  # 0: no rows
         s_ED = scale_of(amax_ED, spec)
         q_TD = _cast(v * s_ED[expert_T], spec)
-        starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
-        pstarts = pends_E.to(torch.int64) - ((torch.diff(ends, prepend=ends.new_zeros(1)) + PAD - 1) // PAD * PAD)
-        column_T = pstarts[expert_T] + torch.arange(T, device=t_TD.device) - starts[expert_T]
         col = torch.zeros(D, padded_columns(T, E), dtype=torch.uint8, device=t_TD.device)  # out of place (vmap)
         col = col.index_copy(1, column_T, q_TD.view(torch.uint8).t())
         col_data, col_sinv = col.view(spec.fp8_dtype), torch.reciprocal(s_ED)
@@ -191,14 +187,18 @@ def quantize_weight(w_ENK: torch.Tensor, spec: TensorSpec, *, rowwise: bool = Tr
     return RowwiseWeight(row_data, row_sinv, col_data, col_sinv, tuple(w_ENK.shape), w_ENK.dtype)
 
 
-def dequantize_columns(q: RowwiseActivation, ends_E: torch.Tensor, pends_E: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[T, D]`` from the columnwise copy (its padding dropped): what wgrad multiplies."""
-    T, D = q.shape
+def _token_columns(ends_E: torch.Tensor, pends_E: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's expert and its column in a columnwise copy (NOTE: [Padded token columns])."""
     ends = ends_E.to(torch.int64)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     expert_T = torch.searchsorted(ends, torch.arange(T, device=ends.device), right=True)
     pstarts = pends_E.to(torch.int64) - (counts + PAD - 1) // PAD * PAD
-    column_T = pstarts[expert_T] + torch.arange(T, device=ends.device) - (ends - counts)[expert_T]
+    return expert_T, pstarts[expert_T] + torch.arange(T, device=ends.device) - (ends - counts)[expert_T]
+
+
+def dequantize_columns(q: RowwiseActivation, ends_E: torch.Tensor, pends_E: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[T, D]`` from the columnwise copy (its padding dropped): what wgrad multiplies."""
+    expert_T, column_T = _token_columns(ends_E, pends_E, q.shape[0])
     return q.columnwise_data[:, column_T].to(torch.float32).t() * q.columnwise_scale_inv[expert_T]
 
 
