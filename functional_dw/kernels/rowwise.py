@@ -71,8 +71,7 @@ def quantize_activation(t_TD: torch.Tensor, splits: Splits, spec: Any, *, rowwis
     ends, pends = _ends(splits)
     if torch.compiler.is_compiling():
         tensors = rowwise_quantize(t_TD, ends, pends, spec.power_2_scale, spec.amax_epsilon, rowwise, columnwise)
-        row, row_sinv, col, col_sinv = (t if keep else None for t, keep in zip(tensors, (rowwise,) * 2 + (columnwise,) * 2))
-        return RowwiseActivation(row, row_sinv, col, col_sinv, tuple(t_TD.shape), t_TD.dtype)
+        return RowwiseActivation(*_present(tensors, rowwise, columnwise), tuple(t_TD.shape), t_TD.dtype)
     return _quantize_activation(t_TD, ends, pends, spec, rowwise, columnwise)
 
 
@@ -88,8 +87,7 @@ def quantize_weight(w_ENK: Weights, spec: Any, *, rowwise: bool, columnwise: boo
         w_ENK = one if one is not None else torch.stack(list(w_ENK))
     if torch.compiler.is_compiling():
         tensors = rowwise_quantize_weight(w_ENK, spec.power_2_scale, spec.amax_epsilon, rowwise, columnwise)
-        row, row_sinv, col, col_sinv = (t if keep else None for t, keep in zip(tensors, (rowwise,) * 2 + (columnwise,) * 2))
-        return RowwiseWeight(row, row_sinv, col, col_sinv, tuple(w_ENK.shape), w_ENK.dtype)
+        return RowwiseWeight(*_present(tensors, rowwise, columnwise), tuple(w_ENK.shape), w_ENK.dtype)
     impl = triton_rowwise if fast(w_ENK) else ref
     return impl.quantize_weight(w_ENK.detach(), spec, rowwise=rowwise, columnwise=columnwise)
 
@@ -106,9 +104,11 @@ def _per_expert(a32: torch.Tensor, b32_E: torch.Tensor, splits: Splits, transpos
 
 
 def _row_bias(b_EN: torch.Tensor, splits: Splits) -> torch.Tensor:
-    counts = splits.on_device()
-    experts = torch.arange(splits.num_experts, device=b_EN.device)
-    return b_EN[torch.repeat_interleave(experts, counts, output_size=splits.num_tokens)]
+    """Each token row's expert's bias (the reference's row -> expert index, cached on the record:
+    backward's bias sums read the same one)."""
+    from .torch_ref import _row_expert  # (torch_ref imports this module)
+
+    return b_EN[_row_expert(splits)]
 
 
 def fprop(xq: RowwiseActivation, wq: RowwiseWeight, b_EN: torch.Tensor | None, splits: Splits, *,
@@ -192,39 +192,47 @@ def rowwise_quantize(t: torch.Tensor, ends: torch.Tensor, pends: torch.Tensor, p
     """(rowwise data, its inverse scales, columnwise data, its inverse scales); a copy not asked
     for is an empty tensor."""
     spec = _spec(power_2_scale, amax_epsilon)
-    q = _quantize_activation(t, ends, pends, spec, rowwise, columnwise)
-    return tuple(v if v is not None else f(t) for v, f in zip(
-        (q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data, q.columnwise_scale_inv), _EMPTY))
+    return _as_tensors(_quantize_activation(t, ends, pends, spec, rowwise, columnwise), t)
 
 
 @rowwise_quantize.register_fake
 def _(t, ends, pends, power_2_scale, amax_epsilon, rowwise, columnwise):
     T, D = t.shape
     E = ends.shape[0]
-    f8, f32 = torch.float8_e4m3fn, torch.float32
-    return (t.new_empty((T, D) if rowwise else (0,), dtype=f8), t.new_empty((T,) if rowwise else (0,), dtype=f32),
-            t.new_empty((D, ref.padded_columns(T, E)) if columnwise else (0,), dtype=f8),
-            t.new_empty((E, D) if columnwise else (0,), dtype=f32))
+    return _empties(t, ((T, D), (T,), (D, ref.padded_columns(T, E)), (E, D)), rowwise, columnwise)
 
 
-_EMPTY = [lambda t, d=d: t.new_empty(0, dtype=d) for d in (torch.float8_e4m3fn, torch.float32) * 2]
+_DTYPES = (torch.float8_e4m3fn, torch.float32, torch.float8_e4m3fn, torch.float32)  # data, scales, data, scales
+
+
+def _as_tensors(q: Any, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A quantized record's four tensors as a custom op returns them: a copy it lacks as an empty tensor."""
+    held = (q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data, q.columnwise_scale_inv)
+    return tuple(t if t is not None else like.new_empty(0, dtype=d) for t, d in zip(held, _DTYPES))
+
+
+def _empties(like: torch.Tensor, shapes: Any, rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, ...]:
+    """The fake outputs: the four tensors' shapes, an empty one for a copy not asked for."""
+    return tuple(like.new_empty(shape if keep else (0,), dtype=d)
+                 for shape, keep, d in zip(shapes, (rowwise, rowwise, columnwise, columnwise), _DTYPES))
+
+
+def _present(tensors: Any, rowwise: bool, columnwise: bool) -> tuple[Any, ...]:
+    """The four tensors of :func:`_as_tensors` back as a record's fields (None for a copy not asked for)."""
+    return tuple(t if keep else None for t, keep in zip(tensors, (rowwise, rowwise, columnwise, columnwise)))
 
 
 @torch.library.custom_op("functional_dw::rowwise_quantize_weight", mutates_args=())
 def rowwise_quantize_weight(w: torch.Tensor, power_2_scale: bool, amax_epsilon: float, rowwise: bool,
                             columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_weight` of ``[E, N, K]`` as tensors (a copy not asked for: empty)."""
-    q = quantize_weight(w, _spec(power_2_scale, amax_epsilon), rowwise=rowwise, columnwise=columnwise)
-    return tuple(v if v is not None else f(w) for v, f in zip(
-        (q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data, q.columnwise_scale_inv), _EMPTY))
+    return _as_tensors(quantize_weight(w, _spec(power_2_scale, amax_epsilon), rowwise=rowwise, columnwise=columnwise), w)
 
 
 @rowwise_quantize_weight.register_fake
 def _(w, power_2_scale, amax_epsilon, rowwise, columnwise):
     E, N, K = w.shape
-    f8, f32 = torch.float8_e4m3fn, torch.float32
-    return (w.new_empty((E, N, K) if rowwise else (0,), dtype=f8), w.new_empty((E, N) if rowwise else (0,), dtype=f32),
-            w.new_empty((E, K, N) if columnwise else (0,), dtype=f8), w.new_empty((E, K) if columnwise else (0,), dtype=f32))
+    return _empties(w, ((E, N, K), (E, N), (E, K, N), (E, K)), rowwise, columnwise)
 
 
 def _spec(power_2_scale: bool, amax_epsilon: float) -> Any:
