@@ -164,8 +164,8 @@ def _rowwise_weights(kernels: Any, w_ENK: Any, spec: fp8.TensorSpec, keep: bool,
     if params is None or torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None \
             or not set(map(type, params)) <= _checks.PLAIN_TYPES or any(p.is_inference() for p in params):
         return kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=keep)
-    key = (tuple(map(id, params)), tuple(p._version for p in params), tuple(p.data_ptr() for p in params), spec,
-           OPTIMIZER_STEPS[0])
+    key = (tuple(p._version for p in params), tuple(p.data_ptr() for p in params), spec, OPTIMIZER_STEPS[0])
+    # (the parameters themselves: the entry's weak references, one per parameter, each the very tensor)
     hit = WEIGHT_CACHE.get(params[0])
     if hit is not None and hit[0] == key and all(r() is p for r, p in zip(hit[1], params)) \
             and (hit[2].columnwise_data is not None or not keep):
@@ -207,8 +207,7 @@ def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: 
             raise ValueError("fp8_state was given without a recipe: pass recipe=fp8.DelayedScaling(...) too")
         return None
     r = fp8.as_recipe(recipe)
-    if not isinstance(r, fp8.RowwiseScaling):  # (RowwiseScaling runs compiled: NOTE: [RowwiseScaling under torch.compile])
-        refuse_compile()
+    refuse_compile(r)
     if r.backward_override is not None:
         raise ValueError(f"{type(r).__name__}(backward_override={r.backward_override!r}) is not supported: "
                          "backward runs the FP8 GEMMs of the recipe (set backward_override=None)")
@@ -230,8 +229,7 @@ def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: 
                          "tensor and keeps no state: pass fp8_state=None")
     if isinstance(r, fp8.RowwiseScaling):
         if not grouped:
-            raise ValueError("RowwiseScaling is functional_dw's grouped (expert) recipe; a Linear runs TE's recipes "
-                             "(Float8CurrentScaling, Float8BlockScaling, DelayedScaling)")
+            raise ValueError(ROWWISE_NOT_FOR_LINEAR)
         from .kernels.rowwise import check_device
 
         check_device(x)
@@ -279,6 +277,8 @@ def check_dims(K: int, N: int, *, tokens: int | None = None, splits: Sequence[in
                                  "Megatron's moe_router_padding_for_fp8)")
 
 
+ROWWISE_NOT_FOR_LINEAR = ("recipe=RowwiseScaling() is functional_dw's grouped (expert) recipe; a Linear runs TE's "
+                          "recipes (Float8CurrentScaling, Float8BlockScaling, DelayedScaling)")
 _NO_COMPILE = ("FP8 layers do not run under torch.compile yet (per-expert quantization reads host split sizes, and "
                "the reference GEMMs on quantized operands have no custom ops): run them eager, or compile with "
                "recipe=None")
@@ -292,10 +292,11 @@ def fp8_layers_do_not_run_under_torch_compile() -> None:
     raise NotImplementedError(_NO_COMPILE)
 
 
-def refuse_compile() -> None:
+def refuse_compile(recipe: Any = None) -> None:
     """FP8 under torch.compile: a clear error, from the public wrappers before the autograd
-    Function (a raise traced inside its forward surfaces as dynamo's own error instead)."""
-    if torch.compiler.is_compiling():
+    Function (a raise traced inside its forward surfaces as dynamo's own error instead); not for
+    RowwiseScaling, which compiles (NOTE: [RowwiseScaling under torch.compile])."""
+    if torch.compiler.is_compiling() and not isinstance(recipe, fp8.RowwiseScaling):
         fp8_layers_do_not_run_under_torch_compile()
 
 

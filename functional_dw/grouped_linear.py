@@ -530,7 +530,6 @@ def grouped_linear(
     fuse = _checks.fuse_flag(fuse_wgrad_accumulation)  # (under torch.func: refused here, where it is visible)
     fp8_args = None
     if recipe is not None or fp8_state is not None:
-        if not isinstance(recipe, fp8.RowwiseScaling):
-            _fp8.refuse_compile()
+        _fp8.refuse_compile(recipe)
         fp8_args = _fp8.Args(recipe, fp8_state, keep_x=_fp8.wgrad_possible(weights))
     return _grouped_linear(x, weights, splits, bias, fuse, use_grouped_tensor, backend, fp8_args)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import _checks, fp8
+from . import _checks, _fp8, fp8
 from .grouped_linear import grouped_linear
 from .kernels import packed
 from .linear import linear
@@ -208,8 +208,7 @@ class Linear(_FP8, torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.fuse_wgrad_accumulation, self.backend = fuse_wgrad_accumulation, backend
         if isinstance(fp8.as_recipe(recipe), fp8.RowwiseScaling):
-            raise ValueError("recipe=RowwiseScaling() is functional_dw's grouped (expert) recipe; a Linear runs TE's "
-                             "recipes (Float8CurrentScaling, Float8BlockScaling, DelayedScaling)")
+            raise ValueError(_fp8.ROWWISE_NOT_FOR_LINEAR)
         self._init_fp8(recipe, 1, self.weight.device)
         self.reset_parameters()
 
