@@ -41,8 +41,6 @@ from ..fp8.rowwise import RowwiseActivation, RowwiseWeight, padded_columns
 
 __all__ = ["available", "quantize_activation", "quantize_weight"]
 
-_EXPONENT_BITS = -8388608  # 0xFF800000: sign and exponent of an fp32
-
 
 def available(t: torch.Tensor) -> bool:
     """Whether these kernels run on ``t`` (CUDA, with Triton)."""
@@ -59,7 +57,7 @@ if triton is not None:
         s = fp8_max / a
         s = tl.where(s == float("inf"), 3.4028234663852886e38, s)
         if POW2:
-            s = (s.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
+            s = (s.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # fp8/quantize.py's _EXPONENT_BITS
         return tl.where(special, 1.0, s)
 
     @triton.jit
@@ -179,8 +177,8 @@ if triton is not None:
 
 
 # Launch shapes: rows per amax program, rows per tile (amax loop step), columns per tile, the
-# cast kernel's rows per tile, warps of each kernel, and the amax loop's pipeline stages
-# (benchmarks/results/fp8_rowwise: the sweep on the H200 that chose them).
+# cast kernel's rows per tile, warps of each kernel (benchmarks/results/fp8_rowwise: the sweeps
+# on the H200 that chose them).
 CONFIG = dict(RB=512, BT=64, BD=128, CAST_BT=32, AMAX_WARPS=4, CAST_WARPS=4)
 
 
