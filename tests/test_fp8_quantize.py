@@ -389,3 +389,18 @@ def test_recipe_roles_end_to_end():
             rel = 2.0 ** -(FMT[sp.fp8_dtype][0] + 1)
             assert ((q.dequantize() - x).abs() <= x.abs() * rel * 1.0001 + 1e-2).all()
     assert amax_of(torch.tensor([-2.0, float("nan")])).item() == 2.0
+
+
+def test_power_of_2_rounding_under_transforms_is_the_bit_clearing():
+    """The frexp form (used under torch.func transforms, where some torch releases cannot vmap
+    a dtype view) gives the bits of clearing the mantissa, over the whole range scales take."""
+    from functional_dw.fp8.quantize import _round_down_to_power_of_2
+
+    g = torch.Generator().manual_seed(0)
+    s = torch.cat([torch.exp2(torch.empty(100_000).uniform_(-126, 127.99, generator=g)),
+                   torch.tensor([448 / torch.finfo(torch.float32).max, torch.finfo(torch.float32).max, 1.0,
+                                 1.5, 0.75, 3.0])])
+    plain = _round_down_to_power_of_2(s)
+    batched = torch.func.vmap(_round_down_to_power_of_2)(s.view(-1, 2)).view(-1)
+    assert torch.equal(plain.view(torch.int32), batched.view(torch.int32))
+    assert torch.equal(plain[-3:], torch.tensor([1.0, 0.5, 2.0]))

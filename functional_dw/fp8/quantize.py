@@ -55,8 +55,20 @@ def compute_scale_from_amax(
     scale = torch.full_like(a, fp8_max) / a
     scale = torch.where(torch.isinf(scale), torch.tensor(value_for_inf, dtype=torch.float32, device=a.device), scale)
     if power_2_scale:
-        scale = (scale.view(torch.int32) & _EXPONENT_BITS).view(torch.float32)
+        scale = _round_down_to_power_of_2(scale)
     return torch.where(special, torch.ones_like(scale), scale)
+
+
+def _round_down_to_power_of_2(s: torch.Tensor) -> torch.Tensor:
+    """Positive normal fp32 ``s`` with its mantissa bits cleared (the caller replaces 0, inf
+    and NaN scales, which the two forms below map differently). Under a
+    torch.func transform: ``s / (2 m)`` for ``s = m 2^e`` (``frexp``, m in [0.5, 1)), the same
+    bits (2m is exact and the quotient, 2^(e-1), representable), because some torch releases
+    (2.11) have no vmap rule for ``view(dtype)``. Scales here are never subnormal: they are
+    at least fp8_max / FLT_MAX."""
+    if torch._C._functorch.is_functorch_wrapped_tensor(s):
+        return s / (torch.frexp(s).mantissa * 2)
+    return (s.view(torch.int32) & _EXPONENT_BITS).view(torch.float32)
 
 
 def amax_of(t: torch.Tensor, dim: Any = None) -> torch.Tensor:

@@ -168,10 +168,10 @@ def quantize_activation(t_TD: torch.Tensor, ends_E: torch.Tensor, pends_E: torch
         a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
         amax_ED = a.new_zeros(E, D).scatter_reduce_(0, expert_T[:, None].expand(T, D), a, "amax")  # 0: no rows
         s_ED = scale_of(amax_ED, spec)
-        q_TD = _cast(v * s_ED[expert_T], spec)
-        col = torch.zeros(D, padded_columns(T, E), dtype=torch.uint8, device=t_TD.device)  # out of place (vmap)
-        col = col.index_copy(1, column_T, q_TD.view(torch.uint8).t())
-        col_data, col_sinv = col.view(spec.fp8_dtype), torch.reciprocal(s_ED)
+        # scaled values placed in their padded columns, then cast (zeros cast to zeros): out of
+        # place and with no dtype view, so vmap(grad) runs (no FP8 index_copy, no view rule needed)
+        col = v.new_zeros(D, padded_columns(T, E)).index_copy(1, column_T, (v * s_ED[expert_T]).t())
+        col_data, col_sinv = _cast(col, spec), torch.reciprocal(s_ED)
     return RowwiseActivation(row_data, row_sinv, col_data, col_sinv, (T, D), t_TD.dtype)
 
 

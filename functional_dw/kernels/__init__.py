@@ -182,7 +182,9 @@ class Splits:
             fused = self._fused()
             if fused is not None:
                 return fused[0]
-            return torch.nn.functional.pad(self.ends(torch.int64), (1, 0)).diff()  # two kernels
+            # ends minus starts (each expert starts where the clamped running sum before it ends)
+            sizes = self.tensor.to(self.device, torch.int64, non_blocking=True).clamp(min=0)
+            return self.ends(torch.int64) - (sizes.cumsum(0) - sizes).clamp(max=self.num_tokens)
 
         return self.cached("device", make)
 
@@ -206,9 +208,12 @@ class Splits:
                 return fused[1]
             sizes = self.tensor.to(self.device, torch.int64, non_blocking=True).clamp(min=0)
             running = sizes.cumsum(0)  # int64: int32 counts could overflow their running sum
-            running[-1:] = self.num_tokens  # the last expert ends at T (no row left unwritten)
             if dtype == torch.int64 or torch.compiler.is_compiling():  # a compiler fuses these
-                return running.clamp_(max=self.num_tokens).to(dtype)
+                # (a where, not running[-1:] = T: torch 2.11's inductor miscompiles that fill
+                # next to the clamp by the same T into C++ that does not build)
+                last = torch.arange(self.num_experts, device=running.device) == self.num_experts - 1
+                return torch.where(last, self.num_tokens, running.clamp(max=self.num_tokens)).to(dtype)
+            running[-1:] = self.num_tokens  # the last expert ends at T (no row left unwritten)
             cap = torch.tensor(self.num_tokens)  # a CPU scalar: minimum caps and casts in one kernel
             return torch.minimum(running, cap, out=torch.empty_like(running, dtype=dtype))
 
