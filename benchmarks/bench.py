@@ -758,14 +758,15 @@ def fp8_impls(layer: Layer, te) -> dict:
 
     out = {}
     ws = layer.mod.weights()
-    r = fp8.RowwiseScaling()
-    out["fd rowwise"] = ((lambda x: fd.grouped_linear(x, ws, layer.splits_dev, recipe=r)), ws, None)
+    rowwise = fp8.RowwiseScaling()  # (its own name: the loop below rebinds r, which a lambda reading
+    # r would see: with TE installed, "fd rowwise" then ran the last TE recipe)
+    out["fd rowwise"] = ((lambda x: fd.grouped_linear(x, ws, layer.splits_dev, recipe=rowwise)), ws, None)
 
     def bump():  # what an optimizer step does to the weights (an in-place update, here of +0): their
         with torch.no_grad():  # versions change, so the next step quantizes them again
             for w in ws:
                 w.add_(0)
-    out["fd rowwise new weights"] = ((lambda x: fd.grouped_linear(x, ws, layer.splits_dev, recipe=r)), ws, bump)
+    out["fd rowwise new weights"] = ((lambda x: fd.grouped_linear(x, ws, layer.splits_dev, recipe=rowwise)), ws, bump)
     for kind, grouped in FP8_CONFIGS:
         if FP8_ONLY and fp8_tag(kind, grouped) not in FP8_ONLY:
             continue
