@@ -39,6 +39,7 @@ import datetime
 import os
 import pickle
 import socket
+import tempfile
 import time
 import traceback
 from collections import Counter
@@ -277,24 +278,19 @@ def wait_for_grads(params: Iterable[torch.Tensor]) -> None:
 # --- local multi-process launcher ------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, backend: str, port: int, timeout: float, queue: Any, fn: Callable, args: tuple) -> None:
+def _worker(rank: int, world: int, backend: str, store: str, timeout: float, queue: Any, fn: Callable, args: tuple) -> None:
     loopback = next((n for _, n in socket.if_nameindex() if n.startswith("lo")), "lo")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # NOTE: loopback only, never a real NIC
     os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     if backend == "nccl":
         torch.cuda.set_device(rank)
     else:  # W processes share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    # NOTE: the rendezvous is a file in launch()'s temporary folder, not a TCP port: no race
+    # for a "free" port between concurrent launches (pytest-xdist, two suites on one machine)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout), **device)
     try:
         result = fn(*args)
@@ -311,7 +307,8 @@ def _worker(rank: int, world: int, backend: str, port: int, timeout: float, queu
 def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None,
            timeout: float = 60.0, deadline: float | None = None) -> list:
     """Run ``fn(*args)`` on ``world_size`` local processes (spawned), each inside an initialized
-    default process group over 127.0.0.1; return the ranks' return values, by rank.
+    default process group (rendezvous: a file in a temporary folder, so concurrent launches
+    never race for a port; gloo and NCCL talk over loopback); return the ranks' return values, by rank.
 
     ``backend``: None picks NCCL when there are ``world_size`` GPUs (rank r on ``cuda:r``),
     else gloo. ``fn`` must be importable (module level); its return value is pickled (tensors
@@ -321,8 +318,14 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     """
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    with tempfile.TemporaryDirectory(prefix="fdw-launch-") as tmp:
+        return _launch(fn, world_size, args, backend, os.path.join(tmp, "store"), timeout, deadline)
+
+
+def _launch(fn: Callable, world_size: int, args: tuple, backend: str, store: str, timeout: float,
+            deadline: float | None) -> list:
     queue = mp.get_context("spawn").SimpleQueue()
-    ctx = mp.start_processes(_worker, args=(world_size, backend, _free_port(), timeout, queue, fn, args),
+    ctx = mp.start_processes(_worker, args=(world_size, backend, store, timeout, queue, fn, args),
                              nprocs=world_size, join=False, start_method="spawn")
     results: dict[int, Any] = {}
     errors: list[tuple[int, str]] = []
