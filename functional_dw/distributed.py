@@ -52,7 +52,8 @@ import torch.multiprocessing as mp
 import torch.utils._pytree as pytree
 
 __all__ = ["ShardedWeight", "shard_grouped_weights", "shard_weight", "prefetch_for_backward",
-           "prefetch_on_grad", "wait_for_grads", "launch"]
+           "prefetch_on_grad", "wait_for_grads", "launch", "shard_module", "checkpoint_state_dict",
+           "load_full_state_dict"]
 
 
 def _collective(new: str, old: str) -> Callable:
@@ -273,6 +274,86 @@ def wait_for_grads(params: Iterable[torch.Tensor]) -> None:
     Call it after backward and before the optimizer step."""
     for g in _groups(params):
         g.wait()
+
+
+# --- FSDP2 and distributed checkpoints ----------------------------------------------------------
+
+
+def shard_module(model: torch.nn.Module, mesh: Any = None, **fsdp_kwargs: Any) -> torch.nn.Module:
+    """Shard ``model`` with FSDP2: ``fully_shard`` on each ``functional_dw.nn`` layer (one
+    all-gather and one reduce-scatter per layer, prefetched by FSDP2 one layer ahead), then on
+    ``model`` for the rest. Returns ``model`` (FSDP2 shards in place).
+
+    ``mesh``: a 1-D DeviceMesh; default: every rank of the default group, on the device type of
+    ``model``'s parameters. ``fsdp_kwargs`` go to ``fully_shard`` as they are
+    (``reshard_after_forward``, ``mp_policy=MixedPrecisionPolicy(...)``, ``offload_policy``).
+    This is plain FSDP2: calling ``fully_shard`` yourself works the same."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from .nn import GroupedLinear, Linear
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: shard_module takes a torch.nn.Module, got {type(model).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("shard_module needs a process group: call torch.distributed.init_process_group "
+                           "first (torchrun, or functional_dw.distributed.launch)")
+    if mesh is None:
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+    for m in model.modules():
+        if m is not model and isinstance(m, (Linear, GroupedLinear)):
+            fully_shard(m, mesh=mesh, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, **fsdp_kwargs)
+    return model
+
+
+def _as_dtensor(w: ShardedWeight) -> torch.Tensor:
+    """``w``'s rows as a ``Shard(0)`` DTensor of the full ``[N, K]`` weight, sharing w's
+    memory. ShardedWeight's layout (blocks of ``ceil(N / W)`` rows, the last ranks short or
+    empty) is DTensor's ``Shard(0)`` layout (``torch.chunk``'s)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    g = w._dw
+    mesh = DeviceMesh.from_group(g.pg or dist.group.WORLD, w.device.type)
+    return DTensor.from_local(w.detach(), mesh, [Shard(0)], run_check=False,
+                              shape=torch.Size((g.N, g.K)), stride=(g.K, 1))
+
+
+def checkpoint_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """``model``'s state dict for ``torch.distributed.checkpoint``: FSDP2's sharded parameters
+    as they are (DTensors, from ``get_model_state_dict``), each :class:`ShardedWeight` as a
+    DTensor over its group sharing its memory, the rest as is. Save it with
+    ``dcp.save(sd, checkpoint_id=path)``; load with ``dcp.load(sd, checkpoint_id=path)``
+    (in place: into the parameters) on any number of ranks, each with its own shards."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    sd = get_model_state_dict(model)
+    for name, p in model.named_parameters():
+        if isinstance(p, ShardedWeight):
+            sd[name] = _as_dtensor(p)
+    return sd
+
+
+def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, Any], *, strict: bool = True) -> Any:
+    """Load a full (unsharded) state dict, the same on every rank (e.g. ``torch.load`` of a
+    Transformer Engine ``GroupedLinear``/``Linear`` checkpoint), into ``model``: plain, sharded
+    with FSDP2, or holding :class:`ShardedWeight` groups (each rank keeps its rows). Grouped
+    layers' keys are converted to each module's layout first (``nn.remap_layouts``: TE's
+    ``weight0..`` into ``single_grouped_weight=True`` and back). ``state_dict`` is not changed.
+    Returns ``load_state_dict``'s missing and unexpected keys (``strict=True`` raises on any)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from .nn import remap_layouts
+
+    sd = remap_layouts(model, state_dict)
+    for name, p in model.named_parameters():
+        if isinstance(p, ShardedWeight) and isinstance(sd.get(name), torch.Tensor):
+            g, start = p._dw, min(p._dw.rank * p._dw.R, p._dw.N)
+            sd[name] = sd[name][start : start + g.rows]
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    return set_model_state_dict(model, sd, options=options)
 
 
 # --- local multi-process launcher ------------------------------------------------------------
