@@ -53,7 +53,7 @@ import torch.utils._pytree as pytree
 
 __all__ = ["ShardedWeight", "shard_grouped_weights", "shard_weight", "prefetch_for_backward",
            "prefetch_on_grad", "wait_for_grads", "launch", "shard_module", "checkpoint_state_dict",
-           "load_full_state_dict"]
+           "save_checkpoint", "load_checkpoint", "load_full_state_dict"]
 
 
 def _collective(new: str, old: str) -> Callable:
@@ -324,16 +324,49 @@ def _as_dtensor(w: ShardedWeight) -> torch.Tensor:
 def checkpoint_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     """``model``'s state dict for ``torch.distributed.checkpoint``: FSDP2's sharded parameters
     as they are (DTensors, from ``get_model_state_dict``), each :class:`ShardedWeight` as a
-    DTensor over its group sharing its memory, the rest as is. Save it with
-    ``dcp.save(sd, checkpoint_id=path)``; load with ``dcp.load(sd, checkpoint_id=path)``
-    (in place: into the parameters) on any number of ranks, each with its own shards."""
+    DTensor over its group sharing its memory, the rest as is, except the ``_extra_state`` of
+    ``functional_dw.nn`` layers (TE's format: FP8 delayed scaling's state, or nothing), which
+    goes in as ``bytes``: its size changes with the state, and DCP loads an object whole where
+    it loads a tensor into one of the size it has. ``dcp.load`` fills the tensors in place
+    but only hands the objects back: :func:`load_checkpoint` applies them."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from .nn import _FP8
 
     sd = get_model_state_dict(model)
     for name, p in model.named_parameters():
         if isinstance(p, ShardedWeight):
             sd[name] = _as_dtensor(p)
+    for key, _m in _fp8_modules(model, _FP8):
+        if isinstance(sd.get(key), torch.Tensor):
+            sd[key] = sd[key].cpu().numpy().tobytes()
     return sd
+
+
+def _fp8_modules(model: torch.nn.Module, cls: type) -> list[tuple[str, Any]]:
+    return [(f"{n}._extra_state" if n else "_extra_state", m) for n, m in model.named_modules() if isinstance(m, cls)]
+
+
+def save_checkpoint(model: torch.nn.Module, checkpoint_id: str | os.PathLike) -> None:
+    """``dcp.save`` of :func:`checkpoint_state_dict`: every rank writes its shards."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(checkpoint_state_dict(model), checkpoint_id=checkpoint_id)
+
+
+def load_checkpoint(model: torch.nn.Module, checkpoint_id: str | os.PathLike) -> None:
+    """Load a :func:`save_checkpoint` checkpoint into ``model``, sharded for any number of
+    ranks (or not sharded, without a process group): the parameters in place (``dcp.load``),
+    then the layers' FP8 state (``_extra_state``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from .nn import _FP8
+
+    sd = checkpoint_state_dict(model)
+    dcp.load(sd, checkpoint_id=checkpoint_id)
+    for key, m in _fp8_modules(model, _FP8):
+        if key in sd:
+            m.set_extra_state(sd[key])
 
 
 def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, Any], *, strict: bool = True) -> Any:

@@ -54,8 +54,21 @@ def _fulls(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _expert_mlp(layout: str, seed: int) -> ExpertMLP:
+    """ExpertMLP from ``seed``, its fc1 with an FP8 delayed-scaling state (``seed`` rows of
+    history, scales 1 / seed): the extra state's size depends on the seed."""
     torch.manual_seed(seed)
-    return ExpertMLP(single=layout == "single")
+    m = ExpertMLP(single=layout == "single")
+    recipe = fd.fp8.DelayedScaling(amax_history_len=seed)
+    state = fd.fp8.init_state(recipe, E)
+    state.scale_fwd.fill_(1 / seed)
+    m.fc1.set_extra_state(fd.fp8.state_to_extra_state(state, recipe))
+    return m
+
+
+def _check_fp8_state(m: ExpertMLP, seed: int) -> None:
+    state = m.fc1.fp8_state
+    assert torch.equal(state.scale_fwd, torch.full_like(state.scale_fwd, 1 / seed)), state.scale_fwd
+    assert state.history_len == seed and m.fc2.fp8_state is None
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -98,13 +111,13 @@ def _save_all(root: str, tag: str, seed: int) -> None:
     import torch.distributed.checkpoint as dcp
 
     for layout in LAYOUTS:
-        m = fdd.shard_module(_expert_mlp(layout, seed))
-        dcp.save(fdd.checkpoint_state_dict(m), checkpoint_id=os.path.join(root, f"{tag}-{layout}"))
+        fdd.save_checkpoint(fdd.shard_module(_expert_mlp(layout, seed)), os.path.join(root, f"{tag}-{layout}"))
     dcp.save(fdd.checkpoint_state_dict(ShardedMLP(seed)), checkpoint_id=os.path.join(root, f"{tag}-sharded"))
 
 
 def _load_all(root: str, tag: str, saved_seed: int) -> dict[str, str | None]:
-    """Load the three checkpoints into models made from another seed; check each."""
+    """Load the three checkpoints into models made from another seed; check each (the FSDP2
+    models with load_checkpoint, the ShardedWeights with dcp.load itself)."""
     import torch.distributed.checkpoint as dcp
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -119,9 +132,9 @@ def _load_all(root: str, tag: str, saved_seed: int) -> dict[str, str | None]:
 
 def _load_fsdp(dcp, path: str, layout: str, saved_seed: int, rank: int) -> None:
     m = fdd.shard_module(_expert_mlp(layout, saved_seed + 1))
-    sd = fdd.checkpoint_state_dict(m)
-    dcp.load(sd, checkpoint_id=path)
+    fdd.load_checkpoint(m, path)
     _check_fsdp(m, _expert_mlp(layout, saved_seed), rank)
+    _check_fp8_state(m, saved_seed)
 
 
 def _load_sharded(dcp, path: str, saved_seed: int, rank: int, world: int) -> None:
@@ -236,13 +249,10 @@ def test_distributed_checkpoint(checkpoints, case):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_four_rank_checkpoint_loads_without_a_process_group(checkpoints, layout):
     """DCP reads a sharded checkpoint into an unsharded model in one process (no process group)."""
-    import torch.distributed.checkpoint as dcp
-
     root, _ = checkpoints
     m = _expert_mlp(layout, 11)
-    sd = m.state_dict()
-    dcp.load(sd, checkpoint_id=os.path.join(root, f"w4-{layout}"))
-    m.load_state_dict(sd)
+    fdd.load_checkpoint(m, os.path.join(root, f"w4-{layout}"))
+    _check_fp8_state(m, 10)
     ref = _expert_mlp(layout, 10)
     for (n, p), q in zip(m.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
