@@ -284,8 +284,8 @@ def shard_module(model: torch.nn.Module, mesh: Any = None, **fsdp_kwargs: Any) -
     all-gather and one reduce-scatter per layer, prefetched by FSDP2 one layer ahead), then on
     ``model`` for the rest. Returns ``model`` (FSDP2 shards in place).
 
-    ``mesh``: a 1-D DeviceMesh; default: every rank of the default group, on the device type of
-    ``model``'s parameters. ``fsdp_kwargs`` go to ``fully_shard`` as they are
+    ``mesh``: a DeviceMesh (1-D: FSDP; 2-D ``(replicate, shard)``: HSDP); default: every rank
+    of the default group in one dimension, on the device type of ``model``'s parameters. ``fsdp_kwargs`` go to ``fully_shard`` as they are
     (``reshard_after_forward``, ``mp_policy=MixedPrecisionPolicy(...)``, ``offload_policy``).
     This is plain FSDP2: calling ``fully_shard`` yourself works the same."""
     from torch.distributed.device_mesh import init_device_mesh

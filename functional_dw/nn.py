@@ -245,7 +245,9 @@ class GroupedLinear(_FP8, torch.nn.Module):
     experts share a version counter, and ``safetensors.save_file`` refuses the state dict
     (``torch.save`` stores the buffer once). FSDP2 (``fully_shard``) replaces the parameters with
     its own (sharded DTensors; unsharded per-parameter tensors in forward and backward): there
-    the buffer is gone and each pass stacks the weights once (results unchanged).
+    the buffer is gone and each pass stacks the weights once (results unchanged); with
+    ``single_grouped_weight=True`` FSDP2 gathers the one ``[E, out, in]`` parameter as one
+    tensor, read in place (no stack: the layout to use under FSDP2, tests/test_fsdp2.py).
 
     ``recipe``: as for :class:`Linear` (one state of ``num_gemms`` GEMMs, TE's layout)."""
 

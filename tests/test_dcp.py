@@ -6,7 +6,9 @@ an FSDP2-sharded expert MLP in both weight layouts (per-expert ``weight0..``, an
 ``[E, out, in]`` weight whose 3 experts leave rank 3 of 4 without rows), and a model whose
 weights are :class:`functional_dw.distributed.ShardedWeight` groups (out features 5: shards
 of 2, 2, 1, 0 rows on 4 ranks). Each load starts from other values (another seed) and must
-give back the saved parameters, and the saved model's outputs.
+give back the saved parameters, the saved model's outputs, and (FSDP2 models, through
+``save_checkpoint``/``load_checkpoint``) fc1's FP8 delayed-scaling state, whose size differs
+between the saved and the loading model.
 
 A Transformer Engine state dict (keys as ``te.GroupedLinear``/``te.Linear`` write them:
 ``weight0..``, ``bias0..``, ``_extra_state``; built by hand, TE is not installed here; an FP8
