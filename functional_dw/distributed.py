@@ -333,6 +333,8 @@ def checkpoint_state_dict(model: torch.nn.Module) -> dict[str, Any]:
 
     from .nn import _FP8
 
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: checkpoints are taken of a torch.nn.Module, got {type(model).__name__}")
     sd = get_model_state_dict(model)
     for name, p in model.named_parameters():
         if isinstance(p, ShardedWeight):

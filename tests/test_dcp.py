@@ -286,3 +286,12 @@ def test_remap_layouts_refuses_bad_input():
         fd.nn.remap_layouts({}, {})
     with pytest.raises(TypeError, match="state_dict: remap_layouts takes a dict"):
         fd.nn.remap_layouts(ExpertMLP(), [("fc1.weight0", torch.zeros(1))])
+
+
+def test_checkpoint_helpers_refuse_what_is_not_a_module(tmp_path):
+    with pytest.raises(TypeError, match="model: checkpoints are taken of a torch.nn.Module"):
+        fdd.save_checkpoint({"w": torch.zeros(1)}, tmp_path)
+    with pytest.raises(TypeError, match="model: checkpoints are taken of a torch.nn.Module"):
+        fdd.load_checkpoint([torch.nn.Linear(1, 1)], tmp_path)
+    with pytest.raises(TypeError, match="state_dict: remap_layouts takes a dict"):
+        fdd.load_full_state_dict(ExpertMLP(), None)
