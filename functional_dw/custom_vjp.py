@@ -182,11 +182,30 @@ def _plan(res: Any, in_leaves: tuple, tree: Any, out_leaves: tuple = ()) -> tupl
 
 
 def _fresh_outputs(out_leaves: tuple, in_leaves: tuple) -> tuple:
-    """An input returned as an output becomes a view of it (``view_as``), as torch asks of a
-    setup_context Function that also saves that input."""
-    if not any(o is t for o in out_leaves for t in in_leaves):
-        return out_leaves
-    return tuple(o.view_as(o) if any(o is t for t in in_leaves) else o for o in out_leaves)
+    """fwd's outputs as the Function hands them out.
+
+    An input returned as an output becomes a view of it (``view_as``), as torch asks of a
+    setup_context Function that also saves that input.
+
+    NOTE: [Outputs made inside fwd are not views] An output that is a view of a tensor fwd made
+    (e.g. Linear's ``[T, N] -> [B, S, N]`` reshape) would reach the caller as "a view created
+    in a custom Function", which autograd forbids modifying in place (``y += r``, an in-place
+    activation, FSDP2 hooks). Nothing outside fwd sees its base, so ``detach()`` (the same
+    storage, no copy, not a view) hands it out as a tensor of its own. A view of an input
+    keeps torch's rule (its base is the caller's tensor). (``_base``, not ``_is_view()``:
+    dynamo traces the one, not the other.)"""
+    if not any(o._base is not None or any(o is t for t in in_leaves) for o in out_leaves):
+        return out_leaves  # the common case: fresh tensors
+    return tuple(_fresh(o, in_leaves) for o in out_leaves)
+
+
+def _fresh(o: torch.Tensor, in_leaves: tuple) -> torch.Tensor:
+    if any(o is t for t in in_leaves):
+        return o.view_as(o)
+    base = o._base
+    if base is None or any(_is_tensor(t) and (base is t or base is t._base) for t in in_leaves):
+        return o
+    return o.detach()
 
 
 def _cotangent_leaves(d: Any, spec: pytree.TreeSpec, name: str) -> list:

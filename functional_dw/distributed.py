@@ -39,6 +39,7 @@ import datetime
 import os
 import pickle
 import socket
+import tempfile
 import time
 import traceback
 from collections import Counter
@@ -51,7 +52,8 @@ import torch.multiprocessing as mp
 import torch.utils._pytree as pytree
 
 __all__ = ["ShardedWeight", "shard_grouped_weights", "shard_weight", "prefetch_for_backward",
-           "prefetch_on_grad", "wait_for_grads", "launch"]
+           "prefetch_on_grad", "wait_for_grads", "launch", "shard_module", "checkpoint_state_dict",
+           "save_checkpoint", "load_checkpoint", "load_full_state_dict"]
 
 
 def _collective(new: str, old: str) -> Callable:
@@ -274,27 +276,137 @@ def wait_for_grads(params: Iterable[torch.Tensor]) -> None:
         g.wait()
 
 
+# --- FSDP2 and distributed checkpoints ----------------------------------------------------------
+
+
+def shard_module(model: torch.nn.Module, mesh: Any = None, **fsdp_kwargs: Any) -> torch.nn.Module:
+    """Shard ``model`` with FSDP2: ``fully_shard`` on each ``functional_dw.nn`` layer (one
+    all-gather and one reduce-scatter per layer, prefetched by FSDP2 one layer ahead), then on
+    ``model`` for the rest. Returns ``model`` (FSDP2 shards in place).
+
+    ``mesh``: a DeviceMesh (1-D: FSDP; 2-D ``(replicate, shard)``: HSDP); default: every rank
+    of the default group in one dimension, on the device type of ``model``'s parameters. ``fsdp_kwargs`` go to ``fully_shard`` as they are
+    (``reshard_after_forward``, ``mp_policy=MixedPrecisionPolicy(...)``, ``offload_policy``).
+    This is plain FSDP2: calling ``fully_shard`` yourself works the same."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from .nn import GroupedLinear, Linear
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: shard_module takes a torch.nn.Module, got {type(model).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("shard_module needs a process group: call torch.distributed.init_process_group "
+                           "first (torchrun, or functional_dw.distributed.launch)")
+    if mesh is None:
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+    for m in model.modules():
+        if m is not model and isinstance(m, (Linear, GroupedLinear)):
+            fully_shard(m, mesh=mesh, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, **fsdp_kwargs)
+    return model
+
+
+def _as_dtensor(w: ShardedWeight) -> torch.Tensor:
+    """``w``'s rows as a ``Shard(0)`` DTensor of the full ``[N, K]`` weight, sharing w's
+    memory. ShardedWeight's layout (blocks of ``ceil(N / W)`` rows, the last ranks short or
+    empty) is DTensor's ``Shard(0)`` layout (``torch.chunk``'s)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    g = w._dw
+    mesh = DeviceMesh.from_group(g.pg or dist.group.WORLD, w.device.type)
+    return DTensor.from_local(w.detach(), mesh, [Shard(0)], run_check=False,
+                              shape=torch.Size((g.N, g.K)), stride=(g.K, 1))
+
+
+def checkpoint_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """``model``'s state dict for ``torch.distributed.checkpoint``: FSDP2's sharded parameters
+    as they are (DTensors, from ``get_model_state_dict``), each :class:`ShardedWeight` as a
+    DTensor over its group sharing its memory, the rest as is, except the ``_extra_state`` of
+    ``functional_dw.nn`` layers (TE's format: FP8 delayed scaling's state, or nothing), which
+    goes in as ``bytes``: its size changes with the state, and DCP loads an object whole where
+    it loads a tensor into one of the size it has. ``dcp.load`` fills the tensors in place
+    but only hands the objects back: :func:`load_checkpoint` applies them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from .nn import _FP8
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: checkpoints are taken of a torch.nn.Module, got {type(model).__name__}")
+    sd = get_model_state_dict(model)
+    for name, p in model.named_parameters():
+        if isinstance(p, ShardedWeight):
+            sd[name] = _as_dtensor(p)
+    for key, _m in _fp8_modules(model, _FP8):
+        if isinstance(sd.get(key), torch.Tensor):
+            sd[key] = sd[key].cpu().numpy().tobytes()
+    return sd
+
+
+def _fp8_modules(model: torch.nn.Module, cls: type) -> list[tuple[str, Any]]:
+    return [(f"{n}._extra_state" if n else "_extra_state", m) for n, m in model.named_modules() if isinstance(m, cls)]
+
+
+def save_checkpoint(model: torch.nn.Module, checkpoint_id: str | os.PathLike) -> None:
+    """``dcp.save`` of :func:`checkpoint_state_dict`: every rank writes its shards."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(checkpoint_state_dict(model), checkpoint_id=checkpoint_id)
+
+
+def load_checkpoint(model: torch.nn.Module, checkpoint_id: str | os.PathLike) -> None:
+    """Load a :func:`save_checkpoint` checkpoint into ``model``, sharded for any number of
+    ranks (or not sharded, without a process group): the parameters in place (``dcp.load``),
+    then the layers' FP8 state (``_extra_state``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from .nn import _FP8
+
+    sd = checkpoint_state_dict(model)
+    dcp.load(sd, checkpoint_id=checkpoint_id)
+    for key, m in _fp8_modules(model, _FP8):
+        if key in sd:
+            m.set_extra_state(sd[key])
+
+
+def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, Any], *, strict: bool = True) -> Any:
+    """Load a full (unsharded) state dict, the same on every rank (e.g. ``torch.load`` of a
+    Transformer Engine ``GroupedLinear``/``Linear`` checkpoint), into ``model``: plain, sharded
+    with FSDP2, or holding :class:`ShardedWeight` groups (each rank keeps its rows). Grouped
+    layers' keys are converted to each module's layout first (``nn.remap_layouts``: TE's
+    ``weight0..`` into ``single_grouped_weight=True`` and back). ``state_dict`` is not changed.
+    Returns ``load_state_dict``'s missing and unexpected keys (``strict=True`` raises on any)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from .nn import remap_layouts
+
+    sd = remap_layouts(model, state_dict)
+    for name, p in model.named_parameters():
+        if isinstance(p, ShardedWeight) and isinstance(sd.get(name), torch.Tensor):
+            g, start = p._dw, min(p._dw.rank * p._dw.R, p._dw.N)
+            sd[name] = sd[name][start : start + g.rows]
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    return set_model_state_dict(model, sd, options=options)
+
+
 # --- local multi-process launcher ------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, backend: str, port: int, timeout: float, queue: Any, fn: Callable, args: tuple) -> None:
+def _worker(rank: int, world: int, backend: str, store: str, timeout: float, queue: Any, fn: Callable, args: tuple) -> None:
     loopback = next((n for _, n in socket.if_nameindex() if n.startswith("lo")), "lo")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # NOTE: loopback only, never a real NIC
     os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     if backend == "nccl":
         torch.cuda.set_device(rank)
     else:  # W processes share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    # NOTE: the rendezvous is a file in launch()'s temporary folder, not a TCP port: no race
+    # for a "free" port between concurrent launches (pytest-xdist, two suites on one machine)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout), **device)
     try:
         result = fn(*args)
@@ -311,7 +423,8 @@ def _worker(rank: int, world: int, backend: str, port: int, timeout: float, queu
 def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None,
            timeout: float = 60.0, deadline: float | None = None) -> list:
     """Run ``fn(*args)`` on ``world_size`` local processes (spawned), each inside an initialized
-    default process group over 127.0.0.1; return the ranks' return values, by rank.
+    default process group (rendezvous: a file in a temporary folder, so concurrent launches
+    never race for a port; gloo and NCCL talk over loopback); return the ranks' return values, by rank.
 
     ``backend``: None picks NCCL when there are ``world_size`` GPUs (rank r on ``cuda:r``),
     else gloo. ``fn`` must be importable (module level); its return value is pickled (tensors
@@ -321,8 +434,14 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     """
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    with tempfile.TemporaryDirectory(prefix="fdw-launch-") as tmp:
+        return _launch(fn, world_size, args, backend, os.path.join(tmp, "store"), timeout, deadline)
+
+
+def _launch(fn: Callable, world_size: int, args: tuple, backend: str, store: str, timeout: float,
+            deadline: float | None) -> list:
     queue = mp.get_context("spawn").SimpleQueue()
-    ctx = mp.start_processes(_worker, args=(world_size, backend, _free_port(), timeout, queue, fn, args),
+    ctx = mp.start_processes(_worker, args=(world_size, backend, store, timeout, queue, fn, args),
                              nprocs=world_size, join=False, start_method="spawn")
     results: dict[int, Any] = {}
     errors: list[tuple[int, str]] = []

@@ -37,7 +37,7 @@ from .grouped_linear import grouped_linear
 from .kernels import packed
 from .linear import linear
 
-__all__ = ["Linear", "GroupedLinear"]
+__all__ = ["Linear", "GroupedLinear", "remap_layouts"]
 
 
 def _init_(w: torch.Tensor, b: torch.Tensor | None, fan_in: int) -> None:
@@ -245,7 +245,9 @@ class GroupedLinear(_FP8, torch.nn.Module):
     experts share a version counter, and ``safetensors.save_file`` refuses the state dict
     (``torch.save`` stores the buffer once). FSDP2 (``fully_shard``) replaces the parameters with
     its own (sharded DTensors; unsharded per-parameter tensors in forward and backward): there
-    the buffer is gone and each pass stacks the weights once (results unchanged).
+    the buffer is gone and each pass stacks the weights once (results unchanged); with
+    ``single_grouped_weight=True`` FSDP2 gathers the one ``[E, out, in]`` parameter as one
+    tensor, read in place (no stack: the layout to use under FSDP2, tests/test_fsdp2.py).
 
     ``recipe``: as for :class:`Linear` (one state of ``num_gemms`` GEMMs, TE's layout)."""
 
@@ -383,6 +385,27 @@ class GroupedLinear(_FP8, torch.nn.Module):
         single += ", single_grouped_bias=True" if self.single_grouped_bias and not self.single_grouped_weight else ""
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.use_bias}{single}")
+
+
+def remap_layouts(model: torch.nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``state_dict`` with each :class:`GroupedLinear` of ``model`` (at any depth,
+    sharded or not) in that module's layout: TE's per-expert ``weight0..weight{E-1}``
+    (``bias0..``) stacked into one ``weight [E, out, in]`` (``bias [E, out]``) for a module with
+    ``single_grouped_weight=True``, and split back for a per-expert one. ``load_state_dict``
+    does this itself; tools that match keys before loading (``set_model_state_dict``,
+    ``torch.distributed.checkpoint``) need it first. Other keys are kept as they are."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: remap_layouts takes a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict: remap_layouts takes a dict of tensors, got {type(state_dict).__name__}")
+    sd = dict(state_dict)
+    for name, m in model.named_modules():
+        if isinstance(m, GroupedLinear):
+            prefix = f"{name}." if name else ""
+            _remap_layout(sd, prefix + "weight", m.num_gemms, m.single_grouped_weight)
+            if m.use_bias:
+                _remap_layout(sd, prefix + "bias", m.num_gemms, m.single_grouped_bias)
+    return sd
 
 
 def _remap_layout(state_dict: dict, key: str, E: int, single: bool) -> None:

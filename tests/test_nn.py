@@ -133,3 +133,55 @@ def test_fused_wgrad_accumulates_into_main_grad():
     for e, (w, g) in enumerate(zip(grp.weights(), dws)):
         assert w.grad is None
         assert_close(w.main_grad, 2 * g, torch.float32, f"weight{e}.main_grad")
+
+
+def test_output_made_by_a_reshape_inside_forward_can_be_modified_in_place():
+    """NOTE: [Outputs made inside fwd are not views]: Linear's [B, S, N] output is a reshape of
+    the GEMM's [B*S, N]; handed out as that view, autograd refused ``y += r`` ("a view created
+    inside a custom Function"). Now it is a tensor of its own (no copy) and the grads are right."""
+    m = fdw.nn.Linear(K, N)
+    x = torch.randn(2, 3, K, requires_grad=True)
+    r, dy = torch.randn(2, 3, N), torch.randn(2, 3, N)
+    y = m(x)
+    assert not y._is_view()
+    y += r
+    F.relu(y, inplace=True)
+    (y * dy).sum().backward()
+    want = _reference_grads([x, m.weight, m.bias],
+                            lambda p: (F.relu(F.linear(*p) + r.double()) * dy.double()).sum())
+    for name, p, g in zip(["x", "weight", "bias"], [x, m.weight, m.bias], want):
+        assert_close(p.grad, g, torch.float32, name)
+
+
+def test_a_view_of_an_input_returned_by_fwd_keeps_torchs_rule():
+    """An output that views an input keeps autograd's view rule (in place on it is refused),
+    and an input returned as it is becomes a view of it: only views of fwd's own tensors are
+    handed out view-free."""
+    from functional_dw import custom_vjp
+
+    f = custom_vjp(lambda x: (x[:2], ()), lambda res, d: (torch.cat([d, d.new_zeros(1)]),), name="head")
+    x = torch.randn(3, requires_grad=True)
+    y = f(x * 1)
+    assert y._is_view()
+    with pytest.raises(RuntimeError, match="view"):
+        y.add_(1)
+
+
+def test_compiled_output_made_by_a_reshape_can_be_modified_in_place():
+    """The same under torch.compile(fullgraph=True): dynamo refused the in-place add on the
+    traced output ("a view created inside a custom Function")."""
+    m = fdw.nn.Linear(K, N)
+    x = torch.randn(2, 3, K)
+    r = torch.randn(2, 3, N)
+
+    def step(x):
+        y = m(x)
+        y += r
+        return y
+
+    torch._dynamo.reset()
+    y = torch.compile(step, fullgraph=True)(x)
+    y.sum().backward()
+    assert_close(y, F.linear(x.double(), m.weight.double(), m.bias.double()) + r.double(), torch.float32)
+    assert_close(m.weight.grad, _reference_grads([m.weight], lambda p: F.linear(x.double(), p[0]).sum())[0],
+                 torch.float32)

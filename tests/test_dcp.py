@@ -1,0 +1,297 @@
+"""Distributed checkpoints of sharded functional_dw models (gloo on CPU).
+
+``torch.distributed.checkpoint`` (DCP) saves a model on 4 ranks and loads it on 2, and back
+(2 -> 4), and into an unsharded model in a process without a process group (4 -> 1), for:
+an FSDP2-sharded expert MLP in both weight layouts (per-expert ``weight0..``, and one
+``[E, out, in]`` weight whose 3 experts leave rank 3 of 4 without rows), and a model whose
+weights are :class:`functional_dw.distributed.ShardedWeight` groups (out features 5: shards
+of 2, 2, 1, 0 rows on 4 ranks). Each load starts from other values (another seed) and must
+give back the saved parameters, the saved model's outputs, and (FSDP2 models, through
+``save_checkpoint``/``load_checkpoint``) fc1's FP8 delayed-scaling state, whose size differs
+between the saved and the loading model.
+
+A Transformer Engine state dict (keys as ``te.GroupedLinear``/``te.Linear`` write them:
+``weight0..``, ``bias0..``, ``_extra_state``; built by hand, TE is not installed here; an FP8
+delayed-scaling ``_extra_state`` in TE's format on one layer) loads with
+``load_full_state_dict`` into the FSDP2-sharded model of either layout and into ShardedWeight
+groups; ``nn.remap_layouts`` is tested on its own.
+
+Three launches (W=4 saves, W=2 loads and saves, W=4 loads) run every case; each case is
+reported as its own test.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import functional_dw as fd
+from functional_dw import distributed as fdd
+from test_fsdp2 import FFN, SPLITS, E, ExpertMLP, H, _tokens
+
+N5 = 5  # ShardedWeight out features: 3, 2 rows on 2 ranks; 2, 2, 1, 0 on 4
+LAYOUTS = ["per-expert", "single"]
+
+
+class ShardedMLP(torch.nn.Module):
+    """Two expert layers over ShardedWeight groups (no bias): x [T, H] -> [T, N5] -> [T, H]."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        w1, w2 = _fulls(seed)
+        self.w1 = torch.nn.ParameterList(fdd.shard_grouped_weights(w1))
+        self.w2 = torch.nn.ParameterList(fdd.shard_grouped_weights(w2))
+
+    def forward(self, x: torch.Tensor, splits: list[int]) -> torch.Tensor:
+        return fd.grouped_linear(F.gelu(fd.grouped_linear(x, list(self.w1), splits)), list(self.w2), splits)
+
+
+def _fulls(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(E, N5, H, generator=g), torch.randn(E, H, N5, generator=g)
+
+
+def _expert_mlp(layout: str, seed: int) -> ExpertMLP:
+    """ExpertMLP from ``seed``, its fc1 with an FP8 delayed-scaling state (``seed`` rows of
+    history, scales 1 / seed): the extra state's size depends on the seed."""
+    torch.manual_seed(seed)
+    m = ExpertMLP(single=layout == "single")
+    recipe = fd.fp8.DelayedScaling(amax_history_len=seed)
+    state = fd.fp8.init_state(recipe, E)
+    state.scale_fwd.fill_(1 / seed)
+    m.fc1.set_extra_state(fd.fp8.state_to_extra_state(state, recipe))
+    return m
+
+
+def _check_fp8_state(m: ExpertMLP, seed: int) -> None:
+    state = m.fc1.fp8_state
+    assert torch.equal(state.scale_fwd, torch.full_like(state.scale_fwd, 1 / seed)), state.scale_fwd
+    assert state.history_len == seed and m.fc2.fp8_state is None
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
+def _rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    R = -(-full.shape[0] // world)
+    return full[min(rank * R, full.shape[0]): (rank + 1) * R]
+
+
+def _check_fsdp(model: ExpertMLP, ref: ExpertMLP, rank: int) -> None:
+    """model (FSDP2) holds ref's parameters and computes ref's output on this rank's tokens."""
+    want = dict(ref.named_parameters())
+    got = {n: _full(p) for n, p in model.named_parameters()}
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for n, p in got.items():
+        torch.testing.assert_close(p, want[n].detach(), rtol=0, atol=0, msg=n)
+    x, _ = _tokens(rank)
+    torch.testing.assert_close(model(x, SPLITS[rank]), ref(x, SPLITS[rank]), rtol=0, atol=0)
+
+
+def _check_sharded(model: ShardedMLP, seed: int, rank: int, world: int) -> None:
+    w1, w2 = _fulls(seed)
+    for e in range(E):
+        torch.testing.assert_close(model.w1[e].detach(), _rows(w1[e], rank, world), rtol=0, atol=0)
+        torch.testing.assert_close(model.w2[e].detach(), _rows(w2[e], rank, world), rtol=0, atol=0)
+    x, _ = _tokens(rank)
+    y = model(x, SPLITS[rank])
+    torch.testing.assert_close(y, fd.grouped_linear(F.gelu(fd.grouped_linear(x, list(w1), SPLITS[rank])), list(w2),
+                                                    SPLITS[rank]), rtol=0, atol=0)
+    y.sum().backward()  # the loaded shards still gather and reduce-scatter
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+
+
+def _save_all(root: str, tag: str, seed: int) -> None:
+    """Save the three models (FSDP2 per-expert, FSDP2 single, ShardedWeight) made from ``seed``."""
+    import torch.distributed.checkpoint as dcp
+
+    for layout in LAYOUTS:
+        fdd.save_checkpoint(fdd.shard_module(_expert_mlp(layout, seed)), os.path.join(root, f"{tag}-{layout}"))
+    dcp.save(fdd.checkpoint_state_dict(ShardedMLP(seed)), checkpoint_id=os.path.join(root, f"{tag}-sharded"))
+
+
+def _load_all(root: str, tag: str, saved_seed: int) -> dict[str, str | None]:
+    """Load the three checkpoints into models made from another seed; check each (the FSDP2
+    models with load_checkpoint, the ShardedWeights with dcp.load itself)."""
+    import torch.distributed.checkpoint as dcp
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {}
+    for layout in LAYOUTS:
+        out[f"fsdp2-{layout}"] = _try(lambda: _load_fsdp(dcp, os.path.join(root, f"{tag}-{layout}"), layout,
+                                                         saved_seed, rank))
+    out["sharded-weight"] = _try(lambda: _load_sharded(dcp, os.path.join(root, f"{tag}-sharded"), saved_seed,
+                                                       rank, world))
+    return out
+
+
+def _load_fsdp(dcp, path: str, layout: str, saved_seed: int, rank: int) -> None:
+    m = fdd.shard_module(_expert_mlp(layout, saved_seed + 1))
+    fdd.load_checkpoint(m, path)
+    _check_fsdp(m, _expert_mlp(layout, saved_seed), rank)
+    _check_fp8_state(m, saved_seed)
+
+
+def _load_sharded(dcp, path: str, saved_seed: int, rank: int, world: int) -> None:
+    m = ShardedMLP(saved_seed + 1)
+    dcp.load(fdd.checkpoint_state_dict(m), checkpoint_id=path)
+    _check_sharded(m, saved_seed, rank, world)
+
+
+def _try(fn) -> str | None:
+    try:
+        fn()
+        return None
+    except Exception:
+        return traceback.format_exc()
+
+
+# --- Transformer Engine state dicts ------------------------------------------------------------
+
+
+def te_state_dict(seed: int = 7) -> dict[str, torch.Tensor]:
+    """What ``ExpertMLP``'s TE twin writes: ``te.GroupedLinear`` fc1, fc2 (``weight0..``,
+    ``bias0..``, ``_extra_state``) and ``te.Linear`` proj; fc1's extra state holds a delayed
+    scaling state (TE's format), the others TE's empty one."""
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    for layer, (k, n) in {"fc1": (H, FFN), "fc2": (FFN, H)}.items():
+        for e in range(E):
+            sd[f"{layer}.weight{e}"] = torch.randn(n, k, generator=g)
+            sd[f"{layer}.bias{e}"] = torch.randn(n, generator=g)
+        sd[f"{layer}._extra_state"] = torch.empty(0, dtype=torch.uint8)
+    state = fd.fp8.init_state(fd.fp8.DelayedScaling(), E)
+    state.scale_fwd.fill_(0.5)
+    sd["fc1._extra_state"] = fd.fp8.state_to_extra_state(state, fd.fp8.DelayedScaling())
+    sd["proj.weight"], sd["proj.bias"] = torch.randn(H, H, generator=g), torch.randn(H, generator=g)
+    sd["proj._extra_state"] = torch.empty(0, dtype=torch.uint8)
+    return sd
+
+
+def _te_reference(layout: str) -> ExpertMLP:
+    ref = ExpertMLP(single=layout == "single")
+    ref.load_state_dict(te_state_dict())  # TE's keys load into the unsharded module, either layout (test_nn.py)
+    return ref
+
+
+def _load_te(layout: str) -> None:
+    rank = torch.distributed.get_rank()
+    m = fdd.shard_module(_expert_mlp(layout, 1))
+    fdd.load_full_state_dict(m, te_state_dict())
+    _check_fsdp(m, _te_reference(layout), rank)
+    assert torch.equal(m.fc1.fp8_state.scale_fwd, torch.full_like(m.fc1.fp8_state.scale_fwd, 0.5))
+    assert m.fc2.fp8_state is None
+
+
+def _load_te_into_sharded_weights() -> None:
+    """The TE layers' weights into ShardedWeight groups (no biases: strict=False reports them)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    te = te_state_dict()
+    fc1 = torch.stack([te[f"fc1.weight{e}"] for e in range(E)])
+    m = torch.nn.Module()
+    m.fc1 = torch.nn.ParameterList(fdd.shard_grouped_weights(torch.zeros_like(fc1)))
+    sd = {f"fc1.{e}": te[f"fc1.weight{e}"] for e in range(E)}
+    fdd.load_full_state_dict(m, sd)
+    for e in range(E):
+        assert torch.equal(m.fc1[e].detach(), _rows(fc1[e], rank, world)), e
+
+
+# --- the launches ------------------------------------------------------------------------------
+
+
+def _save_job(root: str) -> None:
+    _save_all(root, "w4", seed=10)
+
+
+def _load_and_save_job(root: str) -> dict[str, str | None]:
+    out = {f"4to2-{k}": v for k, v in _load_all(root, "w4", saved_seed=10).items()}
+    for layout in LAYOUTS:
+        out[f"te-into-fsdp2-{layout}"] = _try(lambda: _load_te(layout))
+    out["te-into-sharded-weight"] = _try(_load_te_into_sharded_weights)
+    _save_all(root, "w2", seed=20)
+    return out
+
+
+def _load_job(root: str) -> dict[str, str | None]:
+    return {f"2to4-{k}": v for k, v in _load_all(root, "w2", saved_seed=20).items()}
+
+
+MODELS = [f"fsdp2-{layout}" for layout in LAYOUTS] + ["sharded-weight"]
+CASES = ([f"4to2-{m}" for m in MODELS] + [f"2to4-{m}" for m in MODELS]
+         + [f"te-into-fsdp2-{layout}" for layout in LAYOUTS] + ["te-into-sharded-weight"])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    pytest.importorskip("torch.distributed.checkpoint")
+    root = str(tmp_path_factory.mktemp("dcp"))
+    fdd.launch(_save_job, 4, root, backend="gloo", timeout=60, deadline=120)
+    merged: dict[str, list[str]] = {}
+    for job, world in ((_load_and_save_job, 2), (_load_job, 4)):
+        for r, res in enumerate(fdd.launch(job, world, root, backend="gloo", timeout=60, deadline=120)):
+            for case, err in res.items():
+                merged.setdefault(case, []).extend([] if err is None else [f"rank {r} of {world}: {err}"])
+    return root, merged
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_distributed_checkpoint(checkpoints, case):
+    _, results = checkpoints
+    assert case in results, f"{case} did not run: {sorted(results)}"
+    assert not results[case], "\n".join(results[case])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_four_rank_checkpoint_loads_without_a_process_group(checkpoints, layout):
+    """DCP reads a sharded checkpoint into an unsharded model in one process (no process group)."""
+    root, _ = checkpoints
+    m = _expert_mlp(layout, 11)
+    fdd.load_checkpoint(m, os.path.join(root, f"w4-{layout}"))
+    _check_fp8_state(m, 10)
+    ref = _expert_mlp(layout, 10)
+    for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    x, _ = _tokens(0)
+    assert torch.equal(m(x, SPLITS[0]), ref(x, SPLITS[0]))
+
+
+# --- remap_layouts --------------------------------------------------------------------------------
+
+
+def test_remap_layouts_converts_te_keys_to_each_modules_layout():
+    te = te_state_dict()
+    model = torch.nn.Module()
+    model.a, model.b = ExpertMLP(single=True), ExpertMLP(single=False)
+    sd = {f"{m}.{k}": v for m in "ab" for k, v in te.items()}
+    out = fd.nn.remap_layouts(model, sd)
+    assert out is not sd and sd.keys() == {f"{m}.{k}" for m in "ab" for k in te}, "the input was changed"
+    assert set(out) == set(model.state_dict()), sorted(set(out) ^ set(model.state_dict()))
+    assert torch.equal(out["a.fc1.weight"], torch.stack([te[f"fc1.weight{e}"] for e in range(E)]))
+    assert torch.equal(out["a.fc2.bias"], torch.stack([te[f"fc2.bias{e}"] for e in range(E)]))
+    assert out["b.fc1.weight1"] is te["fc1.weight1"] and out["a.proj.weight"] is te["proj.weight"]
+    back = fd.nn.remap_layouts(model.b, {k[len("a."):]: v for k, v in out.items() if k.startswith("a.")})
+    assert all(torch.equal(back[k], te[k]) for k in te), "single -> per-expert"
+    model.load_state_dict(out)  # strict
+
+
+def test_remap_layouts_refuses_bad_input():
+    with pytest.raises(TypeError, match="model: remap_layouts takes a torch.nn.Module"):
+        fd.nn.remap_layouts({}, {})
+    with pytest.raises(TypeError, match="state_dict: remap_layouts takes a dict"):
+        fd.nn.remap_layouts(ExpertMLP(), [("fc1.weight0", torch.zeros(1))])
+
+
+def test_checkpoint_helpers_refuse_what_is_not_a_module(tmp_path):
+    with pytest.raises(TypeError, match="model: checkpoints are taken of a torch.nn.Module"):
+        fdd.save_checkpoint({"w": torch.zeros(1)}, tmp_path)
+    with pytest.raises(TypeError, match="model: checkpoints are taken of a torch.nn.Module"):
+        fdd.load_checkpoint([torch.nn.Linear(1, 1)], tmp_path)
+    with pytest.raises(TypeError, match="state_dict: remap_layouts takes a dict"):
+        fdd.load_full_state_dict(ExpertMLP(), None)
