@@ -332,3 +332,67 @@ def test_fp8_follows_the_te_autocast_megatron_enters(mpu):
     x = torch.randn(sum(SPLITS), H)
     y, _ = fc1(x, SPLITS)
     torch.testing.assert_close(y[:3], x[:3] @ fc1.weight0.T)
+
+
+@pytest.fixture
+def cuda_faked_offloading(monkeypatch):
+    """Megatron's fine-grained offloading on the CPU: CUDA streams and events that do nothing
+    (the CPU runs in order), its 'is on CUDA' test widened to the CPU, no pinned memory, and the
+    TE flag it sets (``cpu_offload.CPUOffloadEnabled``) without TE. Everything else (warm-up,
+    which groups are offloaded, freeing the fc1 input's storage, reloading) is Megatron's code."""
+    import contextlib
+
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    class Stream:
+        def wait_stream(self, s):
+            pass
+
+        def wait_event(self, e):
+            pass
+
+        def record_event(self, e=None):
+            return e
+
+    class Event:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    monkeypatch.setattr(te_ext, "cpu_offload", SimpleNamespace(CPUOffloadEnabled=False), raising=False)
+    handler = fgo.ChunkOffloadHandler
+    monkeypatch.setattr(handler, "_can_manage_tensor_for_offload",
+                        staticmethod(lambda t: not isinstance(t, torch.nn.Parameter) and t.device.type == "cpu"))
+    offload = handler.offload
+    monkeypatch.setattr(handler, "offload", lambda self, src, pin_memory=True, use_cpu_pool=True:
+                        offload(self, src, pin_memory=False, use_cpu_pool=False))
+    yield
+    fgo.PipelineOffloadManager.OFFLOAD_MGR = None  # (made with the fake streams)
+
+
+@needs_megatron
+@pytest.mark.parametrize("shard", [True, False], ids=["ShardedWeight", "plain"])
+def test_megatron_offloading_steps_bitwise_on_cpu(mpu, cuda_faked_offloading, shard):
+    """tests/test_megatron_gpu.py's steps on the CPU: two chained TEGroupedMLPs, warm-up and
+    steady-state steps under Megatron's offloading (x's storage freed after fc1, reloaded for
+    backward) give bitwise the results of the same steps without it; no weight in the hooks."""
+    from megatron_steps import T, H, check_ours, run_steps, summary
+
+    ref = run_steps("fd", offload=False, shard=shard, device="cpu")
+    got = run_steps("fd", offload=True, shard=shard, device="cpu")
+    if shard:
+        check_ours(ref, got)
+    else:
+        assert got["error"] is None and ref["error"] is None, got.get("traceback") or ref.get("traceback")
+        assert not got["weights_through_hooks"] and got["hook_tensors"] > 0, summary(got)
+    steps = got["offloaded_bytes_per_step"]
+    assert steps[0] > steps[-1] >= T * H * 2, steps  # warm-up offloads both MLPs, then only the first
+    assert got["megatron_summary_bytes"]["expert_fc1"] == T * H * 2, got["megatron_summary_bytes"]
