@@ -1,0 +1,398 @@
+"""functional_dw.megatron on the CPU: the module imports and refuses clearly without
+megatron-core (always runs); with megatron-core 0.19.2 importable (``PYTHONPATH`` or
+``pip install -e ".[megatron]"``), Megatron's own ``TEGroupedMLP`` built with our classes on one
+gloo rank, checked against the same MLP computed by hand from its weights."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+E, H, FFN = 4, 16, 24  # experts, hidden size, moe_ffn_hidden_size
+SPLITS = [3, 0, 5, 2]  # an expert with no tokens
+
+
+def test_imports_and_refuses_clearly_without_megatron():
+    code = (
+        "import sys; sys.modules['megatron'] = None\n"  # megatron-core absent (or hidden)
+        "import functional_dw.megatron as m\n"
+        "try:\n"
+        "    m.ColumnParallelGroupedLinear(2, 4, 8, config=None, init_method=None, bias=True,\n"
+        "                                  skip_bias_add=False, is_expert=True)\n"
+        "except ImportError as e:\n"
+        "    print('ImportError:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ImportError: functional_dw.megatron needs megatron-core" in out.stdout
+    assert 'pip install -e ".[megatron]"' in out.stdout
+
+
+# --- with megatron-core ----------------------------------------------------------------------
+
+def _import_megatron():
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.transformer.moe.experts import TEGroupedMLP  # noqa: F401
+        return None
+    except Exception as e:  # ImportError, or an incompatible version failing at import
+        return f"megatron-core is not importable ({type(e).__name__}: {e}); pip install -e '.[megatron]' (Python >= 3.12)"
+
+
+_SKIP = _import_megatron()
+needs_megatron = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+
+
+@pytest.fixture(scope="module")
+def mpu():
+    """One gloo rank with Megatron's model-parallel state (all sizes 1); torn down after."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    from functional_dw.distributed import _free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    yield ps
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=E, moe_ffn_hidden_size=FFN,
+                use_cpu_initialization=True, add_bias_linear=True, bias_dropout_fusion=False,
+                gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def _mlp(config):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+
+    from functional_dw.megatron import ColumnParallelGroupedLinear, RowParallelGroupedLinear
+
+    spec = GroupedMLPSubmodules(linear_fc1=ColumnParallelGroupedLinear, linear_fc2=RowParallelGroupedLinear)
+    return TEGroupedMLP(E, config, spec, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def _by_hand(mlp, x, probs, splits):
+    """The gated expert MLP in float64 from the module's weights, as TEGroupedMLP computes it:
+    fc1 (+bias) -> silu(gate) * linear -> * prob -> fc2, + fc2's bias * prob."""
+    f1, f2 = mlp.linear_fc1, mlp.linear_fc2
+    outs, start = [], 0
+    for e, n in enumerate(splits):
+        xe, pe = x[start:start + n].double(), probs[start:start + n, None].double()
+        h = xe @ getattr(f1, f"weight{e}").double().T + getattr(f1, f"bias{e}").double()
+        gate, lin = h.chunk(2, dim=-1)
+        a = F.silu(gate) * lin * pe
+        outs.append(a @ getattr(f2, f"weight{e}").double().T + getattr(f2, f"bias{e}").double() * pe)
+        start += n
+    return torch.cat(outs)
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(SPLITS)
+    x = torch.randn(T, H, generator=g, requires_grad=True)
+    probs = torch.rand(T, generator=g)
+    return x, probs
+
+
+@needs_megatron
+def test_te_grouped_mlp_forward_backward_match_by_hand(mpu):
+    torch.manual_seed(0)
+    mlp = _mlp(_config())
+    x, probs = _inputs()
+    out, out_bias = mlp(x, torch.tensor(SPLITS), probs)
+    assert out_bias is None
+    xr = x.detach().clone().requires_grad_(True)
+    params = dict(mlp.named_parameters())
+    ref_params = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
+    ref_mlp = SimpleNamespace(linear_fc1=SimpleNamespace(**{n.split(".")[1]: p for n, p in ref_params.items()
+                                                          if n.startswith("linear_fc1")}),
+                              linear_fc2=SimpleNamespace(**{n.split(".")[1]: p for n, p in ref_params.items()
+                                                          if n.startswith("linear_fc2")}))
+    ref = _by_hand(ref_mlp, xr, probs, SPLITS)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    ref.backward(dy.double())
+    torch.testing.assert_close(x.grad.double(), xr.grad.double(), rtol=1e-5, atol=1e-6)
+    for n, p in params.items():
+        if n.endswith(("weight1", "bias1")) and n.startswith("linear_fc"):  # expert 1 has no tokens
+            assert not p.grad.any(), n
+        torch.testing.assert_close(p.grad.double(), ref_params[n].grad.double(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+@needs_megatron
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_gradient_accumulation_fusion_writes_main_grad(mpu, overwrite):
+    torch.manual_seed(0)
+    mlp = _mlp(_config(gradient_accumulation_fusion=True))
+    assert mlp.linear_fc1.fuse_wgrad_accumulation and mlp.linear_fc2.fuse_wgrad_accumulation
+    weights = {n: p for n, p in mlp.named_parameters() if ".weight" in n}
+    for p in weights.values():  # what Megatron DDP gives each parameter
+        p.main_grad = torch.ones(p.shape, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+        if overwrite:
+            p.overwrite_main_grad = True
+    ref = _mlp(_config())
+    ref.load_state_dict(mlp.state_dict())
+    x, probs = _inputs(1)
+    dy = torch.randn(x.shape[0], H)
+    mlp(x, torch.tensor(SPLITS), probs)[0].backward(dy)
+    ref(x.detach(), torch.tensor(SPLITS), probs)[0].backward(dy)
+    ref_grads = dict(ref.named_parameters())
+    for n, p in weights.items():
+        want = ref_grads[n].grad + (0 if overwrite else 1)
+        torch.testing.assert_close(p.main_grad, want, rtol=1e-5, atol=1e-6, msg=n)
+        assert p.grad_added_to_main_grad is True, n
+        assert p.grad is not None and not p.grad.any(), f"{n}: Megatron DDP needs a zero dummy grad"
+    bias = dict(mlp.named_parameters())["linear_fc1.bias0"]
+    torch.testing.assert_close(bias.grad, ref_grads["linear_fc1.bias0"].grad)  # biases: plain grads, as TE
+
+
+@needs_megatron
+def test_skip_bias_add_returns_the_per_expert_biases(mpu):
+    torch.manual_seed(0)
+    mlp = _mlp(_config(params_dtype=torch.bfloat16))
+    fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+    assert fc2.te_return_bias and not fc1.te_return_bias
+    x = torch.randn(sum(SPLITS), FFN, dtype=torch.bfloat16)
+    out, biases = fc2(x, SPLITS)
+    assert isinstance(biases, list) and len(biases) == E
+    for e, b in enumerate(biases):
+        assert b.dtype == torch.bfloat16 and torch.equal(b, getattr(fc2, f"bias{e}"))
+    start = 0
+    for e, n in enumerate(SPLITS):  # the bias is not added
+        torch.testing.assert_close(out[start:start + n], x[start:start + n] @ getattr(fc2, f"weight{e}").T)
+        start += n
+    with torch.no_grad():
+        fc1.bias0.fill_(1.0)
+    y, none = fc1(torch.zeros(3, H, dtype=torch.bfloat16), [3, 0, 0, 0])
+    assert none is None and torch.equal(y, torch.ones_like(y))  # fc1 adds its bias
+    no_bias = _mlp(_config(add_bias_linear=False))
+    assert no_bias.linear_fc2(torch.randn(2, FFN), [2, 0, 0, 0])[1] is None
+
+
+@needs_megatron
+def test_parameters_init_attributes_and_state_dict(mpu):
+    calls = []
+
+    def init_method(w):
+        calls.append(tuple(w.shape))
+        w.fill_(len(calls))
+
+    mlp = _mlp(_config(init_method=init_method, output_layer_init_method=init_method, params_dtype=torch.bfloat16))
+    fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+    assert calls == [(2 * FFN, H)] * E + [(H, FFN)] * E  # each expert's weight once, in order
+    for e in range(E):
+        assert torch.equal(getattr(fc1, f"weight{e}"), torch.full((2 * FFN, H), e + 1.0, dtype=torch.bfloat16))
+        assert not getattr(fc2, f"bias{e}").any()  # biases zero, as TE
+    for name, p in mlp.named_parameters():
+        assert p.dtype == torch.bfloat16 and p.allreduce is True, name
+        column = name.startswith("linear_fc1")
+        if ".weight" in name or column:
+            assert p.tensor_model_parallel is True and p.partition_dim == (0 if column else 1), name
+            assert p.partition_stride == 1, name
+        else:
+            assert p.tensor_model_parallel is False, name  # row-parallel biases are replicated
+    keys = list(mlp.state_dict())
+    for m in ("linear_fc1", "linear_fc2"):
+        assert [k for k in keys if k.startswith(m)] == [
+            *(k for e in range(E) for k in (f"{m}.weight{e}", f"{m}.bias{e}")), f"{m}._extra_state"]
+    other = _mlp(_config(params_dtype=torch.bfloat16))
+    sd = mlp.state_dict()
+    sd.update({f"linear_fc1._extra_state{e}": sd["linear_fc1._extra_state"] for e in range(1, E)})  # dist-ckpt keys
+    other.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(other.parameters(), mlp.parameters()))
+
+
+@needs_megatron
+def test_sharded_state_dict_maps_each_expert(mpu):
+    mlp = _mlp(_config(gated_linear_unit=False, activation_func=F.gelu))  # (GLU's fc1 becomes a factory)
+    sd = mlp.sharded_state_dict(prefix="mlp.")
+    for m in ("linear_fc1", "linear_fc2"):
+        for e in range(E):
+            sh = sd[f"mlp.{m}.weight{e}"]
+            assert sh.key == f"mlp.experts.{m}.weight"
+            assert sh.global_shape[0] == E and sh.global_offset[0] == e, (m, e, sh)
+            assert sh.local_shape == tuple(getattr(mlp, m).weight0.shape) and sh.replica_id == (0, 0, 0)
+            assert sd[f"mlp.{m}.bias{e}"].global_offset[0] == e
+        assert sd[f"mlp.{m}._extra_state"].key == f"mlp.experts.{m}._extra_state"
+        assert f"mlp.{m}._extra_state{E - 1}" in sd
+    gated = _mlp(_config()).sharded_state_dict(prefix="mlp.")  # Megatron wraps GLU's fc1 weights itself
+    assert gated["mlp.linear_fc1.weight1"].key == "mlp.experts.linear_fc1.weight"
+
+
+@needs_megatron
+def test_megatron_sets_save_original_input_when_offloading_fc1(mpu):
+    mlp = _mlp(_config(fine_grained_activation_offloading=True, offload_modules=["expert_fc1", "moe_act"]))
+    assert mlp.offload_expert_fc1 and mlp.linear_fc1.save_original_input is True
+    assert mlp.linear_fc2.save_original_input is False
+    mlp.backward_dw()  # TEGroupedMLP calls it on both linears: a no-op here
+
+
+@needs_megatron
+def test_sharded_expert_weights_on_one_rank(mpu):
+    from functional_dw.distributed import ShardedWeight
+    from functional_dw.megatron import shard_expert_weights
+
+    torch.manual_seed(0)
+    mlp = _mlp(_config(gradient_accumulation_fusion=True))
+    ref = _mlp(_config())
+    ref.load_state_dict(mlp.state_dict())
+    shards = [*shard_expert_weights(mlp.linear_fc1), *shard_expert_weights(mlp.linear_fc2)]
+    for p in shards:
+        assert isinstance(p, ShardedWeight) and p.allreduce is True and hasattr(p, "partition_dim")
+        p.main_grad, p.grad_added_to_main_grad = torch.zeros(p.shape), False
+    assert mlp.linear_fc1.weight0 is shards[0] and mlp.linear_fc2.weight3 is shards[-1]
+    x, probs = _inputs(2)
+    out = mlp(x, torch.tensor(SPLITS), probs)[0]
+    out_ref = ref(x.detach(), torch.tensor(SPLITS), probs)[0]
+    torch.testing.assert_close(out, out_ref)
+    out.sum().backward()
+    out_ref.sum().backward()
+    stats = shards[0]._dw.stats
+    assert stats["all_gather"] == 2 and stats["reduce_scatter"] == 1, stats  # forward, backward; finalize
+    refs = dict(ref.named_parameters())
+    for n, p in mlp.named_parameters():
+        if isinstance(p, ShardedWeight):
+            torch.testing.assert_close(p.main_grad, refs[n].grad, msg=n)
+    with pytest.raises(ValueError, match="sharded already"):
+        shard_expert_weights(mlp.linear_fc1)
+
+
+class _Group:
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return 0
+
+
+@needs_megatron
+@pytest.mark.parametrize("setting, error, match", [
+    (dict(delay_wgrad_compute=True), NotImplementedError, "config.delay_wgrad_compute"),
+    (dict(fp8="hybrid", fp8_recipe="mxfp8"), NotImplementedError, "config.fp8_recipe='mxfp8'"),
+    (dict(fp8="hybrid", fp8_recipe="delayed", fp8_param=True), NotImplementedError, "config.fp8_param"),
+])
+def test_unsupported_settings_refused_at_construction(mpu, setting, error, match):
+    from functional_dw.megatron import ColumnParallelGroupedLinear
+
+    config = _config()
+    for k, v in setting.items():  # set after __post_init__, which would check them against TE
+        setattr(config, k, v)
+    with pytest.raises(error, match=match):
+        ColumnParallelGroupedLinear(E, H, FFN, config=config, init_method=torch.nn.init.zeros_, bias=True,
+                                    skip_bias_add=False, is_expert=True)
+
+
+@needs_megatron
+def test_expert_tensor_parallelism_and_non_experts_refused(mpu):
+    from functional_dw.megatron import ColumnParallelGroupedLinear, GroupedLinear
+
+    kw = dict(config=_config(), init_method=torch.nn.init.zeros_, bias=True, skip_bias_add=False)
+    pgs = SimpleNamespace(expt_tp=_Group(2), ep=_Group(1), expt_dp=_Group(1))
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2"):
+        ColumnParallelGroupedLinear(E, H, FFN, is_expert=True, pg_collection=pgs, **kw)
+    with pytest.raises(ValueError, match="is_expert=False"):
+        ColumnParallelGroupedLinear(E, H, FFN, is_expert=False, **kw)
+    with pytest.raises(ValueError, match="parallel_mode"):
+        GroupedLinear(E, H, FFN, parallel_mode="duplicated", is_expert=True, **kw)
+
+
+@needs_megatron
+def test_fp8_follows_the_te_autocast_megatron_enters(mpu):
+    """config.fp8 with a supported recipe: the layer takes the recipe from TE's autocast
+    (recipe=None), and without an autocast runs in high precision."""
+    from functional_dw.megatron import ColumnParallelGroupedLinear
+
+    config = _config()
+    config.fp8, config.fp8_recipe = "hybrid", "tensorwise"
+    fc1 = ColumnParallelGroupedLinear(E, H, FFN, config=config, init_method=torch.nn.init.normal_, bias=False,
+                                      skip_bias_add=False, is_expert=True)
+    assert fc1.recipe is None
+    x = torch.randn(sum(SPLITS), H)
+    y, _ = fc1(x, SPLITS)
+    torch.testing.assert_close(y[:3], x[:3] @ fc1.weight0.T)
+
+
+@pytest.fixture
+def cuda_faked_offloading(monkeypatch):
+    """Megatron's fine-grained offloading on the CPU: CUDA streams and events that do nothing
+    (the CPU runs in order), its 'is on CUDA' test widened to the CPU, no pinned memory, and the
+    TE flag it sets (``cpu_offload.CPUOffloadEnabled``) without TE. Everything else (warm-up,
+    which groups are offloaded, freeing the fc1 input's storage, reloading) is Megatron's code."""
+    import contextlib
+
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    class Stream:
+        def wait_stream(self, s):
+            pass
+
+        def wait_event(self, e):
+            pass
+
+        def record_event(self, e=None):
+            return e
+
+    class Event:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    monkeypatch.setattr(te_ext, "cpu_offload", SimpleNamespace(CPUOffloadEnabled=False), raising=False)
+    handler = fgo.ChunkOffloadHandler
+    monkeypatch.setattr(handler, "_can_manage_tensor_for_offload",
+                        staticmethod(lambda t: not isinstance(t, torch.nn.Parameter) and t.device.type == "cpu"))
+    offload = handler.offload
+    monkeypatch.setattr(handler, "offload", lambda self, src, pin_memory=True, use_cpu_pool=True:
+                        offload(self, src, pin_memory=False, use_cpu_pool=False))
+    yield
+    fgo.PipelineOffloadManager.OFFLOAD_MGR = None  # (made with the fake streams)
+
+
+@needs_megatron
+@pytest.mark.parametrize("shard", [True, False], ids=["ShardedWeight", "plain"])
+def test_megatron_offloading_steps_bitwise_on_cpu(mpu, cuda_faked_offloading, shard):
+    """tests/test_megatron_gpu.py's steps on the CPU: two chained TEGroupedMLPs, warm-up and
+    steady-state steps under Megatron's offloading (x's storage freed after fc1, reloaded for
+    backward) give bitwise the results of the same steps without it; no weight in the hooks."""
+    from megatron_steps import T, H, check_ours, run_steps, summary
+
+    ref = run_steps("fd", offload=False, shard=shard, device="cpu")
+    got = run_steps("fd", offload=True, shard=shard, device="cpu")
+    if shard:
+        check_ours(ref, got)
+    else:
+        assert got["error"] is None and ref["error"] is None, got.get("traceback") or ref.get("traceback")
+        assert not got["weights_through_hooks"] and got["hook_tensors"] > 0, summary(got)
+    steps = got["offloaded_bytes_per_step"]
+    assert steps[0] > steps[-1] >= T * H * 2, steps  # warm-up offloads both MLPs, then only the first
+    assert got["megatron_summary_bytes"]["expert_fc1"] == T * H * 2, got["megatron_summary_bytes"]
