@@ -60,8 +60,10 @@ def mpu():
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    from functional_dw.distributed import _free_port
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    import tempfile
+
+    store = os.path.join(tempfile.mkdtemp(), "store")  # (a file rendezvous: no port to race for)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     ps.initialize_model_parallel(1, 1)
     yield ps
     ps.destroy_model_parallel()

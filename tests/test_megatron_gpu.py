@@ -75,16 +75,18 @@ from megatron_steps import H, T, check_ours, differences, record, run_steps, sum
 
 @pytest.fixture(scope="module")
 def mpu():
-    """One NCCL rank (MASTER_ADDR/PORT from the environment, or a free local port) and
+    """One NCCL rank (a file rendezvous in a temporary folder) and
     Megatron's model-parallel state (all sizes 1)."""
     from megatron.core import parallel_state as ps
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(fdd._free_port()))
+    import tempfile
+
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    store = os.path.join(tempfile.mkdtemp(), "store")  # (a file rendezvous: no port to race for)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
     ps.initialize_model_parallel(1, 1)
     yield
     ps.destroy_model_parallel()
