@@ -192,19 +192,23 @@ def _fresh_outputs(out_leaves: tuple, in_leaves: tuple) -> tuple:
     in a custom Function", which autograd forbids modifying in place (``y += r``, an in-place
     activation, FSDP2 hooks). Nothing outside fwd sees its base, so ``detach()`` (the same
     storage, no copy, not a view) hands it out as a tensor of its own. A view of an input
-    keeps torch's rule (its base is the caller's tensor). (``_base``, not ``_is_view()``:
-    dynamo traces the one, not the other.)"""
+    keeps torch's rule (its base is the caller's tensor), and so does an output whose storage
+    another output shares (``(y, y[0])``, two views of one buffer): detached, an in-place
+    change to one would reach the other's value but not its gradient. (``_base``, not
+    ``_is_view()``: dynamo traces the one, not the other.)"""
     if not any(o._base is not None or any(o is t for t in in_leaves) for o in out_leaves):
         return out_leaves  # the common case: fresh tensors
-    return tuple(_fresh(o, in_leaves) for o in out_leaves)
+    return tuple(_fresh(o, in_leaves, out_leaves) for o in out_leaves)
 
 
-def _fresh(o: torch.Tensor, in_leaves: tuple) -> torch.Tensor:
+def _fresh(o: torch.Tensor, in_leaves: tuple, out_leaves: tuple) -> torch.Tensor:
     if any(o is t for t in in_leaves):
         return o.view_as(o)
     base = o._base
     if base is None or any(_is_tensor(t) and (base is t or base is t._base) for t in in_leaves):
         return o
+    if any(p is not o and (p is base or p._base is base) for p in out_leaves):
+        return o  # shares storage with another output: keep torch's rule for views
     return o.detach()
 
 
