@@ -46,6 +46,17 @@ def test_device_splits_are_clamped_in_one_launch(sizes, T, dtype):
     assert s._cache.get("fused") is not None, "the Triton path ran"
 
 
+@pytest.mark.parametrize("sizes,T", [([2**62, 2**62, 5], 10), ([3, 2**63 - 1, 2**63 - 1, 1], 9)])
+def test_device_counts_near_int64s_limit_do_not_wrap_in_the_triton_launch(sizes, T):
+    if triton is None:
+        pytest.skip("Triton is not installed")
+    s = Splits(host=None, tensor=torch.tensor(sizes, dtype=torch.int64, device="cuda"), device=torch.device("cuda"),
+               num_tokens=T, num_experts=len(sizes))
+    counts, ends = expected(sizes, T)
+    assert s.on_device().tolist() == counts and s.ends(torch.int32).tolist() == ends
+    assert s._cache.get("fused") is not None, "the Triton path ran"
+
+
 def test_grouped_mm_layer_with_bad_device_splits_does_not_assert():
     """Splits summing past T and a negative count: wrong rows, not a device-side assert."""
     x = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -183,7 +183,7 @@ class Splits:
             if fused is not None:
                 return fused[0]
             # ends minus starts (each expert starts where the clamped running sum before it ends)
-            sizes = self.tensor.to(self.device, torch.int64, non_blocking=True).clamp(min=0)
+            sizes = self.tensor.to(self.device, torch.int64, non_blocking=True).clamp(0, self.num_tokens)
             return self.ends(torch.int64) - (sizes.cumsum(0) - sizes).clamp(max=self.num_tokens)
 
         return self.cached("device", make)
@@ -192,8 +192,9 @@ class Splits:
         """``[E]`` end offsets ``[s0, s0+s1, ...]`` on the activations' device, no sync.
 
         NOTE: [Device splits are clamped] Counts known only on the device cannot be validated
-        without a sync, so they are made memory-safe instead: negatives count as 0, the
-        running sum stops at T, and the last expert ends at T (it takes any rows the counts
+        without a sync, so they are made memory-safe instead: negatives count as 0, each count
+        is capped at T before the running sum (which so cannot overflow), the running sum
+        stops at T, and the last expert ends at T (it takes any rows the counts
         leave over), so no kernel reads or writes past x and every row of y and dx is computed
         (the caller's bad splits give wrong rows, never a crash, garbage or NaN: torch's
         grouped GEMM would hit a device-side assert, which ends the process, or leave rows
@@ -206,8 +207,8 @@ class Splits:
             fused = self._fused() if dtype == torch.int32 else None
             if fused is not None:
                 return fused[1]
-            sizes = self.tensor.to(self.device, torch.int64, non_blocking=True).clamp(min=0)
-            running = sizes.cumsum(0)  # int64: int32 counts could overflow their running sum
+            sizes = self.tensor.to(self.device, torch.int64, non_blocking=True).clamp(0, self.num_tokens)
+            running = sizes.cumsum(0)  # int64 of counts <= T: no overflow (huge counts would wrap)
             if dtype == torch.int64 or torch.compiler.is_compiling():  # a compiler fuses these
                 # (a where, not running[-1:] = T: torch 2.11's inductor miscompiles that fill
                 # next to the clamp by the same T into C++ that does not build)

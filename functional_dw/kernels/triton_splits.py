@@ -28,7 +28,7 @@ if triton is not None:
     def _clamp_splits_kernel(s_ptr, counts_ptr, ends_ptr, E, T, BLOCK: tl.constexpr):
         i = tl.arange(0, BLOCK)
         valid = i < E
-        s = tl.maximum(tl.load(s_ptr + i, mask=valid, other=0).to(tl.int64), 0)
+        s = tl.minimum(tl.maximum(tl.load(s_ptr + i, mask=valid, other=0).to(tl.int64), 0), T)  # no overflow
         running = tl.cumsum(s, axis=0)
         ends = tl.where(i == E - 1, T, tl.minimum(running, T))  # the last expert ends at T
         starts = tl.minimum(running - s, T)
@@ -37,7 +37,8 @@ if triton is not None:
 
 
 def clamp_splits(splits_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(counts int64 ``[E]``, ends int32 ``[E]``): negatives count as 0, the running sum
+    """(counts int64 ``[E]``, ends int32 ``[E]``): negatives count as 0, each count is
+    capped at ``num_tokens`` (so the int64 running sum cannot overflow), the running sum
     stops at ``num_tokens`` and the last expert ends there. None where Triton cannot run it (the caller uses torch ops)."""
     E = splits_E.shape[0]
     if triton is None or not splits_E.is_cuda or not 0 < E <= _MAX_EXPERTS:
