@@ -1,31 +1,130 @@
-"""Rowwise quantization kernels on the H200: bitwise vs the reference, time of quantize_activation
-(rowwise + columnwise) per launch config, and the layer step vs bf16 (rw_prof)."""
+"""Rowwise quantization kernels on the H200: bitwise vs the reference, the time of
+quantize_activation (both copies) per launch config, against a bf16 copy of the same tensor
+(the bandwidth one read and one write get). ``python benchmarks/rowwise_quantize_sweep.py [old]``
+(``old``: a module at benchmarks/_old_triton_rowwise.py timed alongside, if present)."""
+import itertools
+import sys
+
 import torch
+
 from functional_dw import fp8
 from functional_dw.fp8 import rowwise as ref
 from functional_dw.kernels import triton_rowwise as tr
+
 spec = fp8.tensor_spec(fp8.RowwiseScaling(), "input")
+SHAPES = [(65536, 4096, 128), (65536, 1536, 128), (32768, 4096, 32), (65536, 4096, 8), (8192, 2048, 8)]
+CAST = [dict(CAST_BT=bt, CAST_WARPS=w, BD=bd) for bt, w, bd in itertools.product((32, 64, 128), (4, 8), (64, 128))]
+AMAX = [dict(RB=rb, BT=bt, AMAX_WARPS=w) for rb, bt, w in itertools.product((128, 256, 512), (16, 32, 64), (4, 8))]
+
+
 def ev_time(fn, n=20):
-    for _ in range(3): fn()
+    for _ in range(3):
+        fn()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
-    for _ in range(n): fn()
-    b.record(); torch.cuda.synchronize()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
     return a.elapsed_time(b) / n * 1e3
-base = dict(tr.CONFIG)
-cfgs = [{}, dict(BD=256), dict(CAST_BT=64)]
-for T, D, E in [(32768, 4096, 32), (32768, 1536, 32), (65536, 4096, 8), (65536, 1536, 128), (8192, 2048, 8)]:
-    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-    sizes = torch.full((E,), T // E, device="cuda"); sizes[::3] += 5; sizes[1::3] -= 5; sizes[0] += T - int(sizes.sum())
-    ends = sizes.cumsum(0).to(torch.int32); pends = ref.padded_ends(sizes)
-    want = ref.quantize_activation(x, ends, pends, spec, rowwise=True, columnwise=True)
-    out = []
-    for c in cfgs:
-        tr.CONFIG.clear(); tr.CONFIG.update(base, **c)
-        got = tr.quantize_activation(x, ends, pends, spec, rowwise=True, columnwise=True)
-        ok = all(torch.equal(getattr(got, n).float(), getattr(want, n).float()) for n in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"))
-        us = ev_time(lambda: tr.quantize_activation(x, ends, pends, spec, rowwise=True, columnwise=True))
-        out.append(f"{c or 'current'}: {us:.0f} us ({6 * T * D / us / 1e3:.0f} GB/s eff){'' if ok else ' NOT BITWISE'}")
-    print(f"== {T}x{D} E={E}:", " | ".join(out), flush=True)
-tr.CONFIG.clear(); tr.CONFIG.update(base)
+
+
+def case(T, D, E):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    sizes = torch.full((E,), T // E, device="cuda")
+    sizes[::3] += 5
+    sizes[1::3] -= 5
+    sizes[0] += T - int(sizes.sum())
+    return x, sizes.cumsum(0).to(torch.int32), ref.padded_ends(sizes)
+
+
+def run(mod, x, ends, pends, want):
+    got = mod.quantize_activation(x, ends, pends, spec, rowwise=True, columnwise=True)
+    ok = all(torch.equal(getattr(got, n).float(), getattr(want, n).float())
+             for n in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"))
+    return ev_time(lambda: mod.quantize_activation(x, ends, pends, spec, rowwise=True, columnwise=True)), ok
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _bare_cast(x_ptr, row_ptr, col_ptr, T, D, BT: tl.constexpr, BD: tl.constexpr):
+        """The cast kernel's memory traffic alone: a tile in, its FP8 copy and its transpose out."""
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        cols = tl.program_id(1) * BD + tl.arange(0, BD)
+        m = (rows < T)[:, None] & (cols < D)[None, :]
+        v = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        f = v.to(tl.float8e4nv)
+        tl.store(row_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], f, mask=m)
+        tl.store(col_ptr + cols[None, :].to(tl.int64) * T + rows[:, None], f, mask=m)
+except ImportError:
+    triton = None
+
+
+def bare(x, BT, BD, warps):
+    T, D = x.shape
+    row = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=x.device)
+    col = torch.empty(D, T, dtype=torch.float8_e4m3fn, device=x.device)
+    return lambda: _bare_cast[(triton.cdiv(T, BT), triton.cdiv(D, BD))](x, row, col, T, D, BT=BT, BD=BD, num_warps=warps)
+
+
+def kernel_times(mod, x, ends, pends):
+    """Each kernel's mean time (us) over 10 quantizations, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            mod.quantize_activation(x, ends, pends, spec, rowwise=True, columnwise=True)
+        torch.cuda.synchronize()
+    return ", ".join(f"{e.key[:40]} {e.device_time_total / 10:.0f}" for e in prof.key_averages() if e.device_time_total > 0)
+
+
+def main():
+    mods = [("new", tr)]
+    if "old" in sys.argv[1:]:
+        sys.path.insert(0, "benchmarks")
+        import _old_triton_rowwise as old
+        mods.append(("old", old))
+    base = dict(tr.CONFIG)
+    best_cast = {}
+    for T, D, E in SHAPES:
+        x, ends, pends = case(T, D, E)
+        want = ref.quantize_activation(x, ends, pends, spec, rowwise=True, columnwise=True)
+        copy = ev_time(lambda: x.clone())
+        amax = ev_time(lambda: x.abs().amax(0))
+        b = min((ev_time(bare(x, *c)), c) for c in itertools.product((32, 64, 128), (64, 128), (4, 8)))
+        line = [f"copy {copy:.0f} us ({4 * T * D / copy / 1e3:.0f} GB/s)", f"torch abs+amax(0) {amax:.0f} us",
+                f"bare cast {b[0]:.0f} us ({4 * T * D / b[0] / 1e3:.0f} GB/s, BT,BD,warps={b[1]})"]
+        for name, m in mods:
+            us, ok = run(m, x, ends, pends, want)
+            line.append(f"{name} {us:.0f} us ({6 * T * D / us / 1e3:.0f} GB/s eff, {us / copy:.2f}x copy)"
+                        f"{'' if ok else ' NOT BITWISE'}")
+        print(f"== {T}x{D} E={E}:", " | ".join(line), flush=True)
+        res = []
+        for c in CAST:
+            tr.CONFIG.clear()
+            tr.CONFIG.update(base, **c)
+            res.append((*run(tr, x, ends, pends, want), c))
+        res.sort(key=lambda r: r[0])
+        print("   cast configs, best first:", "; ".join(f"{c} {us:.0f}{'' if ok else ' NOT BITWISE'}" for us, ok, c in res[:6]),
+              flush=True)
+        best_cast[(T, D, E)] = res[0][2]
+        ares = []
+        for a in AMAX:
+            tr.CONFIG.clear()
+            tr.CONFIG.update(base, **res[0][2], **a)
+            ares.append((*run(tr, x, ends, pends, want), a))
+        ares.sort(key=lambda r: r[0])
+        print("   amax configs (with the best cast), best first:",
+              "; ".join(f"{c} {us:.0f}{'' if ok else ' NOT BITWISE'}" for us, ok, c in ares[:4]), flush=True)
+        tr.CONFIG.clear()
+        tr.CONFIG.update(base)
+        print("   kernels (new, current config):", kernel_times(tr, x, ends, pends), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,8 +6,8 @@ token, over D) and columnwise (one scale per expert and feature, over the expert
 written transposed into padded token columns). A scale must be known before its first cast,
 and the columnwise amax spans an expert's tokens, so the work is:
 
-1. ``_amax_kernel`` (one read of x): per ``[512, 128]`` block, each row's partial amax (the
-   cast kernel takes the max of a row's partials) and the per-expert column amaxes
+1. ``_amax_kernel`` (one read of x): per ``[512, 128]`` block, each row's amax over the
+   block's columns (``atomic_max`` into ``[R]``) and the per-expert column amaxes
    (``atomic_max`` into ``[E, D]``, once per block and expert).
 2. ``_cast_kernel`` (one more read of x): both casts from one load of each tile, the inverse
    scales, and the zeros of the padded columns. Its tiles run over the columnwise layout's
@@ -28,6 +28,8 @@ second read is the price of the fast GEMM; the first pass writes nothing but ama
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -61,9 +63,14 @@ if triton is not None:
         return tl.where(special, 1.0, s)
 
     @triton.jit
-    def _cast(v, fp8_max):
-        sat = tl.minimum(tl.maximum(v, -fp8_max), fp8_max)
-        return tl.where(v != v, v, sat).to(tl.float8e4nv)
+    def _cast(v, fp8_max, SAT: tl.constexpr):
+        """NOTE: [Saturating casts] The recipe's cast saturates at +-fp8_max and keeps NaN. On
+        sm_90 Triton's conversion is ``cvt.rn.satfinite.e4m3x2.f32``, which does exactly that,
+        so the kernel spells out the clamp (four operations per element, 20% of the cast
+        kernel's time on the H200) only where Triton's CPU interpreter runs it (SAT)."""
+        if SAT:
+            v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -fp8_max), fp8_max))
+        return v.to(tl.float8e4nv)
 
     @triton.jit
     def _group_of(rows, ends_ptr, E, EB: tl.constexpr):
@@ -73,11 +80,11 @@ if triton is not None:
         return tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
 
     @triton.jit
-    def _amax_kernel(x_ptr, stride_x, ends_ptr, row_part_ptr, col_amax_ptr, T, D, E, n_part,
+    def _amax_kernel(x_ptr, stride_x, ends_ptr, row_amax_ptr, col_amax_ptr, T, D, E,
                      ROWS: tl.constexpr, COLS: tl.constexpr, RB: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                      EB: tl.constexpr):
-        """One ``[RB, BD]`` block of rows: each row's max over the block's columns into
-        ``row_part[row, block]`` (the cast kernel finishes the row), and each expert's column
+        """One ``[RB, BD]`` block of rows: each row's max over the block's columns
+        ``atomic_max``-ed into ``row_amax [R]`` (zeros to start), and each expert's column
         maxes ``atomic_max``-ed into ``col_amax [E, D]``: once per block when its rows lie in
         one expert (the usual case: a running elementwise max, reduced at the end), else per
         ``BT`` rows and expert."""
@@ -97,7 +104,7 @@ if triton is not None:
             a = tl.abs(v)
             a = tl.where(a != a, 0.0, a)  # amaxes skip NaN
             if ROWS:
-                tl.store(row_part_ptr + rows.to(tl.int64) * n_part + tl.program_id(1), tl.max(a, axis=1), mask=rmask)
+                tl.atomic_max(row_amax_ptr + rows, tl.max(a, axis=1), mask=rmask)
             if COLS:
                 if g_first == g_last:
                     acc = tl.maximum(acc, a)
@@ -113,11 +120,11 @@ if triton is not None:
                 tl.atomic_max(col_amax_ptr + g_first * D + cols, tl.max(acc, axis=0), mask=cmask)
 
     @triton.jit
-    def _cast_kernel(x_ptr, stride_x, ends_ptr, pends_ptr, row_part_ptr, col_amax_ptr,
+    def _cast_kernel(x_ptr, stride_x, ends_ptr, pends_ptr, row_amax_ptr, col_amax_ptr,
                      row_out_ptr, row_sinv_ptr, col_out_ptr, col_sinv_ptr,
-                     P, D, E, n_part, col_stride_g, col_stride_d, col_shift_g, fp8_max, eps,
+                     P, D, E, col_stride_g, col_stride_d, col_shift_g, fp8_max, eps,
                      ROWS: tl.constexpr, COLS: tl.constexpr, POW2: tl.constexpr,
-                     BT: tl.constexpr, BD: tl.constexpr, EB: tl.constexpr, NP: tl.constexpr):
+                     BT: tl.constexpr, BD: tl.constexpr, EB: tl.constexpr, SAT: tl.constexpr):
         """One tile of ``BT`` positions of the columnwise layout by ``BD`` features. Position
         ``p`` is expert ``g``'s token ``p - pstart[g]`` (``pends``: the padded ends; the rows'
         own ends for weights), so the transposed store runs along ``p``, contiguous and aligned
@@ -151,11 +158,8 @@ if triton is not None:
         m = valid[:, None] & cmask[None, :]
         v = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
         if ROWS:
-            parts = tl.arange(0, NP)
-            part = tl.load(row_part_ptr + rows[:, None].to(tl.int64) * n_part + parts[None, :],
-                           mask=valid[:, None] & (parts < n_part)[None, :], other=0.0)
-            s_r = _scale(tl.max(part, axis=1), fp8_max, eps, POW2)
-            tl.store(row_out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], _cast(v * s_r[:, None], fp8_max), mask=m)
+            s_r = _scale(tl.load(row_amax_ptr + rows, mask=valid, other=0.0), fp8_max, eps, POW2)
+            tl.store(row_out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], _cast(v * s_r[:, None], fp8_max, SAT), mask=m)
             if pid_d == 0:
                 tl.store(row_sinv_ptr + rows, 1.0 / s_r, mask=valid)
         if COLS:
@@ -164,22 +168,27 @@ if triton is not None:
                 amax_d = tl.load(col_amax_ptr + g_first * D + cols, mask=cmask & (cols * 0 + g_first < E), other=0.0)
                 dest = g_first.to(tl.int64) * (col_stride_g - col_shift_g) + cols[None, :].to(tl.int64) * col_stride_d \
                     + pos[:, None]
-                tl.store(col_out_ptr + dest, _cast(v * _scale(amax_d, fp8_max, eps, POW2)[None, :], fp8_max), mask=col_ok)
+                tl.store(col_out_ptr + dest, _cast(v * _scale(amax_d, fp8_max, eps, POW2)[None, :], fp8_max, SAT), mask=col_ok)
             else:
                 amax_td = tl.load(col_amax_ptr + g[:, None] * D + cols[None, :], mask=inside[:, None] & cmask[None, :],
                                   other=0.0)
                 dest = (g.to(tl.int64) * (col_stride_g - col_shift_g))[:, None] \
                     + cols[None, :].to(tl.int64) * col_stride_d + pos[:, None]
-                tl.store(col_out_ptr + dest, _cast(v * _scale(amax_td, fp8_max, eps, POW2), fp8_max), mask=col_ok)
+                tl.store(col_out_ptr + dest, _cast(v * _scale(amax_td, fp8_max, eps, POW2), fp8_max, SAT), mask=col_ok)
             for e in range(tl.program_id(0), E, tl.num_programs(0)):  # each expert's inverse scales, once
                 amax_e = tl.load(col_amax_ptr + e * D + cols, mask=cmask, other=0.0)
                 tl.store(col_sinv_ptr + e * D + cols, 1.0 / _scale(amax_e, fp8_max, eps, POW2), mask=cmask)
 
 
 # Launch shapes: rows per amax program, rows per tile (amax loop step), columns per tile, the
-# cast kernel's rows per tile, warps of each kernel (benchmarks/results/fp8_rowwise: the sweeps
-# on the H200 that chose them).
-CONFIG = dict(RB=512, BT=64, BD=128, CAST_BT=32, AMAX_WARPS=4, CAST_WARPS=4)
+# cast kernel's rows per tile, warps of each kernel (benchmarks/rowwise_quantize_sweep.py; its
+# runs on the H200 that chose them are in benchmarks/results/fp8_rowwise/quantize_sweep_*.log).
+CONFIG = dict(RB=256, BT=32, BD=128, CAST_BT=64, AMAX_WARPS=4, CAST_WARPS=4)
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs the kernels in its CPU interpreter (NOTE: [Saturating casts])."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
 
 
 def _launch(t2d: torch.Tensor, ends: torch.Tensor, pends: torch.Tensor, E: int, spec, rowwise: bool,
@@ -193,27 +202,29 @@ def _launch(t2d: torch.Tensor, ends: torch.Tensor, pends: torch.Tensor, E: int, 
     dev = t2d.device
     c = CONFIG
     EB = max(16, triton.next_power_of_2(E))
-    n_part = triton.cdiv(D, c["BD"])
-    row_part = torch.empty(R if rowwise else 1, n_part, dtype=torch.float32, device=dev)
-    col_amax = torch.zeros(E if columnwise else 1, D, dtype=torch.float32, device=dev)
-    row_out = torch.empty(R, D, dtype=spec.fp8_dtype, device=dev) if rowwise else row_part
-    row_sinv = torch.empty(R, dtype=torch.float32, device=dev) if rowwise else row_part
-    col_sinv = torch.empty(E, D, dtype=torch.float32, device=dev) if columnwise else row_part
+    # the amaxes the first kernel max-es into, zeros from one launch: columns [E, D], rows [R]
+    n_col = E * D if columnwise else 0
+    amaxes = torch.zeros(n_col + (R if rowwise else 0) + 1, dtype=torch.float32, device=dev)
+    col_amax, row_amax = amaxes[:max(n_col, 1)], amaxes[n_col:]
+    row_out = torch.empty(R, D, dtype=spec.fp8_dtype, device=dev) if rowwise else None
+    row_sinv = torch.empty(R, dtype=torch.float32, device=dev) if rowwise else None
+    col_sinv = torch.empty(E, D, dtype=torch.float32, device=dev) if columnwise else None
     if not D and rowwise:  # rows of no features: every amax is 0, scale 1 (as the reference)
         row_sinv.fill_(1.0)
     if D and (R or columnwise):
+        n_part = triton.cdiv(D, c["BD"])
         with torch.cuda.device(dev):
             if R:
                 _amax_kernel[(triton.cdiv(R, c["RB"]), n_part)](
-                    t2d, t2d.stride(0), ends, row_part, col_amax, R, D, E, n_part, ROWS=rowwise, COLS=columnwise,
+                    t2d, t2d.stride(0), ends, row_amax, col_amax, R, D, E, ROWS=rowwise, COLS=columnwise,
                     RB=c["RB"], BT=c["BT"], BD=c["BD"], EB=EB, num_warps=c["AMAX_WARPS"])
             _cast_kernel[(triton.cdiv(max(P if columnwise else R, 1), c["CAST_BT"]), n_part)](
-                t2d, t2d.stride(0), ends, pends if columnwise else ends, row_part, col_amax,
-                row_out, row_sinv, col_out if col_out is not None else row_part, col_sinv,
-                P if columnwise else R, D, E, n_part, col_stride_g, col_stride_d, col_shift_g, spec.fp8_max,
+                t2d, t2d.stride(0), ends, pends if columnwise else ends, row_amax, col_amax,
+                amaxes if row_out is None else row_out, amaxes if row_sinv is None else row_sinv,
+                amaxes if col_out is None else col_out, amaxes if col_sinv is None else col_sinv,
+                P if columnwise else R, D, E, col_stride_g, col_stride_d, col_shift_g, spec.fp8_max,
                 float(spec.amax_epsilon), ROWS=rowwise, COLS=columnwise, POW2=spec.power_2_scale,
-                BT=c["CAST_BT"], BD=c["BD"], EB=EB, NP=max(2, triton.next_power_of_2(n_part)),
-                num_warps=c["CAST_WARPS"])
+                BT=c["CAST_BT"], BD=c["BD"], EB=EB, SAT=_interpreting(), num_warps=c["CAST_WARPS"])
     return (row_out if rowwise else None), (row_sinv if rowwise else None), (col_sinv if columnwise else None)
 
 
