@@ -223,6 +223,48 @@ def test_parameters_init_attributes_and_state_dict(mpu):
     assert all(torch.equal(a, b) for a, b in zip(other.parameters(), mlp.parameters()))
 
 
+
+def _param_attributes(module):
+    names = ("allreduce", "tensor_model_parallel", "partition_dim", "partition_stride")
+    return {n: {a: getattr(p, a) for a in names if hasattr(p, a)} for n, p in module.named_parameters()}
+
+
+@needs_megatron
+@pytest.mark.parametrize("single", [False, True], ids=["per-expert", "single_grouped_weight"])
+@pytest.mark.parametrize("how", ["to_empty", "swap_tensors", "assign"])
+def test_megatron_attributes_survive_new_parameter_objects(mpu, monkeypatch, how, single):
+    """Megatron's parameter attributes (DDP reads ``allreduce`` to pick the expert-DP group, the
+    grad norm ``tensor_model_parallel``) stay on the parameters when torch makes new parameter
+    objects: meta -> CPU by ``to_empty`` (Megatron's meta-device init), ``.to()`` with
+    swap_tensors on, ``load_state_dict(assign=True)``."""
+    def config(**kw):
+        c = _config(**kw)
+        c.moe_single_grouped_weight = c.moe_single_grouped_bias = single  # (after __post_init__'s TE check)
+        return c
+
+    ref = _mlp(config())
+    want = _param_attributes(ref)
+    assert all(a["allreduce"] is True and "tensor_model_parallel" in a for a in want.values()), want
+    if how == "to_empty":
+        mlp = _mlp(config(use_cpu_initialization=False, init_model_with_meta_device=True))
+        assert all(p.is_meta for p in mlp.parameters()) and _param_attributes(mlp) == want
+        mlp.to_empty(device="cpu")
+        for m in (mlp.linear_fc1, mlp.linear_fc2):
+            m.reset_parameters()
+    elif how == "swap_tensors":
+        mlp = _mlp(config())
+        monkeypatch.setattr(torch.__future__, "get_swap_module_params_on_conversion", lambda: True)
+        mlp.to(torch.bfloat16)
+        assert all(p.dtype == torch.bfloat16 for p in mlp.parameters())
+    else:
+        mlp = _mlp(config())
+        mlp.load_state_dict({k: v.clone() for k, v in ref.state_dict().items()}, assign=True)
+        assert all(torch.equal(a, b) for a, b in zip(mlp.parameters(), ref.parameters()))
+    assert all(p.device.type == "cpu" for p in mlp.parameters())
+    assert _param_attributes(mlp) == want
+    x, probs = _inputs(3)
+    mlp(x.to(next(mlp.parameters()).dtype), torch.tensor(SPLITS), probs)[0].sum().backward()  # still runs
+
 @needs_megatron
 def test_sharded_state_dict_maps_each_expert(mpu):
     mlp = _mlp(_config(gated_linear_unit=False, activation_func=F.gelu))  # (GLU's fc1 becomes a factory)
