@@ -148,6 +148,10 @@ class GroupedLinear(nn.GroupedLinear):
                              "(as TEGroupedLinear); build them through TEGroupedMLP (is_expert=True)")
         if parallel_mode not in ("column", "row", None):
             raise ValueError(f"parallel_mode must be 'column', 'row' or None, got {parallel_mode!r}")
+        if not hasattr(config, "params_dtype"):
+            raise TypeError(f"config must be Megatron's TransformerConfig, got {type(config).__name__}")
+        if not callable(init_method):  # (None would leave the weights as uninitialized memory)
+            raise TypeError(f"init_method must be callable (Megatron passes config.init_method), got {init_method!r}")
         _refuse_unsupported(config)
         if pg_collection is None:
             pg_collection = mc["ProcessGroupCollection"].use_mpu_process_groups()

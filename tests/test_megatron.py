@@ -362,6 +362,42 @@ def test_expert_tensor_parallelism_and_non_experts_refused(mpu):
         GroupedLinear(E, H, FFN, parallel_mode="duplicated", is_expert=True, **kw)
 
 
+
+@needs_megatron
+def test_hostile_constructor_arguments_and_forward_inputs(mpu):
+    """Bad arguments raise ValueError/TypeError naming them (m_splits is the functional API's
+    ``splits``); a CPU m_splits tensor (what TEGroupedMLP has before ``.tolist()``) runs."""
+    from functional_dw.megatron import ColumnParallelGroupedLinear
+
+    kw = dict(config=_config(), init_method=torch.nn.init.normal_, bias=True, skip_bias_add=False, is_expert=True)
+    for bad, error, match in [(dict(num_gemms=0), ValueError, "num_gemms must be an int >= 1, got 0"),
+                              (dict(num_gemms=2.0), TypeError, "num_gemms must be an int"),
+                              (dict(config=None), TypeError, "config must be Megatron's TransformerConfig"),
+                              (dict(init_method=None), TypeError, "init_method must be callable")]:
+        with pytest.raises(error, match=match):
+            ColumnParallelGroupedLinear(**{"num_gemms": E, "input_size": H, "output_size": FFN, **kw, **bad})
+    fc1 = ColumnParallelGroupedLinear(E, H, FFN, **kw)
+    x = torch.randn(sum(SPLITS), H)
+    want = fc1(x, SPLITS)[0]
+    for splits in (torch.tensor(SPLITS), torch.tensor(SPLITS, dtype=torch.int32), tuple(SPLITS)):
+        assert torch.equal(fc1(x, splits)[0], want)
+    for splits, error, match in [
+        ([3.0, 0, 5, 2], TypeError, r"splits\[0\] is 3.0 \(float\)"),
+        ("3052", TypeError, "splits must be a list/tuple of ints or a 1-D integer tensor, got str"),
+        (None, TypeError, "got NoneType"),
+        (torch.tensor([3.0, 0, 5, 2]), TypeError, "splits tensor must be 1-D int32 or int64"),
+        (torch.tensor(SPLITS, device="meta"), ValueError, "splits is a tensor on the meta device"),
+        ([3, 0, 5, 3], ValueError, "splits sum to 11 but x has 10 rows"),
+        (torch.tensor([3, 0, 5, 1]), ValueError, "splits sum to 9 but x has 10 rows"),
+        ([3, 0, 7], ValueError, "splits has 3 entries but there are 4 experts"),
+    ]:
+        with pytest.raises(error, match=match):
+            fc1(x, splits)
+    with pytest.raises(TypeError, match=r"weights\[0\] has dtype torch.float32 but x has torch.bfloat16"):
+        fc1(x.bfloat16(), SPLITS)
+    with pytest.raises(TypeError, match="x must be float32, bfloat16, float16 or float64, got torch.int64"):
+        fc1(x.long(), SPLITS)
+
 @needs_megatron
 def test_fp8_follows_the_te_autocast_megatron_enters(mpu):
     """config.fp8 with a supported recipe: the layer takes the recipe from TE's autocast
