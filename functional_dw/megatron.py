@@ -23,7 +23,11 @@ What each Megatron setting does here (the rest of :class:`GroupedLinear`'s docst
   on the device TE would use; weights drawn with ``init_method`` under Megatron's expert RNG
   tracker (when it is initialized), biases zero, as TE's class does; Megatron's parameter
   attributes (``allreduce``, ``tensor_model_parallel``, ``partition_dim``,
-  ``partition_stride``) set by Megatron's own ``_set_expert_parameter_attributes``.
+  ``partition_stride``) set by Megatron's own ``_set_expert_parameter_attributes``. They (and any
+  other attribute a parameter carries) survive what makes new parameter objects: ``to_empty`` or
+  Megatron's ``to_empty_if_meta_device`` from the meta device, ``.to()`` under
+  ``torch.__future__.set_swap_module_params_on_conversion(True)``, ``load_state_dict(assign=True)``
+  (re-attached as TE's ``_apply`` re-attaches its quantized parameters' attributes).
 - ``_extra_state`` in TE's format; ``sharded_state_dict`` per expert as ``TEGroupedLinear``
   builds it (Megatron's ``make_sharded_tensors_for_checkpoint``); loading accepts (and drops)
   the ``_extra_state1..`` keys a distributed checkpoint adds.
@@ -51,7 +55,8 @@ This module imports without megatron-core; megatron-core is imported by the cons
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -143,6 +148,10 @@ class GroupedLinear(nn.GroupedLinear):
                              "(as TEGroupedLinear); build them through TEGroupedMLP (is_expert=True)")
         if parallel_mode not in ("column", "row", None):
             raise ValueError(f"parallel_mode must be 'column', 'row' or None, got {parallel_mode!r}")
+        if not hasattr(config, "params_dtype"):
+            raise TypeError(f"config must be Megatron's TransformerConfig, got {type(config).__name__}")
+        if not callable(init_method):  # (None would leave the weights as uninitialized memory)
+            raise TypeError(f"init_method must be callable (Megatron passes config.init_method), got {init_method!r}")
         _refuse_unsupported(config)
         if pg_collection is None:
             pg_collection = mc["ProcessGroupCollection"].use_mpu_process_groups()
@@ -207,6 +216,16 @@ class GroupedLinear(nn.GroupedLinear):
             return y, [bias.to(x.dtype) for bias in self.biases()]
         return y, None
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """Converted parameters keep their attributes (see :func:`_kept_attributes`)."""
+        with _kept_attributes(self):
+            return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        """Assigned parameters (``assign=True``) keep the attributes of those they replace."""
+        with _kept_attributes(self):
+            super()._load_from_state_dict(*args, **kwargs)
+
     def backward_dw(self) -> None:
         """A no-op: the weight grads are computed in backward (``delay_wgrad_compute`` is refused)."""
 
@@ -253,6 +272,22 @@ class GroupedLinear(nn.GroupedLinear):
                 rank = mc["get_pg_rank"](pgs.expt_dp)
             sh.replica_id = (*sh.replica_id[:2], rank)
         return out
+
+
+@contextlib.contextmanager
+def _kept_attributes(module: torch.nn.Module) -> Iterator[None]:
+    """Re-attach each parameter's Python attributes (Megatron's ``allreduce``, ``partition_dim``,
+    ...) to the parameter of that name afterwards, where it is a new object without them: torch
+    makes new parameters from meta tensors (``to_empty``), under ``swap_tensors`` (which swaps
+    ``__dict__`` too) and for ``load_state_dict(assign=True)``. What the new one has is kept."""
+    kept = {n: dict(vars(p)) for n, p in module._parameters.items() if p is not None}
+    yield
+    for n, attrs in kept.items():
+        new = module._parameters.get(n)
+        if new is not None:
+            for k, v in attrs.items():
+                if k not in vars(new):
+                    setattr(new, k, v)
 
 
 def _drop_split_extra_states(module: GroupedLinear, state_dict: dict, prefix: str, *args: Any) -> None:

@@ -243,3 +243,64 @@ def test_argument_errors():
     blob = torch.frombuffer(bytearray(pickle.dumps([1, 2])), dtype=torch.uint8)
     with pytest.raises(ValueError, match="holds a dict"):
         read_extra_state(blob)
+
+
+def _decoded(extra):
+    d = read_extra_state(extra)
+    return d["recipe"], d["extra_fp8_variables"], [d[k] for k in ("scale_fwd", "amax_history_fwd", "scale_bwd",
+                                                                 "amax_history_bwd")]
+
+
+@pytest.mark.parametrize("via", ["torch.save", "save_checkpoint"])
+@pytest.mark.parametrize("kind", ["linear", "grouped"])
+def test_module_round_trip_restores_the_state_and_the_next_steps_bitwise(kind, via, tmp_path):
+    """A module saved mid-training (updates still pending) and loaded into a fresh one steps on
+    bitwise as its twin that was never saved: equal decoded state (recipe, TE's extra
+    variables, scales, amax histories), forward outputs and grads. The ``_extra_state`` bytes
+    themselves need not be equal, not even for one state encoded twice: pickle writes each
+    tensor's storage under a key from its address."""
+    from conftest import assert_same
+
+    from functional_dw import nn as fnn
+    from functional_dw.distributed import load_checkpoint, save_checkpoint
+
+    E, K, N, splits = 3, 32, 16, [16, 0, 32]
+    recipe = DelayedScaling(amax_history_len=4, margin=1, fp8_format=Format.E4M3)
+
+    def module():
+        torch.manual_seed(0)
+        return fnn.Linear(K, N, recipe=recipe) if kind == "linear" else fnn.GroupedLinear(E, K, N, recipe=recipe)
+
+    def step(m, s):
+        g = torch.Generator().manual_seed(s)
+        x = (torch.randn(sum(splits), K, generator=g) * (s + 1)).requires_grad_()
+        y = m(x) if kind == "linear" else m(x, splits)
+        y.backward(torch.randn(y.shape, generator=g))
+        out = [y.detach(), x.grad, *(p.grad for p in m.parameters())]
+        with torch.no_grad():
+            for p in m.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+        return out
+
+    def buffers(m):
+        return [getattr(m, f"fp8_{k}") for k in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")]
+
+    saved, twin = module(), module()
+    for s in range(3):
+        assert_same(step(saved, s), step(twin, s))
+    assert saved._fp8_pending == {"fwd", "bwd"}  # the last step's updates, applied by the save
+    loaded = module()
+    if via == "torch.save":
+        torch.save(saved.state_dict(), tmp_path / "sd.pt")
+        loaded.load_state_dict(torch.load(tmp_path / "sd.pt"))
+    else:
+        save_checkpoint(saved, tmp_path / "ckpt")
+        load_checkpoint(loaded, tmp_path / "ckpt")
+    want, got = _decoded(twin.get_extra_state()), _decoded(loaded.get_extra_state())
+    assert got[:2] == want[:2] and got[0] == recipe
+    assert_same(got[2], want[2])
+    assert_same(buffers(loaded), buffers(twin))
+    for s in range(3, 6):
+        assert_same(step(loaded, s), step(twin, s), f"step {s}")
+    assert_same(buffers(loaded), buffers(twin))
