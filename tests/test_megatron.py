@@ -416,10 +416,6 @@ def test_fp8_follows_the_te_autocast_megatron_enters(mpu):
 
 
 @needs_megatron
-@pytest.mark.xfail(strict=True, reason="importing megatron.core replaces torch.storage._load_from_bytes by "
-                   "megatron.core.safe_globals.safe_load_from_bytes, so every pickled tensor (ours and TE's "
-                   "_extra_state) names it, and functional_dw/fp8/extra_state.py's allow-list refuses it: needs "
-                   "that name mapped to its _load_storage there (the same weights_only load)")
 def test_fp8_extra_state_round_trip_in_a_megatron_process(mpu):
     """An FP8 delayed-scaling _extra_state written in a process that imported megatron.core (a
     Megatron run) loads: the checkpoint of a Megatron+TE run, or our own layers' state_dict."""

@@ -83,6 +83,9 @@ def _load_storage(data: bytes) -> Any:
 _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
     ("torch.storage", "_load_from_bytes"): _load_storage,
+    # importing megatron.core swaps torch.storage._load_from_bytes for this name (the same
+    # weights_only load), so tensors pickled in a Megatron process name it
+    ("megatron.core.safe_globals", "safe_load_from_bytes"): _load_storage,
     ("collections", "OrderedDict"): OrderedDict,
     ("copyreg", "_reconstructor"): copyreg._reconstructor,
     ("builtins", "object"): object,
