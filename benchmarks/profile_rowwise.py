@@ -1,15 +1,20 @@
 """fd's RowwiseScaling vs fd bf16 auto, each alone (20 steps back to back, CUDA events), and per-step
 CUDA kernel times (torch.profiler), at one or more shapes:
 
-    python3 benchmarks/profile_rowwise.py [E,H,F,T ...] [--no-table]
+    python3 benchmarks/profile_rowwise.py [E,H,F,T ...] [--no-table] [KEY=VALUE ...]
 
-``--no-table``: the ms per step only (what ``results/fp8_rowwise/alone_by_commit.log`` ran at each commit)."""
+``KEY=VALUE``: a launch CONFIG entry of ``kernels/triton_rowwise.py``. ``--no-table``: the ms per step only (what ``results/fp8_rowwise/alone_by_commit.log`` ran at each commit)."""
 import sys, torch, functional_dw as fd
 from functional_dw import fp8
 from torch.profiler import profile, ProfilerActivity
 
-args = [a for a in sys.argv[1:] if not a.startswith("--")]
+args = [a for a in sys.argv[1:] if not a.startswith("--") and "=" not in a]
 table = "--no-table" not in sys.argv
+for kv in (a for a in sys.argv[1:] if "=" in a):  # KEY=VALUE: a launch CONFIG entry of kernels/triton_rowwise.py
+    from functional_dw.kernels import triton_rowwise
+    k, v = kv.split("=")
+    triton_rowwise.CONFIG[k] = {"True": True, "False": False}.get(v) if v in ("True", "False") else int(v)
+    print("CONFIG", triton_rowwise.CONFIG, flush=True)
 print("package:", fd.__file__, flush=True)  # (which checkout ran)
 for shape in args or ["32,4096,1536,32768"]:
     E, H, F, T = map(int, shape.split(","))

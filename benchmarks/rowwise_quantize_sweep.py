@@ -1,7 +1,8 @@
 """Rowwise quantization kernels on the H200: bitwise vs the reference, the time of
 quantize_activation (both copies) per launch config, against a bf16 copy of the same tensor
-(the bandwidth one read and one write get). ``python benchmarks/rowwise_quantize_sweep.py [old]``
-(``old``: a module at benchmarks/_old_triton_rowwise.py timed alongside, if present)."""
+(the bandwidth one read and one write get). ``python benchmarks/rowwise_quantize_sweep.py [old]
+[variants]`` (``old``: a module at benchmarks/_old_triton_rowwise.py timed alongside, if present;
+``variants``: only the CONFIG variants in VARIANTS)."""
 import itertools
 import sys
 
@@ -14,6 +15,7 @@ from functional_dw.kernels import triton_rowwise as tr
 spec = fp8.tensor_spec(fp8.RowwiseScaling(), "input")
 SHAPES = [(65536, 4096, 128), (65536, 1536, 128), (32768, 4096, 32), (65536, 4096, 8), (8192, 2048, 8)]
 CAST = [dict(CAST_BT=bt, CAST_WARPS=w, BD=bd) for bt, w, bd in itertools.product((32, 64, 128), (4, 8), (64, 128))]
+VARIANTS = [dict(CAST_BT=64), dict(CAST_BT=32, CAST_WARPS=8)]  # (2026-12-02: ROW_PARTS, since made the only path)
 AMAX = [dict(RB=rb, BT=bt, AMAX_WARPS=w) for rb, bt, w in itertools.product((128, 256, 512), (16, 32, 64), (4, 8))]
 
 
@@ -90,6 +92,19 @@ def main():
         import _old_triton_rowwise as old
         mods.append(("old", old))
     base = dict(tr.CONFIG)
+    if "variants" in sys.argv[1:]:  # only the CONFIG variants below, with each kernel's time
+        for T, D, E in SHAPES:
+            x, ends, pends = case(T, D, E)
+            want = ref.quantize_activation(x, ends, pends, spec, rowwise=True, columnwise=True)
+            for v in VARIANTS:
+                tr.CONFIG.clear()
+                tr.CONFIG.update(base, **v)
+                us, ok = run(tr, x, ends, pends, want)
+                print(f"{T}x{D} E={E} {v}: {us:.0f} us{'' if ok else ' NOT BITWISE'} | {kernel_times(tr, x, ends, pends)}",
+                      flush=True)
+        tr.CONFIG.clear()
+        tr.CONFIG.update(base)
+        return
     best_cast = {}
     for T, D, E in SHAPES:
         x, ends, pends = case(T, D, E)

@@ -6,9 +6,11 @@ token, over D) and columnwise (one scale per expert and feature, over the expert
 written transposed into padded token columns). A scale must be known before its first cast,
 and the columnwise amax spans an expert's tokens, so the work is:
 
-1. ``_amax_kernel`` (one read of x): per ``[512, 128]`` block, each row's amax over the
-   block's columns (``atomic_max`` into ``[R]``) and the per-expert column amaxes
-   (``atomic_max`` into ``[E, D]``, once per block and expert).
+1. ``_amax_kernel`` (one read of x): per ``[256, 128]`` block, each row's amax over the
+   block's columns (into ``[R, D / 128]``; one torch ``amax`` finishes the rows) and the
+   per-expert column amaxes (``atomic_max`` into ``[E, D]``, once per block and expert).
+   (``atomic_max`` of the rows instead, one launch fewer, made this kernel 1.2-1.45x slower on
+   the H200: ``results/fp8_rowwise/quantize_row_amax_variants.log``.)
 2. ``_cast_kernel`` (one more read of x): both casts from one load of each tile, the inverse
    scales, and the zeros of the padded columns. Its tiles run over the columnwise layout's
    positions, so the transposed store is contiguous and aligned (vector stores; a tile over
@@ -80,11 +82,11 @@ if triton is not None:
         return tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
 
     @triton.jit
-    def _amax_kernel(x_ptr, stride_x, ends_ptr, row_amax_ptr, col_amax_ptr, T, D, E,
+    def _amax_kernel(x_ptr, stride_x, ends_ptr, row_part_ptr, col_amax_ptr, T, D, E, n_part,
                      ROWS: tl.constexpr, COLS: tl.constexpr, RB: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                      EB: tl.constexpr):
-        """One ``[RB, BD]`` block of rows: each row's max over the block's columns
-        ``atomic_max``-ed into ``row_amax [R]`` (zeros to start), and each expert's column
+        """One ``[RB, BD]`` block of rows: each row's max over the block's columns into
+        ``row_part[row, block]``, and each expert's column
         maxes ``atomic_max``-ed into ``col_amax [E, D]``: once per block when its rows lie in
         one expert (the usual case: a running elementwise max, reduced at the end), else per
         ``BT`` rows and expert."""
@@ -104,7 +106,7 @@ if triton is not None:
             a = tl.abs(v)
             a = tl.where(a != a, 0.0, a)  # amaxes skip NaN
             if ROWS:
-                tl.atomic_max(row_amax_ptr + rows, tl.max(a, axis=1), mask=rmask)
+                tl.store(row_part_ptr + rows.to(tl.int64) * n_part + tl.program_id(1), tl.max(a, axis=1), mask=rmask)
             if COLS:
                 if g_first == g_last:
                     acc = tl.maximum(acc, a)
@@ -202,10 +204,10 @@ def _launch(t2d: torch.Tensor, ends: torch.Tensor, pends: torch.Tensor, E: int, 
     dev = t2d.device
     c = CONFIG
     EB = max(16, triton.next_power_of_2(E))
-    # the amaxes the first kernel max-es into, zeros from one launch: columns [E, D], rows [R]
+    # the column amaxes [E, D] the first kernel max-es into (zeros; a 1-element stand-in for absent operands)
     n_col = E * D if columnwise else 0
-    amaxes = torch.zeros(n_col + (R if rowwise else 0) + 1, dtype=torch.float32, device=dev)
-    col_amax, row_amax = amaxes[:max(n_col, 1)], amaxes[n_col:]
+    amaxes = torch.zeros(n_col + 1, dtype=torch.float32, device=dev)
+    col_amax = row_amax = amaxes
     row_out = torch.empty(R, D, dtype=spec.fp8_dtype, device=dev) if rowwise else None
     row_sinv = torch.empty(R, dtype=torch.float32, device=dev) if rowwise else None
     col_sinv = torch.empty(E, D, dtype=torch.float32, device=dev) if columnwise else None
@@ -215,9 +217,12 @@ def _launch(t2d: torch.Tensor, ends: torch.Tensor, pends: torch.Tensor, E: int, 
         n_part = triton.cdiv(D, c["BD"])
         with torch.cuda.device(dev):
             if R:
+                row_part = torch.empty(R, n_part, dtype=torch.float32, device=dev) if rowwise else amaxes
                 _amax_kernel[(triton.cdiv(R, c["RB"]), n_part)](
-                    t2d, t2d.stride(0), ends, row_amax, col_amax, R, D, E, ROWS=rowwise, COLS=columnwise,
+                    t2d, t2d.stride(0), ends, row_part, col_amax, R, D, E, n_part, ROWS=rowwise, COLS=columnwise,
                     RB=c["RB"], BT=c["BT"], BD=c["BD"], EB=EB, num_warps=c["AMAX_WARPS"])
+                if rowwise:  # each row's amax: the max of its blocks' (one small torch reduction)
+                    row_amax = row_part.amax(dim=1)
             _cast_kernel[(triton.cdiv(max(P if columnwise else R, 1), c["CAST_BT"]), n_part)](
                 t2d, t2d.stride(0), ends, pends if columnwise else ends, row_amax, col_amax,
                 amaxes if row_out is None else row_out, amaxes if row_sinv is None else row_sinv,
