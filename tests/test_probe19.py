@@ -104,3 +104,24 @@ def test_huge_host_readable_counts_are_refused_with_their_sum():
     x, ws = torch.randn(10, 8), [torch.randn(4, 8) for _ in range(3)]
     with pytest.raises(ValueError, match="must sum to x.shape"):
         fd.grouped_linear(x, ws, torch.tensor([2**62, 2**62, 5]))
+
+
+# --- the rowwise kernels' launch config -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rb,bt", [(24, 16), (16, 32)])
+def test_a_launch_config_whose_row_block_is_not_a_multiple_of_its_step_is_refused(rb, bt, monkeypatch):
+    # probe 20: with RB % BT != 0 the amax kernel's loop read rows of the next block while its
+    # one-expert test covered only its own, so the next expert's values went into this expert's
+    # column amax (wrong columnwise scales and data, silently). The shipped config is fine.
+    pytest.importorskip("triton")
+    from functional_dw.fp8 import rowwise as rw
+    from functional_dw.kernels import triton_rowwise as tr
+
+    monkeypatch.setitem(tr.CONFIG, "RB", rb)
+    monkeypatch.setitem(tr.CONFIG, "BT", bt)
+    sizes = torch.tensor([48, 16])
+    spec = fd.fp8.tensor_spec(fd.fp8.RowwiseScaling(), "input")
+    with pytest.raises(ValueError, match="RB .* must be a multiple of BT"):
+        tr.quantize_activation(torch.ones(64, 16, dtype=torch.bfloat16), sizes.cumsum(0).to(torch.int32),
+                               rw.padded_ends(sizes), spec, rowwise=True, columnwise=True)

@@ -203,6 +203,8 @@ def _launch(t2d: torch.Tensor, ends: torch.Tensor, pends: torch.Tensor, E: int, 
     R, D = t2d.shape
     dev = t2d.device
     c = CONFIG
+    if c["RB"] % c["BT"]:  # the amax kernel steps BT rows through its RB: a remainder reads the next block
+        raise ValueError(f"triton_rowwise.CONFIG: RB ({c['RB']}) must be a multiple of BT ({c['BT']})")
     EB = max(16, triton.next_power_of_2(E))
     # the column amaxes [E, D] the first kernel max-es into (zeros; a 1-element stand-in for absent operands)
     n_col = E * D if columnwise else 0
