@@ -10,10 +10,10 @@ from torch.profiler import profile, ProfilerActivity
 
 args = [a for a in sys.argv[1:] if not a.startswith("--") and "=" not in a]
 table = "--no-table" not in sys.argv
-for kv in (a for a in sys.argv[1:] if "=" in a):  # KEY=VALUE: a launch CONFIG entry of kernels/triton_rowwise.py
+overrides = dict(a.split("=") for a in sys.argv[1:] if "=" in a)  # KEY=VALUE: launch CONFIG entries
+if overrides:
     from functional_dw.kernels import triton_rowwise
-    k, v = kv.split("=")
-    triton_rowwise.CONFIG[k] = {"True": True, "False": False}.get(v) if v in ("True", "False") else int(v)
+    triton_rowwise.CONFIG.update({k: int(v) for k, v in overrides.items()})
     print("CONFIG", triton_rowwise.CONFIG, flush=True)
 print("package:", fd.__file__, flush=True)  # (which checkout ran)
 for shape in args or ["32,4096,1536,32768"]:

@@ -105,7 +105,6 @@ def main():
         tr.CONFIG.clear()
         tr.CONFIG.update(base)
         return
-    best_cast = {}
     for T, D, E in SHAPES:
         x, ends, pends = case(T, D, E)
         want = ref.quantize_activation(x, ends, pends, spec, rowwise=True, columnwise=True)
@@ -127,7 +126,6 @@ def main():
         res.sort(key=lambda r: r[0])
         print("   cast configs, best first:", "; ".join(f"{c} {us:.0f}{'' if ok else ' NOT BITWISE'}" for us, ok, c in res[:6]),
               flush=True)
-        best_cast[(T, D, E)] = res[0][2]
         ares = []
         for a in AMAX:
             tr.CONFIG.clear()

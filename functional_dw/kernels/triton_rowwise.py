@@ -232,7 +232,7 @@ def _launch(t2d: torch.Tensor, ends: torch.Tensor, pends: torch.Tensor, E: int, 
                 P if columnwise else R, D, E, col_stride_g, col_stride_d, col_shift_g, spec.fp8_max,
                 float(spec.amax_epsilon), ROWS=rowwise, COLS=columnwise, POW2=spec.power_2_scale,
                 BT=c["CAST_BT"], BD=c["BD"], EB=EB, SAT=_interpreting(), num_warps=c["CAST_WARPS"])
-    return (row_out if rowwise else None), (row_sinv if rowwise else None), (col_sinv if columnwise else None)
+    return row_out, row_sinv, col_sinv  # (None where not asked for)
 
 
 def quantize_activation(t_TD: torch.Tensor, ends_E: torch.Tensor, pends_E: torch.Tensor, spec, *, rowwise: bool,
