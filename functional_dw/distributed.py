@@ -8,11 +8,11 @@ full gradient, restricted to its rows: a reduce-scatter.
 Layout. An ``[N, K]`` (``[out, in]``) weight is sharded along dim 0 (out features) in blocks
 of ``R = ceil(N / W)`` rows (``W`` ranks): rank ``r`` holds rows ``[r*R, min((r+1)*R, N))``, so
 the last ranks may hold fewer rows, or none (N=5, W=4: 2, 2, 1, 0 rows). A group of E experts
-talks through one flat rank-major buffer ``[W, E, R, K]`` (zero rows pad each shard to R), so
-rank r's part is the contiguous slab ``[r]`` and ONE collective serves the whole group::
+gathers into one ``[E, W*R, K]`` buffer (zero rows pad each shard to R) with one collective per
+expert, coalesced into one launch (NOTE: [Per-expert collectives])::
 
-    materialize (forward, backward)  all_gather_single     [E, R, K] -> [W, E, R, K] -> E x [N, K]
-    finalize_group_grads             reduce_scatter_single [W, E, R, K] (SUM) -> [E, R, K] -> E shard grads
+    materialize (forward, backward)  all_gather     E x [R, K] -> [E, W*R, K] -> E x [N, K] (views)
+    finalize_group_grads             reduce_scatter E x [W*R, K] (SUM) -> [E, R, K] -> E shard grads
 
 Runnable recipe (``GLOO_SOCKET_IFNAME=lo torchrun --standalone --nproc-per-node 2 recipe.py``)::
 
@@ -51,67 +51,130 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.utils._pytree as pytree
 
-__all__ = ["ShardedWeight", "shard_grouped_weights", "shard_weight", "prefetch_for_backward",
-           "prefetch_on_grad", "wait_for_grads", "launch", "shard_module", "checkpoint_state_dict",
+__all__ = ["ShardedWeight", "shard_grouped_weights", "shard_weight", "set_prefetch_order",
+           "prefetch_for_backward", "prefetch_on_grad", "wait_for_grads", "launch", "shard_module", "checkpoint_state_dict",
            "save_checkpoint", "load_checkpoint", "load_full_state_dict"]
 
 
-def _collective(new: str, old: str) -> Callable:
-    # NOTE: torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of
-    # the *_single names (which older torch lacks). Looked up per call so tests can count them.
-    return getattr(dist, new, None) or getattr(dist, old)
+def _per_expert(kind: str, pairs: list[tuple[torch.Tensor, torch.Tensor]], pg: Any) -> Any:
+    """Start one collective per (output, input) pair, coalesced into one launch (NCCL: one
+    group), async; returns the work to ``wait()`` on.
+
+    NOTE: [Per-expert collectives] One all-gather per expert writes expert e's ``[R, K]``
+    shards from every rank straight into ``full[e] = [W*R, K]``: rank-major rows ARE the
+    weight's rows, so the GEMMs read the gathered buffer as it is (no ``[W, E, R, K]`` ->
+    ``[E, W*R, K]`` copy), and each rank's input is its parameter itself when it holds R rows
+    (no copy-in). The reduce-scatter is the mirror: expert e's ``[W*R, K]`` wgrad (the GEMM's
+    output, or the fused fp32 buffer) in, its ``[R, K]`` rows out, no transpose. The process
+    group's ``*_coalesced`` method takes all E at once (one C++ call, one NCCL group): what
+    ``dist._coalescing_manager`` builds, without its Python call per expert."""
+    from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOptions, _get_default_group
+
+    group = pg or _get_default_group()
+    outs, ins = [o.view(-1) for o, _ in pairs], [i.reshape(-1) for _, i in pairs]  # 1-D: what every backend takes
+    if kind == "all_gather":
+        opts = AllgatherOptions()
+        if hasattr(opts, "asyncOp"):  # NOTE: on NCCL, an op that is not async may run on the current stream
+            opts.asyncOp = True
+        return group.allgather_into_tensor_coalesced(outs, ins, opts)
+    opts = ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = True
+    return group.reduce_scatter_tensor_coalesced(outs, ins, opts)
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` ([n, K]) as a contiguous ``[rows, K]`` block, zero rows after: itself when it is one."""
+    if t.shape[0] == rows and t.is_contiguous():
+        return t
+    out = t.new_zeros(rows, *t.shape[1:])
+    out[: t.shape[0]].copy_(t)
+    return out
+
+
+class _Gathered:
+    """An all-gather started for a group: the work to wait on, the gathered ``[E, W*R, K]``
+    weights, the members' versions it read, and its inputs (kept alive until it is waited on).
+    ``kept``: held from a forward for its backward (reshard_after_forward=False)."""
+
+    def __init__(self, work: Any, full: torch.Tensor, versions: tuple[int, ...], inputs: list[torch.Tensor]):
+        self.work, self.full, self.versions, self.inputs = work, full, versions, inputs
+        self.kept = False
+
+    def weights(self, N: int) -> list[torch.Tensor]:
+        self.work.wait()  # NCCL: the current stream waits on the collective's stream (an event)
+        self.inputs = []
+        return [f[:N] for f in self.full]
 
 
 class _Group:
     """What a group of ShardedWeights shares: the process group, the layout, the collectives
     in flight, and the fused-wgrad buffer while a backward runs."""
 
-    def __init__(self, fulls: list[torch.Tensor], pg: Any, async_grads: bool):
-        self.pg, self.async_grads = pg, async_grads
+    def __init__(self, fulls: list[torch.Tensor], pg: Any, async_grads: bool, reshard_after_forward: bool):
+        self.pg, self.async_grads, self.reshard_after_forward = pg, async_grads, reshard_after_forward
         self.world, self.rank = dist.get_world_size(pg), dist.get_rank(pg)
         self.E, (self.N, self.K) = len(fulls), fulls[0].shape
         self.R = -(-self.N // self.world)
         self.rows = max(0, min(self.R, self.N - self.rank * self.R))
         self.members: list[ShardedWeight] = []
-        self.prefetched: tuple | None = None  # (work, gathered, versions) of an early all-gather
+        self.ready: _Gathered | None = None  # an all-gather started early (prefetch) or kept from forward
+        self.prefetch_next: dict[str, _Group] = {}  # "forward"/"backward" -> the group to prefetch then
         self.grad_buf: torch.Tensor | None = None  # [E, W*R, K] fp32, from grad_buffer() to finalize
-        self.pending: list[tuple] = []  # async reduce-scatters: (work, out, fused, flat)
+        self.pending: list[tuple] = []  # async reduce-scatters: (work, out, fused, inputs)
         self.stats: Counter = Counter()  # collectives issued: all_gather, reduce_scatter
 
     def versions(self) -> tuple[int, ...]:
         return tuple(m._version for m in self.members)
 
-    def gather(self, async_op: bool = False) -> tuple[Any, torch.Tensor]:
-        m0 = self.members[0]
-        if self.E == 1 and self.rows == self.R:
-            slab = m0.detach().view(1, self.R, self.K)  # Linear, even split: no copy
-        else:
-            slab = m0.detach().new_zeros(self.E, self.R, self.K)
-            for e, m in enumerate(self.members):
-                slab[e, : self.rows].copy_(m.detach())
-        out = slab.new_empty(self.world, self.E, self.R, self.K)
+    def gather(self) -> _Gathered:
+        """Start the group's all-gather (async; see NOTE: [Per-expert collectives])."""
+        ins = [_padded(m.detach(), self.R) for m in self.members]
+        full = ins[0].new_empty(self.E, self.world * self.R, self.K)
         self.stats["all_gather"] += 1
-        work = _collective("all_gather_single", "all_gather_into_tensor")(
-            out.view(-1), slab.reshape(-1), group=self.pg, async_op=async_op)  # 1-D: what every backend takes
-        return work, out
+        work = _per_expert("all_gather", list(zip(full, ins)), self.pg)
+        return _Gathered(work, full, self.versions(), ins)
 
-    def unpack(self, out: torch.Tensor) -> list[torch.Tensor]:
-        # NOTE: [W, E, R, K] -> [E, W*R, K] is a view for E == 1 and one copy for a group: each
-        # expert's full weight must be one contiguous [N, K] block for the GEMMs.
-        full = out.transpose(0, 1).reshape(self.E, self.world * self.R, self.K)
-        return [full[e, : self.N] for e in range(self.E)]
+    def prefetch(self) -> None:
+        """Start the all-gather now unless one of the current shards is already under way."""
+        if self.ready is None or self.ready.versions != self.versions():
+            self.ready = self.gather()
 
-    def reduce_scatter(self, flat_EPK: torch.Tensor, fused: bool) -> list | None:
-        """Reduce-scatter a padded ``[E, W*R, K]`` grad and hand each member its rows."""
-        flat = flat_EPK.view(self.E, self.world, self.R, self.K).transpose(0, 1).contiguous()
-        out = flat.new_empty(self.E, self.R, self.K)
+    def materialize(self, phase: str) -> list[torch.Tensor]:
+        # NOTE: [Prefetch order] This group's own all-gather is issued (or was, by a prefetch)
+        # before the next group's, and both before this layer's GEMMs are queued: on the
+        # communication stream the next layer's gather then runs while this layer computes.
+        # A gather waits for the compute stream as it was when it was issued, so it must be
+        # issued early; issued at the next layer's own materialize it would queue behind these
+        # GEMMs and hide nothing (what ShardedWeight did before set_prefetch_order).
+        # Weights kept from a forward serve only its backward: a forward gathers afresh, so no
+        # gather outlives a step (an optimizer writing through .data leaves no version behind).
+        if phase == "forward" and self.ready is not None and self.ready.kept:
+            self.ready = None
+        self.prefetch()
+        ready, self.ready = self.ready, None
+        nxt = self.prefetch_next.get(phase)
+        if nxt is not None and nxt is not self:
+            nxt.prefetch()
+        weights = ready.weights(self.N)
+        if phase == "forward" and not self.reshard_after_forward:
+            ready.kept, self.ready = True, ready  # for this layer's backward (if the shards are unchanged)
+        return weights
+
+    def reduce_scatter(self, wgrads_EPK: list[torch.Tensor], fused: bool) -> list | None:
+        """Reduce-scatter each expert's ``[W*R, K]`` grad and hand each member its rows."""
+        out = wgrads_EPK[0].new_empty(self.E, self.R, self.K)
         self.stats["reduce_scatter"] += 1
-        work = _collective("reduce_scatter_single", "reduce_scatter_tensor")(
-            out.view(-1), flat.view(-1), op=dist.ReduceOp.SUM, group=self.pg, async_op=self.async_grads)
-        if self.async_grads:
-            self.pending.append((work, out, fused, flat))
-            return None  # the protocol's "async": wait_for_grads() delivers
-        return self.deliver(out, fused)
+        work = _per_expert("reduce_scatter", list(zip(out, wgrads_EPK)), self.pg)
+        if not self.async_grads:
+            work.wait()
+            return self.deliver(out, fused)
+        _flush_pending()  # an earlier group's reduce-scatter (issued before this one) delivers now
+        self.pending.append((work, out, fused, wgrads_EPK))
+        _PENDING.append(self)
+        _deliver_at_end_of_backward()
+        return None  # the protocol's "async": delivered into .grad / main_grad, not returned
 
     def deliver(self, out: torch.Tensor, fused: bool, into_grad: bool = False) -> list | None:
         shards = [out[e, : self.rows] for e in range(self.E)]
@@ -119,7 +182,7 @@ class _Group:
             if not into_grad:
                 return [s.to(m.dtype) for s, m in zip(shards, self.members)]
             for m, s in zip(self.members, shards):  # async: accumulate as autograd would have
-                m.grad = s.to(m.dtype).clone() if m.grad is None else m.grad.add_(s.to(m.dtype))
+                m.grad = s.to(m.dtype) if m.grad is None else m.grad.add_(s.to(m.dtype))
             return None
         for m, s in zip(self.members, shards):
             if getattr(m, "main_grad", None) is None:
@@ -132,9 +195,34 @@ class _Group:
 
     def wait(self) -> None:
         pending, self.pending = self.pending, []
-        for work, out, fused, _flat in pending:
+        for work, out, fused, _inputs in pending:
             work.wait()
             self.deliver(out, fused, into_grad=True)
+
+
+# NOTE: [Async reduce-scatter] With async_grad_reduce, a group's reduce-scatter runs on the
+# communication stream while the earlier layers' backward computes. Its grads are delivered
+# (the compute stream waits on its event, then adds) when the next group's reduce-scatter has
+# been issued, and the last ones when backward ends (an autograd engine callback, as FSDP's):
+# at most two full-size grad buffers are alive, and .grad / main_grad are complete when
+# backward() returns. wait_for_grads() delivers what is left when finalize ran outside backward.
+_PENDING: list[_Group] = []  # one backward at a time per process, as the collectives' order needs
+
+
+def _flush_pending() -> None:
+    groups = list(dict.fromkeys(_PENDING))
+    _PENDING.clear()
+    for g in groups:
+        g.wait()
+
+
+def _deliver_at_end_of_backward() -> None:
+    # one callback per reduce-scatter: the first to run delivers them all, the rest find none
+    # (no flag to leave set when a backward fails before its callbacks run)
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(_flush_pending)
+    except RuntimeError:  # not inside a backward (finalize called directly): wait_for_grads delivers
+        pass
 
 
 class ShardedWeight(torch.nn.Parameter):
@@ -158,25 +246,16 @@ class ShardedWeight(torch.nn.Parameter):
                 f"rows {start}:{start + g.rows} of [{g.N}, {g.K}], {self.dtype})")
 
     def materialize_group_for_forward(self) -> list[torch.Tensor]:
-        return self._dw.unpack(self._dw.gather()[1])
+        return self._dw.materialize("forward")
 
     def materialize_group_for_backward(self, **kwargs: Any) -> list[torch.Tensor]:
-        g, pre = self._dw, self._dw.prefetched
-        g.prefetched = None
-        if pre is not None:
-            work, out, versions = pre
-            work.wait()
-            if versions == g.versions():  # else the shards changed since: gather them again
-                return g.unpack(out)
-        return g.unpack(g.gather()[1])
+        return self._dw.materialize("backward")
 
     def prefetch_for_backward(self) -> None:
-        """Start the backward all-gather now (async); the next backward waits for it just
-        before its dgrad GEMM instead of gathering then. One prefetch serves one backward."""
-        g = self._dw
-        if g.prefetched is None:
-            work, out = g.gather(async_op=True)
-            g.prefetched = (work, out, g.versions())
+        """Start the group's all-gather now (async): the next materialize (this layer's
+        backward, or its forward) waits for it instead of gathering then. One prefetch serves
+        one use, if the shards did not change since (else they are gathered again)."""
+        self._dw.prefetch()
 
     def grad_buffer(self) -> torch.Tensor:
         g = self._dw
@@ -187,7 +266,7 @@ class ShardedWeight(torch.nn.Parameter):
     def finalize_group_grads(self, wgrads: Any) -> list | None:
         """Reduce-scatter the full weight grads: returns the shard grads; fused (after
         ``grad_buffer()``), adds them into each fp32 ``main_grad`` instead; with
-        ``async_grad_reduce`` returns None and :func:`wait_for_grads` delivers."""
+        ``async_grad_reduce`` returns None and delivers them later (NOTE: [Async reduce-scatter])."""
         g = self._dw
         wgrads = list(wgrads) if isinstance(wgrads, (list, tuple)) else [wgrads]
         if len(wgrads) != g.E:
@@ -201,25 +280,30 @@ class ShardedWeight(torch.nn.Parameter):
             for e, w in enumerate(wgrads):  # the GEMM wrote into the buffer; copy if it did not
                 if w.data_ptr() != buf[e].data_ptr():
                     buf[e, : g.N].copy_(w)
-        elif g.E == 1 and g.N == g.world * g.R:
-            buf = wgrads[0].contiguous().view(1, g.N, g.K)  # Linear, even split: no copy
-        else:
-            buf = wgrads[0].new_zeros(g.E, g.world * g.R, g.K)
-            for e, w in enumerate(wgrads):
-                buf[e, : g.N].copy_(w)
-        return g.reduce_scatter(buf, fused)
+            return g.reduce_scatter(list(buf), fused)
+        return g.reduce_scatter([_padded(w, g.world * g.R) for w in wgrads], fused)
 
 
 def shard_grouped_weights(
     weights: Sequence[torch.Tensor] | torch.Tensor, group: Any = None, *,
-    requires_grad: bool = True, async_grad_reduce: bool = False,
+    requires_grad: bool = True, async_grad_reduce: bool = False, reshard_after_forward: bool = True,
 ) -> list[ShardedWeight]:
     """This rank's shards of E full ``[N, K]`` weights (a list, or one ``[E, N, K]`` tensor):
     pass the result as grouped_linear's ``weights``; ``weights[0]`` leads the group.
 
     Every rank must pass the same full weights (e.g. made from the same seed). ``group`` is
-    the process group (default: the world). ``async_grad_reduce``: finalize starts the
-    reduce-scatter and returns; call :func:`wait_for_grads` before reading the grads.
+    the process group (default: the world). Overlap (see README "Overlap"):
+
+    - ``async_grad_reduce``: the reduce-scatter runs while the earlier layers' backward
+      computes; the grads land in ``.grad`` (or ``main_grad``) by the time backward returns
+      (NOTE: [Async reduce-scatter]), not through autograd (``torch.autograd.grad`` does not
+      see them).
+    - ``reshard_after_forward=False``: keep the forward's gathered weights for this layer's
+      backward (one all-gather fewer per step; the full weights stay alive until then, or
+      until the next forward after a forward under no_grad): FSDP2's choice for the last
+      layer, whose backward starts right after its forward.
+    - :func:`set_prefetch_order`: each layer's all-gather runs during the previous layer's
+      GEMMs.
     """
     fulls = list(weights.unbind(0)) if isinstance(weights, torch.Tensor) else list(weights)
     if not fulls or any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in fulls):
@@ -233,7 +317,7 @@ def shard_grouped_weights(
                            "torch.distributed.init_process_group first (or use functional_dw.distributed.launch)")
     # NOTE: out features that do not divide by the world size are padded (zero rows in the
     # collective buffers only); the parameters hold exactly this rank's rows, maybe none.
-    g = _Group(fulls, group, async_grad_reduce)
+    g = _Group(fulls, group, async_grad_reduce, reshard_after_forward)
     start = g.rank * g.R
     g.members = [ShardedWeight(w.detach()[start : start + g.rows].clone(), g, e, requires_grad)
                  for e, w in enumerate(fulls)]
@@ -259,6 +343,22 @@ def prefetch_for_backward(params: Iterable[torch.Tensor]) -> None:
         g.members[0].prefetch_for_backward()
 
 
+def set_prefetch_order(params: Iterable[torch.Tensor]) -> None:
+    """Prefetch along the order the sharded layers run in. ``params``: their weights in forward
+    order (``[*w1, *w2]``; ``model.parameters()`` where registration order is the run's order;
+    other parameters are skipped). Each group's forward then starts the next group's
+    all-gather before queuing its own GEMMs, and each group's backward the previous group's
+    (NOTE: [Prefetch order]): at most two groups' gathered weights are alive at once, plus those
+    kept by ``reshard_after_forward=False``. A prefetch whose shards changed before use is
+    gathered again, so a wrong order costs memory and bandwidth, never correctness. Every rank
+    must set the same order. The listed groups' earlier order is replaced (one group: none)."""
+    groups = _groups(params)
+    for g in groups:
+        g.prefetch_next = {}
+    for a, b in zip(groups, groups[1:]):
+        a.prefetch_next["forward"], b.prefetch_next["backward"] = b, a
+
+
 def prefetch_on_grad(tensor: torch.Tensor, params: Iterable[torch.Tensor]) -> torch.Tensor:
     """When backward reaches ``tensor`` (e.g. the output of the layer after ``params``'s),
     start the all-gather for ``params``'s backward, so it runs while that later layer's
@@ -269,9 +369,9 @@ def prefetch_on_grad(tensor: torch.Tensor, params: Iterable[torch.Tensor]) -> to
 
 
 def wait_for_grads(params: Iterable[torch.Tensor]) -> None:
-    """Wait for the async reduce-scatters of the groups among ``params`` (e.g.
-    ``model.parameters()``) and deliver them: into ``main_grad`` (fused) or ``.grad``.
-    Call it after backward and before the optimizer step."""
+    """Deliver the async reduce-scatters still pending for the groups among ``params`` (e.g.
+    ``model.parameters()``): into ``main_grad`` (fused) or ``.grad``. A backward delivers its
+    own as it ends, so this is needed only where ``finalize_group_grads`` ran outside one."""
     for g in _groups(params):
         g.wait()
 
@@ -404,6 +504,12 @@ def _worker(rank: int, world: int, backend: str, store: str, timeout: float, que
     else:  # W processes share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+    if backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        # NOTE: NCCL's stream at high priority: where the GEMMs hold every SM, a collective's
+        # blocks are scheduled as SMs free up instead of after the queued GEMM blocks (overlap)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = True
+        device["pg_options"] = opts
     # NOTE: the rendezvous is a file in launch()'s temporary folder, not a TCP port: no race
     # for a "free" port between concurrent launches (pytest-xdist, two suites on one machine)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,

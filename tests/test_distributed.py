@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from functools import partial
 from collections import Counter
 
 import pytest
@@ -39,7 +40,7 @@ MODES = {  # hook, backwards, fused, async (async reduce-scatter + prefetch on b
 }
 INDIVISIBLE = ["plain", "retain2", "fused"]  # N = 5: shards of 3, 2 (W=2) and 2, 2, 1, 0 (W=4)
 CASES = [f"{layer}-{mode}" for layer in LAYERS for mode in MODES] + [
-    f"{layer}-{mode}-N5" for layer in LAYERS[:2] for mode in INDIVISIBLE]
+    f"{layer}-{mode}-N5" for layer in LAYERS[:2] for mode in INDIVISIBLE] + ["overlap", "overlap-retain2", "kept-forward"]
 
 
 def _parse(case: str) -> dict:
@@ -61,7 +62,8 @@ def _shard_rows(N: int, world: int, rank: int) -> slice:
 
 
 def _count_collectives() -> Counter:
-    """Count every torch.distributed collective the code under test calls."""
+    """Count every collective the code under test issues: the torch.distributed functions, and
+    the process group's coalesced methods (one call per group of experts)."""
     counts: Counter = Counter()
     alias = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
              "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
@@ -72,6 +74,15 @@ def _count_collectives() -> Counter:
                 counts[_n] += 1
                 return _f(*a, **k)
             setattr(dist, name, wrapped)
+    for name, short in [("allgather_into_tensor_coalesced", "all_gather_coalesced"),
+                        ("reduce_scatter_tensor_coalesced", "reduce_scatter_coalesced")]:
+        f = getattr(dist.ProcessGroup, name)
+
+        def method(self, outs, ins, *a, _f=f, _n=short, **k):
+            counts[_n] += 1
+            counts[_n + "_tensors"] += len(outs)
+            return _f(self, outs, ins, *a, **k)
+        setattr(dist.ProcessGroup, name, method)
     return counts
 
 
@@ -149,10 +160,15 @@ def _check_case(case: str, c: dict, counts: Counter, dtype, device, backend) -> 
     B = c["backwards"]
     for i in range(B):
         y.backward(dys[rank], retain_graph=i < B - 1)
-    if c["async_"]:
-        assert all(w.grad is None for w in ws) or c["fused"], "async: nothing delivered before wait_for_grads"
-        fdd.wait_for_grads(ws)
-    assert dict(counts) == {"all_gather": 1 + B, "reduce_scatter": B}, f"one collective per pass: {dict(counts)}"
+    if c["async_"]:  # delivered as each backward ended; nothing is left to wait for
+        assert not ws[0]._dw.pending, "async: the reduce-scatters were delivered when backward ended"
+        assert all(w.grad is not None for w in ws) or c["fused"], "async: .grad filled when backward returned"
+        fdd.wait_for_grads(ws)  # a no-op now: must not add the grads twice (checked below)
+    stats = dict(ws[0]._dw.stats)
+    assert stats == {"all_gather": 1 + B, "reduce_scatter": B}, f"one launch per pass: {stats}"
+    assert dict(counts) == {"all_gather_coalesced": 1 + B, "all_gather_coalesced_tensors": (1 + B) * len(ws),
+                            "reduce_scatter_coalesced": B, "reduce_scatter_coalesced_tensors": B * len(ws)}, \
+        f"one coalesced call per pass, one collective in it per expert: {dict(counts)}"
     where = f"{case} rank {rank}/{world}"
     _close(y, ref_y[rank], dtype, f"{where}: output")
     _close(x.grad, B * ref_dx[rank], dtype, f"{where}: dgrad")
@@ -170,6 +186,73 @@ def _check_case(case: str, c: dict, counts: Counter, dtype, device, backend) -> 
         _close(b.grad, B * local[e].double().sum(0), dtype, f"{where}: bias grad[{e}]")
 
 
+def _mlp_step(x, w1, w2, splits, dy, backward_times, backend):
+    y = fd.grouped_linear(torch.nn.functional.gelu(fd.grouped_linear(x, w1, splits, backend=backend)), w2, splits,
+                          backend=backend)
+    for i in range(backward_times):
+        y.backward(dy, retain_graph=i < backward_times - 1)
+    return y.detach()
+
+
+def _check_overlap(case: str, dtype, device, backend) -> None:
+    """A two-layer expert MLP over two steps with an SGD update between: the overlap options
+    (set_prefetch_order, reshard_after_forward=False on the last layer, async reduce-scatter)
+    under save_on_cpu, with retain_graph twice, and a stale prefetch left before the update,
+    give bitwise the numbers of the in-line mode, with the collectives counted."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    H, Fh, E_ = 8, 12, 3
+    f1 = [_randn(Fh, H, seed=10 + e, dtype=dtype, device=device) for e in range(E_)]
+    f2 = [_randn(H, Fh, seed=20 + e, dtype=dtype, device=device) for e in range(E_)]
+    splits = SPLITS[rank % len(SPLITS)]
+    x0 = _randn(sum(splits), H, seed=30 + rank, dtype=dtype, device=device)
+    dy = _randn(sum(splits), H, seed=40 + rank, dtype=dtype, device=device)
+    B = 2 if case.endswith("retain2") else 1
+    runs = {}
+    for overlap in (False, True):
+        w1 = fdd.shard_grouped_weights(f1, async_grad_reduce=overlap)
+        w2 = fdd.shard_grouped_weights(f2, async_grad_reduce=overlap, reshard_after_forward=not overlap)
+        if overlap:
+            fdd.set_prefetch_order([*w1, torch.zeros(1), *w2])  # a parameter of no group is skipped
+        outs = []
+        for step in range(2):
+            x = x0.clone().requires_grad_()
+            with torch.autograd.graph.save_on_cpu():
+                y = _mlp_step(x, w1, w2, splits, dy, B, backend)
+            outs += [y, x.grad, *[w.grad.clone() for w in (*w1, *w2)]]
+            if overlap and step == 0:  # left unused: the update changes the shards, so it is not used
+                fdd.prefetch_for_backward(w1)
+            with torch.no_grad():
+                for w in (*w1, *w2):
+                    w.sub_(0.5 * w.grad)
+                    w.grad = None
+        runs[overlap] = outs, dict(w1[0]._dw.stats), dict(w2[0]._dw.stats)
+    (ref, s1, s2), (got, o1, o2) = runs[False], runs[True]
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), f"{case} rank {rank}/{world}: tensor {i} of the two steps differs from in-line"
+    assert s1 == s2 == {"all_gather": 2 * (1 + B), "reduce_scatter": 2 * B}, (s1, s2)
+    # overlap: layer 1 as in-line plus the stale prefetch; layer 2 keeps its forward gather for
+    # the first backward (a retained second one gathers again)
+    assert o1 == {"all_gather": 2 * (1 + B) + 1, "reduce_scatter": 2 * B}, o1
+    assert o2 == {"all_gather": 2 * B, "reduce_scatter": 2 * B}, o2
+
+
+def _check_kept_forward(dtype, device, backend) -> None:
+    """reshard_after_forward=False keeps a forward's gather for its backward only: after a
+    forward under no_grad (no backward comes) and an update through ``.data`` (which leaves no
+    version behind), the next forward gathers the new shards."""
+    rank = dist.get_rank()
+    f = [_randn(8, 4, seed=50 + e, dtype=dtype, device=device) for e in range(2)]
+    ws = fdd.shard_grouped_weights(f, reshard_after_forward=False)
+    x = _randn(5, 4, seed=60 + rank, dtype=dtype, device=device)
+    with torch.no_grad():
+        y0 = fd.grouped_linear(x, ws, [3, 2], backend=backend)
+        for w in ws:
+            w.data.mul_(2)
+        y1 = fd.grouped_linear(x, ws, [3, 2], backend=backend)
+    assert torch.equal(y1, 2 * y0), "a forward used the weights kept from the forward before an update"
+    assert ws[0]._dw.stats["all_gather"] == 2
+
+
 def _job(cases: list[str], device: str = "cpu", backend: str | None = None, gpu: bool = False) -> dict:
     """Runs in every rank: each case, recording assertion failures per case (they happen after
     the case's collectives, so the ranks stay in step); any other error fails the whole job."""
@@ -178,6 +261,14 @@ def _job(cases: list[str], device: str = "cpu", backend: str | None = None, gpu:
     counts = _count_collectives()
     out = {}
     for case in cases:
+        if case.startswith(("overlap", "kept")):
+            try:
+                check = _check_kept_forward if case == "kept-forward" else partial(_check_overlap, case)
+                check(torch.bfloat16 if gpu else torch.float64, device, backend)
+                out[case] = None
+            except AssertionError as err:
+                out[case] = f"{type(err).__name__}: {err}"
+            continue
         c = _parse(case)
         if gpu:
             c.update(N=64, K=64)  # TE-friendly sizes (multiples of 16)
@@ -283,4 +374,27 @@ def gpu_results():
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_sharded_equals_unsharded_nccl_te(gpu_results, case):
     failures = [f"rank {r}: {res[case]}" for r, res in enumerate(gpu_results) if res[case] is not None]
+    assert not failures, "\n".join(failures)
+
+
+def _overlap_one_gpu() -> dict:
+    out = {}
+    for case in ("overlap", "overlap-retain2", "kept-forward"):
+        try:
+            check = _check_kept_forward if case == "kept-forward" else partial(_check_overlap, case)
+            check(torch.bfloat16, "cuda:0", None)
+            out[case] = None
+        except AssertionError as err:
+            out[case] = f"{type(err).__name__}: {err}"
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlap_streams_on_one_gpu():
+    """NCCL with one rank: the collectives are copies on NCCL's stream, so this checks the
+    overlap options' stream ordering (prefetches, kept gathers, async reduce-scatters waited on
+    by events) on the GPU: bitwise the in-line mode's numbers over two steps."""
+    (res,) = fdd.launch(_overlap_one_gpu, 1, backend="nccl", timeout=120, deadline=300)
+    failures = [f"{case}: {msg}" for case, msg in res.items() if msg is not None]
     assert not failures, "\n".join(failures)
