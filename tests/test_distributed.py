@@ -62,8 +62,7 @@ def _shard_rows(N: int, world: int, rank: int) -> slice:
 
 
 def _count_collectives() -> Counter:
-    """Count every collective the code under test issues: the torch.distributed functions, and
-    the process group's coalesced methods (one call per group of experts)."""
+    """Count every torch.distributed collective the code under test calls."""
     counts: Counter = Counter()
     alias = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
              "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
@@ -74,15 +73,6 @@ def _count_collectives() -> Counter:
                 counts[_n] += 1
                 return _f(*a, **k)
             setattr(dist, name, wrapped)
-    for name, short in [("allgather_into_tensor_coalesced", "all_gather_coalesced"),
-                        ("reduce_scatter_tensor_coalesced", "reduce_scatter_coalesced")]:
-        f = getattr(dist.ProcessGroup, name)
-
-        def method(self, outs, ins, *a, _f=f, _n=short, **k):
-            counts[_n] += 1
-            counts[_n + "_tensors"] += len(outs)
-            return _f(self, outs, ins, *a, **k)
-        setattr(dist.ProcessGroup, name, method)
     return counts
 
 
@@ -164,11 +154,8 @@ def _check_case(case: str, c: dict, counts: Counter, dtype, device, backend) -> 
         assert not ws[0]._dw.pending, "async: the reduce-scatters were delivered when backward ended"
         assert all(w.grad is not None for w in ws) or c["fused"], "async: .grad filled when backward returned"
         fdd.wait_for_grads(ws)  # a no-op now: must not add the grads twice (checked below)
-    stats = dict(ws[0]._dw.stats)
-    assert stats == {"all_gather": 1 + B, "reduce_scatter": B}, f"one launch per pass: {stats}"
-    assert dict(counts) == {"all_gather_coalesced": 1 + B, "all_gather_coalesced_tensors": (1 + B) * len(ws),
-                            "reduce_scatter_coalesced": B, "reduce_scatter_coalesced_tensors": B * len(ws)}, \
-        f"one coalesced call per pass, one collective in it per expert: {dict(counts)}"
+    assert dict(counts) == {"all_gather": 1 + B, "reduce_scatter": B}, f"one collective per pass: {dict(counts)}"
+    assert dict(ws[0]._dw.stats) == dict(counts)
     where = f"{case} rank {rank}/{world}"
     _close(y, ref_y[rank], dtype, f"{where}: output")
     _close(x.grad, B * ref_dx[rank], dtype, f"{where}: dgrad")
