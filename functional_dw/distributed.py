@@ -43,6 +43,7 @@ import socket
 import tempfile
 import time
 import traceback
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable
@@ -147,7 +148,7 @@ class _Group:
         self.ready: _Gathered | None = None  # an all-gather started early (prefetch) or kept from forward
         self.prefetch_next: dict[str, _Group] = {}  # "forward"/"backward" -> the group to prefetch then
         self.grad_buf: torch.Tensor | None = None  # [E, W*R, K] fp32, from grad_buffer() to finalize
-        self.pending: list[tuple] = []  # async reduce-scatters: (work, out, fused, inputs)
+        self.pending: list[tuple] = []  # async reduce-scatters: (task, work, out, fused, targets, inputs)
         self.stats: Counter = Counter()  # collectives issued: all_gather, reduce_scatter
 
     def versions(self) -> tuple[int, ...]:
@@ -161,6 +162,7 @@ class _Group:
         """Start the all-gather now unless one of the current shards is already under way."""
         if self.ready is None or self.ready.versions != self.versions():
             self.ready = self.gather()
+            _GATHERED.add(self)
 
     def materialize(self, phase: str) -> list[torch.Tensor]:
         # NOTE: [Prefetch order] This group's own all-gather is issued (or was, by a prefetch)
@@ -171,16 +173,23 @@ class _Group:
         # GEMMs and hide nothing (what ShardedWeight did before set_prefetch_order).
         # Weights kept from a forward serve only its backward: a forward gathers afresh, so no
         # gather outlives a step (an optimizer writing through .data leaves no version behind).
+        # Nor does any prefetch: what a backward has not used when it ends is dropped (an
+        # activation checkpoint's recomputed forward, a wrong order), and a forward recomputed
+        # inside a backward prefetches nothing.
+        task = torch._C._current_graph_task_id()
         if phase == "forward" and self.ready is not None and self.ready.kept:
             self.ready = None
         self.prefetch()
         ready, self.ready = self.ready, None
         nxt = self.prefetch_next.get(phase)
-        if nxt is not None and nxt is not self:
+        if nxt is not None and nxt is not self and (phase == "backward" or task == -1):
             nxt.prefetch()
+        if phase == "backward":
+            _at_end_of_backward(task)
         weights = ready.weights(self.N)
         if phase == "forward" and not self.reshard_after_forward:
             ready.kept, self.ready = True, ready  # for this layer's backward (if the shards are unchanged)
+            _GATHERED.add(self)
         return weights
 
     def reduce_scatter(self, flat_EPK: torch.Tensor, fused: bool) -> list | None:
@@ -193,21 +202,40 @@ class _Group:
         if not self.async_grads:
             work.wait()
             return self.deliver(out, fused)
-        _flush_pending()  # an earlier group's reduce-scatter (issued before this one) delivers now
-        self.pending.append((work, out, fused, flat))
-        _PENDING.append(self)
-        _deliver_at_end_of_backward()
+        task = torch._C._current_graph_task_id()
+        self.drop_pending(lambda t: t != task)  # a backward that failed left them: never delivered
+        _deliver(task)  # an earlier group's reduce-scatter in this backward (issued before this one)
+        self.pending.append((task, work, out, fused, self.targets(task), flat))
+        _PENDING.setdefault(task, []).append(self)
+        _at_end_of_backward(task)
         return None  # the protocol's "async": delivered into .grad / main_grad, not returned
 
-    def deliver(self, out: torch.Tensor, fused: bool, into_grad: bool = False) -> list | None:
+    def targets(self, task: int) -> list[bool]:
+        """Which members take this backward's grads: those that require grad and whose grad
+        the engine accumulates (not under ``torch.autograd.grad`` or ``backward(inputs=...)``
+        that leave them out)."""
+        if task == -1:  # finalize called outside a backward
+            return [m.requires_grad for m in self.members]
+        from torch.autograd.graph import get_gradient_edge
+
+        return [m.requires_grad and torch._C._will_engine_execute_node(get_gradient_edge(m).node)
+                for m in self.members]
+
+    def deliver(self, out: torch.Tensor, fused: bool, targets: list[bool] | None = None) -> list | None:
+        """Hand each member its rows of the reduced grads: returned (autograd accumulates them),
+        or, with ``targets`` (async), accumulated into ``.grad`` of the members it names; fused,
+        added into the ``main_grad`` of members that require grad (TE's rule)."""
         shards = [out[e, : self.rows] for e in range(self.E)]
         if not fused:
-            if not into_grad:
+            if targets is None:
                 return [s.to(m.dtype) for s, m in zip(shards, self.members)]
-            for m, s in zip(self.members, shards):  # async: accumulate as autograd would have
-                m.grad = s.to(m.dtype) if m.grad is None else m.grad.add_(s.to(m.dtype))
+            for m, s, t in zip(self.members, shards, targets):  # async: accumulate as autograd would have
+                if t:
+                    m.grad = s.to(m.dtype) if m.grad is None else m.grad.add_(s.to(m.dtype))
             return None
-        for m, s in zip(self.members, shards):
+        for m, s, t in zip(self.members, shards, targets or [m.requires_grad for m in self.members]):
+            if not t:
+                continue
             if getattr(m, "main_grad", None) is None:
                 m.main_grad = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
             m.main_grad.add_(s)
@@ -216,36 +244,54 @@ class _Group:
         # TE's rule: a zero dummy keeps DDP hooks firing where grad_added_to_main_grad exists
         return [torch.zeros_like(m) if hasattr(m, "grad_added_to_main_grad") else None for m in self.members]
 
-    def wait(self) -> None:
-        pending, self.pending = self.pending, []
-        for work, out, fused, _inputs in pending:
+    def deliver_pending(self, task: int) -> None:
+        mine = [p for p in self.pending if p[0] == task]
+        self.pending = [p for p in self.pending if p[0] != task]
+        for _task, work, out, fused, targets, _inputs in mine:
             work.wait()
-            self.deliver(out, fused, into_grad=True)
+            self.deliver(out, fused, targets)
+
+    def drop_pending(self, which: Callable[[int], bool]) -> None:
+        for p in [p for p in self.pending if which(p[0])]:
+            warnings.warn(f"functional_dw.distributed: a reduce-scatter of an earlier backward of {self.members[0]!r}'s "
+                          "group was never delivered (that backward raised, or runs in another thread, which "
+                          "async_grad_reduce does not support): its grads are dropped", RuntimeWarning, stacklevel=3)
+            p[1].wait()  # (its buffers are freed after the collective)
+        self.pending = [p for p in self.pending if not which(p[0])]
 
 
 # NOTE: [Async reduce-scatter] With async_grad_reduce, a group's reduce-scatter runs on the
 # communication stream while the earlier layers' backward computes. Its grads are delivered
-# (the compute stream waits on its event, then adds) when the next group's reduce-scatter has
-# been issued, and the last ones when backward ends (an autograd engine callback, as FSDP's):
-# at most two full-size grad buffers are alive, and .grad / main_grad are complete when
-# backward() returns. wait_for_grads() delivers what is left when finalize ran outside backward.
-_PENDING: list[_Group] = []  # one backward at a time per process, as the collectives' order needs
+# (the compute stream waits on its event, then adds) when the next group's reduce-scatter in
+# the same backward has been issued, and the last ones when that backward ends (an autograd
+# engine callback, as FSDP's): at most two full-size grad buffers per backward are alive, and
+# .grad / main_grad are complete when backward() returns. Pending work is kept per backward
+# (the engine's graph task), so a nested backward (reentrant checkpointing) delivers its own,
+# and a backward that raised delivers nothing: its leftovers are dropped, with a warning, when
+# the group reduce-scatters again. wait_for_grads() delivers what finalize left outside a backward.
+_PENDING: dict[int, list[_Group]] = {}  # graph task id (-1: none) -> groups with pending reduce-scatters
+_GATHERED: set[_Group] = set()  # groups holding a gather that a backward's end drops
+_ENDING: set[int] = set()  # graph tasks whose end-of-backward callback is queued
 
 
-def _flush_pending() -> None:
-    groups = list(dict.fromkeys(_PENDING))
-    _PENDING.clear()
-    for g in groups:
-        g.wait()
+def _deliver(task: int) -> None:
+    for g in dict.fromkeys(_PENDING.pop(task, [])):
+        g.deliver_pending(task)
 
 
-def _deliver_at_end_of_backward() -> None:
-    # one callback per reduce-scatter: the first to run delivers them all, the rest find none
-    # (no flag to leave set when a backward fails before its callbacks run)
-    try:
-        torch.autograd.Variable._execution_engine.queue_callback(_flush_pending)
-    except RuntimeError:  # not inside a backward (finalize called directly): wait_for_grads delivers
-        pass
+def _at_end_of_backward(task: int) -> None:
+    if task == -1 or task in _ENDING:
+        return
+
+    def end() -> None:
+        _ENDING.discard(task)
+        _deliver(task)
+        for g in list(_GATHERED):  # unused gathers never outlive a backward (NOTE: [Prefetch order])
+            g.ready = None
+        _GATHERED.clear()
+
+    torch.autograd.Variable._execution_engine.queue_callback(end)
+    _ENDING.add(task)
 
 
 class ShardedWeight(torch.nn.Parameter):
@@ -294,6 +340,12 @@ class ShardedWeight(torch.nn.Parameter):
         wgrads = list(wgrads) if isinstance(wgrads, (list, tuple)) else [wgrads]
         if len(wgrads) != g.E:
             raise ValueError(f"finalize_group_grads: got {len(wgrads)} grads for a group of {g.E}")
+        w0 = wgrads[0]
+        for e, w in enumerate(wgrads):
+            if not (isinstance(w, torch.Tensor) and w.shape == (g.N, g.K) and w.dtype == w0.dtype and w.device == w0.device):
+                got = f"a {w.dtype} {tuple(w.shape)} tensor on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__
+                raise ValueError(f"finalize_group_grads: grads[{e}] is {got}; each must be the full weight's grad, "
+                                 f"[{g.N}, {g.K}], all of one dtype and device (grads[0]: {w0.dtype if isinstance(w0, torch.Tensor) else '?'})")
         # NOTE: fused is recognised by grad_buffer() having been called since the last finalize
         # (the layer calls it only with fuse_wgrad_accumulation); the fp32 buffer is reduced in
         # fp32. Unfused grads are reduced in their own dtype (bf16 stays bf16, as in TE/FSDP).
@@ -400,9 +452,11 @@ def prefetch_on_grad(tensor: torch.Tensor, params: Iterable[torch.Tensor]) -> to
 def wait_for_grads(params: Iterable[torch.Tensor]) -> None:
     """Deliver the async reduce-scatters still pending for the groups among ``params`` (e.g.
     ``model.parameters()``): into ``main_grad`` (fused) or ``.grad``. A backward delivers its
-    own as it ends, so this is needed only where ``finalize_group_grads`` ran outside one."""
+    own as it ends, so this is needed only where ``finalize_group_grads`` ran outside one; what
+    a backward that raised left behind is dropped (with a warning), not delivered."""
     for g in _groups(params):
-        g.wait()
+        g.deliver_pending(-1)
+        g.drop_pending(lambda t: t != -1)
 
 
 # --- FSDP2 and distributed checkpoints ----------------------------------------------------------
