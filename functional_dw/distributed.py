@@ -377,8 +377,9 @@ def shard_grouped_weights(
 
     - ``async_grad_reduce``: the reduce-scatter runs while the earlier layers' backward
       computes; the grads land in ``.grad`` (or ``main_grad``) by the time backward returns
-      (NOTE: [Async reduce-scatter]), not through autograd (``torch.autograd.grad`` does not
-      see them).
+      (NOTE: [Async reduce-scatter]), not through autograd: ``torch.autograd.grad(loss,
+      weights)`` returns None for them, and members the engine does not accumulate (frozen,
+      or left out by ``inputs=``) get nothing.
     - ``reshard_after_forward=False``: keep the forward's gathered weights for this layer's
       backward (one all-gather fewer per step; the full weights stay alive until then, or
       until the next forward after a forward under no_grad): FSDP2's choice for the last
