@@ -145,7 +145,7 @@ if __name__ == "__main__":
             res.setdefault(mode, []).append(max(o[0] for o in out))
         print(f"W={W} {'nccl' if gpu else 'gloo'} E={E} T/rank={T} H={H} F={Fh}: " + ", ".join(
             f"{m} {statistics.median(v)*1e3:.1f} ms (runs {[round(t*1e3, 1) for t in v]})" for m, v in res.items()), flush=True)
-        for m, (both, busy, n) in overlaps.items():
+        for m, (both, busy, n) in overlaps.items() if gpu else ():  # (no CUDA kernels on the CPU)
             print(f"    {m}: kernels of >= 2 streams at once {both:.2f} ms of {busy:.2f} ms with any kernel "
                   f"(3 steps, rank 0, {n} streams)", flush=True)
         print("    host time to issue a step (slowest rank): " + ", ".join(
