@@ -92,11 +92,11 @@ class _Gathered:
         m0 = g.members[0].detach()
         if g.E == 1 and g.rows == g.R and m0.is_contiguous():
             slab = m0.view(1, g.R, g.K)  # Linear, even split: no copy
-        elif g.rows == g.R:
-            slab = torch.cat([m.detach().reshape(1, g.R, g.K) for m in g.members])
         else:
-            slab = m0.new_zeros(g.E, g.R, g.K)
-            slab[:, : g.rows].copy_(torch.stack([m.detach() for m in g.members]))
+            with torch.no_grad():  # (stacking the parameters themselves: no E detaches on the host)
+                slab = torch.stack(g.members)
+            if g.rows < g.R:
+                slab = torch.cat([slab, slab.new_zeros(g.E, g.R - g.rows, g.K)], dim=1)
         out = slab.new_empty(g.world, g.E, g.R, g.K)
         g.stats["all_gather"] += 1
         self.versions, self.kept, self.event = g.versions(), False, None
@@ -124,7 +124,7 @@ class _Gathered:
             if self.full is None:
                 self.full = _unpack(self.out)
         self.slab = self.out = None
-        return [f[:N] for f in self.full]
+        return list((self.full if self.full.shape[1] == N else self.full[:, :N]).unbind(0))
 
 
 def _unpack(out_WERK: torch.Tensor) -> torch.Tensor:
@@ -225,10 +225,11 @@ class _Group:
         """Hand each member its rows of the reduced grads: returned (autograd accumulates them),
         or, with ``targets`` (async), accumulated into ``.grad`` of the members it names; fused,
         added into the ``main_grad`` of members that require grad (TE's rule)."""
-        shards = [out[e, : self.rows] for e in range(self.E)]
+        shards = (out if self.rows == self.R else out[:, : self.rows]).unbind(0)
         if not fused:
             if targets is None:
-                return [s.to(m.dtype) for s, m in zip(shards, self.members)]
+                dtype = self.members[0].dtype
+                return list(shards) if out.dtype == dtype else [s.to(dtype) for s in shards]
             for m, s, t in zip(self.members, shards, targets):  # async: accumulate as autograd would have
                 if t:
                     m.grad = s.to(m.dtype) if m.grad is None else m.grad.add_(s.to(m.dtype))
@@ -341,11 +342,17 @@ class ShardedWeight(torch.nn.Parameter):
         if len(wgrads) != g.E:
             raise ValueError(f"finalize_group_grads: got {len(wgrads)} grads for a group of {g.E}")
         w0 = wgrads[0]
-        for e, w in enumerate(wgrads):
-            if not (isinstance(w, torch.Tensor) and w.shape == (g.N, g.K) and w.dtype == w0.dtype and w.device == w0.device):
-                got = f"a {w.dtype} {tuple(w.shape)} tensor on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__
-                raise ValueError(f"finalize_group_grads: grads[{e}] is {got}; each must be the full weight's grad, "
-                                 f"[{g.N}, {g.K}], all of one dtype and device (grads[0]: {w0.dtype if isinstance(w0, torch.Tensor) else '?'})")
+        try:  # (one set, not E checks, on the host when all is well)
+            ok = {(w.shape, w.dtype, w.device) for w in wgrads} == {((g.N, g.K), w0.dtype, w0.device)}
+        except AttributeError:
+            ok = False
+        if not ok:
+            for e, w in enumerate(wgrads):
+                if not (isinstance(w, torch.Tensor) and w.shape == (g.N, g.K) and w.dtype == w0.dtype
+                        and w.device == w0.device):
+                    got = f"a {w.dtype} {tuple(w.shape)} tensor on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__
+                    raise ValueError(f"finalize_group_grads: grads[{e}] is {got}; each must be the full weight's grad, "
+                                     f"[{g.N}, {g.K}], all of one dtype and device as grads[0]")
         # NOTE: fused is recognised by grad_buffer() having been called since the last finalize
         # (the layer calls it only with fuse_wgrad_accumulation); the fp32 buffer is reduced in
         # fp32. Unfused grads are reduced in their own dtype (bf16 stays bf16, as in TE/FSDP).
