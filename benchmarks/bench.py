@@ -967,7 +967,11 @@ def fp8_rows(args, te, clock):
 
 
 def add_fractions(result, peak):
-    """frac_peak on every timing that has TFLOP/s, from the final peak (known at the end)."""
+    """frac_peak on every timing that has TFLOP/s, from the final peak (known at the end);
+    none without a positive peak."""
+    if not peak > 0:
+        return
+
     def walk(v):
         if isinstance(v, dict):
             if "tflops" in v and "ms" in v:
@@ -1245,7 +1249,7 @@ def main(argv=None):
     result.pop("dense_samples_end")
     result["dense_samples"] = (samples or []) + (end or [])
     peak = max((s["tflops"] for s in result["dense_samples"] if "tflops" in s), default=float("nan"))
-    result["dense_peak_tflops"] = round(peak, 1)
+    result["dense_peak_tflops"] = round(peak, 3)  # (to 0.1, a slow CPU's peak was 0.0)
     add_fractions(result, result["dense_peak_tflops"])
     meta["skipped"], meta["errors"] = clock.skipped, clock.errors
     meta["elapsed_s"] = clock.elapsed | {"total": round(time.monotonic() - clock.t0, 1)}

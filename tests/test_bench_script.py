@@ -192,3 +192,16 @@ def test_only_fp8(tmp_path):
     data, md = run_mock(tmp_path, "--only", "fp8")
     assert data["fp8"]["rows"] and data["grouped"] is None and data["host"] is None
     assert "## FP8: forward+backward" in md and "## GroupedLinear" not in md and data["meta"]["errors"] == {}
+
+
+def test_fractions_of_a_slow_cpus_peak():
+    """A contended CPU's dense peak below 0.05 TFLOP/s once rounded to 0.0 and the report died
+    dividing by it: the peak keeps 3 decimals, and no peak gives no fractions, not an error."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench
+
+    timing = {"tflops": 0.01, "ms": 2.0}
+    bench.add_fractions({"grouped": [timing]}, 0.0)
+    assert "frac_peak" not in timing
+    bench.add_fractions({"grouped": [timing]}, 0.04)
+    assert timing["frac_peak"] == 0.25
