@@ -41,9 +41,11 @@ import os
 import pickle
 import socket
 import tempfile
+import threading
 import time
 import traceback
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable
@@ -100,6 +102,7 @@ class _Gathered:
         out = slab.new_empty(g.world, g.E, g.R, g.K)
         g.stats["all_gather"] += 1
         self.versions, self.kept, self.event = g.versions(), False, None
+        self.chain: tuple | None = None  # (chain, n): issued by set_prefetch_order at that materialize
         self.work = _collective("all_gather_single", "all_gather_into_tensor")(
             out.view(-1), slab.view(-1), group=g.pg, async_op=True)  # 1-D: what every backend takes
         self.slab, self.out, self.full = slab, out, None
@@ -162,7 +165,6 @@ class _Group:
         """Start the all-gather now unless one of the current shards is already under way."""
         if self.ready is None or self.ready.versions != self.versions():
             self.ready = self.gather()
-            _GATHERED.add(self)
 
     def materialize(self, phase: str) -> list[torch.Tensor]:
         # NOTE: [Prefetch order] This group's own all-gather is issued (or was, by a prefetch)
@@ -171,25 +173,31 @@ class _Group:
         # A gather waits for the compute stream as it was when it was issued, so it must be
         # issued early; issued at the next layer's own materialize it would queue behind these
         # GEMMs and hide nothing (what ShardedWeight did before set_prefetch_order).
-        # Weights kept from a forward serve only its backward: a forward gathers afresh, so no
-        # gather outlives a step (an optimizer writing through .data leaves no version behind).
-        # Nor does any prefetch: what a backward has not used when it ends is dropped (an
-        # activation checkpoint's recomputed forward, a wrong order), and a forward recomputed
-        # inside a backward prefetches nothing.
-        task = torch._C._current_graph_task_id()
-        if phase == "forward" and self.ready is not None and self.ready.kept:
+        # No gather may outlive a step: an update that bumps no version (.data, fused AdamW)
+        # would go unseen. So a prefetch of set_prefetch_order serves only the very next
+        # materialize of its chain (this thread, this backward or none), else it is dropped;
+        # weights kept from a forward serve only this group's backward; a forward recomputed
+        # inside a backward prefetches nothing. Each decision depends on this rank's own order
+        # of calls only, never on timing, so every rank issues the same collectives.
+        chain, n = _chain_step()
+        task = chain[1]
+        if phase == "forward":
+            self.drop_pending(lambda t: t != task)  # left by a backward that raised: never delivered
+        r = self.ready
+        if r is not None and (r.chain is not None and r.chain != (chain, n - 1) or phase == "forward" and r.kept):
             self.ready = None
         self.prefetch()
         ready, self.ready = self.ready, None
         nxt = self.prefetch_next.get(phase)
         if nxt is not None and nxt is not self and (phase == "backward" or task == -1):
-            nxt.prefetch()
+            if not (phase == "backward" and nxt.ready is not None and nxt.ready.kept):
+                nxt.ready = nxt.gather()
+                nxt.ready.chain = (chain, n)
         if phase == "backward":
             _at_end_of_backward(task)
         weights = ready.weights(self.N)
         if phase == "forward" and not self.reshard_after_forward:
-            ready.kept, self.ready = True, ready  # for this layer's backward (if the shards are unchanged)
-            _GATHERED.add(self)
+            ready.kept, ready.chain, self.ready = True, None, ready  # for this group's backward
         return weights
 
     def reduce_scatter(self, flat_EPK: torch.Tensor, fused: bool) -> list | None:
@@ -203,10 +211,10 @@ class _Group:
             work.wait()
             return self.deliver(out, fused)
         task = torch._C._current_graph_task_id()
-        self.drop_pending(lambda t: t != task)  # a backward that failed left them: never delivered
         _deliver(task)  # an earlier group's reduce-scatter in this backward (issued before this one)
-        self.pending.append((task, work, out, fused, self.targets(task), flat))
-        _PENDING.setdefault(task, []).append(self)
+        # (fused: main_grad of every member that requires grad, as TE's fused GEMM writes it)
+        self.pending.append((task, work, out, fused, None if fused else self.targets(task), flat))
+        _PENDING.setdefault(task, []).append(weakref.ref(self))
         _at_end_of_backward(task)
         return None  # the protocol's "async": delivered into .grad / main_grad, not returned
 
@@ -218,8 +226,13 @@ class _Group:
             return [m.requires_grad for m in self.members]
         from torch.autograd.graph import get_gradient_edge
 
-        return [m.requires_grad and torch._C._will_engine_execute_node(get_gradient_edge(m).node)
-                for m in self.members]
+        def accumulated(m: torch.Tensor) -> bool:
+            try:
+                return torch._C._will_engine_execute_node(get_gradient_edge(m).node)
+            except RuntimeError:  # torch.autograd.grad(loss, [m]) captures m's grad: it returns None
+                return False
+
+        return [m.requires_grad and accumulated(m) for m in self.members]
 
     def deliver(self, out: torch.Tensor, fused: bool, targets: list[bool] | None = None) -> list | None:
         """Hand each member its rows of the reduced grads: returned (autograd accumulates them),
@@ -258,6 +271,11 @@ class _Group:
                           "group was never delivered (that backward raised, or runs in another thread, which "
                           "async_grad_reduce does not support): its grads are dropped", RuntimeWarning, stacklevel=3)
             p[1].wait()  # (its buffers are freed after the collective)
+            refs = [r for r in _PENDING.get(p[0], []) if r() is not None and r() is not self]
+            if refs:
+                _PENDING[p[0]] = refs
+            else:
+                _PENDING.pop(p[0], None)
         self.pending = [p for p in self.pending if not which(p[0])]
 
 
@@ -268,31 +286,36 @@ class _Group:
 # engine callback, as FSDP's): at most two full-size grad buffers per backward are alive, and
 # .grad / main_grad are complete when backward() returns. Pending work is kept per backward
 # (the engine's graph task), so a nested backward (reentrant checkpointing) delivers its own,
-# and a backward that raised delivers nothing: its leftovers are dropped, with a warning, when
-# the group reduce-scatters again. wait_for_grads() delivers what finalize left outside a backward.
-_PENDING: dict[int, list[_Group]] = {}  # graph task id (-1: none) -> groups with pending reduce-scatters
-_GATHERED: set[_Group] = set()  # groups holding a gather that a backward's end drops
-_ENDING: set[int] = set()  # graph tasks whose end-of-backward callback is queued
+# and a backward that raised delivers nothing: its leftovers are dropped, with a warning, at
+# the group's next forward. wait_for_grads() delivers what finalize left outside a backward.
+_PENDING: dict[int, list[weakref.ref]] = {}  # graph task id (-1: none) -> groups with pending reduce-scatters
+_CHAINS: dict[tuple[int, int], int] = {}  # (thread, graph task) -> materialize calls so far (NOTE: [Prefetch order])
+
+
+def _chain_step() -> tuple[tuple[int, int], int]:
+    chain = (threading.get_ident(), torch._C._current_graph_task_id())
+    n = _CHAINS[chain] = _CHAINS.get(chain, 0) + 1
+    return chain, n
 
 
 def _deliver(task: int) -> None:
-    for g in dict.fromkeys(_PENDING.pop(task, [])):
-        g.deliver_pending(task)
+    for ref in dict.fromkeys(_PENDING.pop(task, [])):
+        if (g := ref()) is not None:
+            g.deliver_pending(task)
 
 
 def _at_end_of_backward(task: int) -> None:
-    if task == -1 or task in _ENDING:
+    # one callback per call (per layer and backward): the first delivers, the rest find nothing;
+    # no record of queued callbacks to leak when a backward raises before they run
+    if task == -1:
         return
 
     def end() -> None:
-        _ENDING.discard(task)
         _deliver(task)
-        for g in list(_GATHERED):  # unused gathers never outlive a backward (NOTE: [Prefetch order])
-            g.ready = None
-        _GATHERED.clear()
+        for chain in [c for c in _CHAINS if c[1] == task]:
+            del _CHAINS[chain]
 
     torch.autograd.Variable._execution_engine.queue_callback(end)
-    _ENDING.add(task)
 
 
 class ShardedWeight(torch.nn.Parameter):
