@@ -461,9 +461,11 @@ def set_prefetch_order(params: Iterable[torch.Tensor]) -> None:
     other parameters are skipped). Each group's forward then starts the next group's
     all-gather before queuing its own GEMMs, and each group's backward the previous group's
     (NOTE: [Prefetch order]): at most two groups' gathered weights are alive at once, plus those
-    kept by ``reshard_after_forward=False``. A prefetch whose shards changed before use is
-    gathered again, so a wrong order costs memory and bandwidth, never correctness. Every rank
-    must set the same order. The listed groups' earlier order is replaced (one group: none)."""
+    kept by ``reshard_after_forward=False``. Such a prefetch serves only the next sharded layer
+    to run in the same thread and backward, else it is dropped, so a wrong order costs memory
+    and bandwidth, never correctness. Every rank must set the same order and run the layers in
+    the same order. The listed groups' earlier order is replaced (one group: none). Threads
+    that step models concurrently each need their own groups (and process groups)."""
     groups = _groups(params)
     for g in groups:
         g.prefetch_next = {}
