@@ -9,32 +9,11 @@ assertion failures are collected per case so the ranks stay in step)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-import functional_dw as fd
+from probe_cases import F, data as _data, gl as _gl, rnd as _rnd, make_probe_tests
 from functional_dw import distributed as fdd
-
-H, F, E = 8, 12, 3
-
-
-def _rnd(*shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=torch.float64) / 4
-
-
-def _data():
-    rank = dist.get_rank()
-    f1 = [_rnd(F, H, seed=10 + e) for e in range(E)]
-    f2 = [_rnd(H, F, seed=20 + e) for e in range(E)]
-    splits = [[3, 0, 2], [1, 4, 0]][rank]
-    return f1, f2, splits, _rnd(sum(splits), H, seed=30 + rank), _rnd(sum(splits), H, seed=40 + rank)
-
-
-def _gl(x, ws, splits, **kw):
-    return fd.grouped_linear(x, ws, splits, backend="torch", **kw)
 
 
 def _mlp(x, w1, w2, splits):
@@ -155,23 +134,5 @@ CASES = {
     "checkpoint-stale-prefetch": _checkpoint_prefetch_not_stale,
     "finalize-shapes": _finalize_checks_grad_shapes,
 }
-def _job() -> dict:
-    out = {}
-    for name, check in CASES.items():
-        try:
-            check()
-            out[name] = None
-        except AssertionError as err:
-            out[name] = f"AssertionError: {err}"
-    return out
 
-
-@pytest.fixture(scope="module")
-def results():
-    return fdd.launch(_job, 2, backend="gloo", timeout=60, deadline=120)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_probe20(results, case):
-    failures = [f"rank {r}: {res[case]}" for r, res in enumerate(results) if res[case] is not None]
-    assert not failures, "\n".join(failures)
+results, test_probe20 = make_probe_tests(CASES)

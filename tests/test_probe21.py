@@ -17,37 +17,28 @@ import threading
 import warnings
 import weakref
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-import functional_dw as fd
+from probe_cases import E, F, H, data as _data, gl as _gl, rnd as _rnd, make_probe_tests
 from functional_dw import distributed as fdd
 
-H, F, E = 8, 12, 3
 gelu = torch.nn.functional.gelu
-
-
-def _rnd(*shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=torch.float64) / 4
-
-
-def _data():
-    rank = dist.get_rank()
-    f1 = [_rnd(F, H, seed=10 + e) for e in range(E)]
-    f2 = [_rnd(H, F, seed=20 + e) for e in range(E)]
-    splits = [[3, 0, 2], [1, 4, 0]][rank]
-    return f1, f2, splits, _rnd(sum(splits), H, seed=30 + rank), _rnd(sum(splits), H, seed=40 + rank)
-
-
-def _gl(x, ws, splits, **kw):
-    return fd.grouped_linear(x, ws, splits, backend="torch", **kw)
 
 
 def _boom(t):
     t.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))  # every rank raises here
+
+
+def _raise_in_backward(w1, w2, sp, x0, dy):
+    """A step whose backward raises (a hook on layer 1's output) after layer 2's backward ran."""
+    h = gelu(_gl(x0.clone().requires_grad_(), w1, sp))
+    _boom(h)
+    try:
+        _gl(h, w2, sp).backward(dy)
+    except RuntimeError:
+        pass
 
 
 def _reentrant_same_group_outside_and_inside():
@@ -118,15 +109,7 @@ def _failed_backward_prefetch_outlives_step():
     Fix: a failed backward cannot be observed by a callback; drop backward-phase prefetches at
     the next forward (a forward never needs a gather issued in a backward)."""
 
-    def between(w1, w2, sp, x0, dy):
-        h = gelu(_gl(x0.clone().requires_grad_(), w1, sp))
-        _boom(h)
-        try:
-            _gl(h, w2, sp).backward(dy)
-        except RuntimeError:
-            pass
-
-    _train_with(between)
+    _train_with(_raise_in_backward)
 
 
 def _autograd_grad_of_a_member_async():
@@ -203,14 +186,9 @@ def _failed_backward_leaks_group():
     w1 = fdd.shard_grouped_weights(f1, async_grad_reduce=True)
     w2 = fdd.shard_grouped_weights(f2, async_grad_reduce=True)
     fdd.set_prefetch_order([*w1, *w2])
-    h = gelu(_gl(x0.clone().requires_grad_(), w1, sp))
-    _boom(h)
-    try:
-        _gl(h, w2, sp).backward(dy)
-    except RuntimeError:
-        pass
+    _raise_in_backward(w1, w2, sp, x0, dy)
     refs = [weakref.ref(w1[0]._dw), weakref.ref(w2[0]._dw)]
-    del w1, w2, h
+    del w1, w2
     gc.collect()
     live = [r() for refs_ in fdd._PENDING.values() for r in refs_ if r() is not None]
     alive = [r() is not None for r in refs]
@@ -227,24 +205,4 @@ CASES = {
     "failed-backward-leak": _failed_backward_leaks_group,
 }
 
-
-def _job() -> dict:
-    out = {}
-    for name, check in CASES.items():
-        try:
-            check()
-            out[name] = None
-        except AssertionError as err:
-            out[name] = f"AssertionError: {err}"
-    return out
-
-
-@pytest.fixture(scope="module")
-def results():
-    return fdd.launch(_job, 2, backend="gloo", timeout=60, deadline=120)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_probe21(results, case):
-    failures = [f"rank {r}: {res[case]}" for r, res in enumerate(results) if res[case] is not None]
-    assert not failures, "\n".join(failures)
+results, test_probe21 = make_probe_tests(CASES)
