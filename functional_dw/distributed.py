@@ -176,15 +176,17 @@ class _Group:
         # No gather may outlive a step: an update that bumps no version (.data, fused AdamW)
         # would go unseen. So a prefetch of set_prefetch_order serves only the very next
         # materialize of its chain (this thread, this backward or none), else it is dropped;
-        # weights kept from a forward serve only this group's backward; a forward recomputed
-        # inside a backward prefetches nothing. Each decision depends on this rank's own order
+        # weights kept from a forward, and prefetch_for_backward's gathers, serve only this
+        # group's backward (a forward drops them); a forward recomputed inside a backward
+        # prefetches nothing. Each decision depends on this rank's own order
         # of calls only, never on timing, so every rank issues the same collectives.
         chain, n = _chain_step()
         task = chain[1]
-        if phase == "forward":
-            self.drop_pending(lambda t: t != task)  # left by a backward that raised: never delivered
-        r = self.ready
-        if r is not None and (r.chain is not None and r.chain != (chain, n - 1) or phase == "forward" and r.kept):
+        if phase == "forward" and task == -1:  # (not a forward recomputed inside a backward, maybe nested)
+            self.drop_pending(lambda t: t != -1)  # left by a backward that raised: never delivered
+            _prune_chains(chain[0])
+        r = self.ready  # a forward takes only its chain's prefetch; a backward also kept and explicit ones
+        if r is not None and (r.chain != (chain, n - 1) if phase == "forward" else r.chain not in (None, (chain, n - 1))):
             self.ready = None
         self.prefetch()
         ready, self.ready = self.ready, None
@@ -193,8 +195,7 @@ class _Group:
             if not (phase == "backward" and nxt.ready is not None and nxt.ready.kept):
                 nxt.ready = nxt.gather()
                 nxt.ready.chain = (chain, n)
-        if phase == "backward":
-            _at_end_of_backward(task)
+        _at_end_of_backward(task)  # (any materialize inside a backward: its chain is forgotten at its end)
         weights = ready.weights(self.N)
         if phase == "forward" and not self.reshard_after_forward:
             ready.kept, ready.chain, self.ready = True, None, ready  # for this group's backward
@@ -298,6 +299,13 @@ def _chain_step() -> tuple[tuple[int, int], int]:
     return chain, n
 
 
+def _prune_chains(thread: int) -> None:
+    # a forward outside any backward on this thread: the thread's backward chains are over (on the
+    # CPU backward runs on the caller's thread; a failed one's end callback never ran)
+    for chain in [c for c in _CHAINS if c[0] == thread and c[1] != -1]:
+        del _CHAINS[chain]
+
+
 def _deliver(task: int) -> None:
     for ref in dict.fromkeys(_PENDING.pop(task, [])):
         if (g := ref()) is not None:
@@ -345,9 +353,9 @@ class ShardedWeight(torch.nn.Parameter):
         return self._dw.materialize("backward")
 
     def prefetch_for_backward(self) -> None:
-        """Start the group's all-gather now (async): the next materialize (this layer's
-        backward, or its forward) waits for it instead of gathering then. One prefetch serves
-        one use, if the shards did not change since (else they are gathered again)."""
+        """Start the group's all-gather now (async): this layer's next backward waits for it
+        instead of gathering then, if the shards did not change since (else they are gathered
+        again). A forward before that backward drops it (no gather outlives a step)."""
         self._dw.prefetch()
 
     def grad_buffer(self) -> torch.Tensor:

@@ -59,6 +59,19 @@ def is_distributed_weight(w: Any) -> bool:
     return True
 
 
+# NOTE: [DistributedWeight under torch.compile] A layer whose weights are DistributedWeights
+# runs eagerly inside a compiled region (a graph break around the layer, as FSDP1's wrapped
+# modules do): its gathers, reduce-scatters and Python bookkeeping are not traceable, and
+# dynamo failed on them with an internal error. The layers around it still compile.
+NO_COMPILE = "a layer with DistributedWeight weights runs eagerly (collectives and their bookkeeping)"
+
+
+def any_distributed(weights: Any) -> bool:
+    """True when ``weights`` (a tensor or a sequence of them) holds a DistributedWeight."""
+    ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
+    return bool(ws) and bool(getattr(ws[0], "is_distributed_weight", False))
+
+
 def _as_list(x: Any) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 

@@ -395,9 +395,10 @@ def _wgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> tuple[
     want_b = _wanted(res)[2]
     if _frozen(res):  # no wgrad GEMM; a DistributedWeight still finalizes (zeros), once, as every rank does
         db_EN = expert_sums(dy_TN, res.splits) if res.bias is not None and want_b else None
-        if res.distributed:
-            zeros = [dy_TN.new_zeros(s) for s in res.weight_shapes]
-            wgrads = dwp.finalize(res.weights, True, False, zeros)
+        if res.distributed:  # (fused: the fp32 buffer, the dtype every other rank reduces)
+            zeros = (dwp.grad_targets(res.weights, True, res.weight_shapes, "weights") if fused
+                     else [dy_TN.new_zeros(s) for s in res.weight_shapes])
+            wgrads = dwp.finalize(res.weights, True, fused, zeros)
             return (wgrads[0] if res.stacked else wgrads), _bias_grads(res, db_EN)
         return (None if res.stacked else [None] * len(res.weights)), _bias_grads(res, db_EN)
     out = None
@@ -485,6 +486,7 @@ def _vmap(batch_size: int, in_dims: tuple, x, weights, splits, bias, fuse, use_g
 
 
 _grouped_linear = custom_vjp(_fwd, _bwd, primal=_primal, jvp=_jvp, vmap=_vmap, name="grouped_linear")
+_grouped_linear_eager = torch.compiler.disable(_grouped_linear, reason=dwp.NO_COMPILE)
 
 
 def grouped_linear(
@@ -532,4 +534,6 @@ def grouped_linear(
     if recipe is not None or fp8_state is not None:
         _fp8.refuse_compile(recipe)
         fp8_args = _fp8.Args(recipe, fp8_state, keep_x=_fp8.wgrad_possible(weights))
+    if torch.compiler.is_compiling() and dwp.any_distributed(weights):  # NOTE: [DistributedWeight under torch.compile]
+        return _grouped_linear_eager(x, weights, splits, bias, fuse, use_grouped_tensor, backend, fp8_args)
     return _grouped_linear(x, weights, splits, bias, fuse, use_grouped_tensor, backend, fp8_args)

@@ -208,8 +208,9 @@ def _wgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> tuple[Any, to
     shape = (res.out_features, res.x_shape[-1])
     if _frozen(res):  # frozen: no wgrad GEMM, main_grad untouched
         db = column_sums(dy_TN) if res.has_bias and want_b else None
-        if res.distributed:  # it still finalizes (zeros), once, as every rank does
-            return dwp.finalize(params, True, False, [dy_TN.new_zeros(shape)], "weight")[0], db
+        if res.distributed:  # it still finalizes (zeros), once, as every rank does (fused: the fp32 buffer)
+            zeros = dwp.grad_targets(params, True, [shape], "weight") if fused else [dy_TN.new_zeros(shape)]
+            return dwp.finalize(params, True, fused, zeros, "weight")[0], db
         return None, db
     out = dwp.grad_targets(params, res.distributed, [shape], "weight")[0] if fused else None
     accumulate, with_dbias = fused and dwp.accumulates(params, res.distributed), res.has_bias and want_b
@@ -267,6 +268,7 @@ def _vmap(batch_size: int, in_dims: tuple, x, weight, bias, fuse, backend, fp8_a
 
 
 _linear = custom_vjp(_fwd, _bwd, primal=_primal, jvp=_jvp, vmap=_vmap, name="linear")
+_linear_eager = torch.compiler.disable(_linear, reason=dwp.NO_COMPILE)
 
 
 def linear(
@@ -292,4 +294,7 @@ def linear(
     if recipe is not None or fp8_state is not None:
         _fp8.refuse_compile()
         fp8_args = _fp8.Args(recipe, fp8_state, keep_x=_fp8.wgrad_possible(weight))
-    return _linear(x, weight, bias, _checks.fuse_flag(fuse_wgrad_accumulation), backend, fp8_args)
+    fuse = _checks.fuse_flag(fuse_wgrad_accumulation)
+    if torch.compiler.is_compiling() and dwp.any_distributed([weight]):  # NOTE: [DistributedWeight under torch.compile]
+        return _linear_eager(x, weight, bias, fuse, backend, fp8_args)
+    return _linear(x, weight, bias, fuse, backend, fp8_args)
