@@ -95,10 +95,7 @@ class _Gathered:
         if g.E == 1 and g.rows == g.R and m0.is_contiguous():
             slab = m0.view(1, g.R, g.K)  # Linear, even split: no copy
         else:
-            with torch.no_grad():  # (stacking the parameters themselves: no E detaches on the host)
-                slab = torch.stack(g.members)
-            if g.rows < g.R:
-                slab = torch.cat([slab, slab.new_zeros(g.E, g.R - g.rows, g.K)], dim=1)
+            slab = _stacked_rows(g.members, g.R)
         out = slab.new_empty(g.world, g.E, g.R, g.K)
         g.stats["all_gather"] += 1
         self.versions, self.kept, self.event = g.versions(), False, None
@@ -128,6 +125,14 @@ class _Gathered:
                 self.full = _unpack(self.out)
         self.slab = self.out = None
         return list((self.full if self.full.shape[1] == N else self.full[:, :N]).unbind(0))
+
+
+def _stacked_rows(ts: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
+    """E ``[n, K]`` tensors as one ``[E, rows, K]`` block, zero rows after n (the collectives'
+    padding; one stack, and one pad where n < rows)."""
+    with torch.no_grad():  # (parameters stacked as they are: no E detaches on the host)
+        t = torch.stack(list(ts))
+    return t if t.shape[1] == rows else torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[1]))
 
 
 def _unpack(out_WERK: torch.Tensor) -> torch.Tensor:
@@ -184,7 +189,9 @@ class _Group:
         task = chain[1]
         if phase == "forward" and task == -1:  # (not a forward recomputed inside a backward, maybe nested)
             self.drop_pending(lambda t: t != -1)  # left by a backward that raised: never delivered
-            _prune_chains(chain[0])
+            # this thread's backward chains are over (on the CPU backward runs on the caller's
+            # thread; a failed one's end callback never ran)
+            _forget_chains(lambda c: c[0] == chain[0] and c[1] != -1)
         r = self.ready  # a forward takes only its chain's prefetch; a backward also kept and explicit ones
         if r is not None and (r.chain != (chain, n - 1) if phase == "forward" else r.chain not in (None, (chain, n - 1))):
             self.ready = None
@@ -237,8 +244,8 @@ class _Group:
 
     def deliver(self, out: torch.Tensor, fused: bool, targets: list[bool] | None = None) -> list | None:
         """Hand each member its rows of the reduced grads: returned (autograd accumulates them),
-        or, with ``targets`` (async), accumulated into ``.grad`` of the members it names; fused,
-        added into the ``main_grad`` of members that require grad (TE's rule)."""
+        or, with ``targets`` (async, unfused), accumulated into ``.grad`` of the members it
+        names; fused, added into the ``main_grad`` of members that require grad (TE's rule)."""
         shards = (out if self.rows == self.R else out[:, : self.rows]).unbind(0)
         if not fused:
             if targets is None:
@@ -248,8 +255,8 @@ class _Group:
                 if t:
                     m.grad = s.to(m.dtype) if m.grad is None else m.grad.add_(s.to(m.dtype))
             return None
-        for m, s, t in zip(self.members, shards, targets or [m.requires_grad for m in self.members]):
-            if not t:
+        for m, s in zip(self.members, shards):
+            if not m.requires_grad:
                 continue
             if getattr(m, "main_grad", None) is None:
                 m.main_grad = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
@@ -299,10 +306,8 @@ def _chain_step() -> tuple[tuple[int, int], int]:
     return chain, n
 
 
-def _prune_chains(thread: int) -> None:
-    # a forward outside any backward on this thread: the thread's backward chains are over (on the
-    # CPU backward runs on the caller's thread; a failed one's end callback never ran)
-    for chain in [c for c in _CHAINS if c[0] == thread and c[1] != -1]:
+def _forget_chains(over: Callable[[tuple[int, int]], bool]) -> None:
+    for chain in [c for c in _CHAINS if over(c)]:
         del _CHAINS[chain]
 
 
@@ -320,8 +325,7 @@ def _at_end_of_backward(task: int) -> None:
 
     def end() -> None:
         _deliver(task)
-        for chain in [c for c in _CHAINS if c[1] == task]:
-            del _CHAINS[chain]
+        _forget_chains(lambda c: c[1] == task)
 
     torch.autograd.Variable._execution_engine.queue_callback(end)
 
@@ -395,11 +399,8 @@ class ShardedWeight(torch.nn.Parameter):
                     buf[e, : g.N].copy_(w)
         elif g.E == 1 and g.N == g.world * g.R:
             buf = wgrads[0].contiguous().view(1, g.N, g.K)  # Linear, even split: no copy
-        elif g.N == g.world * g.R:
-            buf = torch.stack(wgrads)
         else:
-            buf = wgrads[0].new_zeros(g.E, g.world * g.R, g.K)
-            buf[:, : g.N].copy_(torch.stack(wgrads))
+            buf = _stacked_rows(wgrads, g.world * g.R)
         return g.reduce_scatter(buf, fused)
 
 

@@ -55,6 +55,20 @@ def failures(results: list[dict], case: str) -> str:
     return "\n".join(f"rank {r}: {res[case]}" for r, res in enumerate(results) if res[case] is not None)
 
 
+def mlp_weights(f1: list, f2: list, prefetch: bool) -> tuple[list, list]:
+    """The two layers' ShardedWeights, with set_prefetch_order along them when ``prefetch``."""
+    w1, w2 = fdd.shard_grouped_weights(f1), fdd.shard_grouped_weights(f2)
+    if prefetch:
+        fdd.set_prefetch_order([*w1, *w2])
+    return w1, w2
+
+
+def assert_steps_equal(outs: dict, why: str) -> None:
+    """``outs[False]`` (the reference run) and ``outs[True]``, step by step, bitwise."""
+    for step, (a, b) in enumerate(zip(outs[False], outs[True])):
+        assert torch.equal(a, b), f"step {step}: output differs {why}"
+
+
 def make_probe_tests(cases: dict[str, Callable[[], None]]) -> tuple:
     """A probe module's fixture and test, one test per case: ``results, test_probeN = make_probe_tests(CASES)``."""
 

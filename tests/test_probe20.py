@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from probe_cases import F, data as _data, gl as _gl, rnd as _rnd, make_probe_tests
+from probe_cases import F, assert_steps_equal, data as _data, gl as _gl, make_probe_tests, mlp_weights, rnd as _rnd
 from functional_dw import distributed as fdd
 
 
@@ -94,9 +94,7 @@ def _checkpoint_prefetch_not_stale():
     f1, f2, sp, x0, dy = _data()
     outs = {}
     for overlap in (False, True):
-        w1, w2 = fdd.shard_grouped_weights(f1), fdd.shard_grouped_weights(f2)
-        if overlap:
-            fdd.set_prefetch_order([*w1, *w2])
+        w1, w2 = mlp_weights(f1, f2, overlap)
         ys = []
         for _ in range(2):
             h = checkpoint(lambda t: torch.nn.functional.gelu(_gl(t, w1, sp)), x0.clone().requires_grad_(),
@@ -111,8 +109,7 @@ def _checkpoint_prefetch_not_stale():
                     w.data.sub_(0.5 * w.grad)
                     w.grad = None
         outs[overlap] = ys
-    for step, (a, b) in enumerate(zip(outs[False], outs[True])):
-        assert torch.equal(a, b), f"step {step}: output differs from in-line (a stale prefetch was used)"
+    assert_steps_equal(outs, "from in-line (a stale prefetch was used)")
 
 
 def _finalize_checks_grad_shapes():

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from probe_cases import E, F, H, data as _data, gl as _gl, rnd as _rnd, make_probe_tests
+from probe_cases import E, F, H, assert_steps_equal, data as _data, gl as _gl, make_probe_tests, mlp_weights, rnd as _rnd
 from functional_dw import distributed as fdd
 
 gelu = torch.nn.functional.gelu
@@ -68,9 +68,7 @@ def _train_with(between):
     f1, f2, sp, x0, dy = _data()
     outs = {}
     for overlap in (False, True):
-        w1, w2 = fdd.shard_grouped_weights(f1), fdd.shard_grouped_weights(f2)
-        if overlap:
-            fdd.set_prefetch_order([*w1, *w2])
+        w1, w2 = mlp_weights(f1, f2, overlap)
         opt = torch.optim.AdamW([*w1, *w2], lr=0.1, fused=True)
         ys = []
         for _ in range(2):
@@ -81,8 +79,7 @@ def _train_with(between):
             opt.step()
             opt.zero_grad()
         outs[overlap] = ys
-    for step, (a, b) in enumerate(zip(outs[False], outs[True])):
-        assert torch.equal(a, b), f"step {step}: output differs from in-line (a stale prefetch was used)"
+    assert_steps_equal(outs, "from in-line (a stale prefetch was used)")
 
 
 def _prefix_forward_prefetch_outlives_step():

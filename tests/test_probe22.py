@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from probe_cases import E, F, data as _data, gl as _gl, make_probe_tests, rnd as _rnd
+from probe_cases import E, F, assert_steps_equal, data as _data, gl as _gl, make_probe_tests, rnd as _rnd
 from functional_dw import distributed as fdd
 
 gelu = torch.nn.functional.gelu
@@ -81,8 +81,7 @@ def _prefetch_on_grad_outlives_step():
             opt.step()
             opt.zero_grad()
         outs[hook] = ys
-    for step, (a, b) in enumerate(zip(outs[False], outs[True])):
-        assert torch.equal(a, b), f"step {step}: output differs with prefetch_on_grad (a stale gather was used)"
+    assert_steps_equal(outs, "with prefetch_on_grad (a stale gather was used)")
 
 
 def _frozen_on_one_rank_fused_mismatched_reduce_scatter():
