@@ -177,7 +177,12 @@ def _plan(res: Any, in_leaves: tuple, tree: Any, out_leaves: tuple = ()) -> tupl
                     break
             else:
                 plan.append(("out", len(extra)))
-                extra.append(leaf)
+                # NOTE: [Closed-over tensors] A residual fwd did not make (it closed over a
+                # Parameter or a non-leaf: fwd runs under no_grad, so only such a tensor requires
+                # grad) is saved as a constant: a detached alias, because autograd detaches a
+                # non-differentiable output in place, which would freeze the caller's Parameter
+                # or cut its non-leaf from the graph.
+                extra.append(leaf.detach() if leaf.requires_grad else leaf)
     return plan, extra, spec
 
 
@@ -187,17 +192,20 @@ def _fresh_outputs(out_leaves: tuple, in_leaves: tuple) -> tuple:
     An input returned as an output becomes a view of it (``view_as``), as torch asks of a
     setup_context Function that also saves that input.
 
-    NOTE: [Outputs made inside fwd are not views] An output that is a view of a tensor fwd made
-    (e.g. Linear's ``[T, N] -> [B, S, N]`` reshape) would reach the caller as "a view created
-    in a custom Function", which autograd forbids modifying in place (``y += r``, an in-place
-    activation, FSDP2 hooks). Nothing outside fwd sees its base, so ``detach()`` (the same
-    storage, no copy, not a view) hands it out as a tensor of its own. A view of an input
-    keeps torch's rule (its base is the caller's tensor), and so does an output whose storage
-    another output shares (``(y, y[0])``, two views of one buffer): detached, an in-place
-    change to one would reach the other's value but not its gradient. (``_base``, not
-    ``_is_view()``: dynamo traces the one, not the other.)"""
-    if not any(o._base is not None or any(o is t for t in in_leaves) for o in out_leaves):
-        return out_leaves  # the common case: fresh tensors
+    NOTE: [Outputs are new tensors] autograd attaches the node to each output tensor object in
+    place. An output fwd made is handed out as ``detach()`` (the same storage, no copy, not a
+    view), so that (1) a tensor fwd closed over and returned (a Parameter, a buffer, a
+    non-leaf) is never turned into this node's output behind the caller's back (see NOTE:
+    [Closed-over tensors]), and (2) a view of a tensor fwd made (e.g. Linear's ``[T, N] ->
+    [B, S, N]`` reshape) does not reach the caller as "a view created in a custom Function",
+    which autograd forbids modifying in place (``y += r``, an in-place activation, FSDP2
+    hooks). A view of an input keeps torch's rule (its base is the caller's tensor), and so do
+    outputs that share storage with each other (``(y, y[0])``): detached, an in-place change
+    to one would reach the other's value but not its gradient. (``_base``, not ``_is_view()``:
+    dynamo traces the one, not the other.)"""
+    if len(out_leaves) == 1 and out_leaves[0]._base is None:  # the common case: one tensor
+        o = out_leaves[0]
+        return (o.view_as(o) if any(o is t for t in in_leaves) else o.detach(),)
     return tuple(_fresh(o, in_leaves, out_leaves) for o in out_leaves)
 
 
@@ -205,9 +213,10 @@ def _fresh(o: torch.Tensor, in_leaves: tuple, out_leaves: tuple) -> torch.Tensor
     if any(o is t for t in in_leaves):
         return o.view_as(o)
     base = o._base
-    if base is None or any(_is_tensor(t) and (base is t or base is t._base) for t in in_leaves):
+    if base is not None and any(_is_tensor(t) and (base is t or base is t._base) for t in in_leaves):
         return o
-    if any(p is not o and (p is base or p._base is base) for p in out_leaves):
+    root = o if base is None else base
+    if any(p is not o and (p is root or p._base is root) for p in out_leaves):
         return o  # shares storage with another output: keep torch's rule for views
     return o.detach()
 

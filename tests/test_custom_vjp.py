@@ -242,3 +242,61 @@ def test_record_with_a_pytree_in_a_saved_field_still_learns_which_gradients():
     x, w = inputs()
     f(x, w.detach()).sum().backward()
     assert got == [(True, False)]
+
+
+# --- closed-over tensors: constants for the call, the caller's tensors untouched ----------------
+
+def _closing_over(captured, as_output=False):
+    """A pair whose fwd closes over ``captured`` (keeps it in its residuals, or returns it)."""
+    def fwd(x):
+        return (captured if as_output else x * captured), (x, captured)
+
+    def bwd(res, dy):
+        return (dy if as_output else dy * res[1],)
+
+    return custom_vjp(fwd, bwd, name="closing_over")
+
+
+@pytest.mark.parametrize("how", ["parameter", "non-leaf", "buffer"])
+@pytest.mark.parametrize("hook", sorted(HOOKS), ids=sorted(HOOKS))
+def test_a_closed_over_residual_is_a_constant_and_the_callers_tensor_is_untouched(how, hook):
+    a = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    captured = {"parameter": torch.nn.Parameter(a.detach().clone()), "non-leaf": a * 2,
+                "buffer": a.detach() * 2}[how]
+    before = (captured.requires_grad, captured.grad_fn, captured.is_leaf, type(captured))
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    with HOOKS[hook]():
+        y = _closing_over(captured)(x)
+    assert (captured.requires_grad, captured.grad_fn, captured.is_leaf, type(captured)) == before
+    # the caller's other use of the captured tensor still gets its gradient; fwd's use is a constant
+    (y.sum() + (captured * 3).sum()).backward()
+    torch.testing.assert_close(x.grad, captured.detach(), rtol=0, atol=0)
+    if how == "parameter":
+        torch.testing.assert_close(captured.grad, torch.full_like(a, 3.0), rtol=0, atol=0)
+    elif how == "non-leaf":
+        torch.testing.assert_close(a.grad, torch.full_like(a, 6.0), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["parameter", "non-leaf", "buffer"])
+def test_a_closed_over_tensor_returned_as_output_is_not_rewired(how):
+    a = torch.randn(3, requires_grad=True)
+    captured = {"parameter": torch.nn.Parameter(torch.randn(3)), "non-leaf": a * 2, "buffer": torch.randn(3)}[how]
+    before = (captured.requires_grad, captured.grad_fn, captured.is_leaf)
+    x = torch.randn(3, requires_grad=True)
+    y = _closing_over(captured, as_output=True)(x)
+    assert (captured.requires_grad, captured.grad_fn, captured.is_leaf) == before
+    assert y is not captured and y.grad_fn is not None
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(3), rtol=0, atol=0)
+
+
+def test_a_closed_over_parameter_under_torch_func_and_compile():
+    w = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    f = _closing_over(w)
+    x = torch.randn(3, dtype=torch.float64)
+    g = torch.func.grad(lambda x: f(x).sum())(x)
+    torch.testing.assert_close(g, w.detach(), rtol=0, atol=0)
+    xc = x.clone().requires_grad_()
+    torch.compile(lambda x: f(x).sum(), backend="aot_eager", fullgraph=True)(xc).backward()
+    torch.testing.assert_close(xc.grad, w.detach(), rtol=0, atol=0)
+    assert w.requires_grad and w.is_leaf and w.grad_fn is None
