@@ -115,9 +115,10 @@ def fprop(xq: RowwiseActivation, wq: RowwiseWeight, b_EN: torch.Tensor | None, s
           split_accumulator: bool) -> torch.Tensor:
     """``y_e = x_e W_e^T + b_e`` from x's and W's rowwise copies."""
     if torch.compiler.is_compiling():
-        y = rowwise_gemm("fprop", xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv,
-                         splits.tensor, splits.num_tokens, xq.dtype, split_accumulator)
-        return y if b_EN is None else y + _row_bias(b_EN, splits)
+        # the bias goes into the op: it is added where eager adds it (to the fp32 product on
+        # the emulation, rounded once), not to the op's rounded output
+        return rowwise_gemm("fprop", xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv,
+                            splits.tensor, splits.num_tokens, xq.dtype, split_accumulator, b_EN)
     x, w = xq.rowwise_data, wq.rowwise_data
     if fast(x):
         y = _gmm(x, w.transpose(-2, -1), xq.rowwise_scale_inv, wq.rowwise_scale_inv, splits.ends(torch.int32),
@@ -243,9 +244,11 @@ def _spec(power_2_scale: bool, amax_epsilon: float) -> Any:
 
 @torch.library.custom_op("functional_dw::rowwise_gemm", mutates_args=())
 def rowwise_gemm(kind: str, a: torch.Tensor, a_sinv: torch.Tensor, b: torch.Tensor, b_sinv: torch.Tensor,
-                 splits: torch.Tensor, num_tokens: int, dtype: torch.dtype, split_accumulator: bool) -> torch.Tensor:
+                 splits: torch.Tensor, num_tokens: int, dtype: torch.dtype, split_accumulator: bool,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """One of the three products on the copies :func:`fprop`, :func:`dgrad`, :func:`wgrad` read
-    (``a``, ``b``: x/W, dy/W, x/dy), the splits as a tensor (read at run time)."""
+    (``a``, ``b``: x/W, dy/W, x/dy), the splits as a tensor (read at run time); ``bias`` [E, N]
+    for fprop only."""
     E = splits.shape[0]
     sp = Splits(host=None, tensor=splits, device=a.device, num_tokens=num_tokens, num_experts=E)
     if kind == "wgrad":
@@ -255,14 +258,14 @@ def rowwise_gemm(kind: str, a: torch.Tensor, a_sinv: torch.Tensor, b: torch.Tens
         return wgrad(xq, dyq, sp, out=None, accumulate=False, split_accumulator=split_accumulator)
     q = RowwiseActivation(a, a_sinv, None, None, tuple(a.shape), dtype)
     if kind == "fprop":
-        return fprop(q, RowwiseWeight(b, b_sinv, None, None, tuple(b.shape), dtype), None, sp,
+        return fprop(q, RowwiseWeight(b, b_sinv, None, None, tuple(b.shape), dtype), bias, sp,
                      split_accumulator=split_accumulator)
     w = RowwiseWeight(None, None, b, b_sinv, (b.shape[0], b.shape[2], b.shape[1]), dtype)
     return dgrad(q, w, sp, split_accumulator=split_accumulator)
 
 
 @rowwise_gemm.register_fake
-def _(kind, a, a_sinv, b, b_sinv, splits, num_tokens, dtype, split_accumulator):
+def _(kind, a, a_sinv, b, b_sinv, splits, num_tokens, dtype, split_accumulator, bias=None):
     if kind == "wgrad":
         return a.new_empty((a_sinv.shape[0], b.shape[0], a.shape[0]), dtype=dtype)  # [E, N, K]
     return a.new_empty((num_tokens, b.shape[1]), dtype=dtype)  # fprop: [T, N] (b [E, N, K]); dgrad: [T, K]
