@@ -69,7 +69,8 @@ NO_COMPILE = "a layer with DistributedWeight weights runs eagerly (collectives a
 def any_distributed(weights: Any) -> bool:
     """True when ``weights`` (a tensor or a sequence of them) holds a DistributedWeight."""
     ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
-    return bool(ws) and bool(getattr(ws[0], "is_distributed_weight", False))
+    # (len, not bool(ws): torch 2.11's dynamo cannot trace bool() of a list, and this runs traced)
+    return len(ws) > 0 and bool(getattr(ws[0], "is_distributed_weight", False))
 
 
 def _as_list(x: Any) -> list:
