@@ -384,7 +384,8 @@ def impls_grouped(layer: Layer) -> dict:
 
 
 def _timing(flops, ms):
-    return {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
+    """ms and TFLOP/s; no TFLOP/s for a time that is not positive (the readers print a dash)."""
+    return {"ms": round(ms, 4)} | ({"tflops": round(flops / ms / 1e9, 1)} if ms > 0 else {})
 
 
 def _auto_choice(x, E, FF, H, splits):
@@ -505,7 +506,8 @@ def frozen_rows(args, te):
             if isinstance(r, dict):
                 for case in FROZEN_CASES[1:]:
                     ok = isinstance(r.get(case), float) and isinstance(r.get("trainable"), float)
-                    r[f"{case} / trainable"] = round(r[case] / r["trainable"], 3) if ok else "n/a"
+                    r[f"{case} / trainable"] = ("n/a" if not ok else round(r[case] / r["trainable"], 3) if r["trainable"] > 0
+                                                else "-")
         rows.append({"E": E, "hidden": H, "ffn": FF, "tokens": T, "results": res})
         print("frozen", E, H, FF, T, res, flush=True)
         del layer, inputs, cases
@@ -566,7 +568,7 @@ def graphed_rows(args, te):
             r["eager"] = _timing(flops, timed[name])
             if f"{name} (graph)" in timed:
                 r["graph"] = _timing(flops, timed[f"{name} (graph)"])
-                r["graph / eager"] = round(r["graph"]["ms"] / r["eager"]["ms"], 3)
+                r["graph / eager"] = round(r["graph"]["ms"] / r["eager"]["ms"], 3) if r["eager"]["ms"] > 0 else "-"
         rows.append({"E": E, "hidden": H, "ffn": FF, "tokens": T, "results": res})
         print("graphed", E, H, FF, T, {k: (v.get("graph / eager") if isinstance(v, dict) else v) for k, v in res.items()},
               flush=True)
@@ -969,7 +971,7 @@ def fp8_rows(args, te, clock):
 def add_fractions(result, peak):
     """frac_peak on every timing that has TFLOP/s, from the final peak (known at the end);
     none without a positive peak."""
-    if not peak > 0:
+    if not (isinstance(peak, (int, float)) and peak > 0):
         return
 
     def walk(v):
@@ -995,19 +997,37 @@ def plot(rows, path):
     fig, ax = plt.subplots(figsize=(max(10, len(rows) * 1.1), 5))
     width = 0.8 / len(names)
     for i, n in enumerate(names):
-        vals = [r["results"][n]["tflops"] if isinstance(r["results"].get(n), dict) else 0 for r in rows]
+        vals = [_tflops(r["results"].get(n)) or 0 for r in rows]
         ax.bar([j + i * width for j in range(len(rows))], vals, width, label=n)
     ax.set_xticks([j + 0.4 for j in range(len(rows))], labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("TFLOP/s (bf16, fwd+bwd)")
     ax.legend(fontsize=7, ncol=4)
-    ax.set_title("GroupedLinear fwd+bwd, hidden in/ffn out (0 = raises or n/a)")
+    ax.set_title("GroupedLinear fwd+bwd, hidden in/ffn out (0 = raises, n/a or no time)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+# The readers of a row take what is there: a timing may lack its fraction of peak (no positive
+# peak: add_fractions gives none), its TFLOP/s (a time that is not positive), or be a reason it
+# did not run; a missing number prints a dash, a ratio over a zero time too.
+
+
+def _number(x):
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) and x == x else None  # (not NaN)
+
+
+def _tflops(v):
+    return _number(v.get("tflops")) if isinstance(v, dict) else None
+
+
+def _ms_of(v):
+    return _number(v.get("ms")) if isinstance(v, dict) else None
+
+
 def _cell(v):
-    if isinstance(v, dict) and "tflops" in v:
-        return f"{v['tflops']} ({v['frac_peak']:.2f})"
+    if isinstance(v, dict) and ("tflops" in v or "ms" in v):
+        tflops, frac = _tflops(v), _number(v.get("frac_peak"))
+        return f"{'-' if tflops is None else tflops} ({'-' if frac is None else f'{frac:.2f}'})"
     return "raises" if isinstance(v, str) and v.startswith("raises") else "n/a"
 
 
@@ -1015,18 +1035,31 @@ def _ms(v):
     return f"{v['ms']}" if isinstance(v, dict) and "ms" in v else "raises" if isinstance(v, str) and v.startswith("raises") else "n/a"
 
 
+def _ratio(a, b, digits=2):
+    """a's time over b's: n/a when either is not a timing, a dash when there is no time to divide by."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return "n/a"
+    x, y = _ms_of(a), _ms_of(b)
+    return f"{x / y:.{digits}f}" if x is not None and y is not None and y > 0 else "-"
+
+
+def _fmt(x, spec=".2f"):
+    return "-" if _number(x) is None else format(x, spec)
+
+
 def best_fd_over_peers(res):
-    ours = [res[n]["ms"] for n in FD_NAMES if isinstance(res.get(n), dict)]
-    peers = [res[n]["ms"] for n in PEERS_FOR_RATIO if isinstance(res.get(n), dict)]
-    return min(ours) / min(peers) if ours and peers else float("nan")
+    """functional_dw's best time over the best peer's; NaN without both or with a zero peer time."""
+    ours = [t for t in (_ms_of(res.get(n)) for n in FD_NAMES) if t is not None]
+    peers = [t for t in (_ms_of(res.get(n)) for n in PEERS_FOR_RATIO) if t is not None]
+    return min(ours) / min(peers) if ours and peers and min(peers) > 0 else float("nan")
 
 
 def markdown(result):
-    meta, peak = result["meta"], result["dense_peak_tflops"]
+    meta, peak = result["meta"], _number(result.get("dense_peak_tflops"))
     v = meta["versions"]
     lines = [f"# Benchmarks ({meta['date']}, {meta['card']})", "",
              f"torch {v['torch']} (CUDA {v['cuda']}), TE {v['te']}, cuBLASLt {v['cublaslt']} (TE reports {v['cublaslt_te']}; "
-             f"loaded: {v['cublaslt_loaded']} from {v['cublaslt_path']}). Dense bf16 peak: **{peak:.0f} TFLOP/s**, the highest "
+             f"loaded: {v['cublaslt_loaded']} from {v['cublaslt_path']}). Dense bf16 peak: **{f'{peak:.0f}' if peak else '-'} TFLOP/s**, the highest "
              f"of {len([s for s in result['dense_samples'] if 'tflops' in s])} dense GEMM measurements below (fractions of peak "
              "use it). Forward+backward, bf16, median of repeats, CUDA events, implementations interleaved."
              + (" Run with --quick." if meta["quick"] else "")
@@ -1042,11 +1075,11 @@ def markdown(result):
         for r in result["grouped"]:
             res = r["results"]
             ag, ours = res.get("torch._grouped_mm (autograd)"), res.get("fd auto stacked")
-            ratio_ag = f"{ours['ms'] / ag['ms']:.2f}" if isinstance(ag, dict) and isinstance(ours, dict) else "n/a"
+            ratio_ag = _ratio(ours, ag)
             ch = res["chosen"]
             lines.append(f"| {r['E']} | {r['hidden']} | {r['ffn']} | {r['tokens']} | {r['splits']} ({r['zero_experts']} empty) | "
                          + " | ".join(_cell(res.get(n)) for n in names)
-                         + f" | {best_fd_over_peers(res):.2f} | {ratio_ag} | {ch['te, use_grouped_tensor=None']} / {ch['auto']} |")
+                         + f" | {_fmt(best_fd_over_peers(res))} | {ratio_ag} | {ch['te, use_grouped_tensor=None']} / {ch['auto']} |")
         lines += ["", "fd / best peer: functional_dw's best time (any path, either layout) over the best of te split, te "
                   "grouped and torch._grouped_mm (<= 1.00: at least as fast). stacked: one [E, out, in] weight; list: the E "
                   "[out, in] weights of an fd.nn.GroupedLinear (what a module user passes). torch._grouped_mm is its three raw "
@@ -1059,7 +1092,7 @@ def markdown(result):
             cells = []
             for p in FD_PATHS:
                 a, b = res.get(f"{p} list"), res.get(f"{p} stacked")
-                cells.append(f"{a['ms'] / b['ms']:.2f}" if isinstance(a, dict) and isinstance(b, dict) else "n/a")
+                cells.append(_ratio(a, b))
             lines.append(f"| {r['E']} | {r['hidden']} | {r['ffn']} | {r['tokens']} | {r['splits']} | " + " | ".join(cells) + " |")
     if result.get("fp8") and result["fp8"].get("rows"):
         lines += ["", "## FP8: forward+backward TFLOP/s (fraction of the bf16 peak), fd vs te.GroupedLinear, same recipe and path", "",
@@ -1070,7 +1103,7 @@ def markdown(result):
             for kind, grouped in FP8_CONFIGS:
                 tag = fp8_tag(kind, grouped)
                 a, b = res.get(f"fd {tag}"), res.get(f"te {tag}")
-                ratio = f"{a['ms'] / b['ms']:.2f}" if isinstance(a, dict) and isinstance(b, dict) else "n/a"
+                ratio = _ratio(a, b)
                 lines.append(f"| {r['E']} | {r['hidden']} | {r['ffn']} | {r['tokens']} | {kind} | "
                              f"{'grouped' if grouped else 'split'} | {_ms(a)} | {_ms(b)} | {_cell(a)} | {_cell(b)} | {ratio} | "
                              f"{res.get('fd path', {}).get(tag, 'n/a')} |")
@@ -1081,10 +1114,10 @@ def markdown(result):
                   "|---|---|---|---|---|" + "---|" * (len(FP8_OTHERS) + 3)]
         for r in result["fp8"]["rows"]:
             res = r["results"]
-            ms = lambda n: res[n]["ms"] if isinstance(res.get(n), dict) else None  # noqa: E731
+            ms = lambda n: _ms_of(res.get(n))  # noqa: E731
             te8 = [ms(f"te {fp8_tag(k, g)}") for k, g in FP8_CONFIGS if ms(f"te {fp8_tag(k, g)}")]
             ours = ms("fd rowwise")
-            speed = lambda other: f"{other / ours:.2f}" if ours and other else "n/a"  # noqa: E731
+            speed = lambda other: "n/a" if other is None or ours is None else f"{other / ours:.2f}" if ours > 0 else "-"  # noqa: E731
             lines.append(f"| {r['E']} | {r['hidden']} | {r['ffn']} | {r['tokens']} | {r.get('splits', 'balanced')} | "
                          + " | ".join(_cell(res.get(n)) for n in FP8_OTHERS)
                          + f" | {speed(ms('bf16 fd auto'))} | {speed(min(te8) if te8 else None)} | "
@@ -1121,8 +1154,8 @@ def markdown(result):
             for name, v in r["results"].items():
                 head = f"| {r['E']} | {r['hidden']} | {r['ffn']} | {r['tokens']} | {name} | "
                 if isinstance(v, dict):
-                    ratios = [f"{v[f'{c} / trainable']:.2f}" if isinstance(v[f"{c} / trainable"], float) else "n/a"
-                              for c in FROZEN_CASES[1:]]
+                    ratios = [_fmt(v[f"{c} / trainable"]) if _number(v.get(f"{c} / trainable")) is not None
+                              else v.get(f"{c} / trainable", "n/a") for c in FROZEN_CASES[1:]]
                     lines.append(head + " | ".join(str(v.get(c, "n/a")) for c in FROZEN_CASES) + f" | {ratios[0]} | {ratios[1]} |")
                 else:
                     lines.append(head + f"{v} | | | | |")
@@ -1148,7 +1181,7 @@ def markdown(result):
                   "|---|---|---|---|---|---|"]
         for r in result["linear"]:
             a, b = r["results"].get("fd linear (te)"), r["results"].get("te.Linear")
-            ratio = f"{a['ms'] / b['ms']:.3f}" if isinstance(a, dict) and isinstance(b, dict) else "n/a"
+            ratio = _ratio(a, b, 3)
             lines.append(f"| {r['tokens']} | {r['in']} | {r['out']} | {_cell(a)} | {_cell(b)} | {ratio} |")
     if result.get("host"):
         lines += ["", "## Host time (launch-bound: E=8, 128x128, 64 tokens): microseconds per forward+backward", "",

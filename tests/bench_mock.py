@@ -1,8 +1,9 @@
 """Dry-run benchmarks/bench.py on the CPU (used by test_bench_script.py): CUDA timing, TE
 modules and the "te" backend are stood in for, so the script's flow and tables are checked;
-nothing here measures anything."""
+nothing here measures anything. Every clock the script reads is fake and returns fixed numbers
+(the timings are data), so the report is the same however fast or busy the machine is."""
+import itertools
 import sys
-import time
 import types
 
 import torch
@@ -11,11 +12,15 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]
 import functional_dw as fd  # noqa: E402
 gl, ll = sys.modules["functional_dw.grouped_linear"], sys.modules["functional_dw.linear"]
 from functional_dw.kernels import get_kernels as real_get
+# CUDA event times: a fixed cycle of milliseconds, multiples of 0.0005 (a median of two is still
+# exact at the 4 decimals the script keeps), small enough that the smoke shapes' TFLOP/s and the
+# dense peak are well above the 0.1 they are rounded to, and unequal so ratios are not all 1.
+FAKE_MS = itertools.cycle([0.002, 0.003, 0.005, 0.004, 0.006])
 class Ev:
-    def __init__(self, enable_timing=True): self.t = None
-    def record(self): self.t = time.perf_counter()
+    def __init__(self, enable_timing=True): pass
+    def record(self): pass
     def synchronize(self): pass
-    def elapsed_time(self, other): return (other.t - self.t) * 1e3
+    def elapsed_time(self, other): return next(FAKE_MS)
 torch.cuda.Event = Ev
 torch.cuda.synchronize = lambda *a: None
 torch.cuda.reset_peak_memory_stats = lambda *a: None
@@ -75,6 +80,12 @@ sys.modules.update({"torchao": ao, "torchao.prototype": ao_proto, "torchao.proto
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench
 bench.DEV = "cpu"
+class FakeTime:
+    """bench's ``time``: perf_counter (host times) and monotonic (section seconds, --budget) advance
+    by a fixed step per call; anything else bench might read from ``time`` is missing on purpose."""
+    perf_counter = itertools.count(0.0, 1e-4).__next__
+    monotonic = itertools.count(0.0, 0.01).__next__
+bench.time = FakeTime
 
 
 class FakeGraphed:

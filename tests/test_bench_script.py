@@ -4,6 +4,7 @@ the recorded times and shapes, the peak is the highest dense measurement, ratios
 the times, the markdown tables show the JSON's numbers, the recorded path choices are the ones
 the library makes, and --only / --budget leave out what they say."""
 
+import copy
 import json
 import re
 import subprocess
@@ -194,14 +195,74 @@ def test_only_fp8(tmp_path):
     assert "## FP8: forward+backward" in md and "## GroupedLinear" not in md and data["meta"]["errors"] == {}
 
 
+def _bench():
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    import bench
+
+    return bench
+
+
 def test_fractions_of_a_slow_cpus_peak():
     """A contended CPU's dense peak below 0.05 TFLOP/s once rounded to 0.0 and the report died
     dividing by it: the peak keeps 3 decimals, and no peak gives no fractions, not an error."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import bench
-
+    bench = _bench()
     timing = {"tflops": 0.01, "ms": 2.0}
     bench.add_fractions({"grouped": [timing]}, 0.0)
     assert "frac_peak" not in timing
     bench.add_fractions({"grouped": [timing]}, 0.04)
     assert timing["frac_peak"] == 0.25
+
+
+def _strip_fractions(v):
+    if isinstance(v, dict):
+        v.pop("frac_peak", None)
+        for u in v.values():
+            _strip_fractions(u)
+    elif isinstance(v, list):
+        for u in v:
+            _strip_fractions(u)
+
+
+@pytest.mark.parametrize("peak", [0.0, float("nan")])
+def test_readers_take_rows_without_a_fraction_or_a_time(results, tmp_path, peak):
+    """No positive dense peak gives no fractions of peak (the mock's timed peak once rounded to
+    0.0 and _cell died on KeyError 'frac_peak'), and a time may round to 0: the markdown, the plot
+    and the ratios print a dash there instead of raising."""
+    bench = _bench()
+    data = copy.deepcopy(results[1])
+    _strip_fractions(data)
+    data["dense_peak_tflops"] = peak
+    bench.add_fractions(data, peak)
+    assert "frac_peak" not in json.dumps(data)
+    md = bench.markdown(data)
+    assert "Dense bf16 peak: **- TFLOP/s**" in md
+    cells = 0
+    for key in ("grouped", "linear"):
+        for row in data[key]:
+            for name, v in row["results"].items():
+                if isinstance(v, dict) and "tflops" in v:
+                    cells += 1
+                    assert f"| {v['tflops']} (-) |" in md, (key, name, v)
+    assert cells >= 20
+    # times of 0 (no TFLOP/s then) where the ratios divide: each prints a dash
+    g = data["grouped"][0]["results"]
+    for name in ("te split", "te grouped", "torch._grouped_mm", "torch._grouped_mm (autograd)", "fd auto stacked"):
+        g[name] = bench._timing(1e9, 0.0)
+    assert g["fd auto stacked"] == {"ms": 0.0} and bench._cell(g["fd auto stacked"]) == "- (-)"
+    data["linear"][0]["results"]["te.Linear"] = bench._timing(1e9, 0.0)
+    fp8 = data["fp8"]["rows"][0]["results"]
+    fp8["fd rowwise"] = fp8["te delayed split"] = bench._timing(1e9, 0.0)
+    md = bench.markdown(data)
+    r0 = data["grouped"][0]
+    head = f"| {r0['E']} | {r0['hidden']} | {r0['ffn']} | {r0['tokens']} | {r0['splits']}"
+    line = next(ln for ln in md.splitlines() if ln.startswith(head + " ("))
+    assert "| - (-) |" in line and line.endswith("| - | - | grouped / torch grouped |"), line
+    layout = next(ln for ln in md.splitlines() if ln.startswith(head + " |"))
+    assert layout.startswith(head + " | - | "), layout
+    assert any(ln.endswith("| - (-) | - |") for ln in md.splitlines() if ln.startswith("| 64 | 64 | 64 |")), "linear fd / te"
+    fp8_line = next(ln for ln in md.splitlines() if "| delayed | split |" in ln)
+    assert "| - (-) | - | split |" in fp8_line, fp8_line
+    rowwise = next(ln for ln in md.splitlines() if ln.startswith("| 2 | 128 | 128 | 256 | balanced | - (-) |"))
+    assert rowwise.endswith("| - | - | - |"), rowwise
+    bench.plot(data["grouped"], tmp_path / "tflops.png")
+    assert (tmp_path / "tflops.png").stat().st_size > 0
