@@ -12,6 +12,9 @@ NOTE: [FP8 in the modules]
   stay float32 under ``.to(dtype)``), made at construction for a delayed ``recipe`` or at the
   first FP8 forward under an autocast. The state is checkpointed as TE checkpoints it: in
   ``_extra_state``, in TE's format, so a TE module and this one load each other's state dicts.
+  A module built on ``meta`` and materialized (``to_empty``, ``load_state_dict(assign=True)``,
+  either by swap_tensors too) gets the construction-time state where its parameters are, or the
+  checkpoint's when it holds one (``_FP8._fp8_materialize``, the one place that does it).
 
   Updates are lazy: TE updates the forward state when the autocast exits and the backward state
   after the step's backward; here each forward with grad enabled, and each backward through the
@@ -50,13 +53,9 @@ def _init_(w: torch.Tensor, b: torch.Tensor | None, fan_in: int) -> None:
 
 
 def _reset_state(m: _FP8) -> None:
-    """Scales 1, histories 0 (after ``to_empty`` the buffers hold garbage)."""
-    state = m.fp8_state
-    if state is not None:
-        with torch.no_grad():
-            for name in _STATE:
-                getattr(state, name).fill_(1.0 if name.startswith("scale") else 0.0)
-        m._fp8_pending = set()
+    """The construction-time delayed-scaling state (scales 1, histories 0, nothing pending), as
+    ``reset_parameters`` makes it: :meth:`_FP8._fp8_materialize` with ``reset``."""
+    m._fp8_materialize(reset=True)
 
 
 def _size(name: str, v: object, least: int = 0) -> int:
@@ -160,15 +159,54 @@ class _FP8:
     def _fp8_backward_ran(self, grad: torch.Tensor) -> None:
         self._fp8_pending.add("bwd")
 
+    def _fp8_device(self) -> torch.device:
+        """Where the state belongs: where it is, unless it holds no values (on ``meta``): then
+        where the parameters are (unless they hold none either; CPU for a module with neither)."""
+        state = self.fp8_scale_fwd.device if self.fp8_scale_fwd is not None else None
+        if state is not None and state.type != "meta":
+            return state
+        p = next(self.parameters(), None)
+        return p.device if p is not None and not p.is_meta else state or torch.device("cpu")
+
+    def _fp8_materialize(self, reset: bool = False) -> None:
+        """The one place that (re)makes the construction-time delayed-scaling state (scales 1,
+        histories 0, nothing pending): for a state with no values (on ``meta``) once the
+        parameters have some, made where they are, after any path that materializes the module
+        (``to_empty``, other ``_apply`` moves, by swap_tensors too, ``load_state_dict`` with or
+        without ``assign``: a checkpoint's state, which :meth:`set_extra_state` loads onto that
+        device, is kept); and for any state with ``reset`` (``reset_parameters``), in place."""
+        state = self.fp8_state
+        if state is None or not (reset or state.scale_fwd.is_meta):
+            return
+        device = self._fp8_device()
+        with torch.no_grad():
+            for name in _STATE:
+                t, value = getattr(self, f"fp8_{name}"), 1.0 if name.startswith("scale") else 0.0
+                if t.device == device:  # in place: the buffers stay the same tensors
+                    t.fill_(value)
+                else:
+                    setattr(self, f"fp8_{name}", torch.full_like(t, value, device=device))
+        self._fp8_pending = set()
+
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        """``.to(dtype)``/``.half()`` move the state but keep it float32 (TE's fp8_meta is not cast)."""
+        """``.to(dtype)``/``.half()`` move the state but keep it float32 (TE's fp8_meta is not
+        cast). A state on ``meta`` stays there (``to_empty`` would hand it uninitialized memory)
+        until :meth:`_fp8_materialize` makes it where the parameters went."""
         kept = {n: getattr(self, f"fp8_{n}") for n in _STATE}
         out = super()._apply(fn, recurse)
         for name, old in kept.items():
             new = getattr(self, f"fp8_{name}")
-            if old is not None and new is not None and new.dtype != torch.float32:
-                setattr(self, f"fp8_{name}", old.to(new.device))
+            if old is not None and new is not None and (old.is_meta or new.dtype != torch.float32):
+                setattr(self, f"fp8_{name}", old if old.is_meta else old.to(new.device))
+        self._fp8_materialize()
         return out
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        """After loading (``assign=True`` may have taken the parameters off ``meta``): a state
+        with no values becomes the construction-time one, unless the checkpoint held one
+        (:meth:`_fp8_materialize`)."""
+        super()._load_from_state_dict(*args, **kwargs)
+        self._fp8_materialize()
 
     def get_extra_state(self) -> torch.Tensor:
         """TE's ``_extra_state``: the delayed-scaling state (pending updates applied first) in
@@ -185,8 +223,7 @@ class _FP8:
         d = fp8.read_extra_state(extra)
         if d is None or "scale_fwd" not in d:
             return
-        device = self.fp8_scale_fwd.device if self.fp8_scale_fwd is not None else next(self.parameters()).device
-        state = fp8.state_from_extra_state(extra, self._fp8_gemms, device=device)
+        state = fp8.state_from_extra_state(extra, self._fp8_gemms, device=self._fp8_device())
         recipe = d["recipe"] if isinstance(d["recipe"], fp8.DelayedScaling) else fp8.DelayedScaling(
             amax_history_len=state.history_len)
         self._fp8_set(state, recipe)

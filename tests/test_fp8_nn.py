@@ -3,6 +3,8 @@ delayed-scaling state as buffers and TE's ``_extra_state``, and the lazy updates
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 import types
 
@@ -241,3 +243,120 @@ def test_recipe_argument_errors():
     with pytest.raises(ValueError, match="NVFP4BlockScaling is not supported"):
         fnn.GroupedLinear(E, K, N, recipe=_te_like("NVFP4BlockScaling"))
     assert fnn.Linear(K, N, recipe=_te_like("Float8BlockScaling")).recipe == fp8.Float8BlockScaling()
+
+
+# --- materializing a meta module: the state is the construction-time one, or the checkpoint's ----------
+
+KINDS = {"linear": {}, "grouped": {}, "grouped-single": {"single_grouped_weight": True}}
+
+
+def _kind_module(kind, recipe=None, **kw):
+    return _module("linear" if kind == "linear" else "grouped", recipe, **KINDS[kind], **kw)
+
+
+def _checkpoint(module):
+    """A state dict as a file holds it: its own tensors (torch.save / torch.load)."""
+    buf = io.BytesIO()
+    torch.save(module.state_dict(), buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@contextlib.contextmanager
+def _swap_tensors(on):
+    """torch's swap_tensors conversions (``_apply`` and ``load_state_dict`` swap the parameters in place)."""
+    was = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(on)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(was)
+
+
+def _to_empty(m):
+    """``to_empty(device="cpu")`` whose new memory is NaN (deterministic mode), not whatever was there."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        return m.to_empty(device="cpu")
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+MATERIALIZE = {  # path: how it loads a state dict into a meta module
+    "to_empty-load": lambda m, sd: _to_empty(m).load_state_dict(sd),
+    "to_empty-load-no-extra-state": lambda m, sd: _to_empty(m).load_state_dict(  # e.g. torch.nn.Linear's keys
+        {k: v for k, v in sd.items() if k != "_extra_state"}, strict=False),
+    "assign": lambda m, sd: m.load_state_dict(sd, assign=True),  # torch's meta-init recipe
+    "assign-to_empty-first": lambda m, sd: _to_empty(m).load_state_dict(sd, assign=True),
+}
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["", "swap_tensors"])
+@pytest.mark.parametrize("path", MATERIALIZE)
+@pytest.mark.parametrize("saved", [None, "current", "block"], ids=["bf16", "current", "block"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_meta_module_materialized_without_fp8_state_starts_from_the_construction_state(kind, saved, path, swap):
+    """A delayed-scaling module built on meta, materialized by ``to_empty`` and/or
+    ``load_state_dict`` (``assign=True`` too; ``.to`` and loads by swap_tensors too) of a
+    checkpoint without FP8 state: its state is the one an eager construction makes (scales 1,
+    histories 0, on the parameters' device), and it steps as the eager module that loaded the
+    same checkpoint. (Before: ``to_empty`` left uninitialized memory there, which the forward
+    quantized with; ``assign=True`` left the state on meta, where the forward refused it.)"""
+    recipe = RECIPES["delayed"]
+    sd = _checkpoint(_kind_module(kind, RECIPES[saved] if saved else None, params_dtype=torch.bfloat16))
+    eager = _kind_module(kind, recipe, params_dtype=torch.bfloat16)
+    eager.load_state_dict(sd)
+    m = _kind_module(kind, recipe, params_dtype=torch.bfloat16, device="meta")
+    with _swap_tensors(swap):
+        MATERIALIZE[path](m, sd)
+    fresh = fp8.init_state(recipe, num_gemms=1 if kind == "linear" else E)
+    assert_same(pytree.tree_leaves(m.fp8_state), pytree.tree_leaves(fresh), "the construction-time state")
+    assert m._fp8_pending == set()
+    for step in range(2):
+        x, dy = _data(step, kind)
+        xm, xe = x.bfloat16().requires_grad_(), x.bfloat16().requires_grad_()
+        ym, ye = _forward(m, xm), _forward(eager, xe)
+        ym.backward(dy.bfloat16())
+        ye.backward(dy.bfloat16())
+        assert_same(ym, ye, f"step {step}: y")
+        assert_same(xm.grad, xe.grad, f"step {step}: dx")
+    assert_same(pytree.tree_leaves(m.fp8_state), pytree.tree_leaves(eager.fp8_state), "state after the steps")
+
+
+def _sgd_step(m, step, kind):
+    """Forward, backward, SGD update; returns what to compare (y, dx, the updated parameters)."""
+    x, dy = _data(step, kind)
+    x.requires_grad_()
+    y = _forward(m, x)
+    y.backward(dy)
+    with torch.no_grad():
+        for p in m.parameters():
+            p -= 0.1 * p.grad
+            p.grad = None
+    return [y, x.grad, *(p.detach().clone() for p in m.parameters())]
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["", "swap_tensors"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_meta_module_assign_loaded_steps_bitwise_like_the_saved_module(kind, swap):
+    """torch's meta-init recipe, ``load_state_dict(checkpoint, assign=True)`` on a meta module,
+    of a delayed-scaling module saved after two steps: the state lands where the parameters do
+    (CPU) with the saved values, and three steps (forward, backward, SGD) of the loaded module
+    equal the saved module's next three bitwise, the FP8 state after them too. (Before: the
+    checkpoint's state was rebuilt on meta, its scales lost, and the forward refused it.)"""
+    recipe = RECIPES["delayed"]
+    saved = _kind_module(kind, recipe)
+    for step in range(2):
+        _sgd_step(saved, step, kind)
+    sd = _checkpoint(saved)
+    with _swap_tensors(swap):
+        m = _kind_module(kind, recipe, device="meta")
+        m.load_state_dict(sd, assign=True)
+    assert all(not t.is_meta for t in [*m.parameters(), *m.buffers()])
+    assert_same(pytree.tree_leaves(m.fp8_state), pytree.tree_leaves(saved.fp8_state), "the checkpoint's state")
+    assert float(m.fp8_scale_fwd[0]) != 1.0
+    for step in range(2, 5):
+        assert_same(_sgd_step(m, step, kind), _sgd_step(saved, step, kind), f"step {step}")
+    m.get_extra_state(), saved.get_extra_state()  # the last step's pending updates applied
+    assert_same(pytree.tree_leaves(m.fp8_state), pytree.tree_leaves(saved.fp8_state), "state after the steps")
