@@ -403,10 +403,19 @@ class GroupedLinear(_FP8, torch.nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
         """Load either layout's keys (as TE does); copy into the shared buffer (assign=False)
-        or re-tie the assigned tensors (assign=True): NOTE: [One buffer]."""
-        _remap_layout(state_dict, prefix + "weight", self.num_gemms, self.single_grouped_weight)
-        if self.use_bias:
-            _remap_layout(state_dict, prefix + "bias", self.num_gemms, self.single_grouped_bias)
+        or re-tie the assigned tensors (assign=True): NOTE: [One buffer]. The other layout's
+        keys that cannot be converted (an expert missing or mis-shaped, a stacked tensor of the
+        wrong shape) stay as they are, for torch's missing / unexpected keys, and are an error
+        that names the bad key, its shape and the expected one, strict or not (as a size
+        mismatch is)."""
+        layouts = [("weight", self.single_grouped_weight, (self.out_features, self.in_features))]
+        layouts += [("bias", self.single_grouped_bias, (self.out_features,))] if self.use_bias else []
+        for name, single, shape in layouts:
+            problem = _layout_problem(state_dict, prefix + name, self.num_gemms, single, shape)
+            if problem is None:
+                _remap_layout(state_dict, prefix + name, self.num_gemms, single)
+            else:
+                error_msgs.append(problem)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         if local_metadata.get("assign_to_params_buffers", False):
@@ -443,6 +452,31 @@ def remap_layouts(model: torch.nn.Module, state_dict: dict[str, Any]) -> dict[st
             if m.use_bias:
                 _remap_layout(sd, prefix + "bias", m.num_gemms, m.single_grouped_bias)
     return sd
+
+
+def _layout_problem(state_dict: dict, key: str, E: int, single: bool, shape: tuple[int, ...]) -> str | None:
+    """Why the other layout's keys in ``state_dict`` cannot become this layout's ``key``
+    (:func:`_remap_layout`), naming each bad key: an expert's ``{key}{e}`` missing or not of
+    ``shape`` (one expert's), or a stacked ``key`` not of ``(E, *shape)``. None when there is
+    nothing to convert, or it converts."""
+    each, full = [f"{key}{e}" for e in range(E)], (E, *shape)
+
+    def fits(k: str, want: tuple[int, ...]) -> bool:
+        return isinstance(state_dict.get(k), torch.Tensor) and tuple(state_dict[k].shape) == want
+
+    def held(k: str) -> str:
+        v = state_dict[k]
+        return f"has shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"is a {type(v).__name__}"
+
+    if single and key not in state_dict and any(k in state_dict for k in each):
+        bad = [f"{k} {held(k) if k in state_dict else 'is missing'}" for k in each if not fits(k, shape)]
+        if bad:
+            return (f"cannot stack the per-expert {each[0]}..{each[-1]} into {key} of shape {full}: "
+                    f"{', '.join(bad)}; each expert's shape is {shape}")
+    elif not single and key in state_dict and not any(k in state_dict for k in each) and not fits(key, full):
+        return (f"cannot split {key} into the per-expert {each[0]}..{each[-1]}: {key} {held(key)}, "
+                f"expected {full} ({E} experts of shape {shape})")
+    return None
 
 
 def _remap_layout(state_dict: dict, key: str, E: int, single: bool) -> None:

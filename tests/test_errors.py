@@ -320,3 +320,48 @@ def test_odd_but_valid_inputs_are_computed_right(case, path):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
     rec.check(path, x, ws)
+
+
+# --- module state dict loads
+# A GroupedLinear loads the other layout's keys (TE's weight0.. into one stacked weight, and
+# back); an expert missing or mis-shaped, or a stacked tensor of the wrong shape, is named
+# with its shape and the expected one.
+
+def _grouped_sd(single=False):
+    return fdw.nn.GroupedLinear(E, K, N, single_grouped_weight=single).state_dict()
+
+
+def _drop(sd, key):
+    return {k: v for k, v in sd.items() if k != key}
+
+
+STATE_DICT_LOADS = {  # name: (into single_grouped_weight?, the state dict, the message)
+    "expert-weight-missing": (True, lambda: _drop(_grouped_sd(), "weight1"),
+                              r"weight1 is missing; each expert's shape is \(8, 4\)"),
+    "expert-weight-mis-shaped": (True, lambda: {**_grouped_sd(), "weight2": t(N, K + 1)},
+                                 r"weight2 has shape \(8, 5\); each expert's shape is \(8, 4\)"),
+    "expert-weight-not-a-tensor": (True, lambda: {**_grouped_sd(), "weight0": [1.0]}, r"weight0 is a list"),
+    "expert-bias-missing": (True, lambda: _drop(_grouped_sd(), "bias0"), r"into bias of shape \(3, 8\): bias0 is missing"),
+    "expert-bias-mis-shaped": (True, lambda: {**_grouped_sd(), "bias1": t(N + 1)},
+                               r"bias1 has shape \(9,\); each expert's shape is \(8,\)"),
+    "stacked-weight-experts": (False, lambda: {**_grouped_sd(True), "weight": t(E + 1, N, K)},
+                               r"weight has shape \(4, 8, 4\), expected \(3, 8, 4\)"),
+    "stacked-weight-mis-shaped": (False, lambda: {**_grouped_sd(True), "weight": t(E, K, N)},
+                                  r"weight has shape \(3, 4, 8\), expected \(3, 8, 4\)"),
+    "stacked-bias-mis-shaped": (False, lambda: {**_grouped_sd(True), "bias": t(E, N + 1)},
+                                r"bias has shape \(3, 9\), expected \(3, 8\)"),
+}
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["", "nested"])
+@pytest.mark.parametrize("case", list(STATE_DICT_LOADS))
+def test_grouped_linear_load_names_the_bad_key_of_the_other_layout(case, nested):
+    single, make, message = STATE_DICT_LOADS[case]
+    m = fdw.nn.GroupedLinear(E, K, N, single_grouped_weight=single)
+    sd = make()
+    if nested:  # keys under a prefix are named with it
+        m, sd = torch.nn.Sequential(m), {f"0.{k}": v for k, v in sd.items()}
+        message = message.replace("weight", "0.weight").replace("bias", "0.bias")
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match=message):
+            m.load_state_dict(sd, strict=strict)
