@@ -581,19 +581,51 @@ def save_checkpoint(model: torch.nn.Module, checkpoint_id: str | os.PathLike) ->
     dcp.save(checkpoint_state_dict(model), checkpoint_id=checkpoint_id)
 
 
-def load_checkpoint(model: torch.nn.Module, checkpoint_id: str | os.PathLike) -> None:
+def load_checkpoint(model: torch.nn.Module, checkpoint_id: str | os.PathLike, *, strict: bool = True) -> Any:
     """Load a :func:`save_checkpoint` checkpoint into ``model``, sharded for any number of
     ranks (or not sharded, without a process group): the parameters in place (``dcp.load``),
-    then the layers' FP8 state (``_extra_state``)."""
+    then the layers' FP8 state (``_extra_state``). Returns the missing keys (left as they are)
+    and the unexpected ones (ignored), as ``load_state_dict``'s ``_IncompatibleKeys``. With
+    ``strict=True`` a missing or unexpected key raises before anything is loaded, as a tensor
+    of another shape does: inside ``dcp.load``, so on every rank as DCP's ``CheckpointException``
+    (a BaseException) holding the error."""
     import torch.distributed.checkpoint as dcp
 
     from .nn import _FP8
 
+    class Planner(dcp.DefaultLoadPlanner):
+        # DCP's planner raises on keys the checkpoint lacks but ignores the ones the model
+        # lacks: both are checked against the checkpoint's metadata (the same on every rank)
+        def create_local_plan(self) -> Any:
+            self.incompatible = _incompatible_keys(model, self.state_dict, self.metadata.state_dict_metadata, strict,
+                                                   "the checkpoint")
+            return super().create_local_plan()
+
     sd = checkpoint_state_dict(model)
-    dcp.load(sd, checkpoint_id=checkpoint_id)
+    planner = Planner(allow_partial_load=not strict)
+    dcp.load(sd, checkpoint_id=checkpoint_id, planner=planner)
     for key, m in _fp8_modules(model, _FP8):
-        if key in sd:
+        if key in sd and key not in planner.incompatible.missing_keys:
             m.set_extra_state(sd[key])
+    return planner.incompatible
+
+
+def _incompatible_keys(model: torch.nn.Module, have: Iterable[str], given: Iterable[str], strict: bool,
+                       where: str = "state_dict") -> Any:
+    """The keys of ``have`` (the model's) not ``given`` and the other way round, as
+    ``load_state_dict``'s ``_IncompatibleKeys``; with ``strict``, any raises its RuntimeError."""
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    have, given = list(have), list(given)
+    have_set, given_set = set(have), set(given)
+    out = _IncompatibleKeys([k for k in have if k not in given_set], [k for k in given if k not in have_set])
+    if strict and (out.missing_keys or out.unexpected_keys):
+        msg = [f"Error(s) in loading state_dict for {type(model).__name__} (nothing was loaded):"]
+        for what, keys in (("Missing", out.missing_keys), ("Unexpected", out.unexpected_keys)):
+            if keys:
+                msg.append(f"\t{what} key(s) in {where}: " + ", ".join(f'"{k}"' for k in keys) + ".")
+        raise RuntimeError("\n".join(msg))
+    return out
 
 
 def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, Any], *, strict: bool = True) -> Any:
@@ -602,18 +634,42 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, Any], *, 
     with FSDP2, or holding :class:`ShardedWeight` groups (each rank keeps its rows). Grouped
     layers' keys are converted to each module's layout first (``nn.remap_layouts``: TE's
     ``weight0..`` into ``single_grouped_weight=True`` and back). ``state_dict`` is not changed.
-    Returns ``load_state_dict``'s missing and unexpected keys (``strict=True`` raises on any)."""
+
+    Before anything is loaded, on every rank alike: the keys are matched with
+    ``model.state_dict()``'s (parameters, persistent buffers, ``_extra_state``), and with
+    ``strict=True`` a missing or unexpected key raises RuntimeError (as ``load_state_dict``);
+    each tensor of a parameter or buffer must have its full (unsharded) shape, else ValueError
+    (the key, both shapes). Returns the missing keys (left as they are) and the unexpected ones
+    (ignored), as ``load_state_dict``'s ``_IncompatibleKeys``."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from .nn import remap_layouts
 
     sd = remap_layouts(model, state_dict)
+    # NOTE: these checks read only the state dict and the model's full shapes, the same on every
+    # rank: every rank comes to the same verdict with no collective, and a bad state dict raises
+    # on every rank before any rank changes a weight (no rank left waiting in a collective).
+    incompatible = _incompatible_keys(model, model.state_dict(keep_vars=True), sd, strict)
+    for key in incompatible.unexpected_keys:
+        del sd[key]
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    bad = []
+    for key, v in sd.items():
+        if key in tensors:  # (not _extra_state, whose size changes with the FP8 state)
+            t = tensors[key]
+            full = [t._dw.N, t._dw.K] if isinstance(t, ShardedWeight) else list(t.shape)
+            if not isinstance(v, torch.Tensor) or list(v.shape) != full:
+                got = list(v.shape) if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+                bad.append(f"{key}: expected full shape {full}, given {got}")
+    if bad:
+        raise ValueError("load_full_state_dict: tensors of another shape (nothing was loaded):\n  " + "\n  ".join(bad))
     for name, p in model.named_parameters():
-        if isinstance(p, ShardedWeight) and isinstance(sd.get(name), torch.Tensor):
+        if isinstance(p, ShardedWeight) and name in sd:
             g, start = p._dw, min(p._dw.rank * p._dw.R, p._dw.N)
             sd[name] = sd[name][start : start + g.rows]
-    options = StateDictOptions(full_state_dict=True, strict=strict)
-    return set_model_state_dict(model, sd, options=options)
+    set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+    return incompatible
 
 
 # --- local multi-process launcher ------------------------------------------------------------

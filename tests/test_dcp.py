@@ -16,6 +16,12 @@ delayed-scaling ``_extra_state`` in TE's format on one layer) loads with
 ``load_full_state_dict`` into the FSDP2-sharded model of either layout and into ShardedWeight
 groups; ``nn.remap_layouts`` is tested on its own.
 
+What does not fit raises on every rank alike (one message, gathered and compared) before any
+rank changes a weight: a full tensor not of its parameter's full shape (``[10, 4]`` and ``[6, 4]``
+for an ``[8, 4]`` ShardedWeight, a mis-shaped FSDP2 weight), and with ``strict=True`` a missing
+or unexpected key, of a full state dict (``load_full_state_dict``) or of a checkpoint
+(``load_checkpoint``); ``strict=False`` returns those keys and leaves what was missing as it was.
+
 Three launches (W=4 saves, W=2 loads and saves, W=4 loads) run every case; each case is
 reported as its own test.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from functools import partial
 
 import pytest
 import torch
@@ -203,6 +210,125 @@ def _load_te_into_sharded_weights() -> None:
         assert torch.equal(m.fc1[e].detach(), _rows(fc1[e], rank, world)), e
 
 
+# --- keys and shapes that do not fit: every rank raises alike, before anything is loaded ---------
+
+
+def _error(fn) -> str:
+    """What ``fn()`` raised, as "Type: message" (DCP's CheckpointException, a BaseException:
+    the ranks' errors it holds), or "nothing"."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        fn()
+    except CheckpointException as e:
+        return " | ".join(sorted({f"{type(x).__name__}: {x}" for x, _ in e.failures.values()}))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "nothing"
+
+
+def _raises_alike(fn, *want: str) -> None:
+    """``fn`` raises on every rank with one message, which names each of ``want``."""
+    msgs = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(msgs, _error(fn))
+    assert len(set(msgs)) == 1 and all(w in msgs[0] for w in want), msgs
+
+
+def _params(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: _full(p).clone() for n, p in m.named_parameters()}
+
+
+def _assert_params(m: torch.nn.Module, want: dict[str, torch.Tensor], what: str) -> None:
+    got = _params(m)
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for n, p in got.items():
+        assert torch.equal(p, want[n]), f"{n}: {what}"
+
+
+def _two_sharded_weights() -> torch.nn.Module:
+    m = torch.nn.Module()
+    m.a, m.b = fdd.shard_weight(torch.zeros(8, 4)), fdd.shard_weight(torch.zeros(8, 4))
+    return m
+
+
+def _full_mis_shaped_into_sharded_weight(rows: int) -> None:
+    """[10, 4] (rows were dropped) and [6, 4] (rank 1 alone raised) for an [8, 4] ShardedWeight."""
+    m = _two_sharded_weights()
+    for strict in (True, False):
+        sd = {"a": torch.ones(rows, 4), "b": torch.ones(8, 4)}
+        _raises_alike(partial(fdd.load_full_state_dict, m, sd, strict=strict),
+                      "ValueError: load_full_state_dict", f"a: expected full shape [8, 4], given [{rows}, 4]")
+        assert not m.a.any() and not m.b.any(), "a weight was loaded"
+
+
+def _full_keys_into_sharded_weight() -> None:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    m = _two_sharded_weights()
+    full = torch.arange(32.0).view(8, 4)
+    _raises_alike(lambda: fdd.load_full_state_dict(m, {"a": full}), 'RuntimeError: Error(s) in loading state_dict',
+                  'Missing key(s) in state_dict: "b".')
+    _raises_alike(lambda: fdd.load_full_state_dict(m, {"a": full, "b": full, "c": full}),
+                  'Unexpected key(s) in state_dict: "c".')
+    assert not m.a.any() and not m.b.any(), "strict loaded a weight"
+    out = fdd.load_full_state_dict(m, {"a": full, "c": full}, strict=False)
+    assert (out.missing_keys, out.unexpected_keys) == (["b"], ["c"]), out
+    assert torch.equal(m.a.detach(), _rows(full, rank, world)) and not m.b.any()
+
+
+def _full_into_fsdp2() -> None:
+    """A mis-shaped tensor, a missing and an unexpected key, into an FSDP2 model."""
+    m = fdd.shard_module(_expert_mlp("per-expert", 1))
+    before, saved = _params(m), _expert_mlp("per-expert", 2)
+    sd = saved.state_dict()
+    bad = {**sd, "fc2.weight1": torch.ones(H + 1, FFN)}
+    for strict in (True, False):
+        _raises_alike(partial(fdd.load_full_state_dict, m, bad, strict=strict),
+                      f"fc2.weight1: expected full shape [{H}, {FFN}], given [{H + 1}, {FFN}]")
+    missing = {k: v for k, v in sd.items() if k != "fc1.bias2"}
+    _raises_alike(lambda: fdd.load_full_state_dict(m, missing), 'Missing key(s) in state_dict: "fc1.bias2".')
+    _raises_alike(lambda: fdd.load_full_state_dict(m, {**sd, "fc3.weight": sd["proj.weight"]}),
+                  'Unexpected key(s) in state_dict: "fc3.weight".')
+    _assert_params(m, before, "changed by a load that raised")
+    out = fdd.load_full_state_dict(m, {**missing, "fc3.weight": sd["proj.weight"]}, strict=False)
+    assert (out.missing_keys, out.unexpected_keys) == (["fc1.bias2"], ["fc3.weight"]), out
+    _assert_params(m, {**_params(saved), "fc1.bias2": before["fc1.bias2"]}, "strict=False")
+    _check_fp8_state(m, 2)
+
+
+def _checkpoint_keys(root: str) -> None:
+    """A checkpoint with keys the model lacks (they were ignored) or lacking some of the model's."""
+    path = os.path.join(root, "w4-per-expert")  # (seed 10)
+    fewer = _expert_mlp("per-expert", 11)
+    del fewer.proj
+    fewer = fdd.shard_module(fewer)
+    before = _params(fewer)
+    _raises_alike(lambda: fdd.load_checkpoint(fewer, path), "RuntimeError: Error(s) in loading state_dict",
+                  'Unexpected key(s) in the checkpoint: "proj.')
+    _assert_params(fewer, before, "changed by a load that raised")
+    out = fdd.load_checkpoint(fewer, path, strict=False)
+    assert out.missing_keys == [] and set(out.unexpected_keys) == {"proj.weight", "proj.bias", "proj._extra_state"}
+    _assert_params(fewer, {n: p for n, p in _params(_expert_mlp("per-expert", 10)).items() if "proj" not in n},
+                   "strict=False")
+    _check_fp8_state(fewer, 10)
+
+    more = _expert_mlp("per-expert", 11)
+    more.extra = fd.nn.Linear(H, H, backend="torch")
+    more = fdd.shard_module(more)
+    before = _params(more)
+    _raises_alike(lambda: fdd.load_checkpoint(more, path), 'Missing key(s) in the checkpoint: "extra.')
+    _assert_params(more, before, "changed by a load that raised")
+    out = fdd.load_checkpoint(more, path, strict=False)
+    assert set(out.missing_keys) == {"extra.weight", "extra.bias", "extra._extra_state"} and out.unexpected_keys == []
+    _assert_params(more, {**_params(_expert_mlp("per-expert", 10)), "extra.weight": before["extra.weight"],
+                          "extra.bias": before["extra.bias"]}, "strict=False")
+
+
+KEY_CASES = {"full-10-rows-into-sharded-weight-of-8": partial(_full_mis_shaped_into_sharded_weight, 10),
+             "full-6-rows-into-sharded-weight-of-8": partial(_full_mis_shaped_into_sharded_weight, 6),
+             "full-keys-into-sharded-weight": _full_keys_into_sharded_weight,
+             "full-into-fsdp2": _full_into_fsdp2}
+
+
 # --- the launches ------------------------------------------------------------------------------
 
 
@@ -215,6 +341,8 @@ def _load_and_save_job(root: str) -> dict[str, str | None]:
     for layout in LAYOUTS:
         out[f"te-into-fsdp2-{layout}"] = _try(lambda: _load_te(layout))
     out["te-into-sharded-weight"] = _try(_load_te_into_sharded_weights)
+    out.update({case: _try(fn) for case, fn in KEY_CASES.items()})
+    out["checkpoint-keys"] = _try(lambda: _checkpoint_keys(root))
     _save_all(root, "w2", seed=20)
     return out
 
@@ -225,7 +353,8 @@ def _load_job(root: str) -> dict[str, str | None]:
 
 MODELS = [f"fsdp2-{layout}" for layout in LAYOUTS] + ["sharded-weight"]
 CASES = ([f"4to2-{m}" for m in MODELS] + [f"2to4-{m}" for m in MODELS]
-         + [f"te-into-fsdp2-{layout}" for layout in LAYOUTS] + ["te-into-sharded-weight"])
+         + [f"te-into-fsdp2-{layout}" for layout in LAYOUTS] + ["te-into-sharded-weight"] + list(KEY_CASES)
+         + ["checkpoint-keys"])
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +424,21 @@ def test_checkpoint_helpers_refuse_what_is_not_a_module(tmp_path):
         fdd.load_checkpoint([torch.nn.Linear(1, 1)], tmp_path)
     with pytest.raises(TypeError, match="state_dict: remap_layouts takes a dict"):
         fdd.load_full_state_dict(ExpertMLP(), None)
+
+
+def test_full_state_dict_into_an_unsharded_model_reports_keys_it_did_not_load():
+    """strict=False: a missing key's parameter is left as it is, an unexpected key ignored, and
+    both returned; strict=True raises on either before anything is loaded."""
+    m = _expert_mlp("single", 1)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    sd = {k: v for k, v in te_state_dict().items() if k != "proj.bias"}
+    sd["fc4.weight"] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "proj.bias".\n\tUnexpected key\(s\) '
+                                           r'in state_dict: "fc4.weight".'):
+        fdd.load_full_state_dict(m, sd)
+    assert all(torch.equal(p, before[n]) for n, p in m.named_parameters())
+    out = fdd.load_full_state_dict(m, sd, strict=False)
+    assert (out.missing_keys, out.unexpected_keys) == (["proj.bias"], ["fc4.weight"]), out
+    want = dict(_te_reference("single").named_parameters())
+    for n, p in m.named_parameters():
+        assert torch.equal(p, before[n] if n == "proj.bias" else want[n]), n

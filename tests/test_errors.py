@@ -365,3 +365,51 @@ def test_grouped_linear_load_names_the_bad_key_of_the_other_layout(case, nested)
     for strict in (True, False):
         with pytest.raises(RuntimeError, match=message):
             m.load_state_dict(sd, strict=strict)
+
+
+# --- full state dict loads
+# distributed.load_full_state_dict into an unsharded model: a tensor not of its parameter's or
+# buffer's full shape raises ValueError (key, both shapes), a missing or unexpected key (after
+# nn.remap_layouts) RuntimeError under strict=True; either before anything is loaded.
+
+def _full_sd_model(single=False):
+    return fdw.nn.GroupedLinear(E, K, N, single_grouped_weight=single)
+
+
+def _full_sd(single=False, drop=(), **extra):
+    sd = {k: v for k, v in _full_sd_model(single).state_dict().items() if k not in drop}
+    return {**sd, **extra}
+
+
+FULL_STATE_DICT_LOADS = {  # name: (the model, the state dict, the error, the message)
+    "weight-rows": (_full_sd_model, lambda: _full_sd(weight1=t(N + 2, K)), ValueError,
+                    r"weight1: expected full shape \[8, 4\], given \[10, 4\]"),
+    "stacked-weight": (lambda: _full_sd_model(True), lambda: _full_sd(True, weight=t(E, N - 2, K)), ValueError,
+                       r"weight: expected full shape \[3, 8, 4\], given \[3, 6, 4\]"),
+    "not-a-tensor": (_full_sd_model, lambda: _full_sd(bias0=[1.0]), ValueError,
+                     r"bias0: expected full shape \[8\], given a list"),
+    "buffer": (lambda: torch.nn.BatchNorm1d(K), lambda: {**torch.nn.BatchNorm1d(K).state_dict(), "running_mean": t(K + 1)},
+               ValueError, r"running_mean: expected full shape \[4\], given \[5\]"),
+    "missing-key": (_full_sd_model, lambda: _full_sd(drop=["bias2"]), RuntimeError,
+                    r'Missing key\(s\) in state_dict: "bias2"\.'),
+    "missing-extra-state": (_full_sd_model, lambda: _full_sd(drop=["_extra_state"]), RuntimeError,
+                            r'Missing key\(s\) in state_dict: "_extra_state"\.'),
+    "unexpected-key": (_full_sd_model, lambda: _full_sd(weight3=t(N, K)), RuntimeError,
+                       r'Unexpected key\(s\) in state_dict: "weight3"\.'),
+    "expert-missing-into-stacked": (lambda: _full_sd_model(True), lambda: _full_sd(drop=["weight1"]), RuntimeError,
+                                    r'Missing key\(s\) in state_dict: "weight"\.\n\tUnexpected key\(s\) in state_dict: '
+                                    + r'"weight0", "weight2"\.'),
+}
+
+
+@pytest.mark.parametrize("case", list(FULL_STATE_DICT_LOADS))
+def test_load_full_state_dict_names_what_does_not_fit_before_loading(case):
+    from functional_dw.distributed import load_full_state_dict
+
+    model, make, error, message = FULL_STATE_DICT_LOADS[case]
+    m, sd = model(), make()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    for strict in (True, False) if error is ValueError else (True,):
+        with pytest.raises(error, match=message):
+            load_full_state_dict(m, sd, strict=strict)
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items()), "a load that raised changed the model"
