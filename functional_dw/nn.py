@@ -408,9 +408,7 @@ class GroupedLinear(_FP8, torch.nn.Module):
         wrong shape) stay as they are, for torch's missing / unexpected keys, and are an error
         that names the bad key, its shape and the expected one, strict or not (as a size
         mismatch is)."""
-        layouts = [("weight", self.single_grouped_weight, (self.out_features, self.in_features))]
-        layouts += [("bias", self.single_grouped_bias, (self.out_features,))] if self.use_bias else []
-        for name, single, shape in layouts:
+        for name, single, shape in self._layouts():
             problem = _layout_problem(state_dict, prefix + name, self.num_gemms, single, shape)
             if problem is None:
                 _remap_layout(state_dict, prefix + name, self.num_gemms, single)
@@ -420,6 +418,11 @@ class GroupedLinear(_FP8, torch.nn.Module):
                                       error_msgs)
         if local_metadata.get("assign_to_params_buffers", False):
             self._tie()
+
+    def _layouts(self) -> list[tuple[str, bool, tuple[int, ...]]]:
+        """(key, one stacked tensor?, one expert's shape) of the weights, and of the biases if any."""
+        layouts = [("weight", self.single_grouped_weight, (self.out_features, self.in_features))]
+        return layouts + ([("bias", self.single_grouped_bias, (self.out_features,))] if self.use_bias else [])
 
     def __setstate__(self, state) -> None:
         """After unpickling or ``copy.deepcopy`` (which copies each Parameter on its own): one buffer again."""
@@ -439,18 +442,25 @@ def remap_layouts(model: torch.nn.Module, state_dict: dict[str, Any]) -> dict[st
     (``bias0..``) stacked into one ``weight [E, out, in]`` (``bias [E, out]``) for a module with
     ``single_grouped_weight=True``, and split back for a per-expert one. ``load_state_dict``
     does this itself; tools that match keys before loading (``set_model_state_dict``,
-    ``torch.distributed.checkpoint``) need it first. Other keys are kept as they are."""
+    ``torch.distributed.checkpoint``) need it first. Other keys are kept as they are. The other
+    layout's keys that cannot be converted (an expert missing or mis-shaped, a stacked tensor
+    of the wrong shape) raise ValueError naming each bad key, as ``load_state_dict`` does."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: remap_layouts takes a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict: remap_layouts takes a dict of tensors, got {type(state_dict).__name__}")
-    sd = dict(state_dict)
+    sd, problems = dict(state_dict), []
     for name, m in model.named_modules():
         if isinstance(m, GroupedLinear):
             prefix = f"{name}." if name else ""
-            _remap_layout(sd, prefix + "weight", m.num_gemms, m.single_grouped_weight)
-            if m.use_bias:
-                _remap_layout(sd, prefix + "bias", m.num_gemms, m.single_grouped_bias)
+            for key, single, shape in m._layouts():
+                problem = _layout_problem(sd, prefix + key, m.num_gemms, single, shape)
+                if problem is None:
+                    _remap_layout(sd, prefix + key, m.num_gemms, single)
+                else:
+                    problems.append(problem)
+    if problems:
+        raise ValueError("remap_layouts: " + "; ".join(problems))
     return sd
 
 

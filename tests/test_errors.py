@@ -396,9 +396,9 @@ FULL_STATE_DICT_LOADS = {  # name: (the model, the state dict, the error, the me
                             r'Missing key\(s\) in state_dict: "_extra_state"\.'),
     "unexpected-key": (_full_sd_model, lambda: _full_sd(weight3=t(N, K)), RuntimeError,
                        r'Unexpected key\(s\) in state_dict: "weight3"\.'),
-    "expert-missing-into-stacked": (lambda: _full_sd_model(True), lambda: _full_sd(drop=["weight1"]), RuntimeError,
-                                    r'Missing key\(s\) in state_dict: "weight"\.\n\tUnexpected key\(s\) in state_dict: '
-                                    + r'"weight0", "weight2"\.'),
+    "expert-missing-into-stacked": (lambda: _full_sd_model(True), lambda: _full_sd(drop=["weight1"]), ValueError,
+                                    r"cannot stack the per-expert weight0\.\.weight2 into weight of shape \(3, 8, 4\): "
+                                    r"weight1 is missing"),
 }
 
 
