@@ -206,19 +206,30 @@ def _fresh_outputs(out_leaves: tuple, in_leaves: tuple) -> tuple:
     if len(out_leaves) == 1 and out_leaves[0]._base is None:  # the common case: one tensor
         o = out_leaves[0]
         return (o.view_as(o) if any(o is t for t in in_leaves) else o.detach(),)
-    return tuple(_fresh(o, in_leaves, out_leaves) for o in out_leaves)
+    roots: dict[int, torch.Tensor] = {}  # id(a storage-sharing group's root) -> its detached alias
+    return tuple(_fresh(o, in_leaves, out_leaves, roots) for o in out_leaves)
 
 
-def _fresh(o: torch.Tensor, in_leaves: tuple, out_leaves: tuple) -> torch.Tensor:
+def _fresh(o: torch.Tensor, in_leaves: tuple, out_leaves: tuple, roots: dict) -> torch.Tensor:
     if any(o is t for t in in_leaves):
         return o.view_as(o)
     base = o._base
     if base is not None and any(_is_tensor(t) and (base is t or base is t._base) for t in in_leaves):
         return o
     root = o if base is None else base
-    if any(p is not o and (p is root or p._base is root) for p in out_leaves):
-        return o  # shares storage with another output: keep torch's rule for views
-    return o.detach()
+    if not any(p is not o and (p is root or p._base is root) for p in out_leaves):
+        return o.detach()
+    # Outputs that share storage (``(y, y[0])``, or a closed-over W with a view of it) keep
+    # torch's view rule among themselves, around a detached alias of their root (the root
+    # itself may be the caller's tensor: NOTE: [Closed-over tensors]). (Compiled: as they
+    # are; dynamo cannot trace storage_offset() on CUDA, and a traced graph has functional
+    # outputs anyway.)
+    if torch.compiler.is_compiling():
+        return o
+    alias = roots.get(id(root))
+    if alias is None:
+        alias = roots[id(root)] = root.detach()
+    return alias if o is root else alias.as_strided(o.size(), o.stride(), o.storage_offset())
 
 
 def _cotangent_leaves(d: Any, spec: pytree.TreeSpec, name: str) -> list:

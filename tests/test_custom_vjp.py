@@ -300,3 +300,29 @@ def test_a_closed_over_parameter_under_torch_func_and_compile():
     torch.compile(lambda x: f(x).sum(), backend="aot_eager", fullgraph=True)(xc).backward()
     torch.testing.assert_close(xc.grad, w.detach(), rtol=0, atol=0)
     assert w.requires_grad and w.is_leaf and w.grad_fn is None
+
+
+@pytest.mark.parametrize("outs", [lambda W, x: (W, W[:2]), lambda W, x: (W[:2], W), lambda W, x: (x * 1, W, W.t()),
+                                  lambda W, x: (W.view(2, 2), W.view(4))], ids=["W,W[:2]", "W[:2],W", "x,W,W.t", "views"])
+@pytest.mark.parametrize("how", ["parameter", "non-leaf", "buffer"])
+@pytest.mark.parametrize("mode", ["eager", "vjp"])
+def test_a_closed_over_tensor_returned_with_a_view_of_it_is_untouched(outs, how, mode):
+    """Outputs sharing storage keep torch's view rule among themselves, around a detached alias
+    of their root, never the caller's tensor itself."""
+    a = torch.randn(4, requires_grad=True)
+    W = {"parameter": torch.nn.Parameter(torch.randn(4)), "non-leaf": a * 2, "buffer": torch.randn(4)}[how]
+    before = (W.requires_grad, W.grad_fn, W.is_leaf, W._version)
+    f = custom_vjp(lambda x: (outs(W, x), (x,)), lambda res, d: (torch.ones_like(res[0]),), name="views_of_W")
+    x = torch.randn(4, requires_grad=True)
+    if mode == "eager":
+        ys = f(x)
+        assert all(y is not W for y in ys)
+        sum(y.sum() for y in ys).backward()
+        torch.testing.assert_close(x.grad, torch.ones(4), rtol=0, atol=0)
+    else:
+        ys, pull = torch.func.vjp(f, x.detach())
+        torch.testing.assert_close(pull(tuple(torch.ones_like(y) for y in ys))[0], torch.ones(4), rtol=0, atol=0)
+    assert (W.requires_grad, W.grad_fn, W.is_leaf, W._version) == before
+    if how == "parameter":  # still trainable: the caller's own use of it gets its gradient
+        (x.detach() * W).sum().backward()
+        torch.testing.assert_close(W.grad, x.detach(), rtol=0, atol=0)
