@@ -55,6 +55,7 @@ def _step(*a):
     (dict(warmup=2.0), ValueError, "warmup must be an int >= 1"),
 ])
 def test_graph_step_argument_errors(kwargs, exc, match):
+    kwargs = dict(kwargs)  # the parameter's own dict outlives the session: mutmut runs pytest again in the same process
     step = kwargs.pop("step", _step)
     inputs = kwargs.pop("inputs", ())
     with pytest.raises(exc, match=match):
