@@ -189,14 +189,16 @@ class _FP8:
         self._fp8_pending = set()
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        """``.to(dtype)``/``.half()`` move the state but keep it float32 (TE's fp8_meta is not
-        cast). A state on ``meta`` stays there (``to_empty`` would hand it uninitialized memory)
-        until :meth:`_fp8_materialize` makes it where the parameters went."""
+        """``fn`` says where the state goes, never what it holds: its values are kept (moved,
+        float32: ``.to(dtype)``/``.half()`` do not cast TE's fp8_meta either), because ``fn`` may
+        be ``to_empty``'s, which hands out uninitialized memory, and no checkpoint restores these
+        non-persistent buffers. A state on ``meta`` stays there until :meth:`_fp8_materialize`
+        makes it where the parameters went."""
         kept = {n: getattr(self, f"fp8_{n}") for n in _STATE}
         out = super()._apply(fn, recurse)
         for name, old in kept.items():
             new = getattr(self, f"fp8_{name}")
-            if old is not None and new is not None and (old.is_meta or new.dtype != torch.float32):
+            if old is not None and new is not None:
                 setattr(self, f"fp8_{name}", old if old.is_meta else old.to(new.device))
         self._fp8_materialize()
         return out
@@ -214,19 +216,28 @@ class _FP8:
         state = self.fp8_state
         if state is None:
             return torch.empty(0, dtype=torch.uint8)
+        if state.scale_fwd.is_meta:  # no values to write (a meta-built module): an empty meta entry
+            return torch.empty(0, dtype=torch.uint8, device="meta")
         self._fp8_flush()
         return fp8.state_to_extra_state(state, self._fp8_recipe)
+
+    def read_extra_state(self, extra: Any) -> tuple[fp8.DelayedScalingState, fp8.DelayedScaling] | None:
+        """What :meth:`set_extra_state` would load (checked: the bytes, the number of GEMMs),
+        without loading it; None for an empty entry."""
+        d = fp8.read_extra_state(extra)
+        if d is None or "scale_fwd" not in d:
+            return None
+        state = fp8.state_from_extra_state(extra, self._fp8_gemms, device=self._fp8_device())
+        recipe = d["recipe"] if isinstance(d["recipe"], fp8.DelayedScaling) else fp8.DelayedScaling(
+            amax_history_len=state.history_len)
+        return state, recipe
 
     def set_extra_state(self, extra: Any) -> None:
         """Load TE's ``_extra_state`` (or ours): the delayed-scaling state and its recipe; an
         empty entry (no FP8, or a stateless recipe) changes nothing."""
-        d = fp8.read_extra_state(extra)
-        if d is None or "scale_fwd" not in d:
-            return
-        state = fp8.state_from_extra_state(extra, self._fp8_gemms, device=self._fp8_device())
-        recipe = d["recipe"] if isinstance(d["recipe"], fp8.DelayedScaling) else fp8.DelayedScaling(
-            amax_history_len=state.history_len)
-        self._fp8_set(state, recipe)
+        loaded = self.read_extra_state(extra)
+        if loaded is not None:
+            self._fp8_set(*loaded)
 
 
 class Linear(_FP8, torch.nn.Module):

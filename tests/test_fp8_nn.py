@@ -360,3 +360,39 @@ def test_meta_module_assign_loaded_steps_bitwise_like_the_saved_module(kind, swa
         assert_same(_sgd_step(m, step, kind), _sgd_step(saved, step, kind), f"step {step}")
     m.get_extra_state(), saved.get_extra_state()  # the last step's pending updates applied
     assert_same(pytree.tree_leaves(m.fp8_state), pytree.tree_leaves(saved.fp8_state), "state after the steps")
+
+
+@pytest.mark.parametrize("trained", [False, True], ids=["fresh", "trained"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_to_empty_of_a_module_on_a_real_device_keeps_its_fp8_state(kind, trained):
+    """``to_empty`` of a module that is not on meta hands every tensor new, uninitialized memory;
+    the parameters are then loaded or reset, but nothing restores the non-persistent FP8 state,
+    so it keeps its values (before: NaN scales after a load of a bf16 checkpoint, a NaN forward)."""
+    recipe = RECIPES["delayed"]
+    m = _kind_module(kind, recipe)
+    if trained:
+        _sgd_step(m, 0, kind)
+        m._fp8_flush()
+    want = [t.clone() for t in pytree.tree_leaves(m.fp8_state)]
+    sd = _checkpoint(_kind_module(kind, None))
+    _to_empty(m).load_state_dict(sd, strict=False)
+    assert_same(pytree.tree_leaves(m.fp8_state), want, "the state before to_empty")
+    x, _ = _data(1, kind)
+    assert torch.isfinite(_forward(m, x)).all()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_state_dict_of_a_meta_module_round_trips(kind):
+    """A meta-built delayed-scaling module has a state dict (meta tensors, an empty meta
+    ``_extra_state``), as torch's modules on meta do; loading it changes no real FP8 state
+    (before: ``state_dict()`` raised "Cannot copy out of meta tensor")."""
+    recipe = RECIPES["delayed"]
+    sd = _kind_module(kind, recipe, device="meta").state_dict()
+    assert sd["_extra_state"].is_meta and sd["_extra_state"].numel() == 0
+    assert all(v.is_meta for v in sd.values())
+    other = _kind_module(kind, recipe, device="meta")
+    other.load_state_dict(sd, assign=True)
+    real = _kind_module(kind, recipe)
+    real.fp8_state.scale_fwd.fill_(3.0)
+    real.load_state_dict({k: (torch.zeros(v.shape) if k != "_extra_state" else v) for k, v in sd.items()})
+    assert (real.fp8_state.scale_fwd == 3.0).all()

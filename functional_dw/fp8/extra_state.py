@@ -129,6 +129,11 @@ def read_extra_state(extra: Any) -> Optional[dict]:
     if extra is None:
         return None
     if isinstance(extra, torch.Tensor):
+        if extra.numel() == 0:  # no state (also a meta-built module's entry)
+            return None
+        if extra.is_meta:
+            raise ValueError("the extra state is a meta tensor, which holds no FP8 state: load one saved from a "
+                             "module on a real device")
         data = _tensor_bytes(extra)
         obj = _SafeUnpickler(io.BytesIO(data)).load() if data else None
     elif isinstance(extra, (bytes, bytearray, memoryview)):
