@@ -656,15 +656,25 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, Any], *, 
     tensors.update(model.named_buffers(remove_duplicate=False))
     bad = []
     for key, v in sd.items():
-        if key in tensors:  # (not _extra_state, whose size changes with the FP8 state)
+        if key in tensors:
             t = tensors[key]
             full = [t._dw.N, t._dw.K] if isinstance(t, ShardedWeight) else list(t.shape)
             if not isinstance(v, torch.Tensor) or list(v.shape) != full:
                 got = list(v.shape) if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
                 bad.append(f"{key}: expected full shape {full}, given {got}")
+            elif v.is_meta:
+                bad.append(f"{key}: a meta tensor, which holds no values")
+        elif key == "_extra_state" or key.endswith("._extra_state"):  # decoded as the module will load it
+            module = model.get_submodule(key.rpartition(".")[0])
+            if hasattr(module, "read_extra_state"):
+                try:
+                    module.read_extra_state(v)
+                except (TypeError, ValueError) as e:
+                    bad.append(f"{key}: {e}")
     if bad:
-        raise ValueError("load_full_state_dict: tensors of another shape (nothing was loaded):\n  " + "\n  ".join(bad))
-    for name, p in model.named_parameters():
+        raise ValueError("load_full_state_dict: entries that do not fit the model (nothing was loaded):\n  "
+                         + "\n  ".join(bad))
+    for name, p in model.named_parameters(remove_duplicate=False):  # (a tied weight: under each name)
         if isinstance(p, ShardedWeight) and name in sd:
             g, start = p._dw, min(p._dw.rank * p._dw.R, p._dw.N)
             sd[name] = sd[name][start : start + g.rows]

@@ -323,7 +323,36 @@ def _checkpoint_keys(root: str) -> None:
                           "extra.bias": before["extra.bias"]}, "strict=False")
 
 
+def _full_bad_extra_state() -> None:
+    """An FP8 ``_extra_state`` that does not fit (saved for 4 GEMMs, not 2; not bytes) or a meta
+    tensor raises on every rank before any weight changes (before: after every weight loaded)."""
+    recipe = fd.fp8.DelayedScaling()
+    m = torch.nn.Sequential(fd.nn.Linear(4, 8, backend="torch"), fd.nn.GroupedLinear(2, 8, 4, recipe=recipe))
+    before, sd = _params(m), {k: torch.ones_like(v) for k, v in m.state_dict().items() if k != "1._extra_state"}
+    four = fd.fp8.state_to_extra_state(fd.fp8.init_state(recipe, 4), recipe)
+    _raises_alike(lambda: fdd.load_full_state_dict(m, {**sd, "1._extra_state": four}),
+                  "ValueError: load_full_state_dict", "1._extra_state: the extra state was saved for 4 GEMM(s)")
+    _raises_alike(lambda: fdd.load_full_state_dict(m, {**sd, "1._extra_state": "garbage"}),
+                  "1._extra_state: extra state must be a uint8 tensor")
+    _raises_alike(lambda: fdd.load_full_state_dict(m, {**sd, "1._extra_state": four, "0.weight": torch.empty(
+        8, 4, device="meta")}), "0.weight: a meta tensor, which holds no values")
+    _assert_params(m, before, "changed by a load that raised")
+
+
+def _full_into_tied_sharded_weight() -> None:
+    """One ShardedWeight under two names: each key gets this rank's rows (before: the second
+    name was not sliced, and a size mismatch raised after the first had loaded)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    m = torch.nn.Module()
+    m.a = m.b = fdd.shard_weight(torch.zeros(8, 4))
+    full = torch.arange(32.0).view(8, 4)
+    fdd.load_full_state_dict(m, {"a": full, "b": full})
+    assert torch.equal(m.a.detach(), _rows(full, rank, world)) and m.a is m.b
+
+
 KEY_CASES = {"full-10-rows-into-sharded-weight-of-8": partial(_full_mis_shaped_into_sharded_weight, 10),
+             "full-bad-extra-state": _full_bad_extra_state,
+             "full-into-tied-sharded-weight": _full_into_tied_sharded_weight,
              "full-6-rows-into-sharded-weight-of-8": partial(_full_mis_shaped_into_sharded_weight, 6),
              "full-keys-into-sharded-weight": _full_keys_into_sharded_weight,
              "full-into-fsdp2": _full_into_fsdp2}
