@@ -419,21 +419,26 @@ class GroupedLinear(_FP8, torch.nn.Module):
         wrong shape) stay as they are, for torch's missing / unexpected keys, and are an error
         that names the bad key, its shape and the expected one, strict or not (as a size
         mismatch is)."""
-        for name, single, shape in self._layouts():
-            problem = _layout_problem(state_dict, prefix + name, self.num_gemms, single, shape)
-            if problem is None:
-                _remap_layout(state_dict, prefix + name, self.num_gemms, single)
-            else:
-                error_msgs.append(problem)
+        error_msgs += self._remap(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         if local_metadata.get("assign_to_params_buffers", False):
             self._tie()
 
-    def _layouts(self) -> list[tuple[str, bool, tuple[int, ...]]]:
-        """(key, one stacked tensor?, one expert's shape) of the weights, and of the biases if any."""
+    def _remap(self, state_dict: dict, prefix: str) -> list[str]:
+        """The other layout's keys under ``prefix`` converted in place to this module's
+        (:func:`_remap_layout`); returns what cannot be converted (:func:`_layout_problem`),
+        those keys left as they are."""
         layouts = [("weight", self.single_grouped_weight, (self.out_features, self.in_features))]
-        return layouts + ([("bias", self.single_grouped_bias, (self.out_features,))] if self.use_bias else [])
+        layouts += [("bias", self.single_grouped_bias, (self.out_features,))] if self.use_bias else []
+        problems = []
+        for name, single, shape in layouts:
+            problem = _layout_problem(state_dict, prefix + name, self.num_gemms, single, shape)
+            if problem is None:
+                _remap_layout(state_dict, prefix + name, self.num_gemms, single)
+            else:
+                problems.append(problem)
+        return problems
 
     def __setstate__(self, state) -> None:
         """After unpickling or ``copy.deepcopy`` (which copies each Parameter on its own): one buffer again."""
@@ -463,13 +468,7 @@ def remap_layouts(model: torch.nn.Module, state_dict: dict[str, Any]) -> dict[st
     sd, problems = dict(state_dict), []
     for name, m in model.named_modules():
         if isinstance(m, GroupedLinear):
-            prefix = f"{name}." if name else ""
-            for key, single, shape in m._layouts():
-                problem = _layout_problem(sd, prefix + key, m.num_gemms, single, shape)
-                if problem is None:
-                    _remap_layout(sd, prefix + key, m.num_gemms, single)
-                else:
-                    problems.append(problem)
+            problems += m._remap(sd, f"{name}." if name else "")
     if problems:
         raise ValueError("remap_layouts: " + "; ".join(problems))
     return sd
