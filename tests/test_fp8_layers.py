@@ -10,6 +10,9 @@ dtype. The layer's results equal it bitwise (same math on the CPU).
 from __future__ import annotations
 
 import contextlib
+import importlib
+import re
+from unittest import mock
 import dataclasses
 
 import pytest
@@ -20,6 +23,8 @@ import functional_dw as fd
 from conftest import BWD_SCALE, FWD_SCALE, HOOKS, FakeDW, Recorder, assert_same
 from functional_dw import _fp8, fp8
 from functional_dw.kernels.torch_ref import TorchKernels
+
+ref_mod = importlib.import_module("functional_dw.kernels.torch_ref")
 
 E, K, N = 3, 64, 48
 SPLITS = [32, 0, 48]
@@ -544,7 +549,8 @@ def test_forward_mode_and_second_order_raise(layer):
     def f(x):
         return _call(layer, None, x, ws, bs, recipe, None)
 
-    with pytest.raises(NotImplementedError, match="forward-mode AD .* not defined for FP8"):
+    name = "linear" if layer == "linear" else "grouped_linear"
+    with pytest.raises(NotImplementedError, match=rf"^{name}: forward-mode AD .* not defined for FP8"):
         jvp(f, (x,), (x,))
     with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
         grad(lambda x: grad(lambda x: (f(x) ** 2).sum())(x).sum())(x)
@@ -703,3 +709,270 @@ def test_block_scaling_takes_the_grouped_path_only_with_128_row_experts(sizes, p
     assert res.path == path
     _, res = fd.grouped_linear_fwd(x, ws, sizes, recipe=RECIPES["current"], backend="torch")
     assert res.path == "grouped"  # (only block scaling has the rule)
+
+
+class GemmLog(QuantizeLog):
+    """QuantizeLog that also logs what each grouped GEMM and activation quantize is told: the
+    path flag (``grouped``), the split accumulation, the dy copies asked for, exactly as passed
+    (the TE kernels take C++ bools)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gemms, self.activations = [], []
+
+    def grouped_quantize(self, x_TK, splits, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False,
+                         grouped=False):
+        self.activations.append((spec.role, grouped, rowwise, columnwise))
+        return super().grouped_quantize(x_TK, splits, spec, scales=scales, amaxes=amaxes, rowwise=rowwise,
+                                        columnwise=columnwise, grouped=grouped)
+
+    def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped, *, split_accumulator=False):
+        self.gemms.append(("fprop", grouped, split_accumulator))
+        return super().grouped_fprop(x_TK, w_ENK, b_EN, splits, grouped, split_accumulator=split_accumulator)
+
+    def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped, *, split_accumulator=False):
+        self.gemms.append(("dgrad", grouped, split_accumulator))
+        return super().grouped_dgrad(dy_TN, w_ENK, splits, grouped, split_accumulator=split_accumulator)
+
+    def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, **kw):
+        self.gemms.append(("wgrad", grouped, kw.get("split_accumulator", False)))
+        return super().grouped_wgrad(x_TK, dy_TN, splits, grouped, **kw)
+
+
+@pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])
+@pytest.mark.parametrize("fprop_acc", [False, True])
+def test_grouped_fp8_pure_pairs_tell_the_kernels_path_accumulation_and_dy_copies(path, fprop_acc):
+    """grouped_linear_fwd passes ``backend=`` on; x is quantized and fprop runs on the path taken
+    (``grouped`` exactly True/False) with the recipe's fprop split accumulation. The pure dgrad
+    asks for dy's rowwise copy only, the pure wgrad for its columnwise copy only, and each
+    equals grouped_linear_bwd's result."""
+    recipe = fp8.Float8CurrentScaling(fp8_gemm_fprop=fp8.MMParams(use_split_accumulator=fprop_acc))
+    x, ws, bs, dy = _inputs("grouped")
+    log = GemmLog()
+    y, res = fd.grouped_linear_fwd(x, ws, SPLITS, bs, use_grouped_tensor=path, recipe=recipe, backend=log)
+    assert res.kernels is log and res.path == ("grouped" if path else "split")
+    assert log.activations == [("input", path, True, True)]
+    assert log.gemms == [("fprop", path, fprop_acc)]
+    dx, dws, dbs = fd.grouped_linear_bwd(res, dy)
+    assert log.gemms[1:] == [("dgrad", path, True), ("wgrad", path, True)]  # the recipe's dgrad/wgrad accumulation
+    log.activations.clear()
+    assert_same(fd.grouped_linear_bwd_dgrad(res, dy), dx)
+    assert log.activations == [("grad_output", path, True, False)]
+    log.activations.clear()
+    assert_same(list(fd.grouped_linear_bwd_wgrad(res, dy)), [dws, dbs])
+    assert log.activations == [("grad_output", path, False, True)]
+
+
+# --- the reference kernels' FP8 GEMMs and quantization, called directly ---------------------
+
+_ROWS = fp8.tensor_spec(RECIPES["block"], "input")  # 1x128 tiles: the two copies differ in value
+_DBIAS_MSG = ("with_dbias=True needs dy in high precision; with FP8 operands the layer sums the bias grad "
+              "from its high-precision dy itself")
+
+
+def _both(t):
+    """Both copies, of ``t`` with every other column 2^-12 smaller: a row's tile then holds values
+    that underflow, a column's tile does not, so the copies differ in value."""
+    t = t * torch.tensor([1.0, 2.0**-12]).repeat(t.shape[1])[:t.shape[1]].to(t.dtype)
+    return TorchKernels().quantize(t, _ROWS, rowwise=True, columnwise=True)
+
+
+def test_reference_fp8_gemms_read_the_copies_each_operand_needs_and_round_once():
+    """fprop reads x's and W's rowwise copies, dgrad dy's rowwise and W's columnwise, wgrad the
+    columnwise copies of x and dy; each product is fp32 (bias added in fp32) rounded once to the
+    activations' dtype, or written into ``out`` in its dtype (overwritten unless ``accumulate``)."""
+    k = TorchKernels()
+    x, w, dy = _rand(32, K, seed=1), _rand(N, K, seed=2, scale=0.1), _rand(32, N, seed=3, scale=0.01)
+    xq, wq, dyq = _both(x), _both(w), _both(dy)
+    rows, cols = (lambda q: q.dequantize(columnwise=False)), (lambda q: q.dequantize(columnwise=True))
+    assert not any(torch.equal(rows(q), cols(q)) for q in (xq, wq, dyq))  # (else the copies look alike)
+    b = _rand(N, seed=4)
+    assert_same(k.fprop(xq, wq, b), (rows(xq) @ rows(wq).t() + b.float()).to(BF16))
+    assert_same(k.dgrad(dyq, wq), (rows(dyq) @ cols(wq)).to(BF16))
+    dw32 = cols(dyq).t() @ cols(xq)
+    dw, db = k.wgrad(xq, dyq)
+    assert_same(dw, dw32.to(BF16)) and db is None
+    out = _rand(N, K, seed=5)
+    assert k.wgrad(xq, dyq, out=out)[0] is out
+    assert_same(out, dw32.to(BF16))  # overwritten by default
+    out0 = _rand(N, K, seed=6)
+    out = out0.clone()
+    k.wgrad(xq, dyq, out=out, accumulate=True)
+    assert_same(out, out0 + dw32.to(BF16))  # the product in out's dtype, then added
+    with pytest.raises(ValueError, match=f"^{re.escape(_DBIAS_MSG)}$"):
+        k.wgrad(xq, dyq, with_dbias=True)
+    with pytest.raises(ValueError, match=f"^{re.escape(_DBIAS_MSG)}$"):
+        k.grouped_wgrad([xq], [dyq], _splits([32]), False, with_dbias=True)
+    x_cols = k.quantize(x, _ROWS, rowwise=False, columnwise=True)
+    assert x_cols.rowwise_data is None
+    with pytest.raises(ValueError, match="^this QTensor holds no rowwise data$"):
+        k.fprop(x_cols, wq, None)
+
+
+def test_reference_fp8_fprop_adds_the_bias_in_fp32():
+    """As cuBLASLt's epilogue: a float64 bias is rounded to fp32 and added to the fp32 product."""
+    k = TorchKernels()
+    spec = fp8.tensor_spec(RECIPES["current"], "input")
+    x, w = _rand(64, K, seed=1, dtype=torch.float32), _rand(N, K, seed=2, dtype=torch.float32, scale=0.1)
+    b = _rand(N, seed=3, dtype=torch.float64) * 37
+    xq, wq = k.quantize(x, spec), k.quantize(w, spec)
+    y32 = xq.dequantize() @ wq.dequantize().t()
+    assert_same(k.fprop(xq, wq, b), y32 + b.float())
+    assert not torch.equal(y32 + b.float(), (y32 + b).float())  # (the other rounding differs)
+
+
+def _splits(sizes):
+    return fd.kernels.Splits(host=tuple(sizes), tensor=None, device=torch.device("cpu"), num_tokens=sum(sizes),
+                             num_experts=len(sizes))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["split", "grouped"])
+def test_reference_grouped_fp8_gemms_read_the_right_copies_on_either_path(grouped):
+    """The grouped GEMMs on E QTensors per operand: the same copies as the single GEMMs, fp32
+    products rounded once; ``grouped=True`` runs one grouped_mm per GEMM, False none."""
+    k = TorchKernels()
+    sizes = [16, 0, 32]
+    x, dy = _rand(48, K, seed=1), _rand(48, N, seed=2, scale=0.01)
+    ws, bs = [_rand(N, K, seed=3 + e, scale=0.1) for e in range(3)], _rand(3, N, seed=9)
+    xq = [_both(t) for t in x.split(sizes)]
+    dyq = [_both(t) for t in dy.split(sizes)]
+    wq = [_both(w) for w in ws]
+    rows, cols = (lambda q: q.dequantize(columnwise=False)), (lambda q: q.dequantize(columnwise=True))
+    real, calls = ref_mod._torch_grouped_mm, []
+
+    def spy(a, b, offs):
+        calls.append(a.shape)
+        return real(a, b, offs=offs)
+
+    with mock.patch.object(ref_mod, "_torch_grouped_mm", spy):
+        y = k.grouped_fprop(xq, wq, bs, _splits(sizes), grouped)
+        dx = k.grouped_dgrad(dyq, wq, _splits(sizes), grouped)
+        dw, db = k.grouped_wgrad(xq, dyq, _splits(sizes), grouped)
+    assert len(calls) == (3 if grouped else 0)
+    assert_same(y, torch.cat([(rows(a) @ rows(w).t() + b.float()).to(BF16) for a, w, b in zip(xq, wq, bs)]))
+    assert_same(dx, torch.cat([(rows(d) @ cols(w)).to(BF16) for d, w in zip(dyq, wq)]))
+    assert_same(dw, torch.stack([(cols(d).t() @ cols(a)).to(BF16) for a, d in zip(xq, dyq)]))
+    assert db is None and y.dtype == dx.dtype == dw.dtype == BF16
+
+
+def test_reference_quantize_defaults_and_amaxes():
+    """``quantize``/``grouped_quantize`` default to the rowwise copy only and honour
+    ``rowwise=False``; ``amaxes`` given as E views each get their expert's amax maxed in."""
+    k = TorchKernels()
+    spec = fp8.tensor_spec(RECIPES["current"], "input")
+    x = _rand(48, K, seed=1)
+    q = k.quantize(x, spec)
+    assert q.rowwise_data is not None and q.columnwise_data is None
+    q = k.quantize(x, spec, rowwise=False, columnwise=True)
+    assert q.rowwise_data is None and q.columnwise_data is not None
+    sizes = [16, 0, 32]
+    qs = k.grouped_quantize(x, _splits(sizes), spec)
+    assert all(q.rowwise_data is not None and q.columnwise_data is None for q in qs)
+    qs = k.grouped_quantize(x, _splits(sizes), spec, rowwise=False, columnwise=True)
+    assert all(q.rowwise_data is None and q.columnwise_data is not None for q in qs)
+    amax = torch.tensor([0.5, 0.25, 100.0])
+    k.grouped_quantize(x, _splits(sizes), spec, amaxes=[amax[0:1], amax[1:2], amax[2:3]])
+    want = [max(0.5, x[:16].abs().max().item()), 0.25, 100.0]
+    assert amax.tolist() == want
+
+
+class _KernelLog(TorchKernels):
+    """The reference kernels, logging each GEMM's x shape and options and each quantize's copies."""
+
+    def __init__(self):
+        self.log = []
+
+    def fprop(self, x_TK, w_NK, b_N, **kw):
+        self.log.append(("fprop", tuple(x_TK.shape), kw.get("split_accumulator", "default")))
+        return super().fprop(x_TK, w_NK, b_N, **kw)
+
+    def dgrad(self, dy_TN, w_NK, **kw):
+        self.log.append(("dgrad", kw.get("split_accumulator", "default")))
+        return super().dgrad(dy_TN, w_NK, **kw)
+
+    def wgrad(self, x_TK, dy_TN, **kw):
+        self.log.append(("wgrad", kw.get("split_accumulator", "default"), kw.get("with_dbias")))
+        return super().wgrad(x_TK, dy_TN, **kw)
+
+    def quantize(self, t, spec, **kw):
+        self.log.append(("quantize", tuple(t.shape), kw["rowwise"], kw["columnwise"]))
+        return super().quantize(t, spec, **kw)
+
+
+def test_fp8_linear_pure_calls_pass_the_recipes_split_accumulators_and_quantize_only_what_runs():
+    """linear_fwd/linear_bwd_dgrad/linear_bwd_wgrad with FP8: each GEMM gets the recipe's
+    split-accumulator flag (all True here, the kernels' default being False); dy is quantized
+    rowwise for dgrad alone, columnwise for wgrad alone; a forward without grad keeps no copies;
+    a layer without bias returns no bias grad."""
+    recipe = fp8.Float8CurrentScaling(fp8_gemm_fprop=fp8.MMParams(True))
+    x, ws, bs, dy = _inputs("linear", dtype=torch.float32)
+    T_ = x.shape[0] * x.shape[1]
+    for b in (bs[0], None):
+        ref = fd.linear(x, ws[0], b, recipe=recipe)  # no grad: the primal path
+        k = _KernelLog()
+        y, res = fd.linear_fwd(x, ws[0], b, recipe=recipe, backend=k)
+        assert res.kernels is k and torch.equal(y, ref)
+        assert [e for e in k.log if e[0] == "fprop"] == [("fprop", (T_, K), True)]
+        assert res.x.rowwise_data is None and res.x.columnwise_data is not None
+        dx, dw, db = fd.linear_bwd(res, dy)
+        k.log.clear()
+        dx1 = fd.linear_bwd_dgrad(res, dy)
+        assert torch.equal(dx1, dx)
+        assert k.log[0] == ("quantize", (T_, N), True, False) and k.log[1:] == [("dgrad", True)]
+        k.log.clear()
+        dw1, db1 = fd.linear_bwd_wgrad(res, dy)
+        assert torch.equal(dw1, dw) and (db1 is None) == (db is None) == (b is None)
+        if b is not None:
+            assert torch.equal(db1, db)
+        assert k.log == [("quantize", (T_, N), False, True), ("wgrad", True, None)]
+    k = _KernelLog()
+    fd.linear(x, ws[0], bs[0], recipe=recipe, backend=k)  # nothing to differentiate: no columnwise copies
+    assert [e[3] for e in k.log if e[0] == "quantize"] == [False, False]
+
+
+def test_fp8_linear_errors_name_the_layer():
+    from torch.func import jvp
+
+    recipe = RECIPES["current"]
+    x, ws, _, dy = _inputs("linear", dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match=r"^linear: forward-mode AD"):
+        jvp(lambda x: fd.linear(x, ws[0], recipe=recipe), (x,), (x,))
+    xr, w = x.clone().requires_grad_(), ws[0].clone().requires_grad_()
+    y = fd.linear(xr, w, recipe=recipe)
+    with pytest.raises(NotImplementedError, match=r"^linear: .*create_graph=True"):
+        torch.autograd.grad(y, xr, dy, create_graph=True)
+
+
+def test_reference_grouped_fp8_fprop_under_vmap_runs_per_expert():
+    """grouped_mm has no functorch batching rule: on vmapped operands the FP8 grouped fprop runs
+    per expert even when asked for the grouped path, and equals the per-element results."""
+    k = TorchKernels()
+    spec = fp8.tensor_spec(RECIPES["current"], "input")
+    sizes = [16, 0, 32]
+    wq = [k.quantize(_rand(N, K, seed=3 + e, dtype=torch.float32, scale=0.1), spec) for e in range(3)]
+
+    def f(x):
+        return k.grouped_fprop(k.grouped_quantize(x, _splits(sizes), spec), wq, None, _splits(sizes), True)
+
+    xb = torch.stack([_rand(48, K, seed=1, dtype=torch.float32), _rand(48, K, seed=2, dtype=torch.float32)])
+    real, calls = ref_mod._torch_grouped_mm, []
+
+    def spy(a, b, offs):
+        calls.append(a.shape)
+        return real(a, b, offs=offs)
+
+    with mock.patch.object(ref_mod, "_torch_grouped_mm", spy):
+        yb = torch.func.vmap(f)(xb)
+    assert calls == []  # (torch's batching fallback would loop over the batch, with a warning)
+    assert_same(yb, torch.stack([f(xb[0]), f(xb[1])]))
+
+
+@pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])
+def test_grouped_fp8_forward_without_grad_quantizes_weights_rowwise_only(path):
+    """Where no gradient can be taken (forward alone), each weight is quantized for fprop only:
+    no columnwise copy for a dgrad that never runs."""
+    recipe, log = RECIPES["current"], QuantizeLog()
+    x, ws, bs, _ = _inputs("grouped")
+    with torch.no_grad():
+        _call("grouped", path, x, [w.clone().requires_grad_() for w in ws], bs, recipe, None, backend=log)
+    assert [c for c in log.calls if c[0] == "weight"] == [("weight", True, False, False, False, 1)] * E

@@ -117,6 +117,112 @@ def test_record_repr_states_every_field_exactly():
         dataclasses.replace(r, ws=[torch.nn.Parameter(ws[0]), ws[1]]))
 
 
+def test_record_needed_field_is_none_by_default_and_set_by_with_needs_and_unflatten():
+    from functional_dw.residuals import needed, split, with_needs
+
+    @residuals
+    class Rec:
+        x: torch.Tensor = saved()
+        k: int = 5
+        n: object = needed()
+
+    x = _rand(3)
+    r = Rec(x=x)
+    assert Rec.__needs_field__ == "n" and Rec.__saved_fields__ == ("x",)
+    assert r.n is None and r.k == 5 and r.x is x  # needed() defaults to None; a field's own default kept
+    r2 = with_needs(r, (True, False))
+    assert r2.n == (True, False) and r.n is None and r2.x is x and r2.k == 5
+    with mock.patch("torch.compiler.is_compiling", return_value=True):  # dataclasses.replace under dynamo
+        r3 = with_needs(r, (False, True))
+    assert type(r3) is Rec and r3.n == (False, True) and r3.x is x and r3.k == 5
+    values, spec = split(r2)
+    assert len(values) == 1 and values[0] is x
+    assert spec.unflatten([x]).n == (True, False)  # no needs given: the record's own stays
+    back = spec.unflatten([x], needs=(False, False))
+    assert back.n == (False, False) and back.x is x and back.k == 5
+
+
+def test_record_fast_init_only_where_it_keeps_dataclass_semantics():
+    """The fast ``__init__`` (which fills the instance dict at once) replaces the dataclass's for
+    plain records; records with a keyword-only field, a ``__post_init__`` or a
+    ``default_factory`` keep the dataclass's, whose semantics the fast one would break."""
+    from functional_dw.residuals import needed
+
+    x = _rand(3)
+
+    @residuals
+    class Plain:
+        x: torch.Tensor = saved()
+        k: int = 3
+        n: object = needed()
+
+    assert Plain.__init__.__wrapped__ is not None and Plain.__init__.__qualname__.endswith("Plain.__init__")
+    assert Plain(x, 4).k == 4 and Plain(x).k == 3
+
+    @residuals
+    class KW:
+        x: torch.Tensor = saved()
+        n: object = needed(kw_only=True)
+
+    assert KW(x).n is None and KW(x, n=(True,)).n == (True,)
+    with pytest.raises(TypeError):
+        KW(x, (True,))  # keyword-only stays keyword-only
+
+    @residuals
+    class Post:
+        x: torch.Tensor = saved()
+        k: int = 1
+
+        def __post_init__(self):
+            object.__setattr__(self, "k", self.k * 10)
+
+    assert Post(x=x, k=2).k == 20
+
+    @residuals
+    class Fac:
+        x: torch.Tensor = saved()
+        tags: list = dataclasses.field(default_factory=list)
+
+    a, b = Fac(x=x), Fac(x=x)
+    assert a.tags == [] and a.tags is not b.tags
+    for cls in (KW, Post, Fac):
+        assert not hasattr(cls.__init__, "__wrapped__")
+
+
+def test_record_fast_init_calls_the_dataclass_init_under_dynamo():
+    from functional_dw.residuals import needed
+
+    x = _rand(3)
+    with mock.patch("torch.compiler.is_compiling", return_value=True):  # the record made and built while traced
+        @residuals
+        class Traced:
+            x: torch.Tensor = saved()
+            k: int = 3
+            n: object = needed()
+
+        t = Traced(x, 4)
+    assert t.x is x and t.k == 4 and t.n is None
+
+
+def test_any_needed_reads_bools_lists_and_nested_needs():
+    from functional_dw.residuals import any_needed
+
+    assert any_needed(True) and not any_needed(False) and not any_needed(None)
+    assert any_needed([False, True]) and not any_needed([False, False]) and not any_needed([])
+    assert any_needed([[False], [True]]) and not any_needed([[False], [False]])  # per expert, nested
+    assert any_needed({"w": (False, True)}) and not any_needed({"w": (False,)})
+
+
+def test_record_repr_of_a_list_holding_tensors_and_none():
+    @residuals
+    class Rec:
+        x: torch.Tensor = saved()
+        pair: list
+
+    text = repr(Rec(x=torch.zeros(1), pair=[torch.zeros(2), None]))
+    assert "  [ref  ] pair = 2 x Tensor, e.g. tensor([0., 0.]): 8 B" in text
+
+
 # --- the bridge, built inside the tests ---------------------------------------------------
 
 
@@ -958,7 +1064,8 @@ def test_splits_in_a_traced_graph_are_a_tensor_never_host_ints():
     assert s.host is None and s.tensor is not t and torch.equal(s.tensor, t)  # a copy: the buffer may be reused
 
 
-def test_grouped_path_fallback_warning_says_why():
+def test_grouped_path_fallback_warning_says_why(monkeypatch):
+    monkeypatch.setattr(ref_mod, "_PATH_VERDICTS", {})  # a verdict cached by an earlier test would hide the message
     x, ws = _rand(T, 0, dtype=torch.float32), [_rand(N, 0, dtype=torch.float32) for _ in range(E)]
     with pytest.warns(UserWarning, match=r"^grouped_linear: use_grouped_tensor=True but grouped_mm takes no zero-size "
                                          r"features; running the split path$"):
@@ -986,3 +1093,14 @@ def test_float32_grouped_path_under_jvp_and_vmap():
     torch.testing.assert_close([g[0], *g[1]], list(want), **tol)
     dxb = vmap(grad(lambda x: (f(x, ws) * dy).sum()))(xb)
     torch.testing.assert_close(dxb, torch.stack([want[0]] * 2), **tol)
+
+
+def test_split_wgrad_overwrites_out_unless_asked_to_accumulate():
+    x, dy = _rand(T, 16, seed=1, dtype=torch.float32), _rand(T, 8, seed=2, dtype=torch.float32)
+    splits = fd.kernels.Splits(host=tuple(SPLITS), tensor=None, device=x.device, num_tokens=T, num_experts=E)
+    want = torch.stack([d.t() @ a for a, d in zip(x.split(list(SPLITS)), dy.split(list(SPLITS)))])
+    out = torch.full((E, 8, 16), 7.0)
+    assert TorchKernels().split_wgrad(x, dy, splits, out=out) is out
+    assert torch.equal(out, want)
+    TorchKernels().split_wgrad(x, dy, splits, out=out, accumulate=True)
+    assert torch.equal(out, want + want)

@@ -248,3 +248,57 @@ def test_distributed_weight_gathers_and_finalizes_once_when_a_gemm_is_skipped(la
     y.backward(dy)
     assert group[0].calls == {"forward": 1, "backward": 1, "finalize": 1}
     assert len(rec.gemms()) == 1
+
+
+def test_linear_pure_fwd_bwd_use_bias_backend_and_hand_kernels_token_rows():
+    """linear_fwd with a bias and a backend: y has the bias, the record keeps that backend, whose
+    fprop gets x as [T, K] rows (also in the no-grad primal path); a record without bias gets no
+    bias grad, and a direct record (needs None) gets every other gradient."""
+    from test_fp8_layers import _KernelLog
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 3, 4), (5, 4), (5,)))
+    dy = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)
+    k = _KernelLog()
+    y, res = fd.linear_fwd(x, w, b, backend=k)
+    assert res.kernels is k and k.log == [("fprop", (6, 4), "default")]
+    torch.testing.assert_close(y, x @ w.t() + b)
+    k.log.clear()
+    fd.linear(x, w, b, backend=k)  # nothing requires grad: forward alone
+    assert k.log == [("fprop", (6, 4), "default")]
+    y, res = fd.linear_fwd(x, w)
+    dx, dw, db = fd.linear_bwd(res, dy)
+    assert db is None
+    torch.testing.assert_close(dx, dy @ w)
+    torch.testing.assert_close(dw, dy.reshape(6, 5).t() @ x.reshape(6, 4))
+
+
+class _FrozenDW(FakeDW):
+    """A fused FakeDW whose finalize_group_grads records what it was handed."""
+
+    def finalize_group_grads(self, wgrads):
+        self.handed = wgrads
+        return self.reply(wgrads) if hasattr(self, "reply") else super().finalize_group_grads(wgrads)
+
+
+def test_linear_frozen_fused_distributed_weight_finalizes_its_grad_buffer():
+    """A DistributedWeight whose gradient is not wanted still finalizes once (every rank joins
+    the collective), fused: with its own grad_buffer(); the buffer's and finalize's checks name
+    the weight."""
+    from functional_dw.residuals import with_needs
+
+    g = torch.Generator().manual_seed(0)
+    full, x = torch.randn(4, 6, generator=g), torch.randn(3, 6, generator=g)
+    dy = torch.randn(3, 4, generator=g)
+    dw = _FrozenDW.group_of([full], fused=True)[0]
+    _, res = fd.linear_fwd(x, dw, fuse_wgrad_accumulation=True)
+    res = with_needs(res, (True, False, False))
+    buf = dw.grad_buffer()
+    got, db = fd.linear_bwd_wgrad(res, dy)
+    assert dw.handed is buf and db is None and dw.calls["finalize"] == 1
+    dw.buffer = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"^weight: main_grad/grad_buffer\(\) must be a \(4, 6\) tensor"):
+        fd.linear_bwd_wgrad(res, dy)
+    dw.buffer, dw.reply = buf, lambda wgrads: [None, None]
+    with pytest.raises(ValueError, match=r"^weight: finalize_group_grads returned 2 grad"):
+        fd.linear_bwd_wgrad(res, dy)
