@@ -208,3 +208,39 @@ def test_megatron_offload_frees_device_copy_and_hands_back_once():
     y.backward(dy, retain_graph=True)
     with pytest.raises(KeyError):
         y.backward(dy)
+
+
+def test_any_distributed_reads_the_leader_of_a_tensor_or_a_sequence():
+    """``any_distributed`` (the torch.compile guard of both layers): a DistributedWeight given
+    alone or leading a list/tuple; never a plain tensor (0-d included), a list of them or an
+    empty list; an object without the attribute is not one."""
+    from functional_dw.distributed_weight import any_distributed
+
+    group = FakeDW.group_of([torch.randn(N, K) for _ in range(2)])
+    plain = [torch.randn(N, K), torch.randn(N, K)]
+    assert any_distributed(group[0]) is True
+    assert any_distributed(group[:1]) is True
+    assert any_distributed(tuple(group)) is True
+    assert any_distributed([group[0], *plain]) is True
+    assert any_distributed(plain[0]) is False
+    assert any_distributed(torch.tensor(1.0)) is False
+    assert any_distributed(plain) is False
+    assert any_distributed([]) is False
+    assert any_distributed([object()]) is False
+
+
+def test_fused_frozen_group_finalizes_with_its_grad_buffers():
+    """Every weight frozen and fused: no wgrad GEMM, but the leader still finalizes (its
+    collectives match the other ranks'), handing over the group's own ``grad_buffer()``s (the
+    fp32 buffers every rank reduces), not scratch or zeros in the layer's dtype."""
+    fulls = [torch.randn(N, K, dtype=torch.bfloat16) for _ in range(E)]
+    group = FakeDW.group_of(fulls, fused=True)
+    for m in group:
+        m.requires_grad_(False)
+    got = []
+    real = group[0].finalize_group_grads
+    group[0].finalize_group_grads = lambda wgrads: (got.append(list(wgrads)), real(wgrads))[1]
+    x = torch.randn(T, K, dtype=torch.bfloat16, requires_grad=True)
+    fd.grouped_linear(x, group, SPLITS, fuse_wgrad_accumulation=True).sum().backward()
+    assert x.grad is not None and len(got) == 1
+    assert len(got[0]) == E and all(g is m.buffer for g, m in zip(got[0], group))

@@ -198,7 +198,8 @@ BACKWARD = [  # id, make the loss (forward succeeds), exception at backward, mes
     ("grouped-weight-modified", lambda: stale(G), RuntimeError, r"weights\[2\] was modified in place"),
     ("main-grad-wrong-shape", main_grad_too_big, ValueError, "main_grad"),
     ("main-grad-overlapping", lambda: overlapping_main_grad(), ValueError,
-     r"weights: main_grad/grad_buffer\(\) has elements that share memory"),
+     r"weights: main_grad/grad_buffer\(\) has elements that share memory \(e\.g\. an expand\); "
+     "each weight-gradient element needs its own$"),
     ("main-grad-int", lambda: int_main_grad(), TypeError, r"weight: main_grad/grad_buffer\(\) is torch.int64; it must be a float"),
     ("dw-backward-dtype", lambda: G(weights=BackwardDtypeDW.group_of([t(N, K)] * E)).sum(), TypeError,
      r"materialize_group_for_backward\(\) of the DistributedWeight returned a torch.float16 tensor"),

@@ -363,3 +363,21 @@ def test_padded_ends_from_host_and_device_counts_agree():
                      num_experts=len(sizes))
         assert torch.equal(ops._ends(host)[1], ops._ends(dev)[1])
         assert ops._ends(host)[1].tolist() == list(itertools.accumulate(-(-s // 16) * 16 for s in sizes))
+
+
+def test_distributed_weight_as_a_plain_parameter_is_quantized_from_each_gather():
+    """A DistributedWeight may be a plain ``nn.Parameter`` that carries the protocol as
+    attributes. Its shard's version says nothing about what the group gathers, so the
+    per-version weight cache (NOTE: [FP8 weights per version]) must not serve it: each forward
+    quantizes what was gathered this time."""
+    x, ws, _, _ = _inputs("cpu", bias=False)
+    x = x.detach()
+    full = torch.stack([w.detach() for w in ws])
+    shard = torch.nn.Parameter(full[:, : N // 2].clone())
+    assert type(shard) is torch.nn.Parameter
+    shard.is_distributed_weight = True
+    shard.materialize_group_for_forward = lambda: full.clone()
+    for step in range(2):  # the other ranks' shards change; this rank's shard does not
+        full.mul_(1 + step)
+        y = fd.grouped_linear(x, shard, SIZES, recipe=R)
+        torch.testing.assert_close(y, fd.grouped_linear(x, full.clone(), SIZES, recipe=R), rtol=0, atol=0)

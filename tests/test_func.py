@@ -7,7 +7,7 @@ import torch
 from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
 
 import functional_dw as fd
-from conftest import HOOKS, FakeDW, ref_grouped
+from conftest import HOOKS, FakeDW, PathRecorder, ref_grouped
 from functional_dw.kernels.torch_ref import TorchKernels
 
 D = torch.float64
@@ -188,3 +188,67 @@ def test_jvp_under_hooks_packs_activations_only():
         _, t = jvp(lambda x: fd.grouped_linear(x, params, SPLITS), (x,), (torch.ones_like(x),))
     assert all(all(p is not w for w in params) for p in rec.packed)
     torch.testing.assert_close(t, ref_grouped(torch.ones_like(x), ws, SPLITS))
+
+
+class _FpropLog(PathRecorder):
+    """PathRecorder that also logs the bias operand each grouped_fprop gets (Kernels: a tensor or None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.biases = []
+
+    def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped):
+        self.biases.append(None if b_EN is None else (type(b_EN), tuple(b_EN.shape)))
+        return super().grouped_fprop(x_TK, w_ENK, b_EN, splits, grouped)
+
+
+@pytest.mark.parametrize("use", [None, False], ids=["grouped", "split"])
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_grouped_jvp_runs_forwards_path_with_an_E_by_N_bias_tangent(use, stacked):
+    """jvp's GEMMs (dx W^T + db, then x dW^T) take the path forward took (float32: grouped_mm
+    runs on the CPU), with the bias tangent as one [E, N] tensor (a list of tangents stacked)."""
+    x, ws, bs, tx, tws, tbs = [torch.utils._pytree.tree_map(lambda t: t.float(), d) for d in (*_data(), *_data(seed=7))]
+    if stacked:
+        ws, tws, bs, tbs = torch.stack(ws), torch.stack(tws), torch.stack(bs), torch.stack(tbs)
+    rec = _FpropLog()
+    f = lambda x, w, b: fd.grouped_linear(x, w, SPLITS, b, use_grouped_tensor=use, backend=rec)
+    _, t = jvp(f, (x, ws, bs), (tx, tws, tbs))
+    assert [name for name, _ in rec.paths] == ["fprop"] * 3  # forward, then jvp's two
+    rec.check(use, x, ws)
+    assert rec.biases == [(torch.Tensor, (E, N))] * 2 + [None]
+    want = ref_grouped(tx, list(ws), SPLITS, list(tbs)) + ref_grouped(x, list(tws), SPLITS)
+    torch.testing.assert_close(t, want)
+
+
+def test_pure_pairs_under_torch_func_take_wrapped_plain_weights():
+    """A direct ``*_fwd`` call under torch.func gets the weights as functorch wrappers: they
+    are looked under (the DistributedWeight check) and used as plain weights."""
+    x, ws, bs = _data()
+    wb = torch.stack([torch.stack(ws), 2 * torch.stack(ws)])  # a batch of two weight groups
+
+    def grouped(w):
+        return fd.grouped_linear_fwd(x, list(w), SPLITS, bs)[0]
+
+    torch.testing.assert_close(vmap(grouped)(wb), torch.stack([ref_grouped(x, list(w), SPLITS, bs) for w in wb]))
+    torch.testing.assert_close(vmap(lambda w: fd.linear_fwd(x, w)[0])(wb[:, 0]), torch.stack([x @ w.t() for w in wb[:, 0]]))
+    _, t = jvp(lambda w: fd.linear_fwd(x, w)[0], (ws[0],), (ws[1],))
+    torch.testing.assert_close(t, x @ ws[1].t())
+
+
+def test_weight_changed_in_place_under_grad_is_named_without_a_shared_buffer_note():
+    """Under torch.func.grad the weights are wrappers whose storage cannot be read: the
+    version error still names the weight, without claiming the weights share a buffer."""
+    x, ws, bs = _data()
+    dy = torch.ones(T, N, dtype=D)
+
+    def f(w0):
+        w0 = w0 * 1  # (a leaf of grad's level may not change in place)
+        y, res = fd.grouped_linear_fwd(x, [w0, *ws[1:]], SPLITS, bs)
+        w0.mul_(2)
+        fd.grouped_linear_bwd(res, dy)
+        return y.sum()
+
+    want = (r"^weights\[0\] was modified in place between forward and backward \(version 0 -> 1\), e\.g\. by an "
+            r"optimizer step\. Its gradient would be computed with the new values; run backward before updating the weights\.$")
+    with pytest.raises(RuntimeError, match=want):
+        grad(f)(ws[0])
