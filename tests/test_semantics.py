@@ -302,3 +302,21 @@ def test_linear_frozen_fused_distributed_weight_finalizes_its_grad_buffer():
     dw.buffer, dw.reply = buf, lambda wgrads: [None, None]
     with pytest.raises(ValueError, match=r"^weight: finalize_group_grads returned 2 grad"):
         fd.linear_bwd_wgrad(res, dy)
+
+
+@pytest.mark.parametrize("layer", ["linear", "grouped"])
+def test_a_frozen_fused_dw_finalizes_zeros_not_its_stale_buffer(layer):
+    """Every weight frozen, fused wgrad: the leader still finalizes (its collectives match the
+    other ranks'), with zeros in its fp32 grad buffers, never what a gather left there (which a
+    reduce-scatter would add into the other ranks' main_grad)."""
+    n = 1 if layer == "linear" else E
+    group = FakeDW.group_of([torch.randn(N, K) for _ in range(n)], fused=True)
+    for m in group:
+        m.requires_grad_(False)
+    x = torch.randn(T, K, requires_grad=True)
+    y = fd.linear(x, group[0], fuse_wgrad_accumulation=True) if layer == "linear" else \
+        fd.grouped_linear(x, group, SPLITS, fuse_wgrad_accumulation=True)
+    y.sum().backward()
+    assert x.grad is not None
+    for m in group:
+        assert m.grad_added_to_main_grad and torch.equal(m.main_grad, torch.zeros_like(m.main_grad)), m.main_grad
