@@ -326,3 +326,50 @@ def test_a_closed_over_tensor_returned_with_a_view_of_it_is_untouched(outs, how,
     if how == "parameter":  # still trainable: the caller's own use of it gets its gradient
         (x.detach() * W).sum().backward()
         torch.testing.assert_close(W.grad, x.detach(), rtol=0, atol=0)
+
+
+def test_outputs_sharing_storage_are_views_of_one_output_and_an_input_output_a_view_of_it():
+    """``(y, y[1])``: the second output is a view of the first (torch's rule among outputs that
+    share storage), with y[1]'s values; an input handed back among several outputs is a view of
+    the caller's tensor, not the tensor itself."""
+    f = custom_vjp(lambda x: ((lambda y: (y, y[1]))(x * 2), None), lambda res, d: (2 * d[0],), name="y_and_row")
+    x = torch.randn(2, 3, requires_grad=True)
+    y, row = f(x)
+    assert y._base is None and row._base is y
+    assert torch.equal(y, x.detach() * 2) and torch.equal(row, x.detach()[1] * 2)
+    g = custom_vjp(lambda x: ((x, x * 2), None), lambda res, d: (d[0] + 2 * d[1],), name="x_and_2x")
+    same, twice = g(x)
+    assert same is not x and same._base is x and torch.equal(same, x) and torch.equal(twice, 2 * x)
+
+
+def test_function_attribute_is_the_autograd_function_the_calls_record():
+    f = custom_vjp(lambda x: (x * 2, None), lambda res, d: (2 * d,), name="twice")
+    y = f(torch.ones(2, requires_grad=True))
+    assert issubclass(f.Function, torch.autograd.Function) and y.grad_fn._forward_cls is f.Function
+
+
+def test_vmap_fold_rule_of_a_pair_with_several_outputs():
+    """The fold rule's unfold gets the whole output structure and gives dims shaped like it."""
+    def fwd(x, w):
+        return (x * w, x + w), (x, w)
+
+    def fold(batch_size, in_dims, x, w):
+        return ((x.movedim(in_dims[0], 0).reshape(-1), w.repeat(batch_size)),
+                lambda out: ((out[0].view(batch_size, -1), out[1].view(batch_size, -1)), (0, 0)))
+
+    f = custom_vjp(fwd, lambda r, d: (d[0] * r[1] + d[1], d[0] * r[0] + d[1]), vmap=fold, name="two_out")
+    xb, w = torch.randn(3, 4), torch.randn(4)
+    prod, total = torch.func.vmap(lambda x: f(x, w))(xb)
+    assert torch.equal(prod, xb * w) and torch.equal(total, xb + w)
+
+
+def test_fwd_breaking_the_pair_contract_for_one_element_is_named_under_vmap_grad():
+    """Under vmap(grad(f)) with a fold rule, fwd runs again on batch element 0 for the plan; a
+    result that is not a pair there is reported with the pair's name."""
+    def fwd(x):
+        return (x * 2, (x,)) if x.dim() == 2 else x * 2
+
+    f = custom_vjp(fwd, lambda r, d: (2 * d,), vmap=lambda b, dims, x: ((x.movedim(dims[0], 0),), lambda y: (y, 0)),
+                   name="flaky")
+    with pytest.raises(TypeError, match=r"^custom_vjp\(flaky\): fwd must return a pair \(out, residuals\)"):
+        torch.func.vmap(torch.func.grad(lambda x: f(x).sum()))(torch.randn(3, 4))

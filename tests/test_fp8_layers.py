@@ -10,10 +10,10 @@ dtype. The layer's results equal it bitwise (same math on the CPU).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import re
 from unittest import mock
-import dataclasses
 
 import pytest
 import torch
@@ -976,3 +976,32 @@ def test_grouped_fp8_forward_without_grad_quantizes_weights_rowwise_only(path):
     with torch.no_grad():
         _call("grouped", path, x, [w.clone().requires_grad_() for w in ws], bs, recipe, None, backend=log)
     assert [c for c in log.calls if c[0] == "weight"] == [("weight", True, False, False, False, 1)] * E
+
+
+def test_reference_grouped_fp8_wgrad_into_out_one_expert_and_missing_copies():
+    """One expert; ``out`` overwritten by default, else the product in out's dtype added; dgrad
+    needs dy's rowwise copy; with_dbias is refused on both FP8 paths (RowwiseScaling too)."""
+    k = TorchKernels()
+    x, dy, w = _rand(32, K, seed=1), _rand(32, N, seed=2, scale=0.01), _rand(N, K, seed=3, scale=0.1)
+    xq, dyq, wq = [_both(x)], [_both(dy)], [_both(w)]
+    cols = lambda q: q.dequantize(columnwise=True)  # noqa: E731
+    dw32 = cols(dyq[0]).t() @ cols(xq[0])
+    for grouped in (False, True):
+        assert_same(k.grouped_wgrad(xq, dyq, _splits([32]), grouped)[0], dw32.to(BF16)[None])
+        assert_same(k.grouped_dgrad(dyq, wq, _splits([32]), grouped),
+                    (dyq[0].dequantize(columnwise=False) @ cols(wq[0])).to(BF16))
+        out = [_rand(N, K, seed=5)]
+        k.grouped_wgrad(xq, dyq, _splits([32]), grouped, out=out)
+        assert_same(out[0], dw32.to(BF16))
+        out0 = _rand(N, K, seed=6)
+        out = [out0.clone()]
+        k.grouped_wgrad(xq, dyq, _splits([32]), grouped, out=out, accumulate=True)
+        assert_same(out[0], out0 + dw32.to(BF16))
+        dy_cols = [k.quantize(dy, _ROWS, rowwise=False, columnwise=True)]
+        with pytest.raises(ValueError, match="^this QTensor holds no rowwise data$"):
+            k.grouped_dgrad(dy_cols, wq, _splits([32]), grouped)
+    spec = fp8.tensor_spec(fp8.RowwiseScaling(), "input")
+    xr = k.grouped_quantize(x, _splits([32]), spec, rowwise=True, columnwise=True)
+    dyr = k.grouped_quantize(dy, _splits([32]), spec, rowwise=True, columnwise=True)
+    with pytest.raises(ValueError, match=f"^{re.escape(_DBIAS_MSG)}$"):
+        k.grouped_wgrad(xr, dyr, _splits([32]), True, with_dbias=True)

@@ -1104,3 +1104,7 @@ def test_split_wgrad_overwrites_out_unless_asked_to_accumulate():
     assert torch.equal(out, want)
     TorchKernels().split_wgrad(x, dy, splits, out=out, accumulate=True)
     assert torch.equal(out, want + want)
+    dy = dy.requires_grad_()  # create_graph: dy's products are recorded (no out= product), even with x plain
+    dw = TorchKernels().split_wgrad(x, dy, splits)
+    assert torch.equal(dw, want) and dw.requires_grad
+    torch.testing.assert_close(torch.autograd.grad(dw.sum(), dy)[0], x.sum(1, keepdim=True).expand(T, 8))
