@@ -332,7 +332,11 @@ def test_outputs_sharing_storage_are_views_of_one_output_and_an_input_output_a_v
     """``(y, y[1])``: the second output is a view of the first (torch's rule among outputs that
     share storage), with y[1]'s values; an input handed back among several outputs is a view of
     the caller's tensor, not the tensor itself."""
-    f = custom_vjp(lambda x: ((lambda y: (y, y[1]))(x * 2), None), lambda res, d: (2 * d[0],), name="y_and_row")
+    def fwd(x):
+        y = x * 2
+        return (y, y[1]), None
+
+    f = custom_vjp(fwd, lambda res, d: (2 * d[0],), name="y_and_row")
     x = torch.randn(2, 3, requires_grad=True)
     y, row = f(x)
     assert y._base is None and row._base is y

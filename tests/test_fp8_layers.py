@@ -984,7 +984,7 @@ def test_reference_grouped_fp8_wgrad_into_out_one_expert_and_missing_copies():
     k = TorchKernels()
     x, dy, w = _rand(32, K, seed=1), _rand(32, N, seed=2, scale=0.01), _rand(N, K, seed=3, scale=0.1)
     xq, dyq, wq = [_both(x)], [_both(dy)], [_both(w)]
-    cols = lambda q: q.dequantize(columnwise=True)  # noqa: E731
+    cols = lambda q: q.dequantize(columnwise=True)
     dw32 = cols(dyq[0]).t() @ cols(xq[0])
     for grouped in (False, True):
         assert_same(k.grouped_wgrad(xq, dyq, _splits([32]), grouped)[0], dw32.to(BF16)[None])
