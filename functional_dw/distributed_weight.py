@@ -117,6 +117,17 @@ def check_materialized(full: Sequence[torch.Tensor], shapes: Sequence[tuple], wh
             raise ValueError(f"{name}: {what} returned {got} for weight {e}, expected {tuple(shape)}")
 
 
+def frozen_wgrads(params: Sequence[torch.Tensor], shapes: Sequence[tuple], fused: bool, like: torch.Tensor,
+                  name: str) -> list[torch.Tensor]:
+    """What a DW group whose weights are all frozen hands ``finalize`` (it still finalizes, once,
+    as every rank does): zeros; fused, its own fp32 ``grad_buffer()``s zeroed (the dtype every
+    other rank reduces; a buffer holds a gather's leftovers, which a reduce-scatter would add
+    into the other ranks' ``main_grad``)."""
+    if fused:
+        return [b.zero_() for b in grad_targets(params, True, shapes, name)]
+    return [like.new_zeros(s) for s in shapes]
+
+
 def grad_targets(params: Sequence[torch.Tensor], dw: bool, shapes: Sequence[tuple], name: str) -> list[torch.Tensor]:
     """Where the fused wgrad GEMM writes: ``grad_buffer()`` (DW), ``get_main_grad()``
     (Megatron FSDP) or ``main_grad``; each must have the gathered weight's shape. A frozen

@@ -395,9 +395,8 @@ def _wgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> tuple[
     want_b = _wanted(res)[2]
     if _frozen(res):  # no wgrad GEMM; a DistributedWeight still finalizes (zeros), once, as every rank does
         db_EN = expert_sums(dy_TN, res.splits) if res.bias is not None and want_b else None
-        if res.distributed:  # (fused: the fp32 buffer, the dtype every other rank reduces)
-            zeros = ([b.zero_() for b in dwp.grad_targets(res.weights, True, res.weight_shapes, "weights")]
-                     if fused else [dy_TN.new_zeros(s) for s in res.weight_shapes])  # (a buffer holds stale data)
+        if res.distributed:
+            zeros = dwp.frozen_wgrads(res.weights, res.weight_shapes, fused, dy_TN, "weights")
             wgrads = dwp.finalize(res.weights, True, fused, zeros)
             return (wgrads[0] if res.stacked else wgrads), _bias_grads(res, db_EN)
         return (None if res.stacked else [None] * len(res.weights)), _bias_grads(res, db_EN)

@@ -208,9 +208,8 @@ def _wgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> tuple[Any, to
     shape = (res.out_features, res.x_shape[-1])
     if _frozen(res):  # frozen: no wgrad GEMM, main_grad untouched
         db = column_sums(dy_TN) if res.has_bias and want_b else None
-        if res.distributed:  # it still finalizes (zeros), once, as every rank does (fused: the fp32 buffer)
-            zeros = ([b.zero_() for b in dwp.grad_targets(params, True, [shape], "weight")] if fused
-                     else [dy_TN.new_zeros(shape)])  # (a grad buffer holds stale data: zeros, as the others reduce)
+        if res.distributed:
+            zeros = dwp.frozen_wgrads(params, [shape], fused, dy_TN, "weight")
             return dwp.finalize(params, True, fused, zeros, "weight")[0], db
         return None, db
     out = dwp.grad_targets(params, res.distributed, [shape], "weight")[0] if fused else None
