@@ -2,16 +2,20 @@
 in for), and the numbers it writes are consistent: TFLOP/s and fractions of peak follow from
 the recorded times and shapes, the peak is the highest dense measurement, ratios follow from
 the times, the markdown tables show the JSON's numbers, the recorded path choices are the ones
-the library makes, and --only / --budget leave out what they say."""
+the library makes, and --only / --budget leave out what they say. The same for
+benchmarks/moe_layer.py (one MoE expert layer, every contender), run in this process with --smoke."""
 
 import copy
+import itertools
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).resolve().parent
 
@@ -266,3 +270,197 @@ def test_readers_take_rows_without_a_fraction_or_a_time(results, tmp_path, peak)
     assert rowwise.endswith("| - | - | - |"), rowwise
     bench.plot(data["grouped"], tmp_path / "tflops.png")
     assert (tmp_path / "tflops.png").stat().st_size > 0
+
+
+# --- benchmarks/moe_layer.py -------------------------------------------------------------------
+# Run in this process with --smoke (tiny shapes on the CPU, wall clocks for the CUDA events) and a
+# fixed clock, so its numbers are data: the tables must show the JSON's numbers and ratios.
+
+CPU_RUNNABLE = ("torch", "fd", "fd_1w", "rowwise", "fd_compiled", "fd_1w_compiled", "rowwise_compiled")
+
+
+def _moe():
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    import moe_layer
+
+    return moe_layer
+
+
+def _fixed_clock(mp, moe):
+    """moe_layer's clock advances by a fixed cycle of steps per call: unequal, so ratios are not all 1."""
+    ticks = itertools.accumulate(itertools.cycle([0.001, 0.0025, 0.004, 0.0015, 0.003]))
+    mp.setattr(moe, "now", lambda: next(ticks))
+
+
+def _moe_run(tmp, *flags, patch=None):
+    moe = _moe()
+    with pytest.MonkeyPatch.context() as mp:
+        _fixed_clock(mp, moe)
+        if patch is not None:
+            patch(mp, moe)
+        moe.main(["--smoke", "--out", str(tmp), *flags])
+    return moe, json.loads((tmp / "results.json").read_text()), (tmp / "results.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def moe_results(tmp_path_factory):
+    return _moe_run(tmp_path_factory.mktemp("moe"))
+
+
+def _check_moe_tables(moe, data, md):
+    """Every shape and routing has a row with every contender's cell and the ratios the JSON gives."""
+    keys = data["meta"]["contenders"]
+    for routing in data["meta"]["routings"]:
+        table = md.split(f"## {routing} routing")[1].split("\n\n")[1].splitlines()
+        assert table[0] == ("| shape (E, hidden, ffn, tokens) | empty experts | " + " | ".join(moe.LABELS[k] for k in keys)
+                            + " | " + " | ".join(r[0] for r in moe.RATIOS) + " |")
+        rows = [ln for ln in table[2:] if ln.startswith("| ")]
+        assert len(rows) == len(data["shapes"])
+        for s, line in zip(data["shapes"], rows):
+            res = s["routings"][routing]["results"]
+            assert set(res) == set(keys)
+            cells = line.split(" | ")[2:]
+            for k, c in zip(keys, cells):
+                v = res[k]
+                if isinstance(v, dict):
+                    assert v["ms"] > 0 and v["ms"] == pytest.approx(statistics.median(v["ms_all"]), abs=1e-4)
+                    assert len(v["ms_all"]) == data["meta"]["repeats"]
+                    if k.endswith("_graphed"):
+                        assert "host_ms" not in v and c == f"{v['ms']:.3f}"
+                    else:
+                        assert v["host_ms"] > 0 and c == f"{v['ms']:.3f} ({v['host_ms']:.3f})"
+                else:
+                    assert v and c == ("OOM" if v == "OOM" else "n/a" if v.startswith("n/a") else "raises"), (k, v, c)
+                    assert f"- {moe.LABELS[k]}: {v} (" in md, "the reason is listed"
+            ratios = line.rstrip(" |").split(" | ")[-len(moe.RATIOS):]
+            for (_, a, b, field), got in zip(moe.RATIOS, ratios):
+                ok = isinstance(res.get(a), dict) and isinstance(res.get(b), dict)
+                assert got == (f"{res[a][field] / res[b][field]:.2f}" if ok else "-"), (a, b, field, line)
+
+
+def test_moe_layer_smoke(moe_results):
+    moe, data, md = moe_results
+    assert [(s["E"], s["hidden"], s["ffn"], s["tokens"]) for s in data["shapes"]] == [s[:4] for s in moe.SMOKE_SHAPES]
+    assert data["meta"]["contenders"] == moe.CONTENDERS and data["meta"]["routings"] == ["balanced", "skewed"]
+    assert {"torch", "cuda", "te", "cublaslt"} <= set(data["meta"]["versions"])
+    assert data["meta"]["commands"] == [f"python benchmarks/moe_layer.py --smoke --out {data['meta']['commands'][0].split()[-1]}"]
+    for s in data["shapes"]:
+        for routing, row in s["routings"].items():
+            assert sum(row["splits"]) == s["tokens"] and len(row["splits"]) == s["E"]
+            assert all(c % 128 == 0 for c in row["splits"]) and (row["zero_experts"] > 0) == (routing == "skewed")
+            for k in CPU_RUNNABLE:  # these run on the CPU: timed, with the output checked
+                v = row["results"][k]
+                assert isinstance(v, dict), (k, v)
+                assert v["rel_err"] < (0.1 if "rowwise" in k else 1e-2), (k, v)
+    _check_moe_tables(moe, data, md)
+
+
+def _fake_te(mp, moe):
+    """TE, torchao and CUDA graphs stood in for (as bench_mock.py does for bench.py), so their
+    contenders' code runs: te.GroupedLinear is fd's module on the torch backend, following a fake
+    te.autocast through FP8GlobalStateManager as fd's modules follow TE's; fd's backend="te" runs
+    torch's kernels; torchao's FP8 grouped GEMM is torch's bf16 one, and runs out of memory in
+    the timed steps of the second shape; a graph replay runs the captured step eagerly."""
+    import contextlib
+    import types
+
+    import functional_dw as fd
+    from functional_dw import fp8
+    from functional_dw.kernels import get_kernels as real_get
+
+    gl = sys.modules["functional_dw.grouped_linear"]
+    mp.setattr(gl, "get_kernels", lambda backend, x, w=None: real_get("torch" if backend == "te" else backend, x, w))
+
+    class Manager:
+        recipe = None
+
+        @classmethod
+        def is_fp8_enabled(cls):
+            return cls.recipe is not None
+
+        @classmethod
+        def get_fp8_recipe(cls):
+            return cls.recipe
+
+    @contextlib.contextmanager
+    def autocast(enabled=True, recipe=None):
+        old, Manager.recipe = Manager.recipe, (recipe if enabled else None)
+        try:
+            yield
+        finally:
+            Manager.recipe = old
+
+    class GL(fd.nn.GroupedLinear):
+        def __init__(self, *a, **k):
+            super().__init__(*a, backend="torch", **k)
+
+    te = types.ModuleType("transformer_engine.pytorch")
+    te.GroupedLinear, te.autocast = GL, autocast
+    quant = types.ModuleType("transformer_engine.pytorch.quantization")
+    quant.FP8GlobalStateManager = Manager
+    pkg, common = types.ModuleType("transformer_engine"), types.ModuleType("transformer_engine.common")
+    recipes = types.ModuleType("transformer_engine.common.recipe")
+    recipes.Float8BlockScaling, recipes.Float8CurrentScaling = fp8.Float8BlockScaling, fp8.Float8CurrentScaling
+    pkg.pytorch, pkg.common, common.recipe = te, common, recipes
+    tex = types.ModuleType("transformer_engine_torch")
+    tex.get_cublasLt_version = lambda: 0
+    calls = []
+
+    def ao_gmm(A, B_t, offs, out_dtype=None, pad_token_groups_for_grouped_mm=True):
+        assert B_t.stride(-2) == 1 and offs.dtype == torch.int32 and not pad_token_groups_for_grouped_mm
+        calls.append(A.shape[0])
+        if A.shape[0] == moe.SMOKE_SHAPES[1][3] and calls.count(A.shape[0]) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB (fake)")
+        return torch._grouped_mm(A, B_t, offs=offs).to(out_dtype)
+
+    ao, proto, moe_training = (types.ModuleType(n) for n in ("torchao", "torchao.prototype", "torchao.prototype.moe_training"))
+    moe_training._to_fp8_rowwise_then_scaled_grouped_mm = ao_gmm
+    for name, mod in {"transformer_engine": pkg, "transformer_engine.pytorch": te, "transformer_engine.common": common,
+                      "transformer_engine.pytorch.quantization": quant, "transformer_engine.common.recipe": recipes,
+                      "transformer_engine_torch": tex, "torchao": ao, "torchao.prototype": proto,
+                      "torchao.prototype.moe_training": moe_training}.items():
+        mp.setitem(sys.modules, name, mod)
+    mp.setattr(fd.nn, "_TE_MANAGER", [])  # (fd.nn remembers the TE it saw: not this one, after the test)
+
+    class Graphed:
+        def __init__(self, step, *inputs, params=(), warmup=1):
+            self.step, self.inputs = step, inputs
+            self.outputs = step(*inputs)
+
+        def __call__(self):
+            self.outputs = self.step(*self.inputs)
+            return self.outputs
+
+    mp.setattr(moe, "graph_step", Graphed)
+
+
+def test_moe_layer_with_te_torchao_and_graphs_stood_in(tmp_path):
+    eager = [k for k in _moe().CONTENDERS if not k.endswith("_compiled")]  # (compiling is the slow part, checked above)
+    moe, data, md = _moe_run(tmp_path, "--only", ",".join(eager), patch=_fake_te)
+    for i, s in enumerate(data["shapes"]):
+        for row in s["routings"].values():
+            res = row["results"]
+            for k in eager:
+                if k == "torchao" and i == 1:
+                    assert res[k] == "OOM", "the OOM is recorded, the others go on"
+                    continue
+                assert isinstance(res[k], dict), (k, res[k])
+            assert res["te_bf16"]["rel_err"] < 1e-2 and res["fd_te"]["rel_err"] < 1e-2
+            for k in ("te_block", "te_current"):  # quantized: TE's autocast reached the module
+                assert 1e-3 < res[k]["rel_err"] < 0.1, (k, res[k])
+    assert "OOM" in md
+    _check_moe_tables(moe, data, md)
+
+
+def test_moe_layer_budget_and_arguments(tmp_path):
+    _, data, md = _moe_run(tmp_path, "--only", "torch,fd", "--routing", "skewed", "--budget", "1e-9")
+    assert len(data["shapes"]) == 1 and data["meta"]["skipped"] == ["{}, {}, {}, {}".format(*_moe().SMOKE_SHAPES[1][:4])]
+    assert list(data["shapes"][0]["routings"]) == ["skewed"] and "## balanced routing" not in md
+    assert "Skipped for time" in md
+    _, data, md = _moe_run(tmp_path, "--only", "torch,fd", "--routing", "skewed", "--shapes", "1", "--append")
+    assert [s["E"] for s in data["shapes"]] == [s[0] for s in _moe().SMOKE_SHAPES], "the earlier shape stays"
+    assert len(data["meta"]["commands"]) == 2 and not data["meta"]["skipped"]
+    assert all(f"`{c}`" in md for c in data["meta"]["commands"])
+    for bad in (["--only", "fd,nope"], ["--routing", "zipf"]):
+        with pytest.raises(SystemExit):
+            _moe().main(["--smoke", "--out", str(tmp_path), *bad])
