@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})  # no subclass: attributes read in C loops mean the same
+PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_INT = frozenset({int})  # no subclass: attributes read in C loops mean the same
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -112,7 +113,7 @@ def count(name: str, v: Any) -> int:
 def counts(name: str, items: Sequence[Any]) -> tuple[int, ...]:
     """:func:`count` for each item, as a tuple; plain ints (the usual case) in one pass, and an
     error names the position, e.g. ``splits[1] is 1.5 (float)``."""
-    if all(type(v) is int for v in items):
+    if set(map(type, items)) <= _INT:  # (C loops: E experts)
         return tuple(items)
     return tuple(count(f"{name}[{e}]", v) for e, v in enumerate(items))
 

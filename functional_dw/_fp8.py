@@ -343,6 +343,30 @@ def wgrad_possible(weights: Any) -> bool:
     return any(isinstance(w, torch.Tensor) and w.requires_grad for w in ws)
 
 
+def unpack_args(args: Args | None) -> tuple[Any, Any]:
+    """(recipe, fp8_state) of an :class:`Args` (None, None without one)."""
+    return (None, None) if args is None else (args.recipe, args.state)
+
+
+def plan_key(args: Args | None) -> Any:
+    """What an FP8 plan reads of ``args``, for the plan cache (NOTE: [Plan once, run lean]):
+    the recipe's value (functional_dw's recipes are frozen; TE's are compared field by field),
+    the state's identity (a cached plan holds the state, so its id cannot be reused) and its
+    metadata; None without FP8 or where a field cannot be hashed (then the call plans afresh)."""
+    if args is None:
+        return None
+    r, state = args.recipe, args.state
+    try:
+        rk = r if isinstance(r, fp8.RECIPES) else (type(r), tuple(vars(r).items()))
+        sk = None if state is None else (id(state), type(state), state.num_gemms, state.history_len,
+                                          state.scale_fwd.device)
+        key = (rk, sk)
+        hash(key)
+    except (TypeError, AttributeError):
+        return None
+    return key
+
+
 def unpack(args: Args | None) -> dict[str, Any]:
     """The keywords ``recipe``/``fp8_state`` of a layer's ``*_fwd`` from an :class:`Args`."""
     if args is None:

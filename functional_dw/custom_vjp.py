@@ -49,6 +49,14 @@ NOTE: [One Function]
   ``setup_context`` then keeps on ``ctx``. One rule per mode: NOTE: [autograd], NOTE:
   [torch.func grad and vjp], NOTE: [jvp], NOTE: [vmap], NOTE: [torch.compile].
 
+NOTE: [nondiff_argnums]
+  Arguments named by ``nondiff_argnums`` (a layer's options: flags, backend, FP8 recipe) ride
+  on the :class:`_Call` by reference: they are not leaves of the Function (no flattening, no
+  autograd input), and ``bwd`` returns one cotangent per *other* argument, so a layer's
+  backward returns ``(dx, dw, dsplits, dbias)``, not a tuple padded with a None per option.
+  Example: ``custom_vjp(f_fwd, f_bwd, nondiff_argnums=(2,))`` for ``f(x, w, opts)``: ``f_bwd``
+  returns ``(dx, dw)``.
+
 NOTE: [Pytrees]
   Eager calls and ``torch.func`` flatten with torch's C++ pytree (optree; several times faster
   than the Python one) when it is installed; compiled code uses the Python one (dynamo traces
@@ -59,6 +67,8 @@ NOTE: [Pytrees]
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +76,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._C._functorch import unwrap_if_dead
 
+from ._checks import PLAIN_TYPES
 from .residuals import RecordSpec, split, with_needs
 
 try:  # see NOTE: [Pytrees]
@@ -87,7 +98,7 @@ def _is_tensor(x: Any) -> bool:
 
 
 def _tree(spec: Any) -> Any:
-    """The pytree module that made ``spec`` (see NOTE: [Pytrees])."""
+    """The pytree module that made ``spec`` (see NOTE: [Pytrees]; a flat spec: the fast one)."""
     return pytree if isinstance(spec, pytree.TreeSpec) else fast_pytree
 
 
@@ -115,6 +126,101 @@ def _needs_grad(in_leaves: Any) -> bool:
         if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_inference():
             return True
     return False
+
+
+class _FlatSpec:
+    """The structure of a layer's arguments without a pytree walk: each argument a tensor, a
+    scalar or string, None, or a list/tuple of tensors (every layer's arguments), as (kind,
+    count) pairs. Same interface as a pytree spec where the bridge reads one (``unflatten``,
+    ``flatten_up_to``, ``num_leaves``, ``to_pytree``). NOTE: [Pytrees] (several times faster
+    than a pytree spec, C++ or Python; torch installs no C++ pytree by default)."""
+
+    __slots__ = ("kinds", "num_leaves")
+
+    def __init__(self, kinds: tuple, num_leaves: int) -> None:
+        self.kinds, self.num_leaves = kinds, num_leaves
+
+    @staticmethod
+    def flatten(args: tuple) -> tuple[list, "_FlatSpec"] | None:
+        """(leaves, spec), or None where an argument is anything else (the pytree then)."""
+        leaves: list = []
+        kinds = []
+        for a in args:
+            if isinstance(a, torch.Tensor) or type(a) in _SCALARS or _is_leaf(a):
+                leaves.append(a)
+                kinds.append(_LEAF)
+            elif a is None:
+                kinds.append(_NONE)
+            elif type(a) in (list, tuple) and (set(map(type, a)) <= PLAIN_TYPES
+                                               or all(isinstance(t, torch.Tensor) for t in a)):
+                leaves.extend(a)
+                kinds.append((type(a), len(a)))
+            else:
+                return None
+        return leaves, _FlatSpec(tuple(kinds), len(leaves))
+
+    def unflatten(self, leaves: Any) -> tuple:
+        out, i = [], 0
+        for kind in self.kinds:
+            if kind is _LEAF:
+                out.append(leaves[i])
+                i += 1
+            elif kind is _NONE:
+                out.append(None)
+            else:
+                cls, n = kind
+                out.append(cls(leaves[i:i + n]))
+                i += n
+        return tuple(out)
+
+    def flatten_up_to(self, d: Any) -> list:
+        """Cotangents shaped like the arguments (None for a whole list: none for any of it);
+        ValueError otherwise (the caller then explains with the pytree)."""
+        if type(d) is not tuple or len(d) != len(self.kinds):
+            raise ValueError("structure")
+        leaves: list = []
+        for kind, v in zip(self.kinds, d):
+            if kind is _LEAF:
+                leaves.append(v)
+            elif kind is _NONE:
+                if v is not None:
+                    raise ValueError("structure")
+            else:
+                cls, n = kind
+                if v is None:
+                    leaves.extend([None] * n)
+                elif type(v) is cls and len(v) == n:
+                    leaves.extend(v)
+                else:
+                    raise ValueError("structure")
+        return leaves
+
+    def to_pytree(self) -> pytree.TreeSpec:
+        return pytree.tree_structure(self.unflatten([0] * self.num_leaves))
+
+
+_LEAF, _NONE = "leaf", "none"
+_SCALARS = frozenset({int, float, bool, str})
+
+
+def _is_leaf(a: Any) -> bool:
+    """A pytree leaf (both pytrees): no registered node, list, dict, namedtuple or structseq."""
+    t = type(a)
+    if a is None or t in pytree.SUPPORTED_NODES or isinstance(a, (list, dict)):
+        return False
+    if isinstance(a, tuple):  # a plain tuple subclass is a leaf; a namedtuple or structseq is a node
+        return not hasattr(t, "_fields") and not hasattr(t, "n_fields")
+    return True
+
+
+def _flatten_args(args: tuple, tree: Any) -> tuple[list, Any]:
+    """fwd's differentiable arguments as leaves and a spec: the flat spec where it applies,
+    else ``tree``'s (the Python pytree while compiling: dynamo traces it)."""
+    if tree is fast_pytree:
+        flat = _FlatSpec.flatten(args)
+        if flat is not None:
+            return flat
+    return tree.tree_flatten(args)
 
 
 def _pair(result: Any, name: str) -> tuple[Any, Any]:
@@ -205,7 +311,7 @@ def _fresh_outputs(out_leaves: tuple, in_leaves: tuple) -> tuple:
     dynamo traces the one, not the other.)"""
     if len(out_leaves) == 1 and out_leaves[0]._base is None:  # the common case: one tensor
         o = out_leaves[0]
-        return (o.view_as(o) if any(o is t for t in in_leaves) else o.detach(),)
+        return (o.view_as(o) if any(map(operator.is_, itertools.repeat(o), in_leaves)) else o.detach(),)
     roots: dict[int, torch.Tensor] = {}  # id(a storage-sharing group's root) -> its detached alias
     return tuple(_fresh(o, in_leaves, out_leaves, roots) for o in out_leaves)
 
@@ -254,7 +360,9 @@ def _flatten_cotangents(d: Any, spec: Any, name: str) -> list:
     try:
         return spec.flatten_up_to(d)
     except (ValueError, TypeError, RuntimeError):
-        if _tree(spec) is not pytree:  # redo the structure with the Python pytree
+        if isinstance(spec, _FlatSpec):
+            spec = spec.to_pytree()
+        elif _tree(spec) is not pytree:  # redo the structure with the Python pytree
             spec = pytree.tree_structure(fast_pytree.tree_unflatten([0] * spec.num_leaves, spec))
         return _cotangent_leaves(d, spec, name)
 
@@ -264,10 +372,11 @@ def _flatten_cotangents(d: Any, spec: Any, name: str) -> list:
 class _Rules:
     """What :func:`custom_vjp` was given, and the Function classes named after the pair."""
 
-    __slots__ = ("fwd", "bwd", "primal", "jvp", "vmap", "name", "Function", "Traced")
+    __slots__ = ("fwd", "bwd", "primal", "jvp", "vmap", "name", "nondiff", "Function", "Traced")
 
-    def __init__(self, fwd: Fwd, bwd: Bwd, primal: Any, jvp: Any, vmap: Any, name: str) -> None:
-        self.fwd, self.bwd, self.jvp, self.vmap, self.name = fwd, bwd, jvp, vmap, name
+    def __init__(self, fwd: Fwd, bwd: Bwd, primal: Any, jvp: Any, vmap: Any, name: str,
+                 nondiff: tuple[int, ...] = ()) -> None:
+        self.fwd, self.bwd, self.jvp, self.vmap, self.name, self.nondiff = fwd, bwd, jvp, vmap, name, nondiff
         self.primal = primal or (lambda *args: _pair(fwd(*args), name)[0])
         # autograd names a Function's backward node after the class when the class is created:
         # subclass under the pair's name so grad_fn reads e.g. `CustomVJP_linearBackward`.
@@ -282,16 +391,22 @@ class _Rules:
 class _Call:
     """One call's structure, the Function's first input (NOTE: [One Function]).
 
-    The caller sets ``rules`` and ``in_spec`` (the arguments' structure: the Function's other
-    inputs are its leaves). ``forward`` sets ``out_spec`` (None: one tensor), ``n_out`` (the
+    The caller sets ``rules``, ``in_spec`` (the differentiable arguments' structure: the
+    Function's other inputs are its leaves) and ``static`` (the nondiff arguments, by reference). ``forward`` sets ``out_spec`` (None: one tensor), ``n_out`` (the
     outputs before the extra ones) and ``plan``/``res_spec`` (how ``backward`` rebuilds the
     residuals). A vmap rule may leave ``pending``, which makes the plan when first asked
     (NOTE: [vmap])."""
 
-    __slots__ = ("rules", "in_spec", "out_spec", "n_out", "plan", "res_spec", "pending", "out_meta")
+    __slots__ = ("rules", "in_spec", "static", "out_spec", "n_out", "plan", "res_spec", "pending", "out_meta")
 
-    def __init__(self, rules: _Rules, in_spec: Any) -> None:
-        self.rules, self.in_spec, self.pending, self.out_meta = rules, in_spec, None, None
+    def __init__(self, rules: _Rules, in_spec: Any, static: tuple = ()) -> None:
+        self.rules, self.in_spec, self.static, self.pending, self.out_meta = rules, in_spec, static, None, None
+
+    def args(self, leaves: Any, static: Any = True) -> tuple:
+        """fwd's arguments from the Function's input leaves and the nondiff arguments (or, with
+        ``static=None``, None in their places: vmap's in_dims)."""
+        values = self.static if static is True else (static,) * len(self.static)
+        return _join(self.rules, self.in_spec.unflatten(leaves), values)
 
     def adopt(self, inner: "_Call", pending: Any = None) -> None:
         """Take the structure of ``inner``, a call a vmap rule made for this one."""
@@ -305,13 +420,40 @@ class _Call:
         return self.plan
 
 
+def _split(rules: _Rules, args: tuple) -> tuple[tuple, tuple]:
+    """(the differentiable arguments, the nondiff ones) (NOTE: [nondiff_argnums])."""
+    if not rules.nondiff:
+        return args, ()
+    if len(args) <= rules.nondiff[-1]:
+        raise TypeError(f"custom_vjp({rules.name}): nondiff_argnums={rules.nondiff} but the call has "
+                        f"{len(args)} positional arguments")
+    k = rules.nondiff[0]
+    if rules.nondiff == tuple(range(k, len(args))):  # the usual layout: the options come last
+        return args[:k], args[k:]
+    skip = set(rules.nondiff)
+    return tuple(a for i, a in enumerate(args) if i not in skip), tuple(args[i] for i in rules.nondiff)
+
+
+def _join(rules: _Rules, diff: tuple, static: tuple) -> tuple:
+    """The arguments again, the nondiff ones back at their positions."""
+    if not rules.nondiff:
+        return diff
+    if rules.nondiff[0] == len(diff):  # trailing
+        return (*diff, *static)
+    args = list(diff)
+    for i, v in zip(rules.nondiff, static):
+        args.insert(i, v)
+    return tuple(args)
+
+
 def _run(rules: _Rules, args: tuple, tree: Any, function: type, gate: bool) -> Any:
     """Flatten ``args``, apply ``function`` to the leaves, and give ``fwd``'s output back.
     ``gate``: with no gradient to take, run ``primal`` instead (no residuals, no node)."""
-    in_leaves, in_spec = tree.tree_flatten(args)
+    diff, static = _split(rules, args)
+    in_leaves, in_spec = _flatten_args(diff, tree)
     if gate and not _needs_grad(in_leaves):
         return rules.primal(*args)
-    call = _Call(rules, in_spec)
+    call = _Call(rules, in_spec, static)
     flat = function.apply(call, *in_leaves)
     return _unflatten_out(flat[:call.n_out], call.out_spec)
 
@@ -327,7 +469,7 @@ class _Bridge(torch.autograd.Function):
     def forward(call: _Call, *in_leaves: Any) -> tuple:  # type: ignore[override]
         rules = call.rules
         tree = _tree(call.in_spec)
-        out, res = _pair(rules.fwd(*call.in_spec.unflatten(in_leaves)), rules.name)
+        out, res = _pair(rules.fwd(*call.args(in_leaves)), rules.name)
         out_leaves, call.out_spec = _flatten_out(out, tree, rules.name)
         call.plan, extra, call.res_spec = _plan(res, in_leaves, tree, out_leaves)
         call.n_out = len(out_leaves)
@@ -427,8 +569,9 @@ def _needs(ctx: Any, cls: type) -> Any:
 
 def _apply_inner(rules: _Rules, args: Any) -> tuple[tuple, _Call]:
     """One call of the Function from inside a vmap rule: (all outputs, its structure)."""
-    in_leaves, in_spec = fast_pytree.tree_flatten(args)
-    inner = _Call(rules, in_spec)
+    diff, static = _split(rules, args)
+    in_leaves, in_spec = _flatten_args(diff, fast_pytree)
+    inner = _Call(rules, in_spec, static)
     return rules.Function.apply(inner, *in_leaves), inner
 
 
@@ -441,13 +584,13 @@ def _vmap_rule(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> t
     per-element semantics. A folded call's residuals hold folded context (e.g. splits * B),
     so the grad level gets the plan of one element instead: ``fwd`` on element 0, run only
     when asked (:func:`_element_plan`; plain ``vmap`` never asks)."""
-    rules, spec = call.rules, call.in_spec
-    folded = rules.vmap(batch_size, spec.unflatten(dims), *spec.unflatten(in_leaves)) if rules.vmap else None
+    rules = call.rules
+    folded = rules.vmap(batch_size, call.args(dims, static=None), *call.args(in_leaves)) if rules.vmap else None
     if folded is None:
         return _vmap_loop(batch_size, dims, call, in_leaves)
     new_args, unfold = folded
     flat, inner = _apply_inner(rules, new_args)
-    call.adopt(inner, functools.partial(_element_plan, rules, in_leaves, dims, call.in_spec))
+    call.adopt(inner, functools.partial(_element_plan, call, in_leaves, dims))
     out, out_dims = unfold(_unflatten_out(flat[:inner.n_out], inner.out_spec))
     n_extra = len(flat) - inner.n_out
     out_leaves, dims_out = _out_leaves(out, inner.out_spec), _out_leaves(out_dims, inner.out_spec)
@@ -459,19 +602,20 @@ def _vmap_loop(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> t
     results = []
     for i in range(batch_size):
         sliced = [t if d is None else t.select(d, i) for t, d in zip(in_leaves, dims)]
-        flat, inner = _apply_inner(call.rules, call.in_spec.unflatten(sliced))
+        flat, inner = _apply_inner(call.rules, call.args(sliced))
         call.adopt(inner)
         results.append(flat)
     flat = tuple(torch.stack(column) for column in zip(*results))
     return flat, (0,) * len(flat)
 
 
-def _element_plan(rules: _Rules, in_leaves: tuple, dims: tuple, in_spec: Any) -> tuple[list, Any]:
+def _element_plan(call: _Call, in_leaves: tuple, dims: tuple) -> tuple[list, Any]:
     """The residual plan of batch element 0 (see NOTE: [vmap])."""
+    rules = call.rules
     sliced = tuple(t if d is None else t.select(d, 0) for t, d in zip(in_leaves, dims))
     with torch.no_grad():
-        _, res = _pair(rules.fwd(*in_spec.unflatten(sliced)), rules.name)
-    plan, extra, res_spec = _plan(res, sliced, _tree(in_spec))
+        _, res = _pair(rules.fwd(*call.args(sliced)), rules.name)
+    plan, extra, res_spec = _plan(res, sliced, _tree(call.in_spec))
     if extra:
         raise NotImplementedError(f"custom_vjp({rules.name}): a vmap fold rule needs residuals that are inputs")
     return plan, res_spec
@@ -480,13 +624,19 @@ def _element_plan(rules: _Rules, in_leaves: tuple, dims: tuple, in_spec: Any) ->
 # --- the bridge ----------------------------------------------------------------------------------
 
 def custom_vjp(
-    fwd: Fwd, bwd: Bwd, *, primal: Callable[..., Any] | None = None, jvp: Callable[..., Any] | None = None,
-    vmap: VmapRule | None = None, name: str | None = None,
+    fwd: Fwd, bwd: Bwd, *, nondiff_argnums: tuple[int, ...] = (), primal: Callable[..., Any] | None = None,
+    jvp: Callable[..., Any] | None = None, vmap: VmapRule | None = None, name: str | None = None,
 ) -> Callable[..., Any]:
     """Turn a pure ``fwd``/``bwd`` pair into a differentiable callable.
 
     The returned function ``f(*args)`` computes ``fwd(*args)[0]`` and, under autograd or
     ``torch.func``, differentiates through ``bwd``. See the module docstring for the contract.
+
+    ``nondiff_argnums``: positions of arguments that are not differentiated (options, flags, a
+    backend): held by reference, never flattened, and ``bwd`` returns cotangents for the other
+    arguments only (JAX's ``nondiff_argnums``; NOTE: [nondiff_argnums]). ``fwd``, ``primal``
+    and the ``vmap`` rule still take every argument (a vmap rule's ``in_dims`` are None at
+    those positions); the ``jvp`` rule's tangents cover the differentiable ones.
 
     ``primal(*args) -> out`` (optional, JAX's ``fun``) computes the output alone. It runs
     when no gradient can be taken (grad mode off, or no tensor argument requires grad, outside
@@ -501,7 +651,11 @@ def custom_vjp(
       unbatched call: ``f(*new_args)`` runs once and ``unfold(out) -> (out, out_dims)`` puts the
       batch back. Returning None (or giving no rule) runs ``f`` once per batch element.
     """
-    rules = _Rules(fwd, bwd, primal, jvp, vmap, name or getattr(fwd, "__name__", "fwd"))
+    name = name or getattr(fwd, "__name__", "fwd")
+    nondiff = tuple(sorted(set(nondiff_argnums)))
+    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in nondiff):
+        raise TypeError(f"custom_vjp({name}): nondiff_argnums must be non-negative ints, got {nondiff_argnums!r}")
+    rules = _Rules(fwd, bwd, primal, jvp, vmap, name, nondiff)
 
     @functools.wraps(fwd)
     def apply(*args: Any) -> Any:

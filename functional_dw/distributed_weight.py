@@ -24,6 +24,7 @@ import torch
 from ._checks import PLAIN_TYPES
 
 _SHAPE = operator.attrgetter("shape")
+_VERSION = operator.attrgetter("_version")
 
 __all__ = ["DistributedWeight", "is_distributed_weight"]
 
@@ -220,7 +221,10 @@ def versions(params: Sequence[torch.Tensor]) -> tuple[int | None, ...]:
     # version counter (None: nothing to check; they cannot change in place outside inference mode).
     if torch.compiler.is_compiling():
         return ()
-    return tuple(None if p.is_inference() else p._version for p in params)
+    try:
+        return tuple(map(_VERSION, params))  # (C loops: E experts)
+    except RuntimeError:  # an inference tensor has no version counter
+        return tuple(None if p.is_inference() else p._version for p in params)
 
 
 def _shares_storage(p: torch.Tensor, params: Sequence[torch.Tensor]) -> bool:
@@ -234,6 +238,12 @@ def _shares_storage(p: torch.Tensor, params: Sequence[torch.Tensor]) -> bool:
 
 def check_versions(params: Sequence[torch.Tensor], recorded: tuple[int, ...], name: str) -> None:
     """The check autograd's version counter would have done had the weights been saved."""
+    if None not in recorded and len(recorded) == len(params):
+        try:
+            if tuple(map(_VERSION, params)) == recorded:  # (C loops: E experts)
+                return
+        except RuntimeError:  # became an inference tensor? the loop below says what changed
+            pass
     for e, (p, v) in enumerate(zip(params, recorded)):
         if v is not None and p._version != v:
             where = name if len(params) == 1 else f"{name}[{e}]"

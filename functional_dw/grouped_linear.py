@@ -7,6 +7,7 @@ Legend: ``T`` tokens, ``K`` in-features, ``N`` out-features, ``E`` experts.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Union
@@ -17,7 +18,9 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import _checks, _fp8, distributed_weight as dwp, fp8
 from .custom_vjp import custom_vjp
-from .kernels import Kernels, Splits, check_sizes, get_kernels, packed, stacked
+from ._checks import PLAIN_TYPES
+from .kernels import Kernels, Splits, as_one_buffer, check_sizes, get_kernels, packed as packed_view, stacked
+from .plan import Options, PlanCache, choose_path, eager_plain, route, tensor_key, weights_key, wgrad_grouped
 from .kernels.torch_ref import expert_sums
 from .residuals import any_needed, needed, residuals, saved
 
@@ -28,6 +31,7 @@ __all__ = [
 
 WeightsArg = Union[Sequence[torch.Tensor], torch.Tensor]
 _SIG = operator.attrgetter("shape", "dtype", "device", "layout")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class _HostSplits(tuple):
@@ -43,19 +47,22 @@ class GroupedLinearResiduals:
     # quantized columnwise copy per expert (what wgrad reads; x itself is not kept)
     x_version: _checks.Stamp  # x_TK's version at forward: the pure API checks it in backward (None with FP8)
     weights: tuple[torch.Tensor, ...]  # the parameters by reference: E x [N, K], or one [E, N, K]
-    stacked: bool  # weights is one [E, N, K] tensor
     weight_version: tuple[int, ...]
-    distributed: bool  # weights[0] is a DistributedWeight leader acting for the group
-    weight_shapes: tuple[tuple[int, ...], ...]  # of the materialized weights, checked in backward
     splits: Splits
-    bias: str | None  # None, "list" (E x [N]) or "stacked" ([E, N])
-    out_features: int
-    path: str  # the GEMM path that ran: "split" (per-expert GEMMs) or "grouped" (one kernel)
-    fuse_wgrad_accumulation: bool
-    kernels: Kernels
+    path: str  # forward's GEMM path: "split" (per-expert GEMMs) or "grouped" (one kernel per product)
+    kernels: Kernels  # forward's kernels (the plan's, or the reference under a transform: NOTE: [Transforms without a rule])
+    plan: GroupedPlan  # the call's decisions (kernels, layout, options): by reference, shared by every call alike
     fp8: _fp8.Plan | None  # None without FP8; else how forward quantized (recipe, specs, the state by
     # reference, forward's weight scales): backward quantizes dy and the weights by it
     needs: Any = needed()  # which gradients bwd computes (None: all); see NOTE: [Which gradients]
+
+    # the plan's fields a backward reads, by their old names
+    stacked = property(lambda self: self.plan.stacked)  # weights is one [E, N, K] tensor
+    distributed = property(lambda self: self.plan.distributed)  # weights[0] is a DistributedWeight leader
+    weight_shapes = property(lambda self: self.plan.shapes)  # of the materialized weights, checked in backward
+    bias = property(lambda self: self.plan.bias_form)  # None, "list" (E x [N]) or "stacked" ([E, N])
+    out_features = property(lambda self: self.plan.out_features)
+    fuse_wgrad_accumulation = property(lambda self: self.plan.fuse_wgrad_accumulation)
 
 
 def _wanted(res: GroupedLinearResiduals) -> tuple[bool, bool, bool]:
@@ -146,14 +153,15 @@ def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
     return Splits(host=host, tensor=tensor, device=x.device, num_tokens=T, num_experts=num_experts)
 
 
-def _as_bias(bias: Any, E: int, N: int, x: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
+def _check_bias(bias: Any, E: int, N: int, x: torch.Tensor) -> str | None:
+    """The bias's form: None, "stacked" (one ``[E, N]`` tensor) or "list" (E ``[N]`` tensors)."""
     if bias is None:
-        return None, None
+        return None
     if isinstance(bias, torch.Tensor):
         _checks.tensor("bias", bias, ndim=2)
         _checks.shape("bias", bias, (E, N))
         _checks.like("bias", bias, x)
-        return bias, "stacked"
+        return "stacked"
     bs = _checks.sequence(bias)
     if bs is None or len(bs) != E:
         got = f"{len(bs)} items" if bs is not None else type(bias).__name__
@@ -162,78 +170,65 @@ def _as_bias(bias: Any, E: int, N: int, x: torch.Tensor) -> tuple[torch.Tensor |
         _checks.tensor(f"bias[{e}]", b, ndim=1)
         _checks.shape(f"bias[{e}]", b, (N,))
         _checks.like(f"bias[{e}]", b, x)
-    return stacked(bs), "list"  # slices of one buffer (nn.GroupedLinear's): a view, no copy
+    return "list"  # stacked per call: slices of one buffer (nn.GroupedLinear's) as a view, no copy
 
 
-def _one_buffer(w_ENK: WeightsArg) -> WeightsArg:
-    """E weights that are consecutive slices of one buffer as that ``[E, N, K]`` view (found
-    once here, not again by every kernel call; NOTE: [One buffer]); anything else unchanged."""
-    if isinstance(w_ENK, torch.Tensor):
-        return w_ENK
-    one = packed(w_ENK)
-    return w_ENK if one is None else one
+def _one_buffer(ws: Sequence[torch.Tensor], plan: GroupedPlan) -> WeightsArg:
+    """Backward's weights as forward read them: E weights that are one buffer as that ``[E, N,
+    K]`` view (NOTE: [One buffer]; the plan's verdict when nothing records the view, else
+    :func:`packed`'s checks), anything else unchanged."""
+    if not plan.packed:
+        return ws
+    if torch.is_grad_enabled() or plan.distributed or not eager_plain():  # create_graph, gathered weights, transforms
+        one = packed_view(ws)
+        return ws if one is None else one
+    return as_one_buffer(ws)
 
 
 def _weight_shapes(w_ENK: WeightsArg, stacked: bool) -> list[tuple[int, ...]]:
     return [tuple(w_ENK.shape)] if stacked else [tuple(w.shape) for w in w_ENK]
 
 
-def _choose_path(kernels: Kernels, x_TK: torch.Tensor, w_ENK: WeightsArg, use_grouped_tensor: bool | None,
-                 recipe: Any = None) -> str:
-    """``None``: the grouped path where it can run (these operands, and with a ``recipe`` its FP8
-    kernels: TE has no grouped delayed scaling, for one); ``True``: grouped, or split with a
-    warning where it cannot (at the caller's line; Python's default filter shows it once per
-    reason); ``False``: split. The path taken is recorded on the residuals."""
-    if use_grouped_tensor is False:
-        return "split"
-    why_not = (kernels.grouped_path_unsupported(x_TK, w_ENK) if recipe is None
-               else kernels.grouped_path_unsupported(x_TK, w_ENK, recipe=recipe))
-    if why_not is None:
-        return "grouped"
-    if use_grouped_tensor:
-        _checks.warn(f"grouped_linear: use_grouped_tensor=True but {why_not}; running the split path")
-    return "split"
+@dataclasses.dataclass(frozen=True, eq=False)
+class GroupedPlan:
+    """What a grouped_linear call decides from metadata (NOTE: [Plan once, run lean] in
+    ``plan.py``): made by :func:`_plan`, cached per call signature, read by the run path."""
 
-
-class _Call(NamedTuple):
-    """A checked call: what forward computes with, and what its residuals record."""
-
-    params: tuple[torch.Tensor, ...]
-    stacked: bool
-    distributed: bool
-    w_ENK: WeightsArg  # the materialized weights the GEMMs read
-    shapes: tuple[tuple[int, ...], ...]
-    split: Splits
-    b_EN: torch.Tensor | None
-    bias_form: str | None
-    x_TK: torch.Tensor
     kernels: Kernels
-    path: str
+    path: str  # "grouped" (one kernel per product) or "split" (one GEMM per expert): what every product runs
+    why: str  # the reason for the path
+    warn: str | None  # use_grouped_tensor=True could not be honoured (warned at every call, as Python filters)
+    stacked: bool  # the weights are one [E, N, K] tensor
+    packed: bool  # E weights at consecutive addresses of one buffer: read as one [E, N, K] view (NOTE: [One buffer])
+    distributed: bool
+    shapes: tuple[tuple[int, ...], ...]  # the materialized weights'
+    num_experts: int
+    out_features: int
+    bias_form: str | None  # None, "list" (E x [N]) or "stacked" ([E, N])
+    fuse_wgrad_accumulation: bool
     fp8: _fp8.Plan | None  # None: no FP8
 
 
-def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend,
-             recipe=None, fp8_state=None) -> _Call:
-    """Check every argument, materialize the weights, pick the kernels, the GEMM path and (with a
-    recipe) the FP8 plan."""
+_PLANS = PlanCache()
+
+
+def _plan(x: torch.Tensor, w_ENK: WeightsArg, stacked: bool, distributed: bool, bias: Any, opts: Options) -> GroupedPlan:
+    """Every decision of a call that metadata settles: the checks, the kernels, the GEMM path
+    and (with a recipe) the FP8 plan. ``w_ENK``: the materialized weights."""
     _checks.tensor("x", x, ndim=2)
-    _checks.flag("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
+    _checks.flag("fuse_wgrad_accumulation", opts.fuse_wgrad_accumulation)
+    use_grouped_tensor, backend, recipe, fp8_state = opts.use_grouped_tensor, opts.backend, *_fp8.unpack_args(opts.fp8)
     if use_grouped_tensor is not None:
         _checks.flag("use_grouped_tensor", use_grouped_tensor)
-    params, stacked = _as_params(weights)
-    distributed = dwp.is_distributed_weight(params[0])
-    full = dwp.materialize(params, distributed, for_backward=False, like=x)
-    w_ENK = full[0] if stacked else full
     _check_weights([w_ENK] if stacked else w_ENK, 3 if stacked else 2, x)
     shapes = _weight_shapes(w_ENK, stacked)
-    w_ENK = _one_buffer(w_ENK)
+    packed = not stacked and packed_view(w_ENK, layout_only=True) is not None  # (autograd: per call, _prepare)
     E = shapes[0][0] if stacked else len(shapes)
     N, K = shapes[0][-2:]
     if x.shape[1] != K:
         what = " (as materialize_group_for_forward() of the DistributedWeight returned them)" if distributed else ""
         raise ValueError(f"x has {x.shape[1]} features but the weights are [{N}, {K}]{what}: x must be [T, {K}]")
-    split = _as_splits(splits, E, x)
-    b_EN, bias_form = _as_bias(bias, E, N, x)
+    bias_form = _check_bias(bias, E, N, x)
     rowwise = isinstance(recipe, fp8.RowwiseScaling)  # functional_dw's recipe: torch's scaled grouped GEMM
     if rowwise:
         if backend in (None, "auto"):
@@ -241,27 +236,117 @@ def _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tens
         if use_grouped_tensor is False:
             raise ValueError("RowwiseScaling runs one grouped GEMM per product (there is no per-expert path): pass "
                              "use_grouped_tensor=None or True")
-    elif backend == "auto" and (fuse_wgrad_accumulation or recipe is not None):  # torch's CUDA grouped
+    elif backend == "auto" and (opts.fuse_wgrad_accumulation or recipe is not None):  # torch's CUDA grouped
         backend = None  # GEMM cannot write an fp32 main_grad (it writes bf16; TE's can, without a
         # sync), and FP8 on torch is the CPU emulation: auto is TE's kernels there
     kernels = get_kernels(backend, x, w_ENK if use_grouped_tensor is not False else None)
-    x_TK = _checks.dense(x)
-    path = "grouped" if rowwise else _choose_path(kernels, x_TK, w_ENK, use_grouped_tensor, recipe)
+    if rowwise:
+        path, why = "grouped", "RowwiseScaling runs one grouped GEMM per product"
+    else:
+        why_not = (kernels.grouped_path_unsupported(x, w_ENK) if recipe is None
+                   else kernels.grouped_path_unsupported(x, w_ENK, recipe=recipe))
+        path, why = choose_path(why_not, use_grouped_tensor)
+    warn = f"grouped_linear: use_grouped_tensor=True but {why}; running the split path" \
+        if use_grouped_tensor and path == "split" else None
+    fp8_plan = None
+    if recipe is not None or fp8_state is not None:
+        fp8_plan = _fp8.plan(recipe, fp8_state, E, x, kernels)
+        _fp8.check_dims(K, N)
+    return GroupedPlan(kernels, path, why, warn, stacked, packed, distributed, tuple(shapes), E, N, bias_form,
+                       opts.fuse_wgrad_accumulation, fp8_plan)
+
+
+def _plan_key(x: Any, weights: Any, splits: Any, bias: Any, opts: Options) -> Any:
+    """The cache key of a plain eager call (NOTE: [Plan once, run lean]); None: plan afresh."""
+    if type(x) not in PLAIN_TYPES or x.is_nested or x.layout != torch.strided or not eager_plain():
+        return None  # (T is data: x's key is its other dims)
+    if isinstance(weights, torch.Tensor):
+        wk = tensor_key(weights)
+        w0 = weights
+    elif isinstance(weights, (list, tuple)) and weights:
+        wk, w0 = weights_key(weights), weights[0]
+    else:
+        return None
+    if wk is None or getattr(w0, "is_distributed_weight", False):
+        return None
+    if bias is None:
+        bk = None
+    elif isinstance(bias, torch.Tensor):
+        bk = tensor_key(bias)
+    elif isinstance(bias, (list, tuple)) and bias:
+        bk = weights_key(bias)
+    else:
+        return None
+    if isinstance(splits, torch.Tensor):
+        sk = tensor_key(splits)
+    elif isinstance(splits, tuple):  # host ints (_HostSplits): checked per call
+        sk = "host"
+    else:
+        return None
+    fk = _fp8.plan_key(opts.fp8)
+    if None in (bk, sk, fk) and (bias is not None or sk is None or opts.fp8 is not None):
+        return None
+    u, f = opts.use_grouped_tensor, opts.fuse_wgrad_accumulation
+    return x.shape[1:], x.dtype, x.device, wk, bk, sk, fk, type(f), f, type(u), u, opts.backend
+
+
+class _Call(NamedTuple):
+    """A checked call: its plan and what forward computes with."""
+
+    plan: GroupedPlan
+    params: tuple[torch.Tensor, ...]
+    w_ENK: WeightsArg  # the materialized weights the GEMMs read (one [E, N, K] view when packed)
+    split: Splits
+    b_EN: torch.Tensor | None
+    x_TK: torch.Tensor
+    kernels: Kernels  # the plan's, or the reference under a transform (NOTE: [Transforms without a rule])
+    path: str  # the plan's; split where the FP8 recipe cannot quantize these counts grouped, or routed so
+    fp8: _fp8.Plan | None
+
+
+def _prepare(x, weights, splits, bias, opts: Options) -> _Call:
+    """The call's plan (cached: NOTE: [Plan once, run lean]), then what depends on data: the
+    weights (gathered for a DistributedWeight), the split counts, the bias operand."""
+    key = _plan_key(x, weights, splits, bias, opts)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        _checks.tensor("x", x, ndim=2)
+        params, one_tensor = _as_params(weights)
+        distributed = dwp.is_distributed_weight(params[0])
+        full = dwp.materialize(params, distributed, for_backward=False, like=x)
+        w_ENK = full[0] if one_tensor else full
+        plan = _plan(x, w_ENK, one_tensor, distributed, bias, opts)
+        if key is not None:
+            _PLANS.put(key, plan)
+    else:
+        params = (weights,) if plan.stacked else tuple(weights)
+        w_ENK = weights if plan.stacked else params
+    if plan.warn is not None:
+        _checks.warn(plan.warn)
+    if plan.packed:  # one [E, N, K] view (NOTE: [One buffer]), unless autograd would have to record it
+        if key is None:
+            one = packed_view(w_ENK)
+            w_ENK = w_ENK if one is None else one
+        elif not (torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, params))):
+            w_ENK = as_one_buffer(params)
+    split = _as_splits(splits, plan.num_experts, x)
+    b_EN = None if bias is None else (bias if plan.bias_form == "stacked" else stacked(bias))
+    path = plan.path
     if path == "split" and split.host is None and not torch.compiler.is_compiling():
         check_sizes(split.sizes(), x.shape[0])  # the split path syncs for host sizes anyway
-    plan = None
-    if recipe is not None or fp8_state is not None:
-        plan = _fp8.plan(recipe, fp8_state, E, x, kernels)
+    if plan.fp8 is not None:
         if path == "grouped" and not torch.compiler.is_compiling():
-            why_not = _fp8.grouped_sizes_problem(plan, split)
+            why_not = _fp8.grouped_sizes_problem(plan.fp8, split)  # data: the counts
             if why_not is not None:
-                if use_grouped_tensor:
+                if opts.use_grouped_tensor:
                     _checks.warn(f"grouped_linear: use_grouped_tensor=True but {why_not}; running the split path")
                 path = "split"
-        known = split.host if split.host is not None or path == "grouped" else split.sizes()
-        _fp8.check_dims(K, N, splits=None if rowwise else known)  # device-only counts: not checked (a sync);
-        # RowwiseScaling takes any counts (NOTE: [Padded token columns])
-    return _Call(params, stacked, distributed, w_ENK, tuple(shapes), split, b_EN, bias_form, x_TK, kernels, path, plan)
+        if not isinstance(plan.fp8.recipe, fp8.RowwiseScaling):  # RowwiseScaling takes any counts
+            known = split.host if split.host is not None or path == "grouped" else split.sizes()
+            _fp8.check_dims(*plan.shapes[0][-2:][::-1], splits=known)  # device-only counts: not checked (a sync)
+    x_TK = _checks.dense(x)
+    kernels, grouped = route(plan.kernels, path == "grouped", x_TK, w_ENK)
+    return _Call(plan, params, w_ENK, split, b_EN, x_TK, kernels, "grouped" if grouped else "split", plan.fp8)
 
 
 def _fprop(c: _Call) -> torch.Tensor:
@@ -274,11 +359,11 @@ def _fprop_fp8(c: _Call, keep_x: bool, keep_w: bool) -> tuple[torch.Tensor, Any,
     """FP8 forward: x per expert and each weight quantized, the FP8 grouped GEMM; with
     ``keep_x``, also x's columnwise copy for wgrad; with ``keep_w``, the weights' for dgrad (on
     the plan). Returns (y, x's copy or None, the plan with forward's weight scales)."""
-    grouped = c.path == "grouped"
-    xq = c.fp8.quantize_x(c.kernels, c.x_TK, c.split, grouped, keep=keep_x)
-    wq, plan = c.fp8.quantize_weights(c.kernels, c.w_ENK, keep=keep_w and not c.distributed,
-                                      params=None if c.distributed else c.params)
-    y = c.kernels.grouped_fprop(xq, wq, c.b_EN, c.split, grouped, split_accumulator=plan.acc.fprop)
+    grouped, kernels, distributed = c.path == "grouped", c.kernels, c.plan.distributed
+    xq = c.fp8.quantize_x(kernels, c.x_TK, c.split, grouped, keep=keep_x)
+    wq, plan = c.fp8.quantize_weights(kernels, c.w_ENK, keep=keep_w and not distributed,
+                                      params=None if distributed else c.params)
+    y = kernels.grouped_fprop(xq, wq, c.b_EN, c.split, grouped, split_accumulator=plan.acc.fprop)
     return y, (_fp8.with_usage(xq, rowwise=False, columnwise=True) if keep_x else None), plan
 
 
@@ -289,11 +374,13 @@ def grouped_linear_fwd(
 ) -> tuple[torch.Tensor, GroupedLinearResiduals]:
     """``y`` ``[T, N]`` and the residuals. x ``[T, K]``; weights E ``[N, K]`` or ``[E, N, K]``;
     ``recipe``/``fp8_state`` as for :func:`grouped_linear`."""
-    c = _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend, recipe, fp8_state)
-    return _forward(c, x, fuse_wgrad_accumulation, keep_x=True)
+    weights, splits, bias = _normalized(weights, splits, bias)
+    fp8_args = None if recipe is None and fp8_state is None else _fp8.Args(recipe, fp8_state)
+    opts = Options(fuse_wgrad_accumulation, use_grouped_tensor, backend, fp8_args)
+    return _forward(_prepare(x, weights, splits, bias, opts), x, keep_x=True)
 
 
-def _forward(c: _Call, x: torch.Tensor, fuse_wgrad_accumulation: bool, keep_x: bool):
+def _forward(c: _Call, x: torch.Tensor, keep_x: bool):
     """y and the residuals of a checked call; ``keep_x`` False (FP8, every weight frozen): no
     FP8 copy of x is made or saved (wgrad, its only reader, never runs)."""
     if c.fp8 is None:
@@ -301,10 +388,8 @@ def _forward(c: _Call, x: torch.Tensor, fuse_wgrad_accumulation: bool, keep_x: b
     else:
         y, x_saved, plan = _fprop_fp8(c, keep_x=keep_x, keep_w=True)
     res = GroupedLinearResiduals(
-        x_TK=x_saved, x_version=_checks.stamp(x) if plan is None else None, weights=c.params, stacked=c.stacked,
-        weight_version=dwp.versions(c.params), distributed=c.distributed, weight_shapes=c.shapes, splits=c.split,
-        bias=c.bias_form, out_features=c.shapes[0][-2], path=c.path,
-        fuse_wgrad_accumulation=fuse_wgrad_accumulation, kernels=c.kernels, fp8=plan,
+        x_TK=x_saved, x_version=_checks.stamp(x) if plan is None else None, weights=c.params,
+        weight_version=dwp.versions(c.params), splits=c.split, path=c.path, kernels=c.kernels, plan=c.plan, fp8=plan,
     )
     return y, res
 
@@ -335,32 +420,40 @@ def _x_TK(res: GroupedLinearResiduals) -> torch.Tensor:
     return _checks.dense(res.x_TK)
 
 
-def _checked(res: Any, dy: Any, fn: str) -> torch.Tensor:
-    """The record, x's and the weights' versions and dy checked once; dy as ``[T, N]``, dense."""
+class _Route(NamedTuple):
+    """The kernels and path backward's products run (NOTE: [Transforms without a rule])."""
+
+    kernels: Kernels
+    grouped: bool
+
+
+def _checked(res: Any, dy: Any, fn: str) -> tuple[torch.Tensor, _Route]:
+    """The record, x's and the weights' versions and dy checked once; dy as ``[T, N]``, dense;
+    and where backward's products run."""
     dy_TN = _dy_TN(_check_res(res, fn), dy)
     dwp.check_versions(res.weights, res.weight_version, "weights")
-    return dy_TN
+    return dy_TN, _Route(*route(res.kernels, res.path == "grouped", dy_TN, res.x_TK, res.weights))
 
 
 def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     """dx ``[T, K]``, with the weights materialized again (never kept from forward); None when
     x needs no gradient (a DistributedWeight is still gathered: its collectives match across ranks)."""
-    dy_TN = _checked(res, dy, "grouped_linear_bwd_dgrad")
-    return _dgrad(res, dy_TN, _dy_fp8(res, dy_TN, dgrad=True, wgrad=False))
+    dy_TN, k = _checked(res, dy, "grouped_linear_bwd_dgrad")
+    return _dgrad(res, dy_TN, _dy_fp8(res, dy_TN, k, dgrad=True, wgrad=False), k)
 
 
 def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[Any, Any]:
     """(dweights, dbiases) shaped like the weights and bias arguments (see finalize)."""
-    dy_TN = _checked(res, dy, "grouped_linear_bwd_wgrad")
-    return _wgrad(res, dy_TN, _dy_fp8(res, dy_TN, dgrad=False, wgrad=True))
+    dy_TN, k = _checked(res, dy, "grouped_linear_bwd_wgrad")
+    return _wgrad(res, dy_TN, _dy_fp8(res, dy_TN, k, dgrad=False, wgrad=True), k)
 
 
 def grouped_linear_bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
     """(dx, dweights, dbiases): dgrad then wgrad, on one checked (and densified) dy (with FP8,
     quantized once for both)."""
-    dy_TN = _checked(res, dy, "grouped_linear_bwd")
-    dyq = _dy_fp8(res, dy_TN, dgrad=True, wgrad=True)
-    return (_dgrad(res, dy_TN, dyq), *_wgrad(res, dy_TN, dyq))
+    dy_TN, k = _checked(res, dy, "grouped_linear_bwd")
+    dyq = _dy_fp8(res, dy_TN, k, dgrad=True, wgrad=True)
+    return (_dgrad(res, dy_TN, dyq, k), *_wgrad(res, dy_TN, dyq, k))
 
 
 def _frozen(res: GroupedLinearResiduals) -> bool:
@@ -368,29 +461,28 @@ def _frozen(res: GroupedLinearResiduals) -> bool:
     return not _wanted(res)[1] or (res.fuse_wgrad_accumulation and not any(p.requires_grad for p in res.weights))
 
 
-def _dy_fp8(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dgrad: bool, wgrad: bool) -> Any:
+def _dy_fp8(res: GroupedLinearResiduals, dy_TN: torch.Tensor, k: _Route, dgrad: bool, wgrad: bool) -> Any:
     """With FP8, dy quantized for the GEMMs that run (None without FP8 or without GEMMs)."""
     if res.fp8 is None:
         return None
     _fp8.check_first_order("grouped_linear", dy_TN, res.weights)
-    return res.fp8.quantize_dy(res.kernels, dy_TN, res.splits, res.path == "grouped",
+    return res.fp8.quantize_dy(k.kernels, dy_TN, res.splits, k.grouped,
                                dgrad=dgrad and _wanted(res)[0], wgrad=wgrad and not _frozen(res))
 
 
-def _dgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> torch.Tensor | None:
+def _dgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: _Route) -> torch.Tensor | None:
     full = dwp.materialize(res.weights, res.distributed, for_backward=True, like=_like(res))
     dwp.check_materialized(full, res.weight_shapes, "materialize_group_for_backward()")
     if not _wanted(res)[0]:
         return None
-    w_ENK = full[0] if res.stacked else _one_buffer(full)
-    grouped = res.path == "grouped"
+    w_ENK = full[0] if res.stacked else _one_buffer(full, res.plan)
     if res.fp8 is not None:  # dy and the weights (quantized again) in FP8
-        wq = res.fp8.requantize_weights(res.kernels, w_ENK)
-        return res.kernels.grouped_dgrad(dyq, wq, res.splits, grouped, split_accumulator=res.fp8.acc.dgrad)
-    return res.kernels.grouped_dgrad(dy_TN, w_ENK, res.splits, grouped)
+        wq = res.fp8.requantize_weights(k.kernels, w_ENK)
+        return k.kernels.grouped_dgrad(dyq, wq, res.splits, k.grouped, split_accumulator=res.fp8.acc.dgrad)
+    return k.kernels.grouped_dgrad(dy_TN, w_ENK, res.splits, k.grouped)
 
 
-def _wgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> tuple[Any, Any]:
+def _wgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: _Route) -> tuple[Any, Any]:
     fused = res.fuse_wgrad_accumulation
     want_b = _wanted(res)[2]
     if _frozen(res):  # no wgrad GEMM; a DistributedWeight still finalizes (zeros), once, as every rank does
@@ -405,13 +497,14 @@ def _wgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> tuple[
         targets = dwp.grad_targets(res.weights, res.distributed, res.weight_shapes, "weights")
         out = targets[0] if res.stacked else targets
     accumulate, with_dbias = fused and dwp.accumulates(res.weights, res.distributed), res.bias is not None and want_b
+    grouped = k.grouped and wgrad_grouped(k.kernels, dy_TN, out)
     if res.fp8 is not None:  # the saved FP8 x and dy; the bias grad from the high-precision dy
-        dw = res.kernels.grouped_wgrad(res.x_TK, dyq, res.splits, res.path == "grouped", out=out, accumulate=accumulate,
-                                       split_accumulator=res.fp8.acc.wgrad)[0]
+        dw = k.kernels.grouped_wgrad(res.x_TK, dyq, res.splits, grouped, out=out, accumulate=accumulate,
+                                     split_accumulator=res.fp8.acc.wgrad)[0]
         db_EN = expert_sums(dy_TN, res.splits) if with_dbias else None
     else:
-        dw, db_EN = res.kernels.grouped_wgrad(_x_TK(res), dy_TN, res.splits, res.path == "grouped", out=out,
-                                              accumulate=accumulate, with_dbias=with_dbias)
+        dw, db_EN = k.kernels.grouped_wgrad(_x_TK(res), dy_TN, res.splits, grouped, out=out,
+                                            accumulate=accumulate, with_dbias=with_dbias)
     wgrads = dwp.finalize(res.weights, res.distributed, fused, [dw] if res.stacked else list(dw))
     dweights = wgrads[0] if res.stacked else wgrads
     return dweights, _bias_grads(res, db_EN)
@@ -423,27 +516,27 @@ def _bias_grads(res: GroupedLinearResiduals, db_EN: torch.Tensor | None) -> Any:
     return db_EN
 
 
-def _fwd(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend, fp8_args):
-    c = _prepare(x, weights, splits, bias, fuse_wgrad_accumulation, use_grouped_tensor, backend,
-                 **_fp8.unpack(fp8_args))
-    return _forward(c, x, fuse_wgrad_accumulation, keep_x=fp8_args is None or fp8_args.keep_x)
+def _fwd(x, weights, splits, bias, opts: Options):
+    c = _prepare(x, weights, splits, bias, opts)
+    return _forward(c, x, keep_x=opts.fp8 is None or opts.fp8.keep_x)
 
 
-def _primal(*args) -> torch.Tensor:
+def _primal(x, weights, splits, bias, opts: Options) -> torch.Tensor:
     """Forward alone, when no gradient can be taken: checks and GEMMs, no residuals."""
-    return _fprop(_prepare(*args[:-1], **_fp8.unpack(args[-1])))
+    return _fprop(_prepare(x, weights, splits, bias, opts))
 
 
 def _bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple:
+    """Cotangents of (x, weights, splits, bias); the options are nondiff (NOTE: [nondiff_argnums])."""
     dx, dweights, dbias = grouped_linear_bwd(res, dy)
-    return dx, dweights, None, dbias, None, None, None, None
+    return dx, dweights, None, dbias
 
 
 def _jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
     """Forward mode, per expert ``dy_e = dx_e W_e^T + x_e dW_e^T + db_e``."""
     _fp8.no_jvp(res.fp8, "grouped_linear")
     tx, tw, _, tb = tangents[:4]
-    grouped = res.path == "grouped"
+    kernels, grouped = route(res.kernels, res.path == "grouped", tx, tw, tb, res.x_TK)
     if isinstance(tw, (list, tuple)) and all(t is None for t in tw):
         tw = None
     if tw is not None and res.distributed:
@@ -457,21 +550,21 @@ def _jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
     if tx is not None or b_EN is not None:  # dx W^T + db, with the weights gathered again
         full = dwp.materialize(res.weights, res.distributed, for_backward=False)
         tx = _checks.dense(tx) if tx is not None else res.x_TK.new_zeros(res.x_TK.shape)
-        dy = res.kernels.grouped_fprop(tx, full[0] if res.stacked else full, b_EN, res.splits, grouped)
+        dy = kernels.grouped_fprop(tx, full[0] if res.stacked else full, b_EN, res.splits, grouped)
     if tw is not None:  # + x dW^T
         if not isinstance(tw, torch.Tensor):
             tw = [torch.zeros_like(w) if t is None else t for t, w in zip(tw, res.weights)]
         tw = _checks.dense(tw) if isinstance(tw, torch.Tensor) else [_checks.dense(t) for t in tw]
-        dy = dy + res.kernels.grouped_fprop(_x_TK(res), tw, None, res.splits, grouped)
+        dy = dy + kernels.grouped_fprop(_x_TK(res), tw, None, res.splits, grouped)
     return dy
 
 
-def _vmap(batch_size: int, in_dims: tuple, x, weights, splits, bias, fuse, use_grouped_tensor, backend, fp8_args):
+def _vmap(batch_size: int, in_dims: tuple, x, weights, splits, bias, opts: Options):
     """Fold a batch of x (shared weights, host splits) into the token dimension: sort the B*T
     rows by (expert, batch), run one grouped GEMM with splits*B, and unsort the output. Not with
     FP8: a folded call would take each expert's amax over the whole batch, not per element."""
-    x_dim, *rest = pytree.tree_leaves(in_dims, is_leaf=lambda d: d is None)
-    if x_dim is None or any(d is not None for d in rest) or not isinstance(splits, tuple) or fp8_args is not None:
+    x_dim, *rest = pytree.tree_leaves(in_dims[:4], is_leaf=lambda d: d is None)
+    if x_dim is None or any(d is not None for d in rest) or not isinstance(splits, tuple) or opts.fp8 is not None:
         return None  # batched weights/bias/splits, device splits, or FP8: one call per element
     xb = x.movedim(x_dim, 0)
     B, T, K = xb.shape
@@ -479,12 +572,12 @@ def _vmap(batch_size: int, in_dims: tuple, x, weights, splits, bias, fuse, use_g
     expert_T = torch.repeat_interleave(torch.arange(E, device=x.device), torch.tensor(splits, device=x.device), output_size=T)
     keys_BT = expert_T[None, :] * B + torch.arange(B, device=x.device)[:, None]
     order = torch.argsort(keys_BT.flatten(), stable=True)
-    new_args = (xb.reshape(B * T, K)[order], weights, _HostSplits(s * B for s in splits), bias, fuse, use_grouped_tensor,
-                backend, None)
+    new_args = (xb.reshape(B * T, K)[order], weights, _HostSplits(s * B for s in splits), bias, opts)
     return new_args, lambda y: (y[torch.argsort(order)].view(B, T, -1), 0)
 
 
-_grouped_linear = custom_vjp(_fwd, _bwd, primal=_primal, jvp=_jvp, vmap=_vmap, name="grouped_linear")
+_grouped_linear = custom_vjp(_fwd, _bwd, nondiff_argnums=(4,), primal=_primal, jvp=_jvp, vmap=_vmap,
+                             name="grouped_linear")
 _grouped_linear_eager = torch.compiler.disable(_grouped_linear, reason=dwp.NO_COMPILE)
 
 
@@ -521,18 +614,26 @@ def grouped_linear(
             forward reads its scales and records amaxes into it, backward records dy's; the
             caller updates it between steps (``fp8.update_state_(state, recipe)``).
     """
-    if not isinstance(weights, torch.Tensor):  # a list, tuple or nn.ParameterList: a pytree list
-        weights = _checks.sequence(weights) or weights
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        bias = _checks.sequence(bias) or bias
-    if not isinstance(splits, (torch.Tensor, str, bytes)):
-        items = _checks.sequence(splits)
-        splits = _HostSplits(items) if items is not None else splits
+    weights, splits, bias = _normalized(weights, splits, bias)
     fuse = _checks.fuse_flag(fuse_wgrad_accumulation)  # (under torch.func: refused here, where it is visible)
     fp8_args = None
     if recipe is not None or fp8_state is not None:
         _fp8.refuse_compile(recipe)
         fp8_args = _fp8.Args(recipe, fp8_state, keep_x=_fp8.wgrad_possible(weights))
+    opts = Options(fuse, use_grouped_tensor, backend, fp8_args)
     if torch.compiler.is_compiling() and dwp.any_distributed(weights):  # NOTE: [DistributedWeight under torch.compile]
-        return _grouped_linear_eager(x, weights, splits, bias, fuse, use_grouped_tensor, backend, fp8_args)
-    return _grouped_linear(x, weights, splits, bias, fuse, use_grouped_tensor, backend, fp8_args)
+        return _grouped_linear_eager(x, weights, splits, bias, opts)
+    return _grouped_linear(x, weights, splits, bias, opts)
+
+
+def _normalized(weights: Any, splits: Any, bias: Any) -> tuple[Any, Any, Any]:
+    """Sequences as lists (a tuple, an ``nn.ParameterList``: one pytree list), host split counts
+    as ONE leaf (:class:`_HostSplits`)."""
+    if not isinstance(weights, (torch.Tensor, list)):  # a tuple or nn.ParameterList: a pytree list
+        weights = _checks.sequence(weights) or weights
+    if bias is not None and not isinstance(bias, (torch.Tensor, list)):
+        bias = _checks.sequence(bias) or bias
+    if not isinstance(splits, (torch.Tensor, str, bytes, _HostSplits)):
+        items = _checks.sequence(splits)
+        splits = _HostSplits(items) if items is not None else splits
+    return weights, splits, bias

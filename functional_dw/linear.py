@@ -12,6 +12,7 @@ import torch
 
 from . import _checks, _fp8, distributed_weight as dwp
 from .custom_vjp import custom_vjp
+from .plan import Options, route
 from .kernels import Kernels, get_kernels
 from .kernels.torch_ref import column_sums
 from .residuals import needed, residuals, saved
@@ -54,9 +55,12 @@ class _Call(NamedTuple):
     fp8: _fp8.Plan | None  # None: no FP8
 
 
-def _prepare(x, weight, bias, fuse_wgrad_accumulation, backend, recipe=None, fp8_state=None) -> _Call:
+def _prepare(x, weight, bias, opts: Options) -> _Call:
     """Check every argument, materialize the weight, pick the kernels and (with a recipe) the
-    FP8 plan."""
+    FP8 plan. (One GEMM per product: no path to choose, and a host cost that does not grow
+    with experts; not cached, unlike grouped_linear's plan.)"""
+    fuse_wgrad_accumulation, backend = opts.fuse_wgrad_accumulation, opts.backend
+    recipe, fp8_state = _fp8.unpack_args(opts.fp8)
     _checks.tensor("x", x, ndim=tuple(range(1, 9)))
     _checks.tensor("weight", weight, ndim=2)
     _checks.flag("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
@@ -77,7 +81,8 @@ def _prepare(x, weight, bias, fuse_wgrad_accumulation, backend, recipe=None, fp8
     if recipe is not None or fp8_state is not None:
         plan = _fp8.plan(recipe, fp8_state, 1, x, kernels, grouped=False)
         _fp8.check_dims(K, N, tokens=_tokens(x.shape))
-    return _Call(distributed, w_NK, _checks.dense(x), bias, kernels, plan)
+    x = _checks.dense(x)
+    return _Call(distributed, w_NK, x, bias, route(kernels, False, x, w_NK)[0], plan)
 
 
 def _fprop(c: _Call) -> torch.Tensor:
@@ -105,7 +110,8 @@ def linear_fwd(
 ) -> tuple[torch.Tensor, LinearResiduals]:
     """``y = x @ W^T + b`` and the residuals its backward needs. x ``[..., K]``, weight ``[N, K]``;
     ``recipe``/``fp8_state`` as for :func:`linear`."""
-    c = _prepare(x, weight, bias, fuse_wgrad_accumulation, backend, recipe, fp8_state)
+    fp8_args = None if recipe is None and fp8_state is None else _fp8.Args(recipe, fp8_state)
+    c = _prepare(x, weight, bias, Options(fuse_wgrad_accumulation, None, backend, fp8_args))
     return _forward(c, x, weight, bias, fuse_wgrad_accumulation, keep_x=True)
 
 
@@ -150,32 +156,33 @@ def _x_TK(res: LinearResiduals) -> torch.Tensor:
     return _checks.dense(res.x, (_tokens(res.x_shape), res.x_shape[-1]))
 
 
-def _checked(res: Any, dy: Any, fn: str) -> torch.Tensor:
-    """The record, x's and the weight's versions and dy checked once; dy as ``[T, N]``, dense."""
+def _checked(res: Any, dy: Any, fn: str) -> tuple[torch.Tensor, Kernels]:
+    """The record, x's and the weight's versions and dy checked once; dy as ``[T, N]``, dense;
+    and the kernels backward's products run on (NOTE: [Transforms without a rule])."""
     dy_TN = _dy_TN(_check_res(res, fn), dy)
     dwp.check_versions([res.weight], res.weight_version, "weight")
-    return dy_TN
+    return dy_TN, route(res.kernels, False, dy_TN, res.x, res.weight)[0]
 
 
 def linear_bwd_dgrad(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     """dx = dy @ W, with W materialized again (never kept from forward); None when x needs no
     gradient."""
-    dy_TN = _checked(res, dy, "linear_bwd_dgrad")
-    return _dgrad(res, dy_TN, _dy_fp8(res, dy_TN, dgrad=True, wgrad=False))
+    dy_TN, k = _checked(res, dy, "linear_bwd_dgrad")
+    return _dgrad(res, dy_TN, _dy_fp8(res, dy_TN, k, dgrad=True, wgrad=False), k)
 
 
 def linear_bwd_wgrad(res: LinearResiduals, dy: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
     """(dweight, dbias); dweight is what autograd gets for the parameter (see finalize)."""
-    dy_TN = _checked(res, dy, "linear_bwd_wgrad")
-    return _wgrad(res, dy_TN, _dy_fp8(res, dy_TN, dgrad=False, wgrad=True))
+    dy_TN, k = _checked(res, dy, "linear_bwd_wgrad")
+    return _wgrad(res, dy_TN, _dy_fp8(res, dy_TN, k, dgrad=False, wgrad=True), k)
 
 
 def linear_bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
     """(dx, dweight, dbias): :func:`linear_bwd_dgrad` then :func:`linear_bwd_wgrad`, on one
     checked (and densified) dy (with FP8, quantized once for both)."""
-    dy_TN = _checked(res, dy, "linear_bwd")
-    dyq = _dy_fp8(res, dy_TN, dgrad=True, wgrad=True)
-    return (_dgrad(res, dy_TN, dyq), *_wgrad(res, dy_TN, dyq))
+    dy_TN, k = _checked(res, dy, "linear_bwd")
+    dyq = _dy_fp8(res, dy_TN, k, dgrad=True, wgrad=True)
+    return (_dgrad(res, dy_TN, dyq, k), *_wgrad(res, dy_TN, dyq, k))
 
 
 def _frozen(res: LinearResiduals) -> bool:
@@ -183,26 +190,26 @@ def _frozen(res: LinearResiduals) -> bool:
     return not _wanted(res)[1] or (res.fuse_wgrad_accumulation and not res.weight.requires_grad)
 
 
-def _dy_fp8(res: LinearResiduals, dy_TN: torch.Tensor, dgrad: bool, wgrad: bool) -> Any:
+def _dy_fp8(res: LinearResiduals, dy_TN: torch.Tensor, k: Kernels, dgrad: bool, wgrad: bool) -> Any:
     """With FP8, dy quantized for the GEMMs that run (None without FP8 or without GEMMs)."""
     if res.fp8 is None:
         return None
     _fp8.check_first_order("linear", dy_TN, [res.weight])
-    return res.fp8.quantize_dy(res.kernels, dy_TN, dgrad=dgrad and _wanted(res)[0], wgrad=wgrad and not _frozen(res))
+    return res.fp8.quantize_dy(k, dy_TN, dgrad=dgrad and _wanted(res)[0], wgrad=wgrad and not _frozen(res))
 
 
-def _dgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> torch.Tensor | None:
+def _dgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: Kernels) -> torch.Tensor | None:
     w_NK = dwp.materialize([res.weight], res.distributed, for_backward=True, like=_like(res), name="weight")[0]
     dwp.check_materialized([w_NK], [(res.out_features, res.x_shape[-1])], "materialize_group_for_backward()", "weight")
     if not _wanted(res)[0]:
         return None  # (a DistributedWeight was still gathered: its collectives match across ranks)
     if res.fp8 is not None:  # dy and the weight (quantized again) in FP8
-        (wq,) = res.fp8.requantize_weights(res.kernels, [w_NK])
-        return res.kernels.dgrad(dyq, wq, split_accumulator=res.fp8.acc.dgrad).view(res.x_shape)
-    return res.kernels.dgrad(dy_TN, w_NK).view(res.x_shape)
+        (wq,) = res.fp8.requantize_weights(k, [w_NK])
+        return k.dgrad(dyq, wq, split_accumulator=res.fp8.acc.dgrad).view(res.x_shape)
+    return k.dgrad(dy_TN, w_NK).view(res.x_shape)
 
 
-def _wgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> tuple[Any, torch.Tensor | None]:
+def _wgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: Kernels) -> tuple[Any, torch.Tensor | None]:
     params, fused = [res.weight], res.fuse_wgrad_accumulation
     want_b = _wanted(res)[2]
     shape = (res.out_features, res.x_shape[-1])
@@ -215,26 +222,26 @@ def _wgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any) -> tuple[Any, to
     out = dwp.grad_targets(params, res.distributed, [shape], "weight")[0] if fused else None
     accumulate, with_dbias = fused and dwp.accumulates(params, res.distributed), res.has_bias and want_b
     if res.fp8 is not None:  # the saved FP8 x and dy; the bias grad from the high-precision dy
-        dw = res.kernels.wgrad(res.x, dyq, out=out, accumulate=accumulate, split_accumulator=res.fp8.acc.wgrad)[0]
+        dw = k.wgrad(res.x, dyq, out=out, accumulate=accumulate, split_accumulator=res.fp8.acc.wgrad)[0]
         db = column_sums(dy_TN) if with_dbias else None
     else:
-        dw, db = res.kernels.wgrad(_x_TK(res), dy_TN, out=out, accumulate=accumulate, with_dbias=with_dbias)
+        dw, db = k.wgrad(_x_TK(res), dy_TN, out=out, accumulate=accumulate, with_dbias=with_dbias)
     return dwp.finalize(params, res.distributed, fused, [dw], "weight")[0], db
 
 
 def _bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple:
-    dx, dw, db = linear_bwd(res, dy)
-    return dx, dw, db, None, None, None  # cotangents of (x, weight, bias, fuse, backend, fp8_args)
+    """Cotangents of (x, weight, bias); the options are nondiff (NOTE: [nondiff_argnums])."""
+    return linear_bwd(res, dy)
 
 
-def _fwd(x, weight, bias, fuse_wgrad_accumulation, backend, fp8_args):  # positional form for custom_vjp
-    c = _prepare(x, weight, bias, fuse_wgrad_accumulation, backend, **_fp8.unpack(fp8_args))
-    return _forward(c, x, weight, bias, fuse_wgrad_accumulation, keep_x=fp8_args is None or fp8_args.keep_x)
+def _fwd(x, weight, bias, opts: Options):  # positional form for custom_vjp
+    c = _prepare(x, weight, bias, opts)
+    return _forward(c, x, weight, bias, opts.fuse_wgrad_accumulation, keep_x=opts.fp8 is None or opts.fp8.keep_x)
 
 
-def _primal(*args) -> torch.Tensor:
+def _primal(x, weight, bias, opts: Options) -> torch.Tensor:
     """Forward alone, when no gradient can be taken: checks and the GEMM, no residuals."""
-    return _fprop(_prepare(*args[:-1], **_fp8.unpack(args[-1])))
+    return _fprop(_prepare(x, weight, bias, opts))
 
 
 def _jvp(res: LinearResiduals, tangents: tuple) -> torch.Tensor:
@@ -245,29 +252,30 @@ def _jvp(res: LinearResiduals, tangents: tuple) -> torch.Tensor:
         raise ValueError("forward-mode (jvp) tangents for a DistributedWeight are not supported: "
                          "take the tangent with respect to x or bias, or use a plain weight")
     K, N = res.x_shape[-1], res.out_features
+    k = route(res.kernels, False, *(t for t in (tx, tw, tb) if t is not None))[0]
     dy = None
     if tx is not None or tb is not None:
         w_NK = dwp.materialize([res.weight], res.distributed, for_backward=False)[0]
         T = _tokens(res.x_shape)
         tx_TK = _checks.dense(tx, (T, K)) if tx is not None else res.x.new_zeros(T, K)
-        dy = res.kernels.fprop(tx_TK, w_NK, tb)
+        dy = k.fprop(tx_TK, w_NK, tb)
     if tw is not None:
-        part = res.kernels.fprop(_x_TK(res), tw, None)
+        part = k.fprop(_x_TK(res), tw, None)
         dy = part if dy is None else dy + part
     if dy is None:
         return res.x.new_zeros(*res.x_shape[:-1], N)
     return dy.view(*res.x_shape[:-1], -1)
 
 
-def _vmap(batch_size: int, in_dims: tuple, x, weight, bias, fuse, backend, fp8_args):
+def _vmap(batch_size: int, in_dims: tuple, x, weight, bias, opts: Options):
     """A batch of x with shared weights is just more leading dims: one GEMM for the batch (not
     with FP8: a folded call would take x's amax over the whole batch, not per element)."""
-    if in_dims[0] is None or in_dims[1] is not None or in_dims[2] is not None or fp8_args is not None:
+    if in_dims[0] is None or in_dims[1] is not None or in_dims[2] is not None or opts.fp8 is not None:
         return None  # batched weights or bias (an ensemble), or FP8: one call per element
-    return (x.movedim(in_dims[0], 0), weight, bias, fuse, backend, None), lambda y: (y, 0)
+    return (x.movedim(in_dims[0], 0), weight, bias, opts), lambda y: (y, 0)
 
 
-_linear = custom_vjp(_fwd, _bwd, primal=_primal, jvp=_jvp, vmap=_vmap, name="linear")
+_linear = custom_vjp(_fwd, _bwd, nondiff_argnums=(3,), primal=_primal, jvp=_jvp, vmap=_vmap, name="linear")
 _linear_eager = torch.compiler.disable(_linear, reason=dwp.NO_COMPILE)
 
 
@@ -294,7 +302,7 @@ def linear(
     if recipe is not None or fp8_state is not None:
         _fp8.refuse_compile()
         fp8_args = _fp8.Args(recipe, fp8_state, keep_x=_fp8.wgrad_possible(weight))
-    fuse = _checks.fuse_flag(fuse_wgrad_accumulation)
+    opts = Options(_checks.fuse_flag(fuse_wgrad_accumulation), None, backend, fp8_args)
     if torch.compiler.is_compiling() and dwp.any_distributed([weight]):  # NOTE: [DistributedWeight under torch.compile]
-        return _linear_eager(x, weight, bias, fuse, backend, fp8_args)
-    return _linear(x, weight, bias, fuse, backend, fp8_args)
+        return _linear_eager(x, weight, bias, opts)
+    return _linear(x, weight, bias, opts)

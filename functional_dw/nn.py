@@ -27,6 +27,7 @@ NOTE: [FP8 in the modules]
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import sys
@@ -276,6 +277,12 @@ class Linear(_FP8, torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+@functools.lru_cache(maxsize=None)
+def _names(prefix: str, n: int) -> tuple[str, ...]:
+    """``prefix0 ... prefix{n-1}``: the per-expert parameters' names (made once per size)."""
+    return tuple(f"{prefix}{e}" for e in range(n))
+
+
 class GroupedLinear(_FP8, torch.nn.Module):
     """E experts with parameters ``weight0..weight{E-1}`` ``[out, in]`` and ``bias0..``; or, with
     ``single_grouped_weight=True``, one ``weight [E, out, in]`` and one ``bias [E, out]`` (TE's
@@ -351,7 +358,7 @@ class GroupedLinear(_FP8, torch.nn.Module):
         """The E ``[out, in]`` weights: the parameters, or views of the one ``weight``."""
         if self.single_grouped_weight:
             return list(self.weight.unbind(0))
-        return [getattr(self, f"weight{e}") for e in range(self.num_gemms)]
+        return self._per_expert("weight")
 
     def biases(self) -> list[torch.Tensor] | None:
         """The E ``[out]`` biases (views of the one ``bias`` in that layout), or None."""
@@ -359,7 +366,14 @@ class GroupedLinear(_FP8, torch.nn.Module):
             return None
         if self.single_grouped_bias:
             return list(self.bias.unbind(0))
-        return [getattr(self, f"bias{e}") for e in range(self.num_gemms)]
+        return self._per_expert("bias")
+
+    def _per_expert(self, prefix: str) -> list[torch.Tensor]:
+        names = _names(prefix, self.num_gemms)
+        try:  # the registered parameters, read in C (nn.Module.__getattr__ costs ~1 us each)
+            return list(map(self._parameters.__getitem__, names))
+        except KeyError:  # replaced by plain attributes (FSDP1's flat parameter views): as getattr finds them
+            return [getattr(self, n) for n in names]
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
         w = self.weight if self.single_grouped_weight else self.weights()

@@ -106,6 +106,8 @@ def any_needed(needs: Any) -> bool:
     (the usual shapes, read without a pytree walk); anything else through the pytree."""
     if type(needs) is bool:
         return needs
+    if needs is None:  # an argument that was None (no bias): nothing to differentiate
+        return False
     if isinstance(needs, (list, tuple)) and set(map(type, needs)) <= {bool}:  # (C loops: E experts)
         return any(needs)
     return any(pytree.tree_leaves(needs))

@@ -943,16 +943,20 @@ def test_fp8_linear_errors_name_the_layer():
         torch.autograd.grad(y, xr, dy, create_graph=True)
 
 
-def test_reference_grouped_fp8_fprop_under_vmap_runs_per_expert():
-    """grouped_mm has no functorch batching rule: on vmapped operands the FP8 grouped fprop runs
-    per expert even when asked for the grouped path, and equals the per-element results."""
+def test_reference_grouped_fp8_fprop_under_vmap_is_routed_per_expert():
+    """grouped_mm has no functorch batching rule: the layers' route (NOTE: [Transforms without a
+    rule]) sends vmapped operands to the split path even when the plan says grouped, the kernel
+    obeys, and the result equals the per-element results. (Plain operands: grouped.)"""
+    from functional_dw.plan import route
+
     k = TorchKernels()
     spec = fp8.tensor_spec(RECIPES["current"], "input")
     sizes = [16, 0, 32]
     wq = [k.quantize(_rand(N, K, seed=3 + e, dtype=torch.float32, scale=0.1), spec) for e in range(3)]
 
     def f(x):
-        return k.grouped_fprop(k.grouped_quantize(x, _splits(sizes), spec), wq, None, _splits(sizes), True)
+        kern, grouped = route(k, True, x)
+        return kern.grouped_fprop(kern.grouped_quantize(x, _splits(sizes), spec), wq, None, _splits(sizes), grouped)
 
     xb = torch.stack([_rand(48, K, seed=1, dtype=torch.float32), _rand(48, K, seed=2, dtype=torch.float32)])
     real, calls = ref_mod._torch_grouped_mm, []
@@ -963,8 +967,10 @@ def test_reference_grouped_fp8_fprop_under_vmap_runs_per_expert():
 
     with mock.patch.object(ref_mod, "_torch_grouped_mm", spy):
         yb = torch.func.vmap(f)(xb)
-    assert calls == []  # (torch's batching fallback would loop over the batch, with a warning)
-    assert_same(yb, torch.stack([f(xb[0]), f(xb[1])]))
+        assert calls == []  # (torch's batching fallback would loop over the batch, with a warning)
+        want = torch.stack([f(xb[0]), f(xb[1])])
+        assert len(calls) == 2  # plain operands: the plan's grouped path, one grouped GEMM each
+    assert_same(yb, want)
 
 
 @pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])

@@ -16,6 +16,8 @@ from unittest import mock
 
 import pytest
 import torch
+
+from functional_dw.plan import Options
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.func import grad, jvp, vjp, vmap
@@ -227,17 +229,17 @@ def test_record_repr_of_a_list_holding_tensors_and_none():
 
 
 def _fresh_linear():
-    """The Linear bridge exactly as linear.py builds it at import (called without FP8: the last
-    argument, fp8_args, None)."""
-    f = custom_vjp(lin_mod._fwd, lin_mod._bwd, primal=lin_mod._primal, jvp=lin_mod._jvp, vmap=lin_mod._vmap,
-                   name="linear")
-    return lambda x, w, b, fuse, backend: f(x, w, b, fuse, backend, None)
+    """The Linear bridge exactly as linear.py builds it at import (called without FP8), its
+    options the one nondiff argument."""
+    f = custom_vjp(lin_mod._fwd, lin_mod._bwd, nondiff_argnums=(3,), primal=lin_mod._primal, jvp=lin_mod._jvp,
+                   vmap=lin_mod._vmap, name="linear")
+    return lambda x, w, b, fuse, backend: f(x, w, b, Options(fuse, None, backend, None))
 
 
 def _fresh_grouped():
-    f = custom_vjp(gl_mod._fwd, gl_mod._bwd, primal=gl_mod._primal, jvp=gl_mod._jvp, vmap=gl_mod._vmap,
-                   name="grouped_linear")
-    return lambda x, ws, bs=None, backend=None: f(x, ws, gl_mod._HostSplits(SPLITS), bs, False, None, backend, None)
+    f = custom_vjp(gl_mod._fwd, gl_mod._bwd, nondiff_argnums=(4,), primal=gl_mod._primal, jvp=gl_mod._jvp,
+                   vmap=gl_mod._vmap, name="grouped_linear")
+    return lambda x, ws, bs=None, backend=None: f(x, ws, gl_mod._HostSplits(SPLITS), bs, Options(False, None, backend))
 
 
 class CountingKernels(TorchKernels):

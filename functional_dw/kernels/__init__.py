@@ -58,7 +58,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .._checks import PLAIN_TYPES
 
-__all__ = ["Kernels", "Splits", "check_sizes", "get_kernels", "te_available", "out_in", "packed", "stacked"]
+__all__ = ["Kernels", "Splits", "as_one_buffer", "check_sizes", "get_kernels", "te_available", "out_in", "packed", "stacked"]
 
 Weights = Union[Sequence[torch.Tensor], torch.Tensor]
 
@@ -82,7 +82,7 @@ def per_expert(scales: Any, amaxes: Any, n: int) -> Iterable[tuple[Any, Any]]:
     return zip(flat(scales), flat(amaxes) if amaxes is not None else itertools.repeat(None))
 
 
-def packed(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+def packed(ts: Sequence[torch.Tensor], layout_only: bool = False) -> torch.Tensor | None:
     """One ``[E, ...]`` view over ``ts`` (no copy) when they are contiguous tensors at
     consecutive addresses of one buffer (NOTE: [One buffer]); else None. ``ts`` share shape,
     dtype and device (the layers check that first; the dtype is checked again). Also None where
@@ -95,8 +95,8 @@ def packed(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     t0 = ts[0]
     if not set(map(type, ts)) <= PLAIN_TYPES or not t0.numel() or t0.layout != torch.strided:
         return None  # (every expert's type: a subclass anywhere keeps its semantics, as at ts[0])
-    if torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, ts)):
-        return None
+    if not layout_only and torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, ts)):
+        return None  # (``layout_only``: the layout alone, for a plan; the caller decides per call)
     if torch._C._functorch.peek_interpreter_stack() is not None and any(
             torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts):
         return None
@@ -112,6 +112,15 @@ def packed(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if t0.untyped_storage().nbytes() < (t0.storage_offset() + len(ts) * t0.numel()) * t0.element_size():
         return None  # the addresses run past t0's storage: not one buffer (inside it: one device)
     return t0.detach().as_strided((len(ts), *t0.shape), (t0.numel(), *t0.stride()))  # (no reference to ts[0])
+
+
+def as_one_buffer(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The ``[E, ...]`` view over ``ts`` that :func:`packed` finds, without its checks: for a
+    caller whose plan found ``ts`` one buffer (same identities and addresses since: NOTE: [Plan
+    once, run lean]) and whose autograd records no view (no grad mode, or no tensor requiring
+    grad)."""
+    t0 = ts[0]
+    return t0.detach().as_strided((len(ts), *t0.shape), (t0.numel(), *t0.stride()))
 
 
 def stacked(ts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -251,7 +260,7 @@ class Splits:
 
 def check_sizes(sizes: Sequence[int], T: int) -> None:
     """Host split sizes are non-negative and sum to the tokens (ValueError otherwise)."""
-    if any(s < 0 for s in sizes):
+    if sizes and min(sizes) < 0:
         raise ValueError(f"splits must be non-negative, got {list(sizes)}")
     if sum(sizes) != T:
         raise ValueError(f"splits sum to {sum(sizes)} but x has {T} rows (tokens): they must sum to x.shape[0]")

@@ -150,19 +150,16 @@ def _requires_grad(*operands) -> bool:
 
 
 def _unbatched(method):
-    """NOTE: [Transforms without a rule] TE's C++ kernels read raw pointers, so they cannot
-    take functorch's wrapper tensors: the batched tensors of the backward inside
-    ``vmap(grad(f))``, or jvp's tangents. Such calls run on the reference kernels' split path,
-    which torch's transforms handle (same math, reference numerics)."""
-    from .torch_ref import TORCH
+    """TE's C++ kernels read raw pointers, so they cannot take functorch's wrapper tensors: the
+    layers route such products to the reference kernels (``plan.route``, NOTE: [Transforms
+    without a rule]); one reaching TE is a bug, refused here rather than computed wrong. Also
+    refuses a backward that records a graph through TE's GEMMs."""
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         if _wrapped(*args, *kwargs.values()):
-            if method.__name__.startswith("grouped_"):
-                args = (*args[:-1], False)  # the last positional argument is `grouped`
-            kwargs.pop("split_accumulator", None)  # FP8 only (TE's storages are never functorch-wrapped)
-            return getattr(TORCH, method.__name__)(*args, **kwargs)
+            raise RuntimeError(f"functional_dw internal error: a torch.func wrapper reached TE's {method.__name__}; "
+                               "the layer should have routed it to the reference kernels (plan.route)")
         if _in_create_graph_backward() and _requires_grad(*args, *kwargs.values()):
             raise RuntimeError(
                 "functional_dw: differentiating through TE's GEMMs (a backward with create_graph=True, "

@@ -192,12 +192,6 @@ def _stack32(qs: Sequence[QTensor], columnwise: bool) -> torch.Tensor:
     return torch.stack([q.dequantize(torch.float32, columnwise=columnwise) for q in qs])
 
 
-def _fp32_grouped(grouped: bool, a: torch.Tensor) -> bool:
-    """The grouped path can run the fp32 products: the CPU's grouped_mm takes fp32 (CUDA's takes
-    bf16 only, so there the products run per expert)."""
-    return grouped and _torch_grouped_mm is not None and not a.is_cuda and _plain(a)
-
-
 def _bias_add(y32: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return y32 if b is None else y32 + b.to(torch.float32)
 
@@ -260,6 +254,10 @@ class TorchKernels:
     # --- a group --------------------------------------------------------------------------
     def grouped_path_unsupported(self, x_TK: torch.Tensor, w_ENK: Weights, recipe=None) -> str | None:
         """(Eager plain tensors: the verdict is cached per (dtype, device, N, K); it reads nothing else.)"""
+        emulated = recipe is not None and getattr(recipe, "scaling", None) != "rowwise" \
+            and type(recipe).__name__ != "RowwiseScaling"
+        if emulated and x_TK.is_cuda:
+            return "the reference FP8 emulation multiplies in fp32, which torch's CUDA grouped_mm does not take"
         if type(x_TK) is torch.Tensor and not torch.compiler.is_compiling():
             key = (x_TK.dtype, x_TK.device, *out_in(w_ENK))
             if key not in _PATH_VERDICTS:
@@ -294,7 +292,7 @@ class TorchKernels:
             y_TN = self._q_fprop(_cat(x_TK, False), _stack32(w_ENK, False), splits, grouped)
             b32 = None if b_EN is None else b_EN.to(torch.float32)[_row_expert(splits)]
             return _bias_add(y_TN, b32).to(x_TK[0].dtype)
-        if not grouped or not _plain(x_TK, *_list(w_ENK), b_EN):
+        if not grouped:  # (the layer's route: NOTE: [Transforms without a rule])
             return self.split_fprop(x_TK, w_ENK, b_EN, splits)
         y_TN = self.weights_gmm(_mm_ready(x_TK), w_ENK, splits.ends(torch.int32), transpose=True)
         if b_EN is not None:
@@ -306,10 +304,10 @@ class TorchKernels:
             return rowwise_ops.dgrad(dy_TN, w_ENK, splits, split_accumulator=split_accumulator)
         if not isinstance(dy_TN, torch.Tensor):  # FP8
             dy32, w32 = _cat(dy_TN, False), _stack32(w_ENK, True)
-            if _fp32_grouped(grouped, dy32):
+            if grouped:
                 return _gmm(dy32, w32, splits.ends(torch.int32)).to(dy_TN[0].dtype)
             return self.split_dgrad(dy32, w32, splits).to(dy_TN[0].dtype)
-        if not grouped or not _plain(dy_TN, *_list(w_ENK)):
+        if not grouped:
             return self.split_dgrad(dy_TN, w_ENK, splits)
         return self.weights_gmm(_mm_ready(dy_TN), w_ENK, splits.ends(torch.int32), transpose=False)
 
@@ -328,7 +326,7 @@ class TorchKernels:
         if not isinstance(x_TK, torch.Tensor):  # FP8
             _no_dbias(with_dbias)
             x32, dy32 = _cat(x_TK, True), _cat(dy_TN, True)
-            if _fp32_grouped(grouped, x32):
+            if grouped:
                 dw32 = _gmm(dy32.t(), x32, splits.ends(torch.int32))
             else:
                 dw32 = self.split_wgrad(x32, dy32, splits)
@@ -339,13 +337,7 @@ class TorchKernels:
             return out, None
         db_EN = expert_sums(dy_TN, splits) if with_dbias else None
         dt = x_TK.dtype if out is None else out[0].dtype
-        grouped = grouped and _plain(x_TK, dy_TN)
-        if grouped and dt != x_TK.dtype and (x_TK.is_cuda or dt == torch.float64):
-            # main_grad's dtype (fp32 from bf16, or float64) that grouped_mm cannot write: CUDA's
-            # writes bf16 only (a bf16 product cast up would not be fp32-accurate), none writes
-            # float64. The products run per expert in main_grad's dtype (a host sync for sizes).
-            grouped = False
-        if not grouped:
+        if not grouped:  # (the layer's route, and plan.wgrad_grouped for a main_grad grouped_mm cannot write)
             if dt != x_TK.dtype:  # fp32 main_grad: the product in its dtype
                 x_TK, dy_TN = x_TK.to(dt), dy_TN.to(dt)
             return self.split_wgrad(x_TK, dy_TN, splits, out=out, accumulate=accumulate), db_EN
@@ -364,7 +356,7 @@ class TorchKernels:
         return out, db_EN
 
     def _q_fprop(self, x32: torch.Tensor, w32: torch.Tensor, splits: Splits, grouped: bool) -> torch.Tensor:
-        if _fp32_grouped(grouped, x32):
+        if grouped:
             return _gmm(x32, w32.transpose(-2, -1), splits.ends(torch.int32))
         return self.split_fprop(x32, w32, None, splits)
 
