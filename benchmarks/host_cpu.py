@@ -1,12 +1,26 @@
-"""Host (Python) time per forward+backward at tiny CPU shapes: functional_dw next to torch.
+"""The host-time proxy on the CPU: functional_dw's expert layer next to torch's autograd grouped_mm.
 
-    python benchmarks/host_cpu.py [--rounds R] [--iters I] [--out PATH]
+    python benchmarks/host_cpu.py [--experts 8,32,128] [--rounds R] [--iters I] [--quick] [--out DIR]
 
-E=8 experts, T=64 tokens, K=N=32, fp32, backend="torch", on the CPU: the GEMMs cost next to
-nothing, so the numbers are what each call costs the host. Each row is the min over R
-interleaved rounds (every implementation once per round) of the mean us per step over I steps.
-Writes benchmarks/results/host_cpu.json.
+Tiny shapes (4 tokens per expert, K = N = 32, float32, ``backend="torch"``), so the GEMMs cost
+next to nothing and each number is what a fwd+bwd step costs the host: Python, the autograd
+engine, the dispatcher. Contenders, interleaved (every one once per round; each number is the
+min over R rounds of the mean over I steps, in microseconds):
+
+* ``torch grouped_mm``: ``torch._grouped_mm`` under autograd on one ``[E, N, K]`` parameter;
+* ``fd, one [E, N, K] weight``: ``nn.GroupedLinear(single_grouped_weight=True)``;
+* ``fd, E weights (TE's layout)``: ``nn.GroupedLinear`` with per-expert parameters (views of one
+  buffer): the autograd engine accumulates E gradients, one per parameter;
+* ``autograd engine, E leaves``: what the engine alone charges for E parameters: a no-op
+  autograd Function whose backward hands E views of one buffer to E leaves, minus the same
+  with one leaf (so the per-parameter cost of TE's layout, which no layer can avoid).
+
+The splits are host lists (the split counts a CPU step reads). ``--quick`` (E=8 and 32, few
+rounds: seconds) is what the CI runs; the numbers it writes are not meant to be compared.
+Writes ``DIR/host_cpu.json`` and ``DIR/host_cpu.md`` (default ``benchmarks/results/host_cpu/``).
 """
+from __future__ import annotations
+
 import argparse
 import json
 import platform
@@ -17,68 +31,108 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's functional_dw
 
 import torch
-import torch.nn.functional as F
 
 import functional_dw as fd
 
-E, T, K, N = 8, 64, 32, 32
+K = N = 32
+TOKENS_PER_EXPERT = 4
 
 
-def cases():
+class _Leaves(torch.autograd.Function):
+    """y = x; backward hands each of the E leaves a view of one zero buffer (no GEMM)."""
+
+    @staticmethod
+    def forward(x, *ws):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.shape = (len(inputs) - 1, *inputs[1].shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g, *torch.zeros(ctx.shape).unbind(0))
+
+
+def contenders(E: int) -> dict:
     torch.manual_seed(0)
+    T = TOKENS_PER_EXPERT * E
     x = torch.randn(T, K, requires_grad=True)
-    dy_lin = torch.randn(T, N)
-    w = torch.nn.Parameter(torch.randn(N, K) * 0.1)
+    dy = torch.randn(T, N)
+    splits = [TOKENS_PER_EXPERT] * E
+    offs = torch.tensor(splits).cumsum(0).to(torch.int32)
     w_ENK = torch.nn.Parameter(torch.randn(E, N, K) * 0.1)
-    host = [T // E] * E
-    splits_t = torch.tensor(host)
-    offs = splits_t.cumsum(0).to(torch.int32)
-    m = fd.nn.GroupedLinear(E, K, N, bias=False)
-    ws = list(m.parameters())
+    single = fd.nn.GroupedLinear(E, K, N, bias=False, backend="torch", single_grouped_weight=True)
+    per_expert = fd.nn.GroupedLinear(E, K, N, bias=False, backend="torch")
+    leaves = [torch.nn.Parameter(t) for t in torch.zeros(E, N, K).unbind(0)]
+    one_leaf = [torch.nn.Parameter(torch.zeros(N, K))]
 
-    def step(f, params):
-        return lambda: torch.autograd.grad(f(x), [x, *params], dy_lin)
+    def step(forward):
+        def run():
+            torch.autograd.backward(forward(), dy)
+        return run
 
     return {
-        "fd linear": step(lambda x: fd.linear(x, w, backend="torch"), [w]),
-        "F.linear (autograd)": step(lambda x: F.linear(x, w), [w]),
-        "fd grouped, stacked [E,N,K]": step(lambda x: fd.grouped_linear(x, w_ENK, host, backend="torch"), [w_ENK]),
-        "fd grouped, list (nn.GroupedLinear)": step(lambda x: fd.grouped_linear(x, ws, host, backend="torch"), ws),
-        "fd grouped, stacked, tensor splits": step(
-            lambda x: fd.grouped_linear(x, w_ENK, splits_t, backend="torch"), [w_ENK]),
-        "torch._grouped_mm (autograd)": step(
-            lambda x: torch._grouped_mm(x, w_ENK.transpose(-2, -1), offs=offs), [w_ENK]),
+        "torch grouped_mm": step(lambda: torch._grouped_mm(x, w_ENK.transpose(-2, -1), offs=offs)),
+        "fd, one [E, N, K] weight": step(lambda: single(x, splits)),
+        "fd, E weights (TE's layout)": step(lambda: per_expert(x, splits)),
+        "engine, E leaves": lambda: torch.autograd.backward(_Leaves.apply(x, *leaves), dy[:, :1].expand(T, K)),
+        "engine, 1 leaf": lambda: torch.autograd.backward(_Leaves.apply(x, *one_leaf), dy[:, :1].expand(T, K)),
     }
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--iters", type=int, default=300)
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "host_cpu.json")
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    steps = cases()
+def measure(E: int, rounds: int, iters: int) -> dict[str, float]:
+    steps = contenders(E)
     for f in steps.values():
-        for _ in range(50):
+        for _ in range(max(5, iters // 10)):
             f()
     best = {k: float("inf") for k in steps}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for k, f in steps.items():
             t0 = time.perf_counter()
-            for _ in range(args.iters):
+            for _ in range(iters):
                 f()
-            best[k] = min(best[k], (time.perf_counter() - t0) / args.iters * 1e6)
-    print(f"E={E} T={T} K={K} N={N} fp32 CPU, backend='torch'; us per fwd+bwd, min of {args.rounds} interleaved rounds")
-    w = max(map(len, best))
-    for k, v in best.items():
-        print(f"  {k:<{w}}  {v:8.1f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "shape": {"E": E, "T": T, "K": K, "N": N, "dtype": "float32", "device": "cpu", "backend": "torch"},
+            best[k] = min(best[k], (time.perf_counter() - t0) / iters * 1e6)
+    best["engine per extra parameter"] = (best.pop("engine, E leaves") - best.pop("engine, 1 leaf")) / max(E - 1, 1)
+    return best
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Host time per fwd+bwd step on the CPU (us; {result['shape']})", "",
+             f"torch {result['torch']}, Python {result['python']}, {result['rounds']} rounds x {result['iters']} steps"
+             f"{' (quick: not for comparison)' if result['quick'] else ''}.", "",
+             "| E | torch grouped_mm | fd, one [E,N,K] weight | ratio | fd, E weights | ratio | engine per extra parameter |",
+             "|---|---|---|---|---|---|---|"]
+    for E, r in result["us_per_step"].items():
+        t = r["torch grouped_mm"]
+        one, per = r["fd, one [E, N, K] weight"], r["fd, E weights (TE's layout)"]
+        lines.append(f"| {E} | {t:.1f} | {one:.1f} | {one / t:.2f}x | {per:.1f} | {per / t:.2f}x | "
+                     f"{r['engine per extra parameter']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", default="8,32,128")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--quick", action="store_true", help="E=8,32, 2 rounds of 20 steps (seconds; what the CI runs)")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "host_cpu")
+    args = p.parse_args(argv)
+    experts = [int(e) for e in args.experts.split(",")]
+    if args.quick:
+        experts, args.rounds, args.iters = [e for e in experts if e <= 32] or experts[:1], 2, 20
+    torch.set_num_threads(1)
+    result = {
+        "shape": f"{TOKENS_PER_EXPERT} tokens per expert, K=N={K}, float32, backend='torch'",
         "torch": torch.__version__, "python": platform.python_version(), "rounds": args.rounds, "iters": args.iters,
-        "us_per_step": best,
-    }, indent=1) + "\n")
+        "quick": args.quick, "us_per_step": {E: measure(E, args.rounds, args.iters) for E in experts},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "host_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "host_cpu.md").write_text(markdown(result))
+    print(markdown(result))
+    return result
 
 
 if __name__ == "__main__":

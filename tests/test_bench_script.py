@@ -464,3 +464,27 @@ def test_moe_layer_budget_and_arguments(tmp_path):
     for bad in (["--only", "fd,nope"], ["--routing", "zipf"]):
         with pytest.raises(SystemExit):
             _moe().main(["--smoke", "--out", str(tmp_path), *bad])
+
+
+# --- benchmarks/host_cpu.py (the CPU host-time proxy) ----------------------------------------
+
+
+def test_host_cpu_proxy_quick_writes_every_contender(tmp_path):
+    """The proxy the CI runs in seconds: every E and contender measured (positive, finite), the
+    markdown's ratios computed from the JSON's numbers (no claim about speed)."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    try:
+        import host_cpu
+    finally:
+        sys.path.remove(str(HERE.parent / "benchmarks"))
+    result = host_cpu.main(["--quick", "--experts", "8,32,128", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "host_cpu.json").read_text())
+    assert saved["quick"] and list(saved["us_per_step"]) == ["8", "32"]  # quick leaves out E > 32
+    want = {"torch grouped_mm", "fd, one [E, N, K] weight", "fd, E weights (TE's layout)", "engine per extra parameter"}
+    md = (tmp_path / "host_cpu.md").read_text()
+    for E, r in result["us_per_step"].items():
+        assert set(r) == want
+        assert all(v == v and abs(v) < float("inf") for v in r.values())
+        assert all(r[k] > 0 for k in want - {"engine per extra parameter"})
+        t, one = r["torch grouped_mm"], r["fd, one [E, N, K] weight"]
+        assert f"| {E} | {t:.1f} | {one:.1f} | {one / t:.2f}x |" in md
