@@ -1,0 +1,187 @@
+"""Where each microsecond of a layer step's host time goes: the run path, phase by phase.
+
+    python benchmarks/host_phases.py [--shape E,H,F,T] [--layout single|list] [--device cuda|cpu] [--out DIR]
+
+One ``nn.GroupedLinear`` step (forward, then ``backward``; bf16 on CUDA with a CUDA splits
+tensor and ``backend="auto"``, float32 on the CPU with host splits and ``backend="torch"``) with
+each function of the run path wrapped by a timer: inclusive microseconds per step, nested as
+they call each other (a wrapper costs about 0.1 us). Beside it, without timers, the host time
+of the whole step, of torch's autograd ``grouped_mm`` step, and of the floor of any design that
+runs its backward in Python: a bare ``torch.autograd.Function`` doing the same three grouped
+GEMMs (no checks, no plan, no residual record). Host time: from the first call to the return
+of the last of 4 back-to-back steps after a synchronize, per step, median of 15 bursts.
+Writes ``DIR/host_phases_<device>.json`` and ``.md`` (default ``benchmarks/results/host_phases/``).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's functional_dw
+
+import torch
+
+import functional_dw as fd
+
+gl = sys.modules["functional_dw.grouped_linear"]
+cv = sys.modules["functional_dw.custom_vjp"]
+nn_mod = sys.modules["functional_dw.nn"]
+
+# (label, owner, attribute, depth): the run path, in call order
+PHASES = [
+    ("module forward", nn_mod.GroupedLinear, "forward", 0),
+    ("grouped_linear (options, bridge entry)", nn_mod, "grouped_linear", 1),
+    ("Function.forward (bridge)", cv._Bridge, "forward", 2),
+    ("_prepare (plan lookup, splits, operands)", gl, "_prepare", 3),
+    ("_forward (GEMM, record)", gl, "_forward", 3),
+    ("kernels: grouped_fprop", None, "grouped_fprop", 4),
+    ("Function.setup_context (save_for_backward)", cv._Bridge, "setup_context", 2),
+    ("backward (torch.autograd.backward)", None, None, 0),
+    ("Function.backward (bridge)", cv._Bridge, "backward", 1),
+    ("_residuals (rebuild the record)", cv, "_residuals", 2),
+    ("_checked (record, versions, dy)", gl, "_checked", 2),
+    ("_dgrad", gl, "_dgrad", 2),
+    ("kernels: grouped_dgrad", None, "grouped_dgrad", 3),
+    ("_wgrad (GEMM, finalize)", gl, "_wgrad", 2),
+    ("kernels: grouped_wgrad", None, "grouped_wgrad", 3),
+]
+
+
+def build(E, H, F, T, layout, device):
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    backend = "auto" if device == "cuda" else "torch"
+    m = fd.nn.GroupedLinear(E, H, F, bias=False, backend=backend, params_dtype=dtype, device=device,
+                            single_grouped_weight=layout == "single")
+    x = torch.randn(T, H, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(T, F, device=device, dtype=dtype)
+    splits = torch.full((E,), T // E, device=device, dtype=torch.int64) if device == "cuda" else [T // E] * E
+    offs = torch.full((E,), T // E, device=device, dtype=torch.int64).cumsum(0).to(torch.int32)
+    w = torch.nn.Parameter(torch.randn(E, F, H, device=device, dtype=dtype))
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return torch._grouped_mm(g, w, offs=offs), torch._grouped_mm(g.t(), x, offs=offs)
+
+    steps = {
+        "fd": lambda: m(x, splits).backward(dy),
+        "torch autograd grouped_mm": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(dy),
+        "floor: bare autograd.Function": lambda: Floor.apply(x, w).backward(dy),
+    }
+    return m, steps
+
+
+def host_ms(step, device, bursts=15, burst=4) -> float:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(5):
+        step()
+    sync()
+    times = []
+    for _ in range(bursts):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(burst):
+            step()
+        times.append((time.perf_counter() - t0) / burst * 1e3)
+        sync()
+    return statistics.median(times)
+
+
+def phases(m, step, device, n=200) -> dict[str, float]:
+    acc: collections.Counter = collections.Counter()
+    undo = []
+
+    def wrap(owner, attr, label, static):
+        f = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        fn = f.__func__ if isinstance(f, staticmethod) else f
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[label] += time.perf_counter() - t0
+        setattr(owner, attr, staticmethod(timed) if static else timed)
+        undo.append((owner, attr, f))
+
+    step()  # (the plan, and the kernels the layer runs on)
+    kern_cls = type(cv._residuals(m(*PROBE).grad_fn).kernels)
+    for label, owner, attr, _ in PHASES:
+        if attr is None:
+            continue
+        owner = kern_cls if owner is None else owner
+        wrap(owner, attr, label, static=isinstance(owner.__dict__.get(attr), staticmethod))
+    try:
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        for _ in range(20):
+            step()
+        sync()
+        acc.clear()
+        for _ in range(n):
+            t1 = time.perf_counter()
+            y = m(*PROBE)
+            t2 = time.perf_counter()
+            y.backward(PROBE_DY)
+            acc["backward (torch.autograd.backward)"] += time.perf_counter() - t2
+            acc["module forward (outer)"] += t2 - t1
+        sync()
+    finally:
+        for owner, attr, f in reversed(undo):
+            setattr(owner, attr, f)
+    return {label: acc[label] / n * 1e6 for label, *_ in PHASES}
+
+
+PROBE: tuple = ()  # (x, splits) of the timed steps
+PROBE_DY = None
+
+
+def main(argv=None):
+    global PROBE, PROBE_DY
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default=None, help="E,H,F,T (default 8,2048,2048,8192 on CUDA; 8,32,32,32 on the CPU)")
+    p.add_argument("--layout", default="single", choices=["single", "list"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "host_phases")
+    args = p.parse_args(argv)
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # (tiny GEMMs: threads only add contention)
+    shape = args.shape or ("8,2048,2048,8192" if args.device == "cuda" else "8,32,32,32")
+    E, H, F, T = map(int, shape.split(","))
+    m, steps = build(E, H, F, T, args.layout, args.device)
+    x = torch.randn(T, H, device=args.device, dtype=m.weights()[0].dtype, requires_grad=True)
+    splits = (torch.full((E,), T // E, device=args.device, dtype=torch.int64) if args.device == "cuda"
+              else [T // E] * E)
+    PROBE, PROBE_DY = (x, splits), torch.randn(T, F, device=args.device, dtype=x.dtype)
+    whole = {k: host_ms(f, args.device) * 1e3 for k, f in steps.items()}
+    per_phase = phases(m, steps["fd"], args.device)
+    result = {"shape": dict(E=E, H=H, F=F, T=T), "layout": args.layout, "device": args.device,
+              "torch": torch.__version__, "host_us_per_step": whole, "phases_us_per_step": per_phase}
+    lines = [f"# Host us per fwd+bwd step, {args.device}, E={E} H={H} F={F} T={T}, {args.layout} weight layout", "",
+             "| step (no timers) | host us |", "|---|---|"]
+    lines += [f"| {k} | {v:.0f} |" for k, v in whole.items()]
+    lines += ["", "| phase of fd's step (inclusive, nested) | us |", "|---|---|"]
+    for label, _, _, depth in PHASES:
+        lines.append(f"| {'&nbsp;&nbsp;' * depth}{label} | {per_phase[label]:.1f} |")
+    md = "\n".join(lines) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"host_phases_{args.device}_{args.layout}"
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(md)
+    print(md)
+    return result
+
+
+if __name__ == "__main__":
+    main()
