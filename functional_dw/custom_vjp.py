@@ -429,9 +429,16 @@ def _split(rules: _Rules, args: tuple) -> tuple[tuple, tuple]:
                         f"{len(args)} positional arguments")
     k = rules.nondiff[0]
     if rules.nondiff == tuple(range(k, len(args))):  # the usual layout: the options come last
-        return args[:k], args[k:]
-    skip = set(rules.nondiff)
-    return tuple(a for i, a in enumerate(args) if i not in skip), tuple(args[i] for i in rules.nondiff)
+        diff, static = args[:k], args[k:]
+    else:
+        skip = set(rules.nondiff)
+        diff, static = tuple(a for i, a in enumerate(args) if i not in skip), tuple(args[i] for i in rules.nondiff)
+    for i, v in zip(rules.nondiff, static):
+        if isinstance(v, torch.Tensor):
+            raise TypeError(f"custom_vjp({rules.name}): argument {i} is a Tensor but nondiff_argnums={rules.nondiff} "
+                            "names it: a nondiff argument is held by reference, so transforms and autograd would "
+                            "not see it. Pass tensors as differentiable arguments (bwd may return None for them)")
+    return diff, static
 
 
 def _join(rules: _Rules, diff: tuple, static: tuple) -> tuple:

@@ -172,6 +172,23 @@ def grad_targets(params: Sequence[torch.Tensor], dw: bool, shapes: Sequence[tupl
             for b, p, shape in zip(out, params, shapes)]
 
 
+def weight_grads(params: Sequence[torch.Tensor], dw: bool, fused: bool, shapes: Sequence[tuple], frozen: bool,
+                 like: torch.Tensor, gemm: Any, name: str) -> list[Any]:
+    """The wgrad epilogue both layers share: what autograd receives for ``params``.
+
+    ``frozen`` (no weight grad wanted, or fused and every weight frozen): no GEMM; a
+    DistributedWeight still finalizes, once, as every rank does (:func:`frozen_wgrads`); plain
+    weights get None. Else ``gemm(out, accumulate)`` runs the wgrad product(s) and returns one
+    grad per weight: ``out`` the fused targets (``main_grad``, ``grad_buffer()``: :func:`grad_targets`)
+    or None, ``accumulate`` TE's rule (:func:`accumulates`); then :func:`finalize`."""
+    if frozen:
+        if dw:
+            return finalize(params, True, fused, frozen_wgrads(params, shapes, fused, like, name), name)
+        return [None] * len(params)
+    out = grad_targets(params, dw, shapes, name) if fused else None
+    return finalize(params, dw, fused, gemm(out, fused and accumulates(params, dw)), name)
+
+
 def accumulates(params: Sequence[torch.Tensor], dw: bool) -> bool:
     """TE's rule: a DW's finalize does the accumulation; ``overwrite_main_grad`` overwrites."""
     return not dw and not getattr(params[0], "overwrite_main_grad", False)

@@ -284,7 +284,7 @@ def _plan_key(x: Any, weights: Any, splits: Any, bias: Any, opts: Options) -> An
     else:
         return None
     fk = _fp8.plan_key(opts.fp8)
-    if None in (bk, sk, fk) and (bias is not None or sk is None or opts.fp8 is not None):
+    if (bias is not None and bk is None) or sk is None or (opts.fp8 is not None and fk is None):
         return None
     u, f = opts.use_grouped_tensor, opts.fuse_wgrad_accumulation
     return x.shape[1:], x.dtype, x.device, wk, bk, sk, fk, type(f), f, type(u), u, opts.backend
@@ -483,31 +483,28 @@ def _dgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: _Route
 
 
 def _wgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: _Route) -> tuple[Any, Any]:
-    fused = res.fuse_wgrad_accumulation
-    want_b = _wanted(res)[2]
-    if _frozen(res):  # no wgrad GEMM; a DistributedWeight still finalizes (zeros), once, as every rank does
-        db_EN = expert_sums(dy_TN, res.splits) if res.bias is not None and want_b else None
-        if res.distributed:
-            zeros = dwp.frozen_wgrads(res.weights, res.weight_shapes, fused, dy_TN, "weights")
-            wgrads = dwp.finalize(res.weights, True, fused, zeros)
-            return (wgrads[0] if res.stacked else wgrads), _bias_grads(res, db_EN)
-        return (None if res.stacked else [None] * len(res.weights)), _bias_grads(res, db_EN)
-    out = None
-    if fused:
-        targets = dwp.grad_targets(res.weights, res.distributed, res.weight_shapes, "weights")
-        out = targets[0] if res.stacked else targets
-    accumulate, with_dbias = fused and dwp.accumulates(res.weights, res.distributed), res.bias is not None and want_b
-    grouped = k.grouped and wgrad_grouped(k.kernels, dy_TN, out)
-    if res.fp8 is not None:  # the saved FP8 x and dy; the bias grad from the high-precision dy
-        dw = k.kernels.grouped_wgrad(res.x_TK, dyq, res.splits, grouped, out=out, accumulate=accumulate,
-                                     split_accumulator=res.fp8.acc.wgrad)[0]
-        db_EN = expert_sums(dy_TN, res.splits) if with_dbias else None
-    else:
-        dw, db_EN = k.kernels.grouped_wgrad(_x_TK(res), dy_TN, res.splits, grouped, out=out,
-                                            accumulate=accumulate, with_dbias=with_dbias)
-    wgrads = dwp.finalize(res.weights, res.distributed, fused, [dw] if res.stacked else list(dw))
-    dweights = wgrads[0] if res.stacked else wgrads
-    return dweights, _bias_grads(res, db_EN)
+    """(dweights, dbiases): the wgrad GEMM (one [E, N, K] product, or per expert) through the
+    epilogue both layers share (:func:`dwp.weight_grads`); the bias grad from the high-precision dy."""
+    with_dbias = res.bias is not None and _wanted(res)[2]
+    db_EN = None
+
+    def gemm(out: list | None, accumulate: bool) -> list:
+        nonlocal db_EN
+        out = None if out is None else out[0] if res.stacked else out
+        grouped = k.grouped and wgrad_grouped(k.kernels, dy_TN, out)
+        if res.fp8 is not None:  # the saved FP8 x and dy
+            dw = k.kernels.grouped_wgrad(res.x_TK, dyq, res.splits, grouped, out=out, accumulate=accumulate,
+                                         split_accumulator=res.fp8.acc.wgrad)[0]
+        else:
+            dw, db_EN = k.kernels.grouped_wgrad(_x_TK(res), dy_TN, res.splits, grouped, out=out,
+                                                accumulate=accumulate, with_dbias=with_dbias)
+        return [dw] if res.stacked else list(dw)
+
+    wgrads = dwp.weight_grads(res.weights, res.distributed, res.fuse_wgrad_accumulation, res.weight_shapes,
+                              _frozen(res), dy_TN, gemm, "weights")
+    if with_dbias and db_EN is None:  # (FP8, or no GEMM ran)
+        db_EN = expert_sums(dy_TN, res.splits)
+    return (wgrads[0] if res.stacked else wgrads), _bias_grads(res, db_EN)
 
 
 def _bias_grads(res: GroupedLinearResiduals, db_EN: torch.Tensor | None) -> Any:

@@ -210,23 +210,25 @@ def _dgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: Kernels) -> t
 
 
 def _wgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: Kernels) -> tuple[Any, torch.Tensor | None]:
-    params, fused = [res.weight], res.fuse_wgrad_accumulation
-    want_b = _wanted(res)[2]
-    shape = (res.out_features, res.x_shape[-1])
-    if _frozen(res):  # frozen: no wgrad GEMM, main_grad untouched
-        db = column_sums(dy_TN) if res.has_bias and want_b else None
-        if res.distributed:
-            zeros = dwp.frozen_wgrads(params, [shape], fused, dy_TN, "weight")
-            return dwp.finalize(params, True, fused, zeros, "weight")[0], db
-        return None, db
-    out = dwp.grad_targets(params, res.distributed, [shape], "weight")[0] if fused else None
-    accumulate, with_dbias = fused and dwp.accumulates(params, res.distributed), res.has_bias and want_b
-    if res.fp8 is not None:  # the saved FP8 x and dy; the bias grad from the high-precision dy
-        dw = k.wgrad(res.x, dyq, out=out, accumulate=accumulate, split_accumulator=res.fp8.acc.wgrad)[0]
-        db = column_sums(dy_TN) if with_dbias else None
-    else:
+    """(dweight, dbias): the wgrad GEMM through the epilogue both layers share
+    (:func:`dwp.weight_grads`); the bias grad from the high-precision dy."""
+    with_dbias = res.has_bias and _wanted(res)[2]
+    db = None
+
+    def gemm(out: list | None, accumulate: bool) -> list:
+        nonlocal db
+        out = None if out is None else out[0]
+        if res.fp8 is not None:  # the saved FP8 x and dy
+            return [k.wgrad(res.x, dyq, out=out, accumulate=accumulate, split_accumulator=res.fp8.acc.wgrad)[0]]
         dw, db = k.wgrad(_x_TK(res), dy_TN, out=out, accumulate=accumulate, with_dbias=with_dbias)
-    return dwp.finalize(params, res.distributed, fused, [dw], "weight")[0], db
+        return [dw]
+
+    shape = (res.out_features, res.x_shape[-1])
+    dw = dwp.weight_grads([res.weight], res.distributed, res.fuse_wgrad_accumulation, [shape], _frozen(res), dy_TN,
+                          gemm, "weight")[0]
+    if with_dbias and db is None:  # (FP8, or no GEMM ran)
+        db = column_sums(dy_TN)
+    return dw, db
 
 
 def _bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple:
