@@ -176,7 +176,7 @@ def main(argv=None):
         lines.append(f"| {'&nbsp;&nbsp;' * depth}{label} | {per_phase[label]:.1f} |")
     md = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"host_phases_{args.device}_{args.layout}"
+    stem = f"host_phases_{args.device}_E{E}_{args.layout}"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / f"{stem}.md").write_text(md)
     print(md)
