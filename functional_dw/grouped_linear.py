@@ -320,7 +320,7 @@ def _prepare(x, weights, splits, bias, opts: Options) -> _Call:
             _PLANS.put(key, plan)
     else:
         params = (weights,) if plan.stacked else tuple(weights)
-        w_ENK = weights if plan.stacked else params
+        w_ENK = weights if plan.stacked else list(params)  # (a list, as materialize gives: the kernels see one form)
     if plan.warn is not None:
         _checks.warn(plan.warn)
     if plan.packed:  # one [E, N, K] view (NOTE: [One buffer]), unless autograd would have to record it

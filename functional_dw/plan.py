@@ -10,8 +10,9 @@ NOTE: [Plan once, run lean]
   Plans are cached (:class:`PlanCache`) for plain eager calls, keyed on exactly what they
   read: a call whose key was seen reuses its plan and skips every metadata check. The key of a
   group of E weights is their identities and storage addresses (two C loops over E) plus the
-  shapes, strides, dtypes and devices (C loops over E): what the plan's checks and its
-  one-buffer verdict read, so a ``.data`` swap, an in-place ``transpose_``, a re-tied module or a
+  shapes, strides, dtypes and devices (C loops over E), and the first one's storage (base and
+  size: the caching allocator may put separate tensors back to back): what the plan's checks and
+  its one-buffer verdict read, so a ``.data`` swap, an in-place ``transpose_``, a re-tied module or a
   new model built where an old one was freed changes it. (Identity is not in it: equal metadata
   at equal addresses makes the same decisions.) Calls that are not plain eager (``torch.compile``
   tracing, a ``torch.func`` transform, forward-mode AD, a dispatch mode such as
@@ -73,8 +74,9 @@ def weights_key(ws: Any) -> Hashable | None:
     if not set(map(type, ws)) <= PLAIN_TYPES:
         return None
     try:
+        storage = ws[0].untyped_storage()  # (separate allocations may lie back to back: one buffer is one storage)
         return (tuple(map(torch.Tensor.data_ptr, ws)), tuple(map(_SHAPE, ws)), tuple(map(torch.Tensor.stride, ws)),
-                frozenset(map(_DTYPE_DEVICE, ws)))
+                frozenset(map(_DTYPE_DEVICE, ws)), storage.data_ptr(), storage.nbytes())
     except (RuntimeError, TypeError, NotImplementedError):
         return None
 
