@@ -345,7 +345,7 @@ def _prepare(x, weights, splits, bias, opts: Options) -> _Call:
             known = split.host if split.host is not None or path == "grouped" else split.sizes()
             _fp8.check_dims(*plan.shapes[0][-2:][::-1], splits=known)  # device-only counts: not checked (a sync)
     x_TK = _checks.dense(x)
-    kernels, grouped = route(plan.kernels, path == "grouped", x_TK, w_ENK)
+    kernels, grouped = route(plan.kernels, path == "grouped", x_TK, w_ENK, one_path=_one_path(plan.fp8))
     return _Call(plan, params, w_ENK, split, b_EN, x_TK, kernels, "grouped" if grouped else "split", plan.fp8)
 
 
@@ -432,7 +432,13 @@ def _checked(res: Any, dy: Any, fn: str) -> tuple[torch.Tensor, _Route]:
     and where backward's products run."""
     dy_TN = _dy_TN(_check_res(res, fn), dy)
     dwp.check_versions(res.weights, res.weight_version, "weights")
-    return dy_TN, _Route(*route(res.kernels, res.path == "grouped", dy_TN, res.x_TK, res.weights))
+    return dy_TN, _Route(*route(res.kernels, res.path == "grouped", dy_TN, res.x_TK, res.weights,
+                                one_path=_one_path(res.fp8)))
+
+
+def _one_path(p: _fp8.Plan | None) -> bool:
+    """RowwiseScaling's products have one path, its grouped GEMM (no per-expert path to route to)."""
+    return p is not None and p.w.scaling == "rowwise"
 
 
 def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:

