@@ -132,7 +132,7 @@ class _FlatSpec:
     """The structure of a layer's arguments without a pytree walk: each argument a tensor, a
     scalar or string, None, or a list/tuple of tensors (every layer's arguments), as (kind,
     count) pairs. Same interface as a pytree spec where the bridge reads one (``unflatten``,
-    ``flatten_up_to``, ``num_leaves``, ``to_pytree``). NOTE: [Pytrees] (several times faster
+    ``flatten_up_to``, ``num_leaves``; ``cotangent_leaves`` for the lenient form). NOTE: [Pytrees] (several times faster
     than a pytree spec, C++ or Python; torch installs no C++ pytree by default)."""
 
     __slots__ = ("kinds", "num_leaves")
@@ -195,8 +195,32 @@ class _FlatSpec:
                     raise ValueError("structure")
         return leaves
 
-    def to_pytree(self) -> pytree.TreeSpec:
-        return pytree.tree_structure(self.unflatten([0] * self.num_leaves))
+    def cotangent_leaves(self, d: Any, name: str, per: str) -> list:
+        """The lenient form of :meth:`flatten_up_to`: None for a whole list (no cotangent for any
+        of it), any cotangent given for an argument that was None ignored (nothing to
+        differentiate); a TypeError that names the argument otherwise."""
+        def bad(what: str) -> TypeError:
+            return TypeError(f"custom_vjp({name}): bwd must return one cotangent per {per} of fwd, shaped like "
+                             f"the arguments (None for no gradient), as a tuple; {what}")
+
+        if not isinstance(d, tuple):
+            raise bad(f"got {type(d).__name__}")
+        if len(d) != len(self.kinds):
+            raise bad(f"expected {len(self.kinds)} cotangents, got {len(d)}")
+        leaves: list = []
+        for i, (kind, v) in enumerate(zip(self.kinds, d)):
+            if kind is _LEAF:
+                leaves.append(v)
+            elif kind is not _NONE:
+                cls, n = kind
+                if v is None:
+                    leaves.extend([None] * n)
+                elif isinstance(v, (list, tuple)) and len(v) == n:
+                    leaves.extend(v)
+                else:
+                    got = f"{type(v).__name__} of {len(v)}" if isinstance(v, (list, tuple)) else type(v).__name__
+                    raise bad(f"argument {i} is a {cls.__name__} of {n} tensors, its cotangent a {got}")
+        return leaves
 
 
 _LEAF, _NONE = "leaf", "none"
@@ -338,7 +362,7 @@ def _fresh(o: torch.Tensor, in_leaves: tuple, out_leaves: tuple, roots: dict) ->
     return alias if o is root else alias.as_strided(o.size(), o.stride(), o.storage_offset())
 
 
-def _cotangent_leaves(d: Any, spec: pytree.TreeSpec, name: str) -> list:
+def _cotangent_leaves(d: Any, spec: pytree.TreeSpec, name: str, per: str = "argument") -> list:
     """Flatten ``d`` along ``spec``; ``None`` stands for "no cotangent" for a whole subtree."""
     if d is None:
         return [None] * spec.num_leaves
@@ -349,22 +373,24 @@ def _cotangent_leaves(d: Any, spec: pytree.TreeSpec, name: str) -> list:
     specs = spec.children() if hasattr(spec, "children") else spec.children_specs  # torch >= 2.13
     if children is None or len(children) != len(specs):
         raise TypeError(
-            f"custom_vjp({name}): bwd must return one cotangent per argument of fwd, shaped like "
+            f"custom_vjp({name}): bwd must return one cotangent per {per} of fwd, shaped like "
             f"the arguments (None for no gradient); expected {spec}, got {pytree.tree_structure(d)}"
         )
-    return [leaf for c, s in zip(children, specs) for leaf in _cotangent_leaves(c, s, name)]
+    return [leaf for c, s in zip(children, specs) for leaf in _cotangent_leaves(c, s, name, per)]
 
 
-def _flatten_cotangents(d: Any, spec: Any, name: str) -> list:
-    """Fast path: ``d`` has the arguments' full structure; else allow None for a subtree."""
+def _flatten_cotangents(d: Any, spec: Any, rules: "_Rules") -> list:
+    """Fast path: ``d`` has the arguments' full structure; else allow None for a subtree (and,
+    for a flat spec, ignore a cotangent given for an argument that was None)."""
+    per = "argument" if not rules.nondiff else f"differentiable argument (nondiff_argnums={rules.nondiff} excluded)"
     try:
         return spec.flatten_up_to(d)
     except (ValueError, TypeError, RuntimeError):
         if isinstance(spec, _FlatSpec):
-            spec = spec.to_pytree()
-        elif _tree(spec) is not pytree:  # redo the structure with the Python pytree
+            return spec.cotangent_leaves(d, rules.name, per)
+        if _tree(spec) is not pytree:  # redo the structure with the Python pytree
             spec = pytree.tree_structure(fast_pytree.tree_unflatten([0] * spec.num_leaves, spec))
-        return _cotangent_leaves(d, spec, name)
+        return _cotangent_leaves(d, spec, rules.name, per)
 
 
 # --- one pair's rules, one call's structure -----------------------------------------------------
@@ -434,11 +460,22 @@ def _split(rules: _Rules, args: tuple) -> tuple[tuple, tuple]:
         skip = set(rules.nondiff)
         diff, static = tuple(a for i, a in enumerate(args) if i not in skip), tuple(args[i] for i in rules.nondiff)
     for i, v in zip(rules.nondiff, static):
-        if isinstance(v, torch.Tensor):
-            raise TypeError(f"custom_vjp({rules.name}): argument {i} is a Tensor but nondiff_argnums={rules.nondiff} "
-                            "names it: a nondiff argument is held by reference, so transforms and autograd would "
+        if _holds_tensor(v):
+            raise TypeError(f"custom_vjp({rules.name}): argument {i} is or holds a Tensor but nondiff_argnums="
+                            f"{rules.nondiff} names it: a nondiff argument is held by reference, "
+                            "so transforms and autograd would "
                             "not see it. Pass tensors as differentiable arguments (bwd may return None for them)")
     return diff, static
+
+
+def _holds_tensor(v: Any) -> bool:
+    """A tensor, or a pytree holding one (objects that declare ``_fdw_static``, such as the
+    layers' options, are not looked into: they hold none)."""
+    if isinstance(v, torch.Tensor):
+        return True
+    if v is None or type(v) in _SCALARS or getattr(type(v), "_fdw_static", False):
+        return False
+    return any(isinstance(t, torch.Tensor) for t in fast_pytree.tree_leaves(v))
 
 
 def _join(rules: _Rules, diff: tuple, static: tuple) -> tuple:
@@ -503,7 +540,7 @@ class _Bridge(torch.autograd.Function):
             grads = [torch.zeros(s, dtype=d, device=v) if g is None else g
                      for g, (s, d, v) in zip(grads, call.out_meta)]
         d_out = _unflatten_out(grads, call.out_spec)
-        d_args = _flatten_cotangents(call.rules.bwd(_residuals(ctx), d_out), call.in_spec, call.rules.name)
+        d_args = _flatten_cotangents(call.rules.bwd(_residuals(ctx), d_out), call.in_spec, call.rules)
         needs = ctx.needs_input_grad
         return (None, *[g if needs[1 + i] else None for i, g in enumerate(d_args)])
 
@@ -659,7 +696,7 @@ def custom_vjp(
       batch back. Returning None (or giving no rule) runs ``f`` once per batch element.
     """
     name = name or getattr(fwd, "__name__", "fwd")
-    nondiff = tuple(sorted(set(nondiff_argnums)))
+    nondiff = tuple(sorted(set((nondiff_argnums,) if isinstance(nondiff_argnums, int) else nondiff_argnums)))
     if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in nondiff):
         raise TypeError(f"custom_vjp({name}): nondiff_argnums must be non-negative ints, got {nondiff_argnums!r}")
     rules = _Rules(fwd, bwd, primal, jvp, vmap, name, nondiff)

@@ -44,7 +44,10 @@ __all__ = ["Options", "PlanCache", "eager_plain", "weights_key", "tensor_key", "
 
 class Options(NamedTuple):
     """A layer call's static options: one nondiff argument of the bridge (NOTE:
-    [nondiff_argnums]), never flattened, never differentiated."""
+    [nondiff_argnums]), never flattened, never differentiated. (No tensors: ``_fdw_static``
+    tells the bridge not to look into it.)"""
+
+    _fdw_static = True
 
     fuse_wgrad_accumulation: bool = False
     use_grouped_tensor: bool | None = None

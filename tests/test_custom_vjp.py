@@ -377,3 +377,47 @@ def test_fwd_breaking_the_pair_contract_for_one_element_is_named_under_vmap_grad
                    name="flaky")
     with pytest.raises(TypeError, match=r"^custom_vjp\(flaky\): fwd must return a pair \(out, residuals\)"):
         torch.func.vmap(torch.func.grad(lambda x: f(x).sum()))(torch.randn(3, 4))
+
+
+# --- nondiff_argnums and cotangents for None arguments (the second adversarial pass) --------------
+
+
+def test_a_tensor_inside_a_nondiff_argument_is_refused():
+    """A tensor nested in a nondiff argument would get no gradient, silently: refused, like a
+    bare one (a structure of plain values passes)."""
+    f = custom_vjp(lambda x, o: (x * o["s"], ()), lambda r, dy: (dy,), nondiff_argnums=(1,))
+    x = torch.ones(3)
+    with pytest.raises(TypeError, match="argument 1 is or holds a Tensor"):
+        f(x, {"s": torch.full((3,), 2.0)})
+    with pytest.raises(TypeError, match="argument 1 is or holds a Tensor"):
+        f(x, [1, torch.zeros(())])
+    g = custom_vjp(lambda x, o: (x * o["s"], ()), lambda r, dy: (dy * 2,), nondiff_argnums=1)  # (an int)
+    xr = x.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(g(xr, {"s": 2.0}).sum(), xr)
+    torch.testing.assert_close(dx, torch.full((3,), 2.0))
+
+
+def test_a_cotangent_for_an_argument_that_was_none_is_ignored():
+    """bwd may compute a bias grad whether or not a bias was passed: the cotangent of a None
+    argument is ignored, as a pytree's None subtree has no leaves (under autograd and torch.func)."""
+    def fwd(x, w, b):
+        return x @ w.T + (0 if b is None else b), (x, w)
+
+    def bwd(r, dy):
+        x, w = r
+        return dy @ w, dy.T @ x, dy.sum(0)
+
+    f = custom_vjp(fwd, bwd)
+    x, w = torch.randn(4, 3, requires_grad=True), torch.randn(2, 3, requires_grad=True)
+    dx, dw = torch.autograd.grad(f(x, w, None).sum(), (x, w))
+    torch.testing.assert_close(dx, torch.ones(4, 2) @ w)
+    torch.testing.assert_close(dw, torch.ones(4, 2).T @ x)
+    dx2 = torch.func.grad(lambda x: f(x, w.detach(), None).sum())(x.detach())
+    torch.testing.assert_close(dx2, dx)
+
+
+def test_a_bwd_returning_cotangents_for_nondiff_arguments_is_told_so():
+    f = custom_vjp(lambda x, o: (x * 2, ()), lambda r, dy: (dy * 2, None), nondiff_argnums=(1,))
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(TypeError, match=r"per differentiable argument \(nondiff_argnums=\(1,\) excluded\)"):
+        torch.autograd.grad(f(x, 3).sum(), x)
