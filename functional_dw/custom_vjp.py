@@ -567,8 +567,12 @@ class _Bridge(torch.autograd.Function):
         we do just that. Under a transform, torch's own apply (``custom_function_call``)."""
         if torch._C._are_functorch_transforms_active():
             return super().apply(*args)
-        args = [unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in args]
-        return super(torch.autograd.Function, cls).apply(*args)
+        call, *leaves = args
+        if set(map(type, leaves)) <= PLAIN_TYPES:  # (all tensors: unwrapped in one C loop; E experts)
+            leaves = map(unwrap_if_dead, leaves)
+        else:
+            leaves = [unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in leaves]
+        return super(torch.autograd.Function, cls).apply(call, *leaves)
 
 
 def _grads_as_given(ctx: Any, call: _Call, saved: list, output: tuple) -> None:

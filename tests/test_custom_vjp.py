@@ -421,3 +421,26 @@ def test_a_bwd_returning_cotangents_for_nondiff_arguments_is_told_so():
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(TypeError, match=r"per differentiable argument \(nondiff_argnums=\(1,\) excluded\)"):
         torch.autograd.grad(f(x, 3).sum(), x)
+
+
+@pytest.mark.parametrize("where", ["argument", "in-a-list"])
+def test_a_tensor_that_escaped_a_transform_is_unwrapped(where):
+    """A tensor kept from inside ``torch.func.grad`` is a dead wrapper afterwards; passed to a
+    pair (as an argument, or among a list of tensors) it is unwrapped as torch's own apply
+    does, and the gradients are the plain ones."""
+    leaked = {}
+
+    def inner(t):
+        leaked["t"] = t
+        return t.sum()
+
+    torch.func.grad(inner)(torch.full((3,), 3.0))
+    dead = leaked["t"]
+    assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
+    f = custom_vjp(lambda x, w, ws: (x * w * ws[0], (w, ws[0])), lambda r, dy: (dy * r[0] * r[1], None, [None]))
+    x = torch.full((3,), 2.0, requires_grad=True)
+    w, ws = (dead, [torch.full((3,), 5.0)]) if where == "argument" else (torch.full((3,), 5.0), [dead])
+    y = f(x, w, ws)
+    torch.testing.assert_close(y.detach(), torch.full((3,), 30.0))
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(dx, torch.full((3,), 15.0))
