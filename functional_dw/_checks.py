@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
-_INT = frozenset({int})  # no subclass: attributes read in C loops mean the same
+PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})  # no subclass: attributes read in C loops mean the same
+_INT = frozenset({int})
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 

@@ -43,7 +43,7 @@ from .kernels import per_expert
 from .fp8.rowwise import OPTIMIZER_STEPS, WEIGHT_CACHE
 from .fp8.state import BWD_PER_GEMM, FWD_PER_GEMM
 
-__all__ = ["Plan", "plan", "with_usage", "check_dims", "check_first_order", "no_jvp", "Args", "unpack"]
+__all__ = ["Plan", "plan", "with_usage", "check_dims", "check_first_order", "no_jvp", "Args", "unpack_args", "plan_key"]
 
 _ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
 FEATURE_MULTIPLE = 16  # K and N (TE: assert_dim_for_fp8_exec's last dim; cuBLASLt's FP8 leading dims)
@@ -365,13 +365,6 @@ def plan_key(args: Args | None) -> Any:
     except (TypeError, AttributeError):
         return None
     return key
-
-
-def unpack(args: Args | None) -> dict[str, Any]:
-    """The keywords ``recipe``/``fp8_state`` of a layer's ``*_fwd`` from an :class:`Args`."""
-    if args is None:
-        return {}
-    return {"recipe": args.recipe, "fp8_state": args.state}
 
 
 def no_jvp(p: Plan | None, layer: str) -> None:

@@ -131,9 +131,9 @@ def _needs_grad(in_leaves: Any) -> bool:
 class _FlatSpec:
     """The structure of a layer's arguments without a pytree walk: each argument a tensor, a
     scalar or string, None, or a list/tuple of tensors (every layer's arguments), as (kind,
-    count) pairs. Same interface as a pytree spec where the bridge reads one (``unflatten``,
-    ``flatten_up_to``, ``num_leaves``; ``cotangent_leaves`` for the lenient form). NOTE: [Pytrees] (several times faster
-    than a pytree spec, C++ or Python; torch installs no C++ pytree by default)."""
+    count) pairs: ``unflatten`` and ``num_leaves`` as a pytree spec has them, and
+    :meth:`cotangent_leaves` for bwd's result. NOTE: [Pytrees] (several times faster than a
+    pytree spec, C++ or Python; torch installs no C++ pytree by default)."""
 
     __slots__ = ("kinds", "num_leaves")
 
@@ -173,35 +173,13 @@ class _FlatSpec:
                 i += n
         return tuple(out)
 
-    def flatten_up_to(self, d: Any) -> list:
-        """Cotangents shaped like the arguments (None for a whole list: none for any of it);
-        ValueError otherwise (the caller then explains with the pytree)."""
-        if type(d) is not tuple or len(d) != len(self.kinds):
-            raise ValueError("structure")
-        leaves: list = []
-        for kind, v in zip(self.kinds, d):
-            if kind is _LEAF:
-                leaves.append(v)
-            elif kind is _NONE:
-                if v is not None:
-                    raise ValueError("structure")
-            else:
-                cls, n = kind
-                if v is None:
-                    leaves.extend([None] * n)
-                elif type(v) is cls and len(v) == n:
-                    leaves.extend(v)
-                else:
-                    raise ValueError("structure")
-        return leaves
-
-    def cotangent_leaves(self, d: Any, name: str, per: str) -> list:
-        """The lenient form of :meth:`flatten_up_to`: None for a whole list (no cotangent for any
-        of it), any cotangent given for an argument that was None ignored (nothing to
-        differentiate); a TypeError that names the argument otherwise."""
+    def cotangent_leaves(self, d: Any, rules: "_Rules") -> list:
+        """bwd's cotangents (a tuple shaped like the arguments) as leaves: None for a whole list
+        (no cotangent for any of it), any cotangent given for an argument that was None ignored
+        (nothing to differentiate); a TypeError that names the argument otherwise."""
         def bad(what: str) -> TypeError:
-            return TypeError(f"custom_vjp({name}): bwd must return one cotangent per {per} of fwd, shaped like "
-                             f"the arguments (None for no gradient), as a tuple; {what}")
+            return TypeError(f"custom_vjp({rules.name}): bwd must return one cotangent per {_per(rules)} of fwd, "
+                             f"shaped like the arguments (None for no gradient), as a tuple; {what}")
 
         if not isinstance(d, tuple):
             raise bad(f"got {type(d).__name__}")
@@ -379,18 +357,22 @@ def _cotangent_leaves(d: Any, spec: pytree.TreeSpec, name: str, per: str = "argu
     return [leaf for c, s in zip(children, specs) for leaf in _cotangent_leaves(c, s, name, per)]
 
 
+def _per(rules: "_Rules") -> str:
+    """What bwd returns a cotangent for, in an error message."""
+    return "argument" if not rules.nondiff else f"differentiable argument (nondiff_argnums={rules.nondiff} excluded)"
+
+
 def _flatten_cotangents(d: Any, spec: Any, rules: "_Rules") -> list:
-    """Fast path: ``d`` has the arguments' full structure; else allow None for a subtree (and,
-    for a flat spec, ignore a cotangent given for an argument that was None)."""
-    per = "argument" if not rules.nondiff else f"differentiable argument (nondiff_argnums={rules.nondiff} excluded)"
+    """bwd's cotangents as leaves along ``spec``. A pytree spec: fast path when ``d`` has the
+    arguments' full structure, else None allowed for a subtree."""
+    if isinstance(spec, _FlatSpec):
+        return spec.cotangent_leaves(d, rules)
     try:
         return spec.flatten_up_to(d)
     except (ValueError, TypeError, RuntimeError):
-        if isinstance(spec, _FlatSpec):
-            return spec.cotangent_leaves(d, rules.name, per)
         if _tree(spec) is not pytree:  # redo the structure with the Python pytree
             spec = pytree.tree_structure(fast_pytree.tree_unflatten([0] * spec.num_leaves, spec))
-        return _cotangent_leaves(d, spec, rules.name, per)
+        return _cotangent_leaves(d, spec, rules.name, _per(rules))
 
 
 # --- one pair's rules, one call's structure -----------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..fp8 import QTensor, quantize as fp8_quantize, quantize_groups
+from ..fp8 import QTensor, RowwiseScaling, quantize as fp8_quantize, quantize_groups
 from ..fp8.rowwise import RowwiseActivation
 from . import Splits, Weights, out_in, packed, stacked
 from . import rowwise as rowwise_ops
@@ -254,9 +254,7 @@ class TorchKernels:
     # --- a group --------------------------------------------------------------------------
     def grouped_path_unsupported(self, x_TK: torch.Tensor, w_ENK: Weights, recipe=None) -> str | None:
         """(Eager plain tensors: the verdict is cached per (dtype, device, N, K); it reads nothing else.)"""
-        emulated = recipe is not None and getattr(recipe, "scaling", None) != "rowwise" \
-            and type(recipe).__name__ != "RowwiseScaling"
-        if emulated and x_TK.is_cuda:
+        if recipe is not None and not isinstance(recipe, RowwiseScaling) and x_TK.is_cuda:
             return "the reference FP8 emulation multiplies in fp32, which torch's CUDA grouped_mm does not take"
         if type(x_TK) is torch.Tensor and not torch.compiler.is_compiling():
             key = (x_TK.dtype, x_TK.device, *out_in(w_ENK))
