@@ -1,4 +1,5 @@
-"""FP8 plumbing for the layers: one record, the :class:`Plan`, says how a call quantizes.
+"""FP8 plumbing for the layers: a :class:`Plan` per call says how it quantizes; its class is
+the recipe's family's.
 
 A layer builds its plan in ``_prepare`` (:func:`plan`; None when ``recipe`` is None, and then
 nothing here runs) and hands each tensor to the kernels' ``quantize``/``grouped_quantize``
@@ -26,24 +27,42 @@ The plan is context in the residuals (by reference, never saved): the recipe, th
 :class:`~functional_dw.fp8.TensorSpec`, the split-accumulator flags, the state (the caller's
 object: its amax histories are written in place), the activations' dtype and device, and for
 delayed scaling the weight scales forward used.
+
+Recipe families. :func:`family` is the one place that looks at the recipe's kind: it maps the
+recipe's class to its family's subclass of :class:`Plan` (``_FAMILIES``), which :func:`plan`
+instantiates (:func:`plan` asks besides whether it is DelayedScaling, whose state it checks).
+The layers read only what the family declares (``one_path``, ``compiles``,
+``grouped_only``, ``backend``, ``fixed_path``, ``grouped_problem``, ``check_counts``):
+
+- ``_fp8_te.py``, :class:`TEPlan`: TE's recipes (DelayedScaling, Float8CurrentScaling), each
+  expert quantized on its own through the kernels' ``quantize``/``quantize_each``/
+  ``grouped_quantize``; :class:`TEBlockPlan` (Float8BlockScaling) adds the grouped path's
+  128-token rule.
+- ``_fp8_rowwise.py``, :class:`RowwisePlan`: functional_dw's RowwiseScaling, the group quantized
+  at once (``kernels.quantize_group``, weights cached per version), one grouped path, any token
+  counts, torch's kernels, compiles.
+
+A new recipe touches: its class in ``fp8/recipe.py`` (listed in ``RECIPES``), its rules in
+``fp8/spec.py`` (``tensor_spec``, ``split_accumulator``; a new ``TensorSpec.scaling`` for a new
+format), its family's class (a new ``_fp8_<name>.py``, or a subclass of a relative) and the
+mapping ``_FAMILIES`` here; a new format also needs the kernels' quantize and FP8 GEMMs
+(``kernels/torch_ref.py``, ``kernels/te_fp8.py``), and a recipe with a state ``nn.py``'s state
+handling.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from . import _checks, fp8
-from .kernels import per_expert
-from .fp8.rowwise import OPTIMIZER_STEPS, WEIGHT_CACHE
+from . import fp8
 from .fp8.state import BWD_PER_GEMM, FWD_PER_GEMM
 
-__all__ = ["Plan", "plan", "with_usage", "check_dims", "check_first_order", "no_jvp", "Args", "unpack_args", "plan_key"]
+__all__ = ["Plan", "plan", "family", "with_usage", "check_dims", "check_first_order", "no_jvp", "Args", "unpack_args", "plan_key"]
 
 _ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
 FEATURE_MULTIPLE = 16  # K and N (TE: assert_dim_for_fp8_exec's last dim; cuBLASLt's FP8 leading dims)
@@ -53,8 +72,18 @@ GROUP_TOKEN_MULTIPLE = 16  # TE 2.20 quantization.py: get_align_size_for_quantiz
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-    """How one call quantizes (see the module docstring). ``dtype``/``device`` are the
-    activations' (the record stands in for x where the layer checks dy: ``like=``)."""
+    """How one call quantizes (see the module docstring): the base of the families' classes,
+    made by :func:`plan`. ``dtype``/``device`` are the activations' (the record stands in for x
+    where the layer checks dy: ``like=``). Immutable and shared (the layers cache plans): a call
+    changes it with ``dataclasses.replace``, which keeps the family's class.
+
+    The class attributes and classmethods are the family's rules, which the layers read (some
+    before a plan exists); the defaults are TE's recipes'."""
+
+    one_path: ClassVar[bool] = False  # the products have one grouped path (no per-expert path to route to)
+    compiles: ClassVar[bool] = False  # runs under torch.compile (else refused: refuse_compile)
+    grouped_only: ClassVar[bool] = False  # a GroupedLinear's only: a Linear is refused with not_for_linear
+    not_for_linear: ClassVar[str] = ""
 
     recipe: fp8.Recipe
     x: fp8.TensorSpec
@@ -66,7 +95,7 @@ class Plan:
     dtype: torch.dtype
     device: torch.device
     w_scales: torch.Tensor | None = None  # delayed: the E weight scales forward used (a clone)
-    w_dgrad: tuple | None = None  # forward's FP8 weights, columnwise (NOTE: [FP8 weights for dgrad])
+    w_dgrad: Any = None  # forward's FP8 weights, columnwise (NOTE: [FP8 weights for dgrad])
 
     @property
     def delayed(self) -> bool:
@@ -75,6 +104,40 @@ class Plan:
     def __repr__(self) -> str:
         names = "/".join(str(s.fp8_dtype).removeprefix("torch.float8_") for s in (self.x, self.w, self.dy))
         return f"FP8({type(self.recipe).__name__}, x/w/dy {names}{', state' if self.delayed else ''})"
+
+    # --- the family's rules ----------------------------------------------------------------------
+    @classmethod
+    def backend(cls, asked: Any) -> Any:
+        """The backend a GroupedLinear runs for ``backend=asked``: "auto" is TE's kernels (None),
+        as FP8 on torch's kernels is the CPU emulation."""
+        return None if asked == "auto" else asked
+
+    @classmethod
+    def fixed_path(cls, use_grouped_tensor: bool | None) -> tuple[str, str] | None:
+        """(path, why) where the family fixes a GroupedLinear's GEMM path (raising for a
+        ``use_grouped_tensor`` it cannot honour); None: the kernels' verdict decides."""
+        return None
+
+    @classmethod
+    def check_kernels(cls, kernels: Any) -> None:
+        """Raise unless ``kernels`` can quantize for this family."""
+        if not callable(getattr(kernels, "quantize", None)) or not callable(getattr(kernels, "grouped_quantize", None)):
+            raise TypeError(f"backend {kernels!r} has no FP8 support (no quantize/grouped_quantize methods): use "
+                            "backend='torch' (the reference) or 'te'")
+
+    @classmethod
+    def check_x(cls, x: torch.Tensor) -> None:
+        """Raise where the family cannot run on x's device or dtype (beyond :func:`plan`'s checks)."""
+
+    def grouped_problem(self, splits: Any) -> str | None:
+        """Why the grouped path cannot quantize these per-expert counts (a ``Splits``; the layer
+        then runs the split path), or None."""
+        return None
+
+    def check_counts(self, K: int, N: int, splits: Sequence[int] | None) -> None:
+        """Raise for sizes the FP8 GEMMs do not take (:func:`check_dims`); ``splits`` None:
+        counts known only on the device (not checked)."""
+        check_dims(K, N, splits=splits)
 
     # --- delayed scaling: views into the state -------------------------------------------------
     def _views(self, role: str, gemm: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -103,6 +166,7 @@ class Plan:
         """Each expert's weight for fprop (rowwise), and the plan with the weight scales used
         (delayed scaling: a snapshot, so backward re-quantizes with them after a state update).
         ``keep``: also the columnwise copies dgrad reads, held on the plan by reference.
+        ``params``: the plain parameters the weights are (a family may cache by them).
 
         NOTE: [FP8 weights for dgrad] With ``keep`` (plain weights; the layer checks their
         versions in backward, so a cached copy is never stale) forward quantizes each weight
@@ -110,34 +174,15 @@ class Plan:
         module keeps its FP8 weights: backward runs no weight quantization. They live on the
         residual record's context, never through ``save_for_backward`` (hooks see no weight).
         A DistributedWeight is re-materialized and re-quantized in backward instead (its hooks
-        fire as without FP8); so is a weight whose copy was not kept.
-
-        RowwiseScaling quantizes the group at once (its scales span experts' rows and columns),
-        both copies when ``keep``, and with ``params`` (the plain parameters the weights are)
-        at most once per weight version: NOTE: [FP8 weights per version] (``fp8/rowwise.py``)."""
-        if self.w.scaling == "rowwise":
-            keep = keep and not torch.compiler.is_compiling()  # NOTE: [RowwiseScaling under torch.compile]
-            qw = _rowwise_weights(kernels, w_ENK, self.w, keep, params)
-            return qw, (dataclasses.replace(self, w_dgrad=qw.with_usage(rowwise=False, columnwise=True)) if keep else self)
-        plan = self
-        if self.state is not None:
-            plan = dataclasses.replace(self, w_scales=self._views("weight", None)[0].clone())
-        scales, amaxes = self._views("weight", None)
-        qs = _quantize_each(kernels, w_ENK, self.w, scales, amaxes, rowwise=True, columnwise=keep)
-        if keep:
-            plan = dataclasses.replace(plan, w_dgrad=tuple(q.with_usage(rowwise=False, columnwise=True) for q in qs))
-        return qs, plan
+        fire as without FP8); so is a weight whose copy was not kept."""
+        raise NotImplementedError
 
     # --- backward --------------------------------------------------------------------------------
-    def requantize_weights(self, kernels: Any, w_ENK: Any) -> list[Any]:
+    def requantize_weights(self, kernels: Any, w_ENK: Any) -> Any:
         """The weights for dgrad (columnwise): forward's copies when kept, else quantized again
         (materialized again) with forward's scales and no amax recorded: for an unchanged
         weight, forward's FP8 bits."""
-        if self.w_dgrad is not None:
-            return list(self.w_dgrad) if isinstance(self.w_dgrad, tuple) else self.w_dgrad
-        if self.w.scaling == "rowwise":
-            return kernels.quantize_group(w_ENK, self.w, rowwise=False, columnwise=True)
-        return _quantize_each(kernels, w_ENK, self.w, self.w_scales, None, rowwise=False, columnwise=True)
+        raise NotImplementedError
 
     def quantize_dy(self, kernels: Any, dy_TN: torch.Tensor, splits: Any = None, grouped: bool = False, *,
                     dgrad: bool, wgrad: bool) -> Any:
@@ -158,35 +203,6 @@ class Plan:
                                         columnwise=columnwise, grouped=grouped)
 
 
-def _rowwise_weights(kernels: Any, w_ENK: Any, spec: fp8.TensorSpec, keep: bool, params: Any) -> Any:
-    """The group's quantized weights, from the cache when current (NOTE: [FP8 weights per
-    version] in ``fp8/rowwise.py``)."""
-    if params is None or torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None \
-            or not set(map(type, params)) <= _checks.PLAIN_TYPES or any(p.is_inference() for p in params):
-        return kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=keep)
-    key = (tuple(p._version for p in params), tuple(p.data_ptr() for p in params), spec, OPTIMIZER_STEPS[0])
-    # (the parameters themselves: the entry's weak references, one per parameter, each the very tensor)
-    hit = WEIGHT_CACHE.get(params[0])
-    if hit is not None and hit[0] == key and all(r() is p for r, p in zip(hit[1], params)) \
-            and (hit[2].columnwise_data is not None or not keep):
-        return hit[2]
-    qw = kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=True)  # both: dgrad reads the other
-    WEIGHT_CACHE[params[0]] = (key, tuple(map(weakref.ref, params)), qw)
-    return qw
-
-
-def _quantize_each(kernels: Any, ts: Any, spec: fp8.TensorSpec, scales: Any, amaxes: Any, *, rowwise: bool,
-                   columnwise: bool) -> list[Any]:
-    """Each of a group's weights quantized on its own: the kernels' ``quantize_each`` where they
-    have one (checks once, one call per weight), else ``quantize`` per weight; ``scales``/
-    ``amaxes`` strided ``[E]`` views (delayed scaling) or None."""
-    each = getattr(kernels, "quantize_each", None)
-    if each is not None:
-        return each(ts, spec, scales=scales, amaxes=amaxes, rowwise=rowwise, columnwise=columnwise)
-    return [kernels.quantize(t, spec, scale=scale, amax=amax, rowwise=rowwise, columnwise=columnwise)
-            for t, (scale, amax) in zip(ts, per_expert(scales, amaxes, len(ts)))]
-
-
 def with_usage(q: Any, *, rowwise: bool, columnwise: bool) -> Any:
     """``q`` (a quantized tensor, or a group of them: a list per expert, or a backend's grouped
     object) with only the copies asked for."""
@@ -195,10 +211,21 @@ def with_usage(q: Any, *, rowwise: bool, columnwise: bool) -> Any:
     return q.with_usage(rowwise=rowwise, columnwise=columnwise)
 
 
-def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: Any, grouped: bool = True) -> Plan | None:
-    """The checked plan of a call, or None for ``recipe=None`` (no FP8: nothing else here runs).
+def family(recipe: Any) -> type[Plan]:
+    """The :class:`Plan` subclass of ``recipe``'s family (``_FAMILIES``): the one place the
+    recipe's kind is looked at. Anything else (TE's recipe objects, which :func:`plan` converts,
+    or what it refuses) gets :class:`TEPlan`'s rules."""
+    for cls, ops in _FAMILIES.items():
+        if isinstance(recipe, cls):
+            return ops
+    return TEPlan
 
-    ``grouped``: a GroupedLinear's call (RowwiseScaling runs only there).
+
+def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: Any, grouped: bool = True) -> Plan | None:
+    """The checked plan of a call, of the recipe's family's class, or None for ``recipe=None``
+    (no FP8: nothing else here runs).
+
+    ``grouped``: a GroupedLinear's call (a ``grouped_only`` family runs only there).
     Raises TypeError for a recipe that is not one, float64 activations or a backend without FP8;
     ValueError for MXFP8/NVFP4 (from :func:`fp8.as_recipe`), ``backward_override``, a delayed
     recipe without its state, or a state of another size or device."""
@@ -208,6 +235,7 @@ def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: 
         return None
     r = fp8.as_recipe(recipe)
     refuse_compile(r)
+    ops = family(r)
     if r.backward_override is not None:
         raise ValueError(f"{type(r).__name__}(backward_override={r.backward_override!r}) is not supported: "
                          "backward runs the FP8 GEMMs of the recipe (set backward_override=None)")
@@ -215,26 +243,18 @@ def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: 
         raise TypeError(f"FP8 ({type(r).__name__}) takes float32, bfloat16 or float16 activations (what TE "
                         f"quantizes); x is {x.dtype}: cast x and the weights (e.g. .to(torch.bfloat16)), or "
                         "pass recipe=None")
-    if isinstance(r, fp8.RowwiseScaling) and not callable(getattr(kernels, "quantize_group", None)):
-        raise ValueError(f"RowwiseScaling runs on torch's scaled grouped GEMM: use backend=None, 'auto' or 'torch', "
-                         f"not {getattr(kernels, 'name', kernels)!r}")
-    if not callable(getattr(kernels, "quantize", None)) or not callable(getattr(kernels, "grouped_quantize", None)):
-        raise TypeError(f"backend {kernels!r} has no FP8 support (no quantize/grouped_quantize methods): use "
-                        "backend='torch' (the reference) or 'te'")
+    ops.check_kernels(kernels)
     delayed = isinstance(r, fp8.DelayedScaling)
     if delayed:
         _check_state(fp8_state, r, num_gemms, x.device)
     elif fp8_state is not None:
         raise ValueError(f"fp8_state is delayed scaling's; {type(r).__name__} computes its scales from each "
                          "tensor and keeps no state: pass fp8_state=None")
-    if isinstance(r, fp8.RowwiseScaling):
-        if not grouped:
-            raise ValueError(ROWWISE_NOT_FOR_LINEAR)
-        from .kernels.rowwise import check_device
-
-        check_device(x)
+    if ops.grouped_only and not grouped:
+        raise ValueError(ops.not_for_linear)
+    ops.check_x(x)
     specs = [fp8.tensor_spec(r, role) for role in fp8.ROLES]
-    return Plan(r, *specs, fp8.split_accumulator(r), fp8_state if delayed else None, num_gemms, x.dtype, x.device)
+    return ops(r, *specs, fp8.split_accumulator(r), fp8_state if delayed else None, num_gemms, x.dtype, x.device)
 
 
 def _check_state(state: Any, recipe: fp8.DelayedScaling, num_gemms: int, device: torch.device) -> None:
@@ -277,8 +297,6 @@ def check_dims(K: int, N: int, *, tokens: int | None = None, splits: Sequence[in
                                  "Megatron's moe_router_padding_for_fp8)")
 
 
-ROWWISE_NOT_FOR_LINEAR = ("recipe=RowwiseScaling() is functional_dw's grouped (expert) recipe; a Linear runs TE's "
-                          "recipes (Float8CurrentScaling, Float8BlockScaling, DelayedScaling)")
 _NO_COMPILE = ("FP8 layers do not run under torch.compile yet (per-expert quantization reads host split sizes, and "
                "the reference GEMMs on quantized operands have no custom ops): run them eager, or compile with "
                "recipe=None")
@@ -295,25 +313,9 @@ def fp8_layers_do_not_run_under_torch_compile() -> None:
 def refuse_compile(recipe: Any = None) -> None:
     """FP8 under torch.compile: a clear error, from the public wrappers before the autograd
     Function (a raise traced inside its forward surfaces as dynamo's own error instead); not for
-    RowwiseScaling, which compiles (NOTE: [RowwiseScaling under torch.compile])."""
-    if torch.compiler.is_compiling() and not isinstance(recipe, fp8.RowwiseScaling):
+    a family that ``compiles`` (RowwiseScaling: NOTE: [RowwiseScaling under torch.compile])."""
+    if torch.compiler.is_compiling() and not family(recipe).compiles:
         fp8_layers_do_not_run_under_torch_compile()
-
-
-BLOCK_GROUPED_TOKEN_MULTIPLE = 128  # TE's grouped block-scaling quantize (group_quantize)
-
-
-def grouped_sizes_problem(plan: Plan, splits: Any) -> str | None:
-    """Why the grouped path cannot quantize these per-expert counts (a ``Splits``), or None. TE's
-    grouped block-scaling quantize takes 128-row blocks per expert; other counts go to the split
-    path (checked on every backend, so the path is the same on the CPU as on the GPU; counts
-    known only on the device are read once, a sync, since TE's kernel would fail on the device)."""
-    if isinstance(plan.recipe, fp8.Float8BlockScaling):
-        bad = next(((e, s) for e, s in enumerate(splits.sizes()) if s % BLOCK_GROUPED_TOKEN_MULTIPLE), None)
-        if bad is not None:
-            return (f"Float8BlockScaling on the grouped path needs each expert's tokens to be a multiple of "
-                    f"{BLOCK_GROUPED_TOKEN_MULTIPLE} (splits[{bad[0]}] is {bad[1]})")
-    return None
 
 
 class Args:
@@ -416,3 +418,14 @@ def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tens
             f"{layer}: a backward through an FP8 layer cannot be differentiated again (create_graph=True, "
             "grad of grad, jacrev of jacrev): quantization has no derivative, so second-order terms would "
             "be silently missing. Take first-order gradients, or use recipe=None")
+
+
+# The families (after Plan: they subclass it) and the recipe classes they run.
+from ._fp8_rowwise import RowwisePlan  # noqa: E402
+from ._fp8_te import TEBlockPlan, TEPlan  # noqa: E402
+
+_FAMILIES: dict[type, type[Plan]] = {
+    fp8.DelayedScaling: TEPlan, fp8.Float8CurrentScaling: TEPlan, fp8.Float8BlockScaling: TEBlockPlan,
+    fp8.RowwiseScaling: RowwisePlan,
+}
+ROWWISE_NOT_FOR_LINEAR = RowwisePlan.not_for_linear  # (nn.Linear refuses RowwiseScaling with it)

@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
-from . import _checks, _fp8, distributed_weight as dwp, fp8
+from . import _checks, _fp8, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from ._checks import PLAIN_TYPES
 from .kernels import Kernels, Splits, as_one_buffer, check_sizes, get_kernels, packed as packed_view, stacked
@@ -229,19 +229,15 @@ def _plan(x: torch.Tensor, w_ENK: WeightsArg, stacked: bool, distributed: bool, 
         what = " (as materialize_group_for_forward() of the DistributedWeight returned them)" if distributed else ""
         raise ValueError(f"x has {x.shape[1]} features but the weights are [{N}, {K}]{what}: x must be [T, {K}]")
     bias_form = _check_bias(bias, E, N, x)
-    rowwise = isinstance(recipe, fp8.RowwiseScaling)  # functional_dw's recipe: torch's scaled grouped GEMM
-    if rowwise:
-        if backend in (None, "auto"):
-            backend = "torch"
-        if use_grouped_tensor is False:
-            raise ValueError("RowwiseScaling runs one grouped GEMM per product (there is no per-expert path): pass "
-                             "use_grouped_tensor=None or True")
-    elif backend == "auto" and (opts.fuse_wgrad_accumulation or recipe is not None):  # torch's CUDA grouped
-        backend = None  # GEMM cannot write an fp32 main_grad (it writes bf16; TE's can, without a
-        # sync), and FP8 on torch is the CPU emulation: auto is TE's kernels there
+    fixed = None  # (path, why) where the recipe's family fixes the path (RowwiseScaling: its grouped GEMM)
+    if recipe is not None:  # the family's backend (e.g. auto: TE's kernels) and path rules
+        ops = _fp8.family(recipe)
+        backend, fixed = ops.backend(backend), ops.fixed_path(use_grouped_tensor)
+    elif backend == "auto" and opts.fuse_wgrad_accumulation:  # torch's CUDA grouped GEMM cannot write an
+        backend = None  # fp32 main_grad (it writes bf16; TE's can, without a sync): auto is TE's kernels there
     kernels = get_kernels(backend, x, w_ENK if use_grouped_tensor is not False else None)
-    if rowwise:
-        path, why = "grouped", "RowwiseScaling runs one grouped GEMM per product"
+    if fixed is not None:
+        path, why = fixed
     else:
         why_not = (kernels.grouped_path_unsupported(x, w_ENK) if recipe is None
                    else kernels.grouped_path_unsupported(x, w_ENK, recipe=recipe))
@@ -336,14 +332,13 @@ def _prepare(x, weights, splits, bias, opts: Options) -> _Call:
         check_sizes(split.sizes(), x.shape[0])  # the split path syncs for host sizes anyway
     if plan.fp8 is not None:
         if path == "grouped" and not torch.compiler.is_compiling():
-            why_not = _fp8.grouped_sizes_problem(plan.fp8, split)  # data: the counts
+            why_not = plan.fp8.grouped_problem(split)  # data: the counts
             if why_not is not None:
                 if opts.use_grouped_tensor:
                     _checks.warn(f"grouped_linear: use_grouped_tensor=True but {why_not}; running the split path")
                 path = "split"
-        if not isinstance(plan.fp8.recipe, fp8.RowwiseScaling):  # RowwiseScaling takes any counts
-            known = split.host if split.host is not None or path == "grouped" else split.sizes()
-            _fp8.check_dims(*plan.shapes[0][-2:][::-1], splits=known)  # device-only counts: not checked (a sync)
+        known = split.host if split.host is not None or path == "grouped" else split.sizes()
+        plan.fp8.check_counts(*plan.shapes[0][-2:][::-1], known)  # device-only counts: not checked (a sync)
     x_TK = _checks.dense(x)
     kernels, grouped = route(plan.kernels, path == "grouped", x_TK, w_ENK, one_path=_one_path(plan.fp8))
     return _Call(plan, params, w_ENK, split, b_EN, x_TK, kernels, "grouped" if grouped else "split", plan.fp8)
@@ -437,8 +432,8 @@ def _checked(res: Any, dy: Any, fn: str) -> tuple[torch.Tensor, _Route]:
 
 
 def _one_path(p: _fp8.Plan | None) -> bool:
-    """RowwiseScaling's products have one path, its grouped GEMM (no per-expert path to route to)."""
-    return p is not None and p.w.scaling == "rowwise"
+    """Whether the products have one path (the family's ``one_path``: RowwiseScaling's grouped GEMM)."""
+    return p is not None and p.one_path
 
 
 def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:

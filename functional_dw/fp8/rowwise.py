@@ -217,7 +217,7 @@ def dequantize_columns(q: RowwiseActivation, ends_E: torch.Tensor, pends_E: torc
 # cached: DistributedWeights (quantized once per materialize, which gathers anew), inference
 # tensors (no version counter), tensors a transform wraps, and anything while compiling. The
 # cache holds one FP8 copy of each weight both ways (as many bytes as the bf16 weight). The
-# layers' side: ``_fp8._rowwise_weights``.
+# layers' side: ``_fp8_rowwise._rowwise_weights``.
 WEIGHT_CACHE = WeakIdKeyDictionary()  # (tensors compare elementwise: keyed by identity)
 OPTIMIZER_STEPS = [0]  # steps of any torch.optim optimizer so far (a key part: NOTE above)
 

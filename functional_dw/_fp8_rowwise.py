@@ -1,0 +1,89 @@
+"""RowwiseScaling's family (``_fp8.py`` says what a family is): functional_dw's expert recipe on
+torch's scaled grouped GEMM (``fp8/rowwise.py``, ``kernels/rowwise.py``). The group is quantized
+at once (its scales span experts' rows and columns); the products have one path, the grouped
+GEMM; any token counts; it compiles; a Linear cannot run it."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import _checks, fp8
+from ._fp8 import Plan
+from .fp8.rowwise import OPTIMIZER_STEPS, WEIGHT_CACHE
+
+__all__ = ["RowwisePlan"]
+
+
+class RowwisePlan(Plan):
+    """RowwiseScaling: ``kernels.quantize_group`` for the weights, cached per weight version."""
+
+    one_path = True
+    compiles = True
+    grouped_only = True
+    not_for_linear = ("recipe=RowwiseScaling() is functional_dw's grouped (expert) recipe; a Linear runs TE's "
+                      "recipes (Float8CurrentScaling, Float8BlockScaling, DelayedScaling)")
+
+    @classmethod
+    def backend(cls, asked: Any) -> Any:
+        """torch's kernels for None and "auto" (TE has no kernels for it)."""
+        return "torch" if asked in (None, "auto") else asked
+
+    @classmethod
+    def fixed_path(cls, use_grouped_tensor: bool | None) -> tuple[str, str]:
+        if use_grouped_tensor is False:
+            raise ValueError("RowwiseScaling runs one grouped GEMM per product (there is no per-expert path): pass "
+                             "use_grouped_tensor=None or True")
+        return "grouped", "RowwiseScaling runs one grouped GEMM per product"
+
+    @classmethod
+    def check_kernels(cls, kernels: Any) -> None:
+        if not callable(getattr(kernels, "quantize_group", None)):
+            raise ValueError(f"RowwiseScaling runs on torch's scaled grouped GEMM: use backend=None, 'auto' or "
+                             f"'torch', not {getattr(kernels, 'name', kernels)!r}")
+        super().check_kernels(kernels)
+
+    @classmethod
+    def check_x(cls, x: torch.Tensor) -> None:
+        from .kernels.rowwise import check_device
+
+        check_device(x)
+
+    def check_counts(self, K: int, N: int, splits: Sequence[int] | None) -> None:
+        """Any counts: wgrad's operands are padded per expert on the device."""
+
+    def quantize_weights(self, kernels: Any, w_ENK: Any, *, keep: bool = False,
+                         params: Sequence[torch.Tensor] | None = None) -> tuple[Any, Plan]:
+        """See :meth:`Plan.quantize_weights`: the group at once, both copies when ``keep``, and
+        with ``params`` at most once per weight version (NOTE: [FP8 weights per version] in
+        ``fp8/rowwise.py``)."""
+        keep = keep and not torch.compiler.is_compiling()  # NOTE: [RowwiseScaling under torch.compile]
+        qw = _rowwise_weights(kernels, w_ENK, self.w, keep, params)
+        return qw, (dataclasses.replace(self, w_dgrad=qw.with_usage(rowwise=False, columnwise=True)) if keep else self)
+
+    def requantize_weights(self, kernels: Any, w_ENK: Any) -> Any:
+        """See :meth:`Plan.requantize_weights` (no scales to reuse: RowwiseScaling has no state)."""
+        if self.w_dgrad is not None:
+            return self.w_dgrad
+        return kernels.quantize_group(w_ENK, self.w, rowwise=False, columnwise=True)
+
+
+def _rowwise_weights(kernels: Any, w_ENK: Any, spec: fp8.TensorSpec, keep: bool, params: Any) -> Any:
+    """The group's quantized weights, from the cache when current (NOTE: [FP8 weights per
+    version] in ``fp8/rowwise.py``)."""
+    if params is None or torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None \
+            or not set(map(type, params)) <= _checks.PLAIN_TYPES or any(p.is_inference() for p in params):
+        return kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=keep)
+    key = (tuple(p._version for p in params), tuple(p.data_ptr() for p in params), spec, OPTIMIZER_STEPS[0])
+    # (the parameters themselves: the entry's weak references, one per parameter, each the very tensor)
+    hit = WEIGHT_CACHE.get(params[0])
+    if hit is not None and hit[0] == key and all(r() is p for r, p in zip(hit[1], params)) \
+            and (hit[2].columnwise_data is not None or not keep):
+        return hit[2]
+    qw = kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=True)  # both: dgrad reads the other
+    WEIGHT_CACHE[params[0]] = (key, tuple(map(weakref.ref, params)), qw)
+    return qw
