@@ -9,10 +9,12 @@ dtype. The layer's results equal it bitwise (same math on the CPU).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import importlib
 import re
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -343,6 +345,63 @@ def test_recipe_none_runs_todays_path(monkeypatch):
     with Recorder(lambda t: t, lambda t: t) as rec:
         fd.grouped_linear(x.requires_grad_(), ws, SPLITS, bs)
     assert len(rec.packed) == 1 and rec.packed[0] is x
+
+
+# --- FP8 resolved once: a class per recipe family, the layers read its rules ---------------------
+_RECIPE_KINDS = {"RowwiseScaling", "Float8BlockScaling", "DelayedScaling", "Float8CurrentScaling"}
+
+
+def _names(tree):
+    """Every identifier and attribute name used in ``tree`` (strings and comments excluded)."""
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+        {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+
+
+def test_the_layers_never_branch_on_the_recipe_kind():
+    """grouped_linear.py and linear.py name no recipe class and read no spec's ``scaling``; in
+    _fp8.py (the families' base) RowwiseScaling and Float8BlockScaling appear only in the
+    factory's mapping, and no ``scaling`` is read either: each kind's behaviour is its class's."""
+    pkg = Path(fd.__file__).parent
+    for name in ("grouped_linear.py", "linear.py"):
+        used = _names(ast.parse((pkg / name).read_text()))
+        assert not used & (_RECIPE_KINDS | {"scaling"}), (name, used & (_RECIPE_KINDS | {"scaling"}))
+    tree = ast.parse((pkg / "_fp8.py").read_text())
+    mapping = [n for n in tree.body if isinstance(n, ast.AnnAssign) and n.target.id == "_FAMILIES"]
+    assert len(mapping) == 1 and {"RowwiseScaling", "Float8BlockScaling"} <= _names(mapping[0])
+    rest = ast.Module([n for n in tree.body if n is not mapping[0]], [])
+    assert not _names(rest) & {"RowwiseScaling", "Float8BlockScaling", "scaling"}
+
+
+_FAMILY = {"delayed": ("TEPlan", fp8.DelayedScaling()), "current": ("TEPlan", fp8.Float8CurrentScaling()),
+           "block": ("TEBlockPlan", fp8.Float8BlockScaling()), "rowwise": ("RowwisePlan", fp8.RowwiseScaling())}
+
+
+@pytest.mark.parametrize("kind", list(_FAMILY))
+def test_plan_maps_each_recipe_to_its_family(kind):
+    """``_fp8.plan`` makes the recipe's family's class (a frozen :class:`_fp8.Plan`); the rules the
+    layers read are its; forward's per-call copy (``dataclasses.replace``) keeps the class, and
+    the cached plan is left as it was."""
+    name, recipe = _FAMILY[kind]
+    rowwise = kind == "rowwise"
+    x, ws, bs, _ = _inputs("grouped")
+    state = _state(recipe, "grouped")
+    p = _fp8.plan(recipe, state, E, x, TorchKernels())
+    assert type(p).__name__ == name and type(p) is _fp8.family(recipe) and isinstance(p, _fp8.Plan)
+    assert (p.one_path, p.compiles, p.grouped_only) == (rowwise,) * 3
+    assert type(p).backend("auto") == ("torch" if rowwise else None)
+    assert (type(p).fixed_path(None) is not None) == rowwise
+    assert set(_fp8._FAMILIES) == set(fp8.RECIPES)  # every recipe has its family
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.w_dgrad = ()
+    _, res = fd.grouped_linear_fwd(x, ws, SPLITS, bs, recipe=recipe, fp8_state=state)
+    assert type(res.plan.fp8) is type(p) and type(res.fp8) is type(p)
+    assert res.fp8 is not res.plan.fp8 and res.fp8.w_dgrad is not None and res.plan.fp8.w_dgrad is None
+    assert res.path == ("split" if kind == "block" else "grouped")  # (block: TEBlockPlan.grouped_problem, 32 tokens)
+    if not rowwise:
+        fd.linear_fwd(x, ws[0], bs[0], recipe=recipe, fp8_state=_state(recipe, "linear"))
+    else:
+        with pytest.raises(ValueError, match="grouped \\(expert\\) recipe"):
+            fd.linear_fwd(x, ws[0], bs[0], recipe=recipe)
 
 
 def _dw_reference(layer, recipe, x, fulls, dy, fwd_scales):
