@@ -8,7 +8,8 @@ out-features, T tokens, bf16, no bias). A contender's step runs the forward and
 ``torch.autograd.backward(y, dy)``: dgrad and wgrad, weight grads accumulating into ``.grad``
 (``x.grad`` is set to None first, as for an activation). Contenders (``--only`` takes these keys):
 
-* ``torch``: ``torch._grouped_mm(x, w.transpose(-2, -1), offs=...)`` under autograd, one ``[E, F, H]`` parameter;
+* ``torch``: ``torch._grouped_mm(x, w.transpose(-2, -1), offs=...)`` under autograd, one ``[E, F, H]`` parameter,
+  the offsets computed from the CUDA counts at every step as torchtitan does (``cumsum``, one launch);
 * ``fd``, ``fd_1w``: ``functional_dw.nn.GroupedLinear(backend="auto")``, per-expert parameters /
   ``single_grouped_weight=True``; ``rowwise``: the same (per expert) with ``recipe=fp8.RowwiseScaling()``;
   ``fd_te``: per expert, ``backend="te"``; each called as ``m(x, splits)`` with the splits a CUDA int tensor;
@@ -87,9 +88,8 @@ def free(cuda: bool) -> None:
 
 
 class Case:
-    """One shape: the master weights, the routing buffers every contender reads (the CUDA splits and
-    grouped_mm's int32 offsets, updated in place per routing, so graphs replay the current routing;
-    the host list TE takes), two (x, dy) pairs, and the contenders' steps."""
+    """One shape: the master weights, the routing buffers every contender reads (the CUDA splits,
+    updated in place per routing, so graphs replay the current routing; the host list TE takes), two (x, dy) pairs, and the contenders' steps."""
 
     def __init__(self, E, H, F, T, dev, align, te):
         self.E, self.H, self.F, self.T, self.dev, self.align, self.te = E, H, F, T, dev, align, te
@@ -97,7 +97,6 @@ class Case:
         self.w = torch.randn(E, F, H, device=dev, dtype=BF16) * 0.02
         self.splits = [T // E] * E
         self.splits_dev = torch.zeros(E, dtype=torch.int64, device=dev)
-        self.offs = torch.zeros(E, dtype=torch.int32, device=dev)
         self.inputs = [(torch.randn(T, H, device=dev, dtype=BF16, requires_grad=True),
                         torch.randn(T, F, device=dev, dtype=BF16)) for _ in range(2)]
 
@@ -109,8 +108,12 @@ class Case:
         self.unaligned = any(c % 16 for c in counts)  # (torchao's FP8 GEMM then pads the groups, when asked)
         host = torch.tensor(counts)
         self.splits_dev.copy_(host)
-        self.offs.copy_(host.cumsum(0))
         return counts
+
+    def step_offs(self):
+        """The group ends a torch MoE computes from its routing's counts at every step (torchtitan:
+        ``torch.cumsum(counts, 0, dtype=torch.int32)``, one launch): fd's contenders take the counts too."""
+        return torch.cumsum(self.splits_dev, 0, dtype=torch.int32)
 
     def reference(self):
         with torch.no_grad():
@@ -131,7 +134,7 @@ class Case:
     def build(self, key, warmup):
         if key == "torch":
             w = torch.nn.Parameter(self.w.clone())
-            return train_step(lambda x: torch._grouped_mm(x, w.transpose(-2, -1), offs=self.offs))
+            return train_step(lambda x: torch._grouped_mm(x, w.transpose(-2, -1), offs=self.step_offs()))
         if (key == "fd_te" or key in TE_RECIPES) and self.te is None:
             return "n/a: Transformer Engine is not installed"
         if key in FD_MODULES:
@@ -190,7 +193,7 @@ class Case:
 
         def fwd(x):
             kw = {"pad_token_groups_for_grouped_mm": self.unaligned} if padded else {}
-            return f(x, w.transpose(-2, -1), self.offs, out_dtype=BF16, **kw)
+            return f(x, w.transpose(-2, -1), self.step_offs(), out_dtype=BF16, **kw)
         return train_step(fwd)
 
 
