@@ -7,7 +7,8 @@ next to nothing and each number is what a fwd+bwd step costs the host: Python, t
 engine, the dispatcher. Contenders, interleaved (every one once per round; each number is the
 min over R rounds of the mean over I steps, in microseconds):
 
-* ``torch grouped_mm``: ``torch._grouped_mm`` under autograd on one ``[E, N, K]`` parameter;
+* ``torch grouped_mm``: ``torch._grouped_mm`` under autograd on one ``[E, N, K]`` parameter, its offsets
+  computed from the counts at every step (torchtitan's ``cumsum``), as a torch MoE does;
 * ``fd, one [E, N, K] weight``: ``nn.GroupedLinear(single_grouped_weight=True)``;
 * ``fd, E weights (TE's layout)``: ``nn.GroupedLinear`` with per-expert parameters (views of one
   buffer): the autograd engine accumulates E gradients, one per parameter;
@@ -60,7 +61,7 @@ def contenders(E: int) -> dict:
     x = torch.randn(T, K, requires_grad=True)
     dy = torch.randn(T, N)
     splits = [TOKENS_PER_EXPERT] * E
-    offs = torch.tensor(splits).cumsum(0).to(torch.int32)
+    counts = torch.tensor(splits)
     w_ENK = torch.nn.Parameter(torch.randn(E, N, K) * 0.1)
     single = fd.nn.GroupedLinear(E, K, N, bias=False, backend="torch", single_grouped_weight=True)
     per_expert = fd.nn.GroupedLinear(E, K, N, bias=False, backend="torch")
@@ -73,7 +74,8 @@ def contenders(E: int) -> dict:
         return run
 
     return {
-        "torch grouped_mm": step(lambda: torch._grouped_mm(x, w_ENK.transpose(-2, -1), offs=offs)),
+        "torch grouped_mm": step(lambda: torch._grouped_mm(
+            x, w_ENK.transpose(-2, -1), offs=torch.cumsum(counts, 0, dtype=torch.int32))),
         "fd, one [E, N, K] weight": step(lambda: single(x, splits)),
         "fd, E weights (TE's layout)": step(lambda: per_expert(x, splits)),
         "engine, E leaves": lambda: torch.autograd.backward(_Leaves.apply(x, *leaves), dy[:, :1].expand(T, K)),

@@ -8,7 +8,8 @@ each function of the run path wrapped by a timer: inclusive microseconds per ste
 they call each other (a wrapper costs about 0.1 us). Beside it, without timers, the host time
 of the whole step, of torch's autograd ``grouped_mm`` step, and of the floor of any design that
 runs its backward in Python: a bare ``torch.autograd.Function`` doing the same three grouped
-GEMMs (no checks, no plan, no residual record). Host time: from the first call to the return
+GEMMs (no checks, no plan, no residual record). Both compute their int32 offsets from the counts
+at every step, as a torch MoE does (one ``cumsum``). Host time: from the first call to the return
 of the last of 4 back-to-back steps after a synchronize, per step, median of 15 bursts.
 Writes ``DIR/host_phases_<device>.json`` and ``.md`` (default ``benchmarks/results/host_phases/``).
 """
@@ -61,23 +62,28 @@ def build(E, H, F, T, layout, device):
     x = torch.randn(T, H, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(T, F, device=device, dtype=dtype)
     splits = torch.full((E,), T // E, device=device, dtype=torch.int64) if device == "cuda" else [T // E] * E
-    offs = torch.full((E,), T // E, device=device, dtype=torch.int64).cumsum(0).to(torch.int32)
     w = torch.nn.Parameter(torch.randn(E, F, H, device=device, dtype=dtype))
+
+    counts = torch.full((E,), T // E, device=device, dtype=torch.int64)
+
+    def step_offs():  # from the counts at every step, as a torch MoE does (torchtitan: one cumsum)
+        return torch.cumsum(counts, 0, dtype=torch.int32)
 
     class Floor(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, w):
-            ctx.save_for_backward(x, w)
+            offs = step_offs()
+            ctx.save_for_backward(x, w, offs)
             return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
         @staticmethod
         def backward(ctx, g):
-            x, w = ctx.saved_tensors
+            x, w, offs = ctx.saved_tensors
             return torch._grouped_mm(g, w, offs=offs), torch._grouped_mm(g.t(), x, offs=offs)
 
     steps = {
         "fd": lambda: m(x, splits).backward(dy),
-        "torch autograd grouped_mm": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(dy),
+        "torch autograd grouped_mm": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=step_offs()).backward(dy),
         "floor: bare autograd.Function": lambda: Floor.apply(x, w).backward(dy),
     }
     return m, steps
