@@ -1,6 +1,6 @@
 """functional_dw vs Transformer Engine's modules vs torch's grouped GEMM, on one CUDA GPU.
 
-    python benchmarks/bench.py [--quick] [--only SECTION,...] [--budget S] [--out benchmarks/results]
+    python benchmarks/bench.py [--quick] [--only SECTION,...] [--budget S] [--out benchmarks/results/bench]
 
 One interleaved run (bf16) records, in this order:
 
@@ -1247,7 +1247,7 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=450,
                    help="seconds for the whole run (default 450; 0: none): fp8 and grouped shapes that would start later are "
                         "skipped, and listed in the results")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench"))
     args = p.parse_args(argv)
     global FP8_ONLY
     FP8_ONLY = {c.strip() for c in args.fp8_configs.split(",") if c.strip()}

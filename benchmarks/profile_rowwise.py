@@ -3,7 +3,8 @@ CUDA kernel times (torch.profiler), at one or more shapes:
 
     python3 benchmarks/profile_rowwise.py [E,H,F,T ...] [--no-table] [KEY=VALUE ...]
 
-``KEY=VALUE``: a launch CONFIG entry of ``kernels/triton_rowwise.py``. ``--no-table``: the ms per step only (what ``results/fp8_rowwise/alone_by_commit.log`` ran at each commit)."""
+``KEY=VALUE``: a launch CONFIG entry of ``kernels/triton_rowwise.py``. ``--no-table``: the ms per step only (what ran at each commit for
+``git show f696c1f:benchmarks/results/fp8_rowwise/alone_by_commit.log``)."""
 import sys, torch, functional_dw as fd
 from functional_dw import fp8
 from torch.profiler import profile, ProfilerActivity
