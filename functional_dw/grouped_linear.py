@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
-from . import _checks, _fp8, distributed_weight as dwp
+from . import _checks, _fp8, _steps, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from ._checks import PLAIN_TYPES
 from .kernels import Kernels, Splits, as_one_buffer, check_sizes, get_kernels, packed as packed_view, stacked
@@ -390,8 +390,7 @@ def _forward(c: _Call, x: torch.Tensor, keep_x: bool):
 
 
 def _check_res(res: Any, fn: str) -> GroupedLinearResiduals:
-    _checks.record(fn, res, GroupedLinearResiduals, "grouped_linear_fwd")
-    _checks.check_stamp("x", res.x_TK, res.x_version)
+    _steps.check_record(fn, res, GroupedLinearResiduals, "grouped_linear_fwd", "x_TK")
     return res
 
 
@@ -458,22 +457,16 @@ def grouped_linear_bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[t
 
 
 def _frozen(res: GroupedLinearResiduals) -> bool:
-    """No wgrad GEMM: no weight grad wanted, or fused and every weight frozen (main_grad untouched)."""
-    return not _wanted(res)[1] or (res.fuse_wgrad_accumulation and not any(p.requires_grad for p in res.weights))
+    return _steps.frozen(_wanted(res)[1], res.fuse_wgrad_accumulation, res.weights)
 
 
 def _dy_fp8(res: GroupedLinearResiduals, dy_TN: torch.Tensor, k: _Route, dgrad: bool, wgrad: bool) -> Any:
-    """With FP8, dy quantized for the GEMMs that run (None without FP8 or without GEMMs)."""
-    if res.fp8 is None:
-        return None
-    _fp8.check_first_order("grouped_linear", dy_TN, res.weights)
-    return res.fp8.quantize_dy(k.kernels, dy_TN, res.splits, k.grouped,
-                               dgrad=dgrad and _wanted(res)[0], wgrad=wgrad and not _frozen(res))
+    return _steps.quantize_dy(res.fp8, "grouped_linear", dy_TN, res.weights, k.kernels, splits=res.splits,
+                              grouped=k.grouped, dgrad=dgrad and _wanted(res)[0], wgrad=wgrad and not _frozen(res))
 
 
 def _dgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: _Route) -> torch.Tensor | None:
-    full = dwp.materialize(res.weights, res.distributed, for_backward=True, like=_like(res))
-    dwp.check_materialized(full, res.weight_shapes, "materialize_group_for_backward()")
+    full = _steps.dgrad_weights(res.weights, res.distributed, _like(res), res.weight_shapes, "weights")
     if not _wanted(res)[0]:
         return None
     w_ENK = full[0] if res.stacked else _one_buffer(full, res.plan)
@@ -503,8 +496,7 @@ def _wgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: _Route
 
     wgrads = dwp.weight_grads(res.weights, res.distributed, res.fuse_wgrad_accumulation, res.weight_shapes,
                               _frozen(res), dy_TN, gemm, "weights")
-    if with_dbias and db_EN is None:  # (FP8, or no GEMM ran)
-        db_EN = expert_sums(dy_TN, res.splits)
+    db_EN = _steps.bias_grad(db_EN, with_dbias, dy_TN, lambda dy: expert_sums(dy, res.splits))
     return (wgrads[0] if res.stacked else wgrads), _bias_grads(res, db_EN)
 
 

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _checks, _fp8, distributed_weight as dwp
+from . import _checks, _fp8, _steps, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from .plan import Options, route
 from .kernels import Kernels, get_kernels
@@ -133,8 +133,7 @@ def _forward(c: _Call, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def _check_res(res: Any, fn: str) -> LinearResiduals:
-    _checks.record(fn, res, LinearResiduals, "linear_fwd")
-    _checks.check_stamp("x", res.x, res.x_version)
+    _steps.check_record(fn, res, LinearResiduals, "linear_fwd", "x")
     return res
 
 
@@ -186,23 +185,19 @@ def linear_bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, An
 
 
 def _frozen(res: LinearResiduals) -> bool:
-    """No wgrad GEMM: no weight grad wanted, or fused and the weight frozen (main_grad untouched)."""
-    return not _wanted(res)[1] or (res.fuse_wgrad_accumulation and not res.weight.requires_grad)
+    return _steps.frozen(_wanted(res)[1], res.fuse_wgrad_accumulation, [res.weight])
 
 
 def _dy_fp8(res: LinearResiduals, dy_TN: torch.Tensor, k: Kernels, dgrad: bool, wgrad: bool) -> Any:
-    """With FP8, dy quantized for the GEMMs that run (None without FP8 or without GEMMs)."""
-    if res.fp8 is None:
-        return None
-    _fp8.check_first_order("linear", dy_TN, [res.weight])
-    return res.fp8.quantize_dy(k, dy_TN, dgrad=dgrad and _wanted(res)[0], wgrad=wgrad and not _frozen(res))
+    return _steps.quantize_dy(res.fp8, "linear", dy_TN, [res.weight], k, dgrad=dgrad and _wanted(res)[0],
+                              wgrad=wgrad and not _frozen(res))
 
 
 def _dgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: Kernels) -> torch.Tensor | None:
-    w_NK = dwp.materialize([res.weight], res.distributed, for_backward=True, like=_like(res), name="weight")[0]
-    dwp.check_materialized([w_NK], [(res.out_features, res.x_shape[-1])], "materialize_group_for_backward()", "weight")
+    (w_NK,) = _steps.dgrad_weights([res.weight], res.distributed, _like(res),
+                                   [(res.out_features, res.x_shape[-1])], "weight")
     if not _wanted(res)[0]:
-        return None  # (a DistributedWeight was still gathered: its collectives match across ranks)
+        return None
     if res.fp8 is not None:  # dy and the weight (quantized again) in FP8
         (wq,) = res.fp8.requantize_weights(k, [w_NK])
         return k.dgrad(dyq, wq, split_accumulator=res.fp8.acc.dgrad).view(res.x_shape)
@@ -226,9 +221,7 @@ def _wgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: Kernels) -> t
     shape = (res.out_features, res.x_shape[-1])
     dw = dwp.weight_grads([res.weight], res.distributed, res.fuse_wgrad_accumulation, [shape], _frozen(res), dy_TN,
                           gemm, "weight")[0]
-    if with_dbias and db is None:  # (FP8, or no GEMM ran)
-        db = column_sums(dy_TN)
-    return dw, db
+    return dw, _steps.bias_grad(db, with_dbias, dy_TN, column_sums)
 
 
 def _bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple:
