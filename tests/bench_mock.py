@@ -78,14 +78,16 @@ ao_moe._to_fp8_rowwise_then_scaled_grouped_mm = fake_ao_gmm
 ao.prototype, ao_proto.moe_training = ao_proto, ao_moe
 sys.modules.update({"torchao": ao, "torchao.prototype": ao_proto, "torchao.prototype.moe_training": ao_moe})
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench
-bench.DEV = "cpu"
+import bench  # noqa: E402
+import bench_sections  # noqa: E402
+import bench_timing  # noqa: E402
+bench_timing.DEV = "cpu"  # (every section reads bench_timing.DEV)
 class FakeTime:
-    """bench's ``time``: perf_counter (host times) and monotonic (section seconds, --budget) advance
-    by a fixed step per call; anything else bench might read from ``time`` is missing on purpose."""
+    """bench_timing's ``time``: perf_counter (host times) and monotonic (section seconds, --budget)
+    advance by a fixed step per call; anything else it might read from ``time`` is missing on purpose."""
     perf_counter = itertools.count(0.0, 1e-4).__next__
     monotonic = itertools.count(0.0, 0.01).__next__
-bench.time = FakeTime
+bench_timing.time = FakeTime
 
 
 class FakeGraphed:
@@ -104,7 +106,7 @@ class FakeGraphed:
         return self.outputs
 
 
-bench.graph_step = lambda step, *inputs, **kw: FakeGraphed(step, inputs)
+bench_sections.graph_step = lambda step, *inputs, **kw: FakeGraphed(step, inputs)
 _orig_save_on_cpu = torch.autograd.graph.save_on_cpu
 torch.autograd.graph.save_on_cpu = lambda pin_memory=False: _orig_save_on_cpu(pin_memory=False)
 bench.main(["--smoke", "--repeats", "2", "--out", sys.argv[1], *sys.argv[2:]])

@@ -200,20 +200,22 @@ def test_only_fp8(tmp_path):
 
 
 def _bench():
+    """bench.py's report and timing modules (beside it in benchmarks/)."""
     sys.path.insert(0, str(HERE.parent / "benchmarks"))
-    import bench
+    import bench_report
+    import bench_timing
 
-    return bench
+    return bench_report, bench_timing
 
 
 def test_fractions_of_a_slow_cpus_peak():
     """A contended CPU's dense peak below 0.05 TFLOP/s once rounded to 0.0 and the report died
     dividing by it: the peak keeps 3 decimals, and no peak gives no fractions, not an error."""
-    bench = _bench()
+    report, _ = _bench()
     timing = {"tflops": 0.01, "ms": 2.0}
-    bench.add_fractions({"grouped": [timing]}, 0.0)
+    report.add_fractions({"grouped": [timing]}, 0.0)
     assert "frac_peak" not in timing
-    bench.add_fractions({"grouped": [timing]}, 0.04)
+    report.add_fractions({"grouped": [timing]}, 0.04)
     assert timing["frac_peak"] == 0.25
 
 
@@ -232,13 +234,13 @@ def test_readers_take_rows_without_a_fraction_or_a_time(results, tmp_path, peak)
     """No positive dense peak gives no fractions of peak (the mock's timed peak once rounded to
     0.0 and _cell died on KeyError 'frac_peak'), and a time may round to 0: the markdown, the plot
     and the ratios print a dash there instead of raising."""
-    bench = _bench()
+    report, timing = _bench()
     data = copy.deepcopy(results[1])
     _strip_fractions(data)
     data["dense_peak_tflops"] = peak
-    bench.add_fractions(data, peak)
+    report.add_fractions(data, peak)
     assert "frac_peak" not in json.dumps(data)
-    md = bench.markdown(data)
+    md = report.markdown(data)
     assert "Dense bf16 peak: **- TFLOP/s**" in md
     cells = 0
     for key in ("grouped", "linear"):
@@ -251,12 +253,12 @@ def test_readers_take_rows_without_a_fraction_or_a_time(results, tmp_path, peak)
     # times of 0 (no TFLOP/s then) where the ratios divide: each prints a dash
     g = data["grouped"][0]["results"]
     for name in ("te split", "te grouped", "torch._grouped_mm", "torch._grouped_mm (autograd)", "fd auto stacked"):
-        g[name] = bench._timing(1e9, 0.0)
-    assert g["fd auto stacked"] == {"ms": 0.0} and bench._cell(g["fd auto stacked"]) == "- (-)"
-    data["linear"][0]["results"]["te.Linear"] = bench._timing(1e9, 0.0)
+        g[name] = timing.ms_tflops(1e9, 0.0)
+    assert g["fd auto stacked"] == {"ms": 0.0} and report._cell(g["fd auto stacked"]) == "- (-)"
+    data["linear"][0]["results"]["te.Linear"] = timing.ms_tflops(1e9, 0.0)
     fp8 = data["fp8"]["rows"][0]["results"]
-    fp8["fd rowwise"] = fp8["te delayed split"] = bench._timing(1e9, 0.0)
-    md = bench.markdown(data)
+    fp8["fd rowwise"] = fp8["te delayed split"] = timing.ms_tflops(1e9, 0.0)
+    md = report.markdown(data)
     r0 = data["grouped"][0]
     head = f"| {r0['E']} | {r0['hidden']} | {r0['ffn']} | {r0['tokens']} | {r0['splits']}"
     line = next(ln for ln in md.splitlines() if ln.startswith(head + " ("))
@@ -268,7 +270,7 @@ def test_readers_take_rows_without_a_fraction_or_a_time(results, tmp_path, peak)
     assert "| - (-) | - | split |" in fp8_line, fp8_line
     rowwise = next(ln for ln in md.splitlines() if ln.startswith("| 2 | 128 | 128 | 256 | balanced | - (-) |"))
     assert rowwise.endswith("| - | - | - |"), rowwise
-    bench.plot(data["grouped"], tmp_path / "tflops.png")
+    report.plot(data["grouped"], tmp_path / "tflops.png")
     assert (tmp_path / "tflops.png").stat().st_size > 0
 
 
