@@ -10,7 +10,7 @@ and the columnwise amax spans an expert's tokens, so the work is:
    block's columns (into ``[R, D / 128]``; one torch ``amax`` finishes the rows) and the
    per-expert column amaxes (``atomic_max`` into ``[E, D]``, once per block and expert).
    (``atomic_max`` of the rows instead, one launch fewer, made this kernel 1.2-1.45x slower on
-   the H200: ``results/fp8_rowwise/quantize_row_amax_variants.log``.)
+   the H200: ``git show f696c1f:benchmarks/results/fp8_rowwise/quantize_row_amax_variants.log``.)
 2. ``_cast_kernel`` (one more read of x): both casts from one load of each tile, the inverse
    scales, and the zeros of the padded columns. Its tiles run over the columnwise layout's
    positions, so the transposed store is contiguous and aligned (vector stores; a tile over
@@ -184,7 +184,8 @@ if triton is not None:
 
 # Launch shapes: rows per amax program, rows per tile (amax loop step), columns per tile, the
 # cast kernel's rows per tile, warps of each kernel (benchmarks/rowwise_quantize_sweep.py; its
-# runs on the H200 that chose them are in benchmarks/results/fp8_rowwise/quantize_sweep_*.log).
+# runs on the H200 that chose them are in git history: benchmarks/results/fp8_rowwise/quantize_sweep_*.log
+# at commit f696c1f).
 CONFIG = dict(RB=256, BT=32, BD=128, CAST_BT=64, AMAX_WARPS=4, CAST_WARPS=4)
 
 
