@@ -352,19 +352,21 @@ def unpack_args(args: Args | None) -> tuple[Any, Any]:
 
 def plan_key(args: Args | None) -> Any:
     """What an FP8 plan reads of ``args``, for the plan cache (NOTE: [Plan once, run lean]):
-    the recipe's value (functional_dw's recipes are frozen; TE's are compared field by field),
-    the state's identity (a cached plan holds the state, so its id cannot be reused) and its
-    metadata; None without FP8 or where a field cannot be hashed (then the call plans afresh)."""
+    the recipe's value (functional_dw's recipes are frozen; another object, e.g. TE's recipe,
+    by the recipe it converts to: what the plan reads, class attributes included), the state's
+    identity (a cached plan holds the state, so its id cannot be reused) and its metadata; None
+    without FP8, or where the recipe does not convert or a field cannot be hashed (then the
+    call plans afresh, and its checks say what is wrong)."""
     if args is None:
         return None
     r, state = args.recipe, args.state
     try:
-        rk = r if isinstance(r, fp8.RECIPES) else (type(r), tuple(vars(r).items()))
+        rk = r if type(r) in fp8.RECIPES else (type(r), fp8.as_recipe(r))
         sk = None if state is None else (id(state), type(state), state.num_gemms, state.history_len,
                                           state.scale_fwd.device)
         key = (rk, sk)
         hash(key)
-    except (TypeError, AttributeError):
+    except (TypeError, ValueError, AttributeError):
         return None
     return key
 

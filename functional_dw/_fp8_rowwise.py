@@ -78,7 +78,9 @@ def _rowwise_weights(kernels: Any, w_ENK: Any, spec: fp8.TensorSpec, keep: bool,
     if params is None or torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None \
             or not set(map(type, params)) <= _checks.PLAIN_TYPES or any(p.is_inference() for p in params):
         return kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=keep)
-    key = (tuple(p._version for p in params), tuple(p.data_ptr() for p in params), spec, OPTIMIZER_STEPS[0])
+    # (layouts too: ``p.data = p.data.t()`` of a square weight keeps the address and the version)
+    key = (tuple(p._version for p in params), tuple(p.data_ptr() for p in params),
+           tuple((p.shape, p.stride(), p.dtype) for p in params), spec, OPTIMIZER_STEPS[0])
     # (the parameters themselves: the entry's weak references, one per parameter, each the very tensor)
     hit = WEIGHT_CACHE.get(params[0])
     if hit is not None and hit[0] == key and all(r() is p for r, p in zip(hit[1], params)) \

@@ -174,15 +174,14 @@ def _check_bias(bias: Any, E: int, N: int, x: torch.Tensor) -> str | None:
 
 
 def _one_buffer(ws: Sequence[torch.Tensor], plan: GroupedPlan) -> WeightsArg:
-    """Backward's weights as forward read them: E weights that are one buffer as that ``[E, N,
-    K]`` view (NOTE: [One buffer]; the plan's verdict when nothing records the view, else
-    :func:`packed`'s checks), anything else unchanged."""
+    """Backward's weights as one ``[E, N, K]`` view where forward found them one buffer (NOTE:
+    [One buffer]) and they still are, else unchanged. Checked again (:func:`packed`, C loops
+    over E): rebinding an expert's ``.data`` between forward and backward changes no version
+    counter, and a view built on the plan's word would read past the rebound expert."""
     if not plan.packed:
         return ws
-    if torch.is_grad_enabled() or plan.distributed or not eager_plain():  # create_graph, gathered weights, transforms
-        one = packed_view(ws)
-        return ws if one is None else one
-    return as_one_buffer(ws)
+    one = packed_view(ws)
+    return ws if one is None else one
 
 
 def _weight_shapes(w_ENK: WeightsArg, stacked: bool) -> list[tuple[int, ...]]:
@@ -225,6 +224,8 @@ def _plan(x: torch.Tensor, w_ENK: WeightsArg, stacked: bool, distributed: bool, 
     packed = not stacked and packed_view(w_ENK, layout_only=True) is not None  # (autograd: per call, _prepare)
     E = shapes[0][0] if stacked else len(shapes)
     N, K = shapes[0][-2:]
+    if E == 0:  # (a list cannot be empty: _as_params)
+        raise ValueError(f"weights is one [0, {N}, {K}] tensor: a group needs at least one expert, [E, {N}, {K}] with E >= 1")
     if x.shape[1] != K:
         what = " (as materialize_group_for_forward() of the DistributedWeight returned them)" if distributed else ""
         raise ValueError(f"x has {x.shape[1]} features but the weights are [{N}, {K}]{what}: x must be [T, {K}]")

@@ -212,6 +212,23 @@ def test_weights_are_quantized_once_per_version(device, monkeypatch):
     assert len(calls) == 4
 
 
+def test_a_weight_rebound_to_its_transpose_is_quantized_again():
+    """``w.data = w.data.t()`` of a square expert keeps its address and its version: the cache
+    key holds the layouts too (a stale FP8 copy was served before)."""
+    rw.clear_weight_cache()
+    g = torch.Generator().manual_seed(5)
+    ws = [torch.nn.Parameter(torch.randn(32, 32, generator=g)) for _ in range(2)]
+    x = torch.randn(32, 32, generator=g)
+    before = fd.grouped_linear(x, ws, [16, 16], recipe=R)
+    ptr, version = ws[1].data_ptr(), ws[1]._version
+    ws[1].data = ws[1].data.t()
+    assert (ws[1].data_ptr(), ws[1]._version) == (ptr, version)
+    after = fd.grouped_linear(x, ws, [16, 16], recipe=R)
+    rw.clear_weight_cache()
+    assert not torch.equal(after, before)
+    assert torch.equal(after, fd.grouped_linear(x, ws, [16, 16], recipe=R))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_wgrad_accumulates_into_main_grad(device):
     x, ws, b, dy = _inputs(device)

@@ -572,6 +572,63 @@ def test_weight_data_replaced_makes_a_new_plan(layout, which):
     assert len(gl._PLANS) == 2
 
 
+@pytest.mark.parametrize("how", ["moved", "cloned"])
+def test_weight_data_rebound_between_forward_and_backward(how):
+    """Rebinding an expert's ``.data`` changes no version counter: backward checks the one
+    buffer again instead of trusting forward's plan (a view built on the plan read past the
+    rebound expert: wrong dx, or a storage error)."""
+    m = _module(torch.float32)
+    ws = m.weights()
+    x = _x(torch.float32).requires_grad_()
+    y = fd.grouped_linear(x, ws, FULL)
+    assert cv._residuals(y.grad_fn).plan.packed
+    if how == "moved":  # the same values, inside another [E, N, K] buffer
+        other = torch.randn(E, N, K)
+        other[0] = ws[0].detach()
+        ws[0].data = other[0]
+    else:
+        ws[0].data = ws[0].data.clone()
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+    dx, *dws = torch.autograd.grad(y, [x, *ws], dy)
+    _, want = _reference(x, ws, FULL, dy=dy)
+    torch.testing.assert_close(dx.double(), want[0], atol=1e-5, rtol=1e-5)
+    for dw, w_want in zip(dws, want[1:]):
+        torch.testing.assert_close(dw.double(), w_want, atol=1e-5, rtol=1e-5)
+
+
+def test_te_recipe_class_attributes_are_in_the_key():
+    """A TE recipe's ``fp8_quant_*`` are class attributes a user may assign: the key is the
+    recipe the object converts to, not its instance dict (a class-level change reused a stale plan)."""
+    cls = type("Float8CurrentScaling", (), {"__module__": "transformer_engine.common.recipe"})
+    qcls = type("QParams", (), {"__module__": "transformer_engine.common.recipe"})
+    mcls = type("MMParams", (), {"__module__": "transformer_engine.common.recipe"})
+
+    def obj(c, **kw):
+        o = c()
+        o.__dict__.update(kw)
+        return o
+
+    for role in ("fwd_inp", "fwd_weight", "bwd_grad"):
+        setattr(cls, f"fp8_quant_{role}", obj(qcls, power_2_scale=False, amax_epsilon=0.0))
+    for gemm, acc in (("fprop", False), ("dgrad", True), ("wgrad", True)):
+        setattr(cls, f"fp8_gemm_{gemm}", obj(mcls, use_split_accumulator=acc))
+    r = obj(cls, use_power_2_scales=False, fp8_format=fp8.Format.HYBRID, fp8_dpa=False, fp8_mha=False,
+            backward_override=None)
+    x = _x(torch.float32) * 1e-3
+    ws = _weights("list", torch.float32, requires_grad=False)
+    before = fd.grouped_linear(x, ws, FULL, recipe=r)
+    cls.fp8_quant_fwd_inp = obj(qcls, power_2_scale=False, amax_epsilon=1.0)  # x's amax floored at 1.0
+    after = fd.grouped_linear(x, ws, FULL, recipe=r)
+    assert len(gl._PLANS) == 2 and not torch.equal(after, before)
+    gl._PLANS.clear()
+    assert torch.equal(after, fd.grouped_linear(x, ws, FULL, recipe=r))
+
+
+def test_an_empty_stacked_group_is_refused():
+    with pytest.raises(ValueError, match=r"weights is one \[0, 8, 8\] tensor.*E >= 1"):
+        fd.grouped_linear(torch.randn(0, 8), torch.randn(0, 8, 8), [])
+
+
 def test_module_retied_makes_new_plans():
     """``m.to(float64)`` and back: new buffers (the old ones kept alive, so no address is
     reused), new plans, each read as one buffer again."""

@@ -207,7 +207,7 @@ def dequantize_columns(q: RowwiseActivation, ends_E: torch.Tensor, pends_E: torc
 # ones that write through their own kernels (Apex's/TE's multi_tensor_applier), leaves it as it
 # was; nothing else between steps should change a weight. So RowwiseScaling's quantized weights
 # are cached per group of parameters, keyed on the parameters (held weakly: an id reused by a
-# new tensor misses), their versions and addresses (``param.data = ...`` changes the address),
+# new tensor misses), their versions, addresses and layouts (``param.data = ...`` changes one),
 # and the count of optimizer steps taken (a global ``torch.optim`` post-step hook counts them,
 # so a step that bumps no version misses too); the entry hangs weakly off the first parameter
 # and dies with it, and a changed weight misses and replaces it. Gradient accumulation's
