@@ -18,7 +18,8 @@ min over R rounds of the mean over I steps, in microseconds):
 
 The splits are host lists (the split counts a CPU step reads). ``--quick`` (E=8 and 32, few
 rounds: seconds) is what the CI runs; the numbers it writes are not meant to be compared.
-Writes ``DIR/host_cpu.json`` and ``DIR/host_cpu.md`` (default ``benchmarks/results/host_cpu/``).
+Writes ``DIR/host_cpu.json`` and ``DIR/host_cpu.md`` (default ``benchmarks/results/host_cpu/``; with
+``--quick``, a temporary folder).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +38,7 @@ import torch
 import functional_dw as fd
 
 K = N = 32
+RESULTS = Path(__file__).parent / "results" / "host_cpu"
 TOKENS_PER_EXPERT = 4
 
 
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--quick", action="store_true", help="E=8,32, 2 rounds of 20 steps (seconds; what the CI runs)")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "host_cpu")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default benchmarks/results/host_cpu/; with --quick a temporary folder (its numbers are not data)")
     args = p.parse_args(argv)
     experts = [int(e) for e in args.experts.split(",")]
     if args.quick:
@@ -130,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__, "python": platform.python_version(), "rounds": args.rounds, "iters": args.iters,
         "quick": args.quick, "us_per_step": {E: measure(E, args.rounds, args.iters) for E in experts},
     }
+    if args.out is None:
+        args.out = Path(tempfile.mkdtemp(prefix="host_cpu_")) if args.quick else RESULTS
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "host_cpu.md").write_text(markdown(result))
