@@ -14,15 +14,19 @@ The modules, in the order a layer meets them:
   (Transformer Engine) with :mod:`.te_fp8`, :mod:`.te_fp8_checks` and :mod:`.te_ops`; the
   Triton kernels :mod:`.triton_splits` and :mod:`.triton_rowwise`.
 
-This module only re-exports the names the layers, tests and benchmarks import from
-``functional_dw.kernels``.
+This module re-exports the names the layers, tests and benchmarks import from
+``functional_dw.kernels``, and gives ``fp8.update_state_`` TE's fused kernel (``functional_dw.fp8``
+imports nothing from here: NOTE: [The fused kernel comes from the kernels] in ``fp8/state.py``).
 """
 
 from __future__ import annotations
 
+from ..fp8 import state as _fp8_state
 from .packing import Weights, as_one_buffer, out_in, packed, per_expert, stacked
 from .protocol import Kernels
-from .resolve import get_kernels, te_available
+from .resolve import get_kernels, te_available, te_update_delayed
 from .splits import CAPTURE_DEVICE_SPLITS, CAPTURE_HOST_SPLITS, Splits, _to_device, check_sizes
+
+_fp8_state.set_fused_kernel(te_update_delayed)
 
 __all__ = ["Kernels", "Splits", "as_one_buffer", "check_sizes", "get_kernels", "te_available", "out_in", "packed", "stacked"]

@@ -5,13 +5,15 @@ Engine's only when they are asked for (:func:`te_available`).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .packing import Weights
 from .protocol import Kernels
 
-__all__ = ["get_kernels", "te_available"]
+__all__ = ["get_kernels", "te_available", "te_update_delayed"]
 
 
 _TE_AVAILABLE: list[bool] = []  # filled once; a plain global read under torch.compile
@@ -27,6 +29,17 @@ def te_available() -> bool:
         except Exception:
             _TE_AVAILABLE.append(False)
     return _TE_AVAILABLE[0]
+
+
+def te_update_delayed() -> Callable[..., None] | None:
+    """TE's fused delayed-scaling update (``te_fp8.update_delayed_``) where TE imports, else
+    None: the provider ``kernels/__init__.py`` registers with ``fp8.state`` (NOTE: [The fused
+    kernel comes from the kernels])."""
+    if not te_available():
+        return None
+    from .te_fp8 import update_delayed_
+
+    return update_delayed_
 
 
 _TE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
