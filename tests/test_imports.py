@@ -66,3 +66,44 @@ def test_the_kernels_give_fp8_te_s_fused_update():
     from functional_dw.kernels import te_update_delayed
 
     assert S._FUSED_KERNEL == [te_update_delayed]
+
+
+def test_importing_functional_dw_registers_no_optimizer_hook():
+    _run("""
+    from torch.optim import optimizer
+    before = dict(optimizer._global_optimizer_post_hooks)
+    import functional_dw, functional_dw.fp8.rowwise, functional_dw.nn, functional_dw.distributed  # noqa: F401
+    assert dict(optimizer._global_optimizer_post_hooks) == before, optimizer._global_optimizer_post_hooks
+    """)
+
+
+def test_the_weight_cache_installs_the_optimizer_hook_once_and_it_can_be_removed():
+    _run("""
+    import torch
+    from torch.optim import optimizer
+    import functional_dw as fd
+    from functional_dw import fp8
+    from functional_dw.fp8 import rowwise as rw
+
+    hooks = optimizer._global_optimizer_post_hooks
+    before = dict(hooks)
+    torch.manual_seed(0)
+    m = fd.nn.GroupedLinear(2, 16, 16, recipe=fp8.RowwiseScaling())
+    x, sizes = torch.randn(6, 16), [2, 4]
+    assert dict(hooks) == before and not rw.WEIGHT_CACHE
+    m(x, sizes)  # the first cached use installs the hook
+    assert len(hooks) == len(before) + 1 and len(rw.WEIGHT_CACHE) == 1
+    m(x, sizes).sum().backward()
+    assert len(hooks) == len(before) + 1  # once
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    steps = rw.OPTIMIZER_STEPS[0]
+    opt.step()
+    assert rw.OPTIMIZER_STEPS[0] == steps + 1
+    fp8.remove_optimizer_hook()
+    assert dict(hooks) == before and not rw.WEIGHT_CACHE
+    opt.step()
+    assert rw.OPTIMIZER_STEPS[0] == steps + 1  # not counted: nothing is cached to go stale
+    fp8.remove_optimizer_hook()  # (again: nothing to remove)
+    m(x, sizes)
+    assert len(hooks) == len(before) + 1  # the next cached use installs it again
+    """)
