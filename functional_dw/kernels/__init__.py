@@ -25,8 +25,9 @@ from ..fp8 import state as _fp8_state
 from .packing import Weights, as_one_buffer, out_in, packed, per_expert, stacked
 from .protocol import Kernels
 from .resolve import get_kernels, te_available, te_update_delayed
-from .splits import CAPTURE_DEVICE_SPLITS, CAPTURE_HOST_SPLITS, Splits, _to_device, check_sizes
+from .splits import Splits, _to_device, check_sizes  # noqa: F401  (_to_device: tests call it)
 
 _fp8_state.set_fused_kernel(te_update_delayed)
 
-__all__ = ["Kernels", "Splits", "as_one_buffer", "check_sizes", "get_kernels", "te_available", "out_in", "packed", "stacked"]
+__all__ = ["Kernels", "Splits", "Weights", "as_one_buffer", "check_sizes", "get_kernels", "out_in", "packed", "per_expert",
+           "stacked", "te_available", "te_update_delayed"]
