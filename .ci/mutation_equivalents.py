@@ -2,7 +2,12 @@
 
 Run after `bash .ci/mutation` with that venv's python: `python .ci/mutation_equivalents.py`
 (`--check` lists survivors no rule explains: kill them with a test, or add a reason here)."""
-import json, glob, re, subprocess, sys
+import glob
+import json
+import re
+import subprocess
+import sys
+
 R = {
  'api': "torch 2.13's TreeSpec has both `children()` and `children_specs`: either branch reads the same children",
  'pytree': "torch's C++ pytree (`_cxx_pytree`) also reads a Python TreeSpec, so picking it for every spec gives the same tree",
@@ -83,14 +88,14 @@ for f in sorted(glob.glob("mutants/functional_dw/**/*.meta", recursive=True)):
 rows, unexplained = [], []
 for m in survivors:
     show = subprocess.run([sys.executable, "-m", "mutmut", "show", m], capture_output=True, text=True).stdout
-    minus = [l[1:].strip() for l in show.splitlines() if l.startswith("-") and not l.startswith("---")]
-    plus = [l[1:].strip() for l in show.splitlines() if l.startswith("+") and not l.startswith("+++")]
+    minus = [ln[1:].strip() for ln in show.splitlines() if ln.startswith("-") and not ln.startswith("---")]
+    plus = [ln[1:].strip() for ln in show.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
     mod = m.rsplit(".x", 1)[0] if ".x_" in m or ".xǁ" in m else m
     path = mod.replace(".", "/") + ".py"
     path = re.sub(r"/x[_ǁ].*", "", path)
     path = m.split(".x")[0].replace(".", "/") + ".py"
     src = open(path).read().splitlines()
-    line = next((i + 1 for i, l in enumerate(src) if minus and l.strip() == minus[-1]), "?")
+    line = next((i + 1 for i, ln in enumerate(src) if minus and ln.strip() == minus[-1]), "?")
     reason = next((key for pat, key in RULES if re.search(pat, m)), None)
     mut = f"`{(minus[-1] if minus else '')[:90]}` → `{(plus[-1] if plus else '(removed)')[:90]}`"
     if reason is None:
@@ -117,9 +122,9 @@ for k, v in R.items():
     if any(r[4] == k for r in rows):
         out.write(f"- **{k}**: {v}\n")
 out.write("\n| file | line | mutant | mutation | reason |\n|---|---|---|---|---|\n")
-for p, l, n, mut, r in rows:
+for p, ln, n, mut, r in rows:
     bar = "\\|"
-    out.write(f"| {p.removeprefix('functional_dw/')} | {l} | {n} | {mut.replace('|', bar)} | {r} |\n")
+    out.write(f"| {p.removeprefix('functional_dw/')} | {ln} | {n} | {mut.replace('|', bar)} | {r} |\n")
 if unexplained:
     out.write("\nNot yet explained or killed (the run ended before a test for them was confirmed):\n\n")
     for m, mut in unexplained:

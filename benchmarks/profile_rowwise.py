@@ -5,9 +5,13 @@ CUDA kernel times (torch.profiler), at one or more shapes:
 
 ``KEY=VALUE``: a launch CONFIG entry of ``kernels/triton_rowwise.py``. ``--no-table``: the ms per step only (what ran at each commit for
 ``git show f696c1f:benchmarks/results/fp8_rowwise/alone_by_commit.log``)."""
-import sys, torch, functional_dw as fd
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import functional_dw as fd
 from functional_dw import fp8
-from torch.profiler import profile, ProfilerActivity
 
 args = [a for a in sys.argv[1:] if not a.startswith("--") and "=" not in a]
 table = "--no-table" not in sys.argv

@@ -6,7 +6,7 @@ Function that is safe under saved-tensor hooks, ``retain_graph`` and ``torch.fun
 """
 
 from . import nn
-from . import graphs  # noqa: E401  (CUDA graphs: graph_step, PinnedOffload)
+from . import graphs  # (CUDA graphs: graph_step, PinnedOffload)
 from .custom_vjp import custom_vjp
 from .distributed_weight import DistributedWeight, is_distributed_weight
 from .grouped_linear import (
@@ -17,7 +17,7 @@ from .linear import LinearResiduals, linear, linear_bwd, linear_bwd_dgrad, linea
 from .residuals import residuals, saved, saved_activations
 
 __all__ = [
-    "custom_vjp", "residuals", "saved", "saved_activations", "nn",
+    "custom_vjp", "residuals", "saved", "saved_activations", "nn", "graphs",
     "DistributedWeight", "is_distributed_weight",
     "linear", "linear_fwd", "linear_bwd", "linear_bwd_dgrad", "linear_bwd_wgrad", "LinearResiduals",
     "grouped_linear", "grouped_linear_fwd", "grouped_linear_bwd", "grouped_linear_bwd_dgrad",

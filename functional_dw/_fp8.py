@@ -3,7 +3,7 @@ the recipe's family's.
 
 A layer builds its plan in ``_prepare`` (:func:`plan`; None when ``recipe`` is None, and then
 nothing here runs) and hands each tensor to the kernels' ``quantize``/``grouped_quantize``
-through the plan's methods (the kernels' side: ``kernels/__init__.py``, NOTE: [FP8 operands]):
+through the plan's methods (the kernels' side: ``kernels/protocol.py``, NOTE: [FP8 operands]):
 
 =================  ===================================  ==========================================
 when               tensor                               copies, scale (delayed scaling)

@@ -14,7 +14,7 @@ import torch
 
 from . import _checks, fp8
 from ._fp8 import Plan
-from .fp8.rowwise import OPTIMIZER_STEPS, WEIGHT_CACHE
+from .fp8.rowwise import OPTIMIZER_STEPS, WEIGHT_CACHE, install_optimizer_hook
 
 __all__ = ["RowwisePlan"]
 
@@ -78,6 +78,7 @@ def _rowwise_weights(kernels: Any, w_ENK: Any, spec: fp8.TensorSpec, keep: bool,
     if params is None or torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None \
             or not set(map(type, params)) <= _checks.PLAIN_TYPES or any(p.is_inference() for p in params):
         return kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=keep)
+    install_optimizer_hook()  # (once: NOTE: [The optimizer hook] in fp8/rowwise.py)
     # (layouts too: ``p.data = p.data.t()`` of a square weight keeps the address and the version)
     key = (tuple(p._version for p in params), tuple(p.data_ptr() for p in params),
            tuple((p.shape, p.stride(), p.dtype) for p in params), spec, OPTIMIZER_STEPS[0])

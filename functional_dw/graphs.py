@@ -172,6 +172,22 @@ def graph_step(
             so a host synchronization fails there with a traceback to its line (capture would
             fail with CUDA's "operation not permitted when stream is capturing").
     """
+    params, warmup = _checked_args(step, inputs, params, grads, warmup, check_sync)
+    leaves = _grad_leaves(params, inputs)
+    saved, kept = _main_grads(leaves), [p.grad for p in leaves]
+    _warm_up(step, inputs, leaves, warmup, check_sync)
+    _restore(saved)  # the warm-ups' backwards added into main_grad: undo
+    _grads_for_capture(leaves, kept, grads)
+    torch.cuda.synchronize()
+    graph, outputs = _capture(step, inputs, pool)
+    captured = [(p, p.grad) for p in leaves if p.grad is not None]
+    return GraphedStep(graph, tuple(inputs), outputs, captured, grads)
+
+
+def _checked_args(step: Any, inputs: Sequence[Any], params: Any, grads: Any, warmup: Any,
+                  check_sync: Any) -> tuple[list[torch.Tensor], int]:
+    """graph_step's arguments checked, in order (each error says what to pass), and the machine
+    (a CUDA device, not capturing already); returns the params as a list and the warm-up count."""
     if not callable(step):
         raise TypeError(f"graph_step: step must be callable, got {type(step).__name__}")
     _check_tensors("inputs", inputs, cuda=False)
@@ -184,7 +200,6 @@ def graph_step(
         n = 0
     if n < 1:
         raise ValueError(f"graph_step: warmup must be an int >= 1 (eager runs before capture), got {warmup!r}")
-    warmup = n
     if not isinstance(check_sync, bool):
         raise TypeError(f"graph_step: check_sync must be True or False, got {check_sync!r}")
     if not torch.cuda.is_available():
@@ -193,11 +208,19 @@ def graph_step(
     _check_tensors("params", params, cuda=True)
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("graph_step: called while a CUDA graph is being captured")
+    return params, n
 
-    leaves = list(params) + [t for t in inputs if t.requires_grad and t.is_leaf and not any(t is p for p in params)]
-    saved = _main_grads(leaves)
-    kept = [p.grad for p in leaves]
 
+def _grad_leaves(params: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors whose ``.grad`` the step fills: ``params``, then the leaf inputs that require
+    grad and are not among them."""
+    return list(params) + [t for t in inputs if t.requires_grad and t.is_leaf and not any(t is p for p in params)]
+
+
+def _warm_up(step: Callable[..., Any], inputs: Sequence[torch.Tensor], leaves: list[torch.Tensor], warmup: int,
+             check_sync: bool) -> None:
+    """Run the step ``warmup`` times eagerly on a side stream (torch's recipe), each from no
+    grads; after the first, a host synchronization raises :data:`_SYNC_HINT`."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     try:
@@ -214,14 +237,21 @@ def graph_step(
                     raise
     finally:
         torch.cuda.current_stream().wait_stream(side)
-    _restore(saved)  # the warm-ups' backwards added into main_grad: undo
+
+
+def _grads_for_capture(leaves: list[torch.Tensor], kept: list[torch.Tensor | None], grads: str) -> None:
+    """Each ``.grad`` as the capture must see it: the one from before the warm-up (zeros where
+    there was none) for ``"accumulate"``, None for ``"overwrite"``."""
     for p, g in zip(leaves, kept):
         if grads == "accumulate":
             p.grad = g if g is not None else torch.zeros_like(p)
         else:
             p.grad = None
-    torch.cuda.synchronize()
 
+
+def _capture(step: Callable[..., Any], inputs: Sequence[torch.Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture one run of the step: the graph and the step's outputs (the tensors every replay
+    rewrites); a capture error raises :data:`_CAPTURE_HINT` with its cause."""
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph, pool=pool):
@@ -231,8 +261,7 @@ def graph_step(
         if "captur" in msg.lower() or "not permitted" in msg:
             raise RuntimeError(f"{_CAPTURE_HINT}\n(cause: {msg})") from e
         raise
-    captured = [(p, p.grad) for p in leaves if p.grad is not None]
-    return GraphedStep(graph, tuple(inputs), outputs, captured, grads)
+    return graph, outputs
 
 
 def _params_list(params: Any) -> list[torch.Tensor]:

@@ -291,7 +291,7 @@ class GroupedLinear(_FP8, torch.nn.Module):
 
     NOTE: [One buffer] The per-expert parameters are views of one contiguous ``[E, out, in]``
     (biases: ``[E, out]``) storage, so the kernels read them in place as one operand (no stack,
-    see ``kernels/__init__.py``); grads arrive as views of one ``[E, out, in]`` buffer. The
+    see ``kernels/packing.py``); grads arrive as views of one ``[E, out, in]`` buffer. The
     module keeps the buffer shared: ``load_state_dict`` copies into the views; ``.to()``,
     ``.cuda()``, ``.half()``, ``to_empty()`` convert each group as one tensor (:meth:`_apply`);
     ``load_state_dict(assign=True)`` takes the state dict's tensors where they already are one

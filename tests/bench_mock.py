@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # this checkout's package
 import functional_dw as fd  # noqa: E402
 gl, ll = sys.modules["functional_dw.grouped_linear"], sys.modules["functional_dw.linear"]
-from functional_dw.kernels import get_kernels as real_get
+from functional_dw.kernels import get_kernels as real_get  # noqa: E402
 # CUDA event times: a fixed cycle of milliseconds, multiples of 0.0005 (a median of two is still
 # exact at the 4 decimals the script keeps), small enough that the smoke shapes' TFLOP/s and the
 # dense peak are well above the 0.1 they are rounded to, and unequal so ratios are not all 1.

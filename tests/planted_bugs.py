@@ -34,7 +34,7 @@ BUGS = [  # (name, file, original line fragment, planted fragment)
     ("DW wgrad accumulates into grad_buffer()", "functional_dw/distributed_weight.py",
      'return not dw and not getattr(params[0], "overwrite_main_grad", False)',
      'return not getattr(params[0], "overwrite_main_grad", False)'),
-    ("splits cache mixes int32 and int64 ends", "functional_dw/kernels/__init__.py",
+    ("splits cache mixes int32 and int64 ends", "functional_dw/kernels/splits.py",
      'return self.cached(("ends", dtype), make)', 'return self.cached("ends", make)'),
     ("jvp through a DW Linear gathers for backward", "functional_dw/linear.py",
      "w_NK = dwp.materialize([res.weight], res.distributed, for_backward=False)[0]",

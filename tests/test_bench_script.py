@@ -8,7 +8,6 @@ benchmarks/moe_layer.py (one MoE expert layer, every contender), run in this pro
 import copy
 import itertools
 import json
-import re
 import statistics
 import subprocess
 import sys

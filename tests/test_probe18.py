@@ -214,7 +214,8 @@ def _interpret(body: str) -> str:
         # (Triton 3.6's interpreter under numpy 2.4 turns a run-time loop bound into int() of a
         # one-element array; on a GPU test_fp8_rowwise's gpu tests compare the compiled kernels
         # with the reference bit for bit)
-        import numpy, triton
+        import numpy
+        import triton
         pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run a loop with a run-time bound under "
                     f"numpy {numpy.__version__}")
     assert out.returncode == 0, out.stderr[-3000:]

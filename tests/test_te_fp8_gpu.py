@@ -185,7 +185,7 @@ def kernels_grouped_step(recipe, state, x, ws, b_EN, sizes, dy, grouped, main_gr
     """One forward+backward of a GroupedLinear through te_fp8, as the contract's layer does it."""
     sx, sw, sdy = (fp8.tensor_spec(recipe, role) for role in fp8.ROLES)
     acc = fp8.split_accumulator(recipe)
-    splits, E = splits_record(sizes, grouped), len(ws)
+    splits = splits_record(sizes, grouped)
     xq = TE.grouped_quantize(x, splits, sx, rowwise=True, columnwise=True, grouped=grouped, **q_args(state, "input"))
     wq = [TE.quantize(w, sw, rowwise=True, columnwise=False, **q_args(state, "weight", e)) for e, w in enumerate(ws)]
     y = TE.grouped_fprop(xq, wq, b_EN, splits, grouped, split_accumulator=acc.fprop)

@@ -16,6 +16,9 @@ read by name). The modules, in the order a layer needs them:
   TE's ``fp8_meta`` layout), :func:`record_amax`, :func:`update_state` (pure) /
   :func:`update_state_` (in place).
 - :mod:`.extra_state`: TE's ``_extra_state`` checkpoint entry, read and written.
+- :mod:`.rowwise`: RowwiseScaling's quantization as reference math, and its weight cache:
+  :func:`clear_weight_cache`, :func:`remove_optimizer_hook` (the ``torch.optim`` post-step hook
+  the cache installs at its first use; importing fp8 registers nothing global).
 
 A layer's use, sketched (GEMM ``e``; for a GroupedLinear use :func:`quantize_groups` with
 :func:`group_scales` and record one amax per GEMM)::
@@ -45,6 +48,7 @@ from .recipe import (
     HOPPER_RECIPES, RECIPES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MMParams, QParams,
     Recipe, RowwiseScaling, as_recipe,
 )
+from .rowwise import clear_weight_cache, remove_optimizer_hook
 from .spec import FP8_MAX, ROLES, SplitAccumulator, TensorSpec, split_accumulator, tensor_spec
 from .state import (
     DelayedScalingState, adjust_history_len, group_scales, init_state, record_amax, record_amax_, scale_for, slot,
@@ -60,4 +64,5 @@ __all__ = [
     "DelayedScalingState", "init_state", "slot", "scale_for", "group_scales", "record_amax", "record_amax_",
     "update_state", "update_state_", "adjust_history_len",
     "read_extra_state", "state_from_extra_state", "state_to_extra_state",
+    "clear_weight_cache", "remove_optimizer_hook",
 ]

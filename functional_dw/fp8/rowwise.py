@@ -48,8 +48,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .quantize import amax_of, compute_scale_from_amax
 from .spec import TensorSpec
 
-__all__ = ["PAD", "RowwiseActivation", "RowwiseWeight", "WEIGHT_CACHE", "OPTIMIZER_STEPS", "clear_weight_cache", "padded_columns",
-           "padded_ends", "quantize_activation", "quantize_weight", "scale_of"]
+__all__ = ["PAD", "RowwiseActivation", "RowwiseWeight", "WEIGHT_CACHE", "OPTIMIZER_STEPS", "clear_weight_cache",
+           "install_optimizer_hook", "remove_optimizer_hook", "padded_columns", "padded_ends", "quantize_activation",
+           "quantize_weight", "scale_of"]
 
 PAD = 16  # wgrad's token groups: multiples of 16 columns (torch's scaled grouped GEMM)
 
@@ -209,7 +210,7 @@ def dequantize_columns(q: RowwiseActivation, ends_E: torch.Tensor, pends_E: torc
 # are cached per group of parameters, keyed on the parameters (held weakly: an id reused by a
 # new tensor misses), their versions, addresses and layouts (``param.data = ...`` changes one),
 # and the count of optimizer steps taken (a global ``torch.optim`` post-step hook counts them,
-# so a step that bumps no version misses too); the entry hangs weakly off the first parameter
+# so a step that bumps no version misses too: NOTE: [The optimizer hook]); the entry hangs weakly off the first parameter
 # and dies with it, and a changed weight misses and replaces it. Gradient accumulation's
 # micro-batches and every backward then read one quantized copy per step. Writes that neither
 # an optimizer step nor a version sees (``param.data.copy_(...)``, numpy views, custom kernels
@@ -219,14 +220,35 @@ def dequantize_columns(q: RowwiseActivation, ends_E: torch.Tensor, pends_E: torc
 # cache holds one FP8 copy of each weight both ways (as many bytes as the bf16 weight). The
 # layers' side: ``_fp8_rowwise._rowwise_weights``.
 WEIGHT_CACHE = WeakIdKeyDictionary()  # (tensors compare elementwise: keyed by identity)
-OPTIMIZER_STEPS = [0]  # steps of any torch.optim optimizer so far (a key part: NOTE above)
+OPTIMIZER_STEPS = [0]  # steps of any torch.optim optimizer while the hook is installed (a key part: NOTE above)
+
+# NOTE: [The optimizer hook] Importing functional_dw changes nothing global: the post-step hook
+# that counts optimizer steps (``torch.optim.optimizer.register_optimizer_step_post_hook``,
+# every optimizer's steps) is installed by the weight cache's first use
+# (:func:`install_optimizer_hook`, from ``_fp8_rowwise._rowwise_weights``), before the cache
+# holds anything, so every step after an entry was made is counted. :func:`remove_optimizer_hook`
+# takes it away and empties the cache (an entry kept without the count could outlive a fused
+# step); the cache's next use installs it again.
+_OPTIMIZER_HOOK: list[Any] = []  # the hook's RemovableHandle, while installed
 
 
 def _count_optimizer_step(*_: Any) -> None:
     OPTIMIZER_STEPS[0] += 1
 
 
-register_optimizer_step_post_hook(_count_optimizer_step)
+def install_optimizer_hook() -> None:
+    """Install the post-step hook that counts optimizer steps (NOTE: [The optimizer hook]), once;
+    the weight cache's first use calls it."""
+    if not _OPTIMIZER_HOOK:
+        _OPTIMIZER_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
+
+
+def remove_optimizer_hook() -> None:
+    """Remove the optimizer hook, if installed, and drop every cached quantized weight (NOTE:
+    [The optimizer hook]); the next RowwiseScaling step that caches its weights installs it again."""
+    while _OPTIMIZER_HOOK:
+        _OPTIMIZER_HOOK.pop().remove()
+    clear_weight_cache()
 
 
 def clear_weight_cache() -> None:

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.utils._pytree as pytree
@@ -330,6 +330,21 @@ def update_state_(state: DelayedScalingState, recipe: Any, *, which: Literal["fw
     return state
 
 
+# NOTE: [The fused kernel comes from the kernels] TE's fused update kernel lives with the
+# backends (``functional_dw.kernels``), and fp8 imports nothing from there: ``kernels`` registers
+# a provider here when it is imported (:func:`set_fused_kernel`), a function that returns TE's
+# in-place update (``kernels/te_fp8.py: update_delayed_``) where TE imports, else None. Without a
+# provider (fp8 loaded on its own) every update takes the torch path.
+_FUSED_KERNEL: list[Callable[[], Optional[Callable[..., None]]]] = []
+
+
+def set_fused_kernel(provider: Optional[Callable[[], Optional[Callable[..., None]]]]) -> None:
+    """Register the provider of the fused update's kernel (NOTE: [The fused kernel comes from
+    the kernels]); None removes it. ``provider()`` returns ``update_delayed_(last, hist, scale,
+    algo, fp8_dtype, margin)``, which updates ``hist`` and ``scale`` in place, or None."""
+    _FUSED_KERNEL[:] = [] if provider is None else [provider]
+
+
 def _te_update_(state: DelayedScalingState, r: DelayedScaling, which: str = "both", group: Any = None) -> bool:
     """The fused update (:func:`update_state_`'s checks done) on a CUDA state through TE's own
     kernel (``tex.fused_amax_and_scale_update_after_reduction``: one launch per direction, what
@@ -339,10 +354,9 @@ def _te_update_(state: DelayedScalingState, r: DelayedScaling, which: str = "bot
         return False
     if not all(getattr(state, n).is_contiguous() for n in _TENSORS):
         return False  # TE's kernel reads a history by its data pointer with stride shape[1], a scale densely
-    from ..kernels import te_available
-    if not te_available():
+    update_delayed_ = _FUSED_KERNEL[0]() if _FUSED_KERNEL else None
+    if update_delayed_ is None:
         return False
-    from ..kernels.te_fp8 import update_delayed_
     with torch.no_grad():
         for side in (("fwd", "bwd") if which == "both" else (which,)):
             hist, scale = getattr(state, f"amax_history_{side}"), getattr(state, f"scale_{side}")

@@ -21,7 +21,8 @@ import torch
 
 from ..fp8 import rowwise as ref
 from ..fp8.rowwise import RowwiseActivation, RowwiseWeight
-from . import Splits, Weights, _to_device, packed
+from .packing import Weights, packed
+from .splits import Splits, _to_device
 from . import triton_rowwise
 
 __all__ = ["fast", "check_device", "quantize_activation", "quantize_weight", "fprop", "dgrad", "wgrad"]

@@ -31,7 +31,8 @@ from transformer_engine.pytorch.module.base import _2X_ACC_DGRAD, _2X_ACC_FPROP,
 from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage
 from transformer_engine.pytorch.utils import _empty_tensor
 
-from . import Splits, Weights, out_in, packed, stacked
+from .packing import Weights, out_in, packed, stacked
+from .splits import Splits
 from .te_fp8_checks import env_of, grouped_path_problem
 from .torch_ref import expert_sums, _row_expert, _write
 

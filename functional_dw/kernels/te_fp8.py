@@ -36,7 +36,8 @@ from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Floa
 from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage
 
 from .. import fp8
-from . import per_expert, te as _te
+from . import te as _te
+from .packing import per_expert
 from .te_fp8_checks import MAX_LIST, _per, check_quantize, env_of
 
 __all__ = ["TEQ", "TEQGroup", "quantizer", "quantize", "quantize_each", "grouped_quantize", "is_fp8"]

@@ -7,7 +7,7 @@ NOTE: [Custom ops without autograd]
   not compose with ``torch.func.grad``). Eager calls bypass these ops and call TEKernels
   directly (no dispatcher overhead); :data:`TRACED_TE` is what ``get_kernels`` returns while
   compiling. Splits travel as one int tensor (CPU or device) and are rebuilt per op by
-  ``Splits.in_op`` (see NOTE: [Splits under torch.compile] in ``kernels/__init__.py``).
+  ``Splits.in_op`` (see NOTE: [Splits under torch.compile] in ``kernels/splits.py``).
 
 FP8 is not traced yet: ``quantize``/``grouped_quantize`` raise under ``torch.compile`` (TE's
 quantized storages are not tensors an op schema can carry; they would need their own ops).
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import Splits
+from .splits import Splits
 from .te import TE
 from .torch_ops import op_list as _list, op_splits, op_weights as _weights
 

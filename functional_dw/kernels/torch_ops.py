@@ -3,7 +3,7 @@
 The split path runs one GEMM per expert on host sizes. Traced by dynamo, those sizes would be
 guarded on (a graph per routing) or, from a splits tensor, be data-dependent (an error under
 ``fullgraph=True``). Inside an opaque custom op they are read at run time instead, so one graph
-serves every routing (see NOTE: [Splits under torch.compile] in ``kernels/__init__.py``).
+serves every routing (see NOTE: [Splits under torch.compile] in ``kernels/splits.py``).
 
 As in ``te_ops.py`` (NOTE: [Custom ops without autograd]): fake implementations give the
 output shapes, no op has an autograd formula, and eager calls never reach these ops:
@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import Splits, Weights
+from .packing import Weights
+from .splits import Splits
 from .torch_ref import TorchKernels, _write
 
 _NS = "functional_dw"

@@ -24,7 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..fp8 import QTensor, RowwiseScaling, quantize as fp8_quantize, quantize_groups
 from ..fp8.rowwise import RowwiseActivation
-from . import Splits, Weights, out_in, packed, stacked
+from .packing import Weights, out_in, packed, stacked
+from .splits import Splits
 from . import rowwise as rowwise_ops
 
 _torch_grouped_mm = getattr(torch, "_grouped_mm", None) or getattr(F, "grouped_mm", None)  # (F.grouped_mm is

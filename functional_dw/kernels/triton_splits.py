@@ -1,5 +1,5 @@
 """Device splits' bookkeeping in one launch (see NOTE: [Device splits are clamped] in
-``kernels/__init__.py``).
+``kernels/splits.py``).
 
 From E raw token counts on the GPU (any integer dtype, possibly negative or summing past T)
 one Triton program writes the memory-safe counts (int64, what TE's grouped GEMM reads) and

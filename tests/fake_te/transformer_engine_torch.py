@@ -1,5 +1,7 @@
 """A CPU fake of TE's extension, enough to exercise functional_dw.kernels.te_fp8's plumbing."""
-import enum, torch
+import enum
+
+import torch
 from functional_dw import fp8 as _fp8
 
 class DType(enum.IntEnum):
@@ -17,7 +19,7 @@ def splits_to_offsets_multi(sizes, device, strides, include_leading_zero, dtypes
     return sizes, offs
 
 def _spec(q):
-    from transformer_engine.pytorch.tensor import Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer
+    from transformer_engine.pytorch.tensor import Float8CurrentScalingQuantizer, Float8Quantizer
     dt = torch.float8_e4m3fn if q.dtype == DType.kFloat8E4M3 else torch.float8_e5m2
     if isinstance(q, Float8Quantizer):
         return _fp8.TensorSpec("input", "delayed", dt)

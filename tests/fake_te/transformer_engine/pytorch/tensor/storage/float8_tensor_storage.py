@@ -1,4 +1,3 @@
-import torch
 class Float8TensorStorage:
     def __new__(cls, *args, data, fp8_scale_inv, fp8_dtype, fake_dtype=None, data_transpose=None, quantizer=None, transpose_invalid=None, **kw):
         i = object.__new__(cls)

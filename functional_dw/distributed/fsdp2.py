@@ -1,0 +1,41 @@
+"""The package's layers under plain FSDP2 (``torch.distributed.fsdp.fully_shard``): one all-gather
+and one reduce-scatter per ``functional_dw.nn`` layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["shard_module"]
+
+
+def shard_module(model: torch.nn.Module, mesh: Any = None, **fsdp_kwargs: Any) -> torch.nn.Module:
+    """Shard ``model`` with FSDP2: ``fully_shard`` on each ``functional_dw.nn`` layer (one
+    all-gather and one reduce-scatter per layer, prefetched by FSDP2 one layer ahead), then on
+    ``model`` for the rest. Returns ``model`` (FSDP2 shards in place).
+
+    ``mesh``: a DeviceMesh (1-D: FSDP; 2-D ``(replicate, shard)``: HSDP); default: every rank
+    of the default group in one dimension, on the device type of ``model``'s parameters. ``fsdp_kwargs`` go to ``fully_shard`` as they are
+    (``reshard_after_forward``, ``mp_policy=MixedPrecisionPolicy(...)``, ``offload_policy``).
+    This is plain FSDP2: calling ``fully_shard`` yourself works the same."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ..nn import GroupedLinear, Linear
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: shard_module takes a torch.nn.Module, got {type(model).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("shard_module needs a process group: call torch.distributed.init_process_group "
+                           "first (torchrun, or functional_dw.distributed.launch)")
+    if mesh is None:
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+    for m in model.modules():
+        if m is not model and isinstance(m, (Linear, GroupedLinear)):
+            fully_shard(m, mesh=mesh, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, **fsdp_kwargs)
+    return model

@@ -1,0 +1,105 @@
+"""Backend resolution: :func:`get_kernels` turns a layer's ``backend=`` (None, ``"auto"``,
+``"torch"``, ``"te"`` or a Kernels object) into the kernels that run it, importing Transformer
+Engine's only when they are asked for (:func:`te_available`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from .packing import Weights
+from .protocol import Kernels
+
+__all__ = ["get_kernels", "te_available", "te_update_delayed"]
+
+
+_TE_AVAILABLE: list[bool] = []  # filled once; a plain global read under torch.compile
+
+
+def te_available() -> bool:
+    """True when Transformer Engine's PyTorch extension imports (checked once)."""
+    if not _TE_AVAILABLE:
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+
+            _TE_AVAILABLE.append(True)
+        except Exception:
+            _TE_AVAILABLE.append(False)
+    return _TE_AVAILABLE[0]
+
+
+def te_update_delayed() -> Callable[..., None] | None:
+    """TE's fused delayed-scaling update (``te_fp8.update_delayed_``) where TE imports, else
+    None: the provider ``kernels/__init__.py`` registers with ``fp8.state`` (NOTE: [The fused
+    kernel comes from the kernels])."""
+    if not te_available():
+        return None
+    from .te_fp8 import update_delayed_
+
+    return update_delayed_
+
+
+_TE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TE_INSTALL = (
+    "backend='te' needs Transformer Engine for PyTorch: `pip install "
+    "'functional_dw[te]'` (or `pip install 'transformer-engine[pytorch]>=2.20'`) on a machine "
+    "with CUDA; use backend='torch' for the plain-PyTorch reference"
+)
+
+
+def get_kernels(backend: str | Kernels | None, x: torch.Tensor, w_ENK: Weights | None = None) -> Kernels:
+    """Resolve ``backend``: None picks TE when ``x`` is on CUDA and TE imports, else torch.
+
+    ``"auto"`` picks the fastest measured (benchmarks/results): for a group on CUDA, torch's
+    grouped GEMM wherever it can run these operands. On the H200 it beat both of TE's paths up
+    to 32k tokens and tied them above, where TE's split path was 2-4% ahead only at large
+    tokens-per-expert x ffn and needs host splits. Otherwise auto picks what None picks (one
+    GEMM: the same cuBLAS)."""
+    if backend == "auto":
+        if w_ENK is not None and x.is_cuda and _torch().grouped_path_unsupported(x, w_ENK) is None:
+            return _torch()
+        backend = None
+    if backend is None:  # TE's GEMMs take fp32 (as TF32), bf16 and fp16; float64 stays on torch
+        backend = "te" if x.is_cuda and x.dtype in _TE_DTYPES and te_available() else "torch"
+    if not isinstance(backend, str):
+        if all(callable(getattr(backend, m, None)) for m in ("fprop", "dgrad", "wgrad", "grouped_fprop")):
+            return backend
+        raise ValueError(f"backend must be None, 'auto', 'torch', 'te' or a Kernels object; got {backend!r}")
+    if backend == "torch":
+        return _torch()
+    if backend == "te":
+        if not te_available():
+            raise ValueError(_TE_INSTALL)
+        if not x.is_cuda:
+            raise ValueError(f"backend='te' runs on CUDA tensors; x is on {x.device}. Use backend='torch'")
+        if x.dtype not in _TE_DTYPES:
+            raise TypeError(f"backend='te' takes float32, bfloat16 or float16; x is {x.dtype}. Use backend='torch'")
+        # the same kernels as custom ops dynamo can trace; and their fake rules give the shapes
+        # for fake tensors (FakeTensorMode), on which TE's C++ cannot run
+        if torch.compiler.is_compiling() or isinstance(x, FakeTensor):
+            from .te_ops import TRACED_TE
+
+            return TRACED_TE
+        from .te import TE
+
+        return TE
+    raise ValueError(f"backend must be None, 'auto', 'torch', 'te' or a Kernels object; got {backend!r}")
+
+
+_EAGER_TORCH: list[Kernels] = []  # filled on first use (this module imports no backend itself)
+
+
+def _torch() -> Kernels:
+    """The reference kernels; while compiling, the same with the split path as custom ops."""
+    if torch.compiler.is_compiling():
+        from .torch_ops import TRACED_TORCH
+
+        return TRACED_TORCH
+    if not _EAGER_TORCH:
+        from .torch_ref import TORCH
+
+        _EAGER_TORCH.append(TORCH)
+    return _EAGER_TORCH[0]
