@@ -1,4 +1,4 @@
-"""CUDA graphs for steps built from functional_dw layers (README, "CUDA graphs").
+"""CUDA graphs for steps built from functional_dw layers (docs/cuda-graphs.md).
 
 Three small tools on top of torch's CUDA graphs:
 

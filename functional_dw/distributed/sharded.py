@@ -381,7 +381,7 @@ def shard_grouped_weights(
     pass the result as grouped_linear's ``weights``; ``weights[0]`` leads the group.
 
     Every rank must pass the same full weights (e.g. made from the same seed). ``group`` is
-    the process group (default: the world). Overlap (see README "Overlap"):
+    the process group (default: the world). Overlap (see docs/distributed.md, "Overlap"):
 
     - ``async_grad_reduce``: the reduce-scatter runs while the earlier layers' backward
       computes; the grads land in ``.grad`` (or ``main_grad``) by the time backward returns

@@ -19,7 +19,7 @@ grouped_*      the same per expert     rows of x/dy split by ``splits``;
 ``grouped_wgrad`` returns ``(dw, db_EN)``: ``dw`` is ``out`` when given (filled in place),
 else a fresh ``[E, N, K]`` tensor.
 
-NOTE: [FP8 operands] (the layers' side: ``functional_dw/_fp8.py``; README, FP8)
+NOTE: [FP8 operands] (the layers' side: ``functional_dw/_fp8.py``; docs/fp8.md)
   ``quantize(t, spec, *, scale, amax, rowwise, columnwise) -> Q`` and
   ``grouped_quantize(x_TK, splits, spec, *, scales, amaxes, rowwise, columnwise, grouped) -> QGroup``
   quantize as a ``functional_dw.fp8.TensorSpec`` says. For delayed scaling ``scale``/``amax``

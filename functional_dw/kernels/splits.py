@@ -176,7 +176,7 @@ def _to_device(values: Iterable[int], dtype: torch.dtype, device: torch.device) 
     return cpu.pin_memory().to(device, non_blocking=True)
 
 
-# NOTE: [Splits under CUDA graph capture] (README "CUDA graphs") A captured graph replays
+# NOTE: [Splits under CUDA graph capture] (docs/cuda-graphs.md) A captured graph replays
 # device work only. Host split sizes are Python ints: the split path bakes them into the graph
 # (a replay reuses the routing of the capture), and a copy of them to the device cannot be
 # captured. A CUDA splits tensor is read on the device by the grouped path at every replay, but
