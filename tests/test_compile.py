@@ -77,7 +77,7 @@ def test_compiled_block_under_hooks_packs_no_weight(dtype, path, stacked):
 
 
 # --- a new routing every step (issue 12) -----------------------------------------------------
-# NOTE: [Splits under torch.compile] (kernels/__init__.py): the counts are data, so one compiled
+# NOTE: [Splits under torch.compile] (kernels/splits.py): the counts are data, so one compiled
 # graph serves every routing. Each case compiles once (fullgraph) and runs ten routings with 0-
 # and 1-token experts; every step's output and grads equal eager's. The grouped path on the CPU
 # is torch's grouped_mm, which under compile takes bfloat16 only: other dtypes with
