@@ -161,6 +161,13 @@ class Plan:
         None: one GEMM (``quantize``), else per expert (``grouped_quantize``)."""
         return self._quantize(kernels, "input", self.x, x_TK, splits, grouped, rowwise=True, columnwise=keep)
 
+    # NOTE: [FP8 weights for dgrad] With ``keep`` (plain weights; the layer checks their
+    # versions in backward, so a cached copy is never stale) forward quantizes each weight
+    # both ways in one pass and the plan holds the columnwise copies by reference, as TE's
+    # module keeps its FP8 weights: backward runs no weight quantization. They live on the
+    # residual record's context, never through ``save_for_backward`` (hooks see no weight).
+    # A DistributedWeight is re-materialized and re-quantized in backward instead (its hooks
+    # fire as without FP8); so is a weight whose copy was not kept.
     def quantize_weights(self, kernels: Any, w_ENK: Any, *, keep: bool = False,
                          params: Sequence[torch.Tensor] | None = None) -> tuple[Any, Plan]:
         """Each expert's weight for fprop (rowwise), and the plan with the weight scales used
@@ -168,13 +175,7 @@ class Plan:
         ``keep``: also the columnwise copies dgrad reads, held on the plan by reference.
         ``params``: the plain parameters the weights are (a family may cache by them).
 
-        NOTE: [FP8 weights for dgrad] With ``keep`` (plain weights; the layer checks their
-        versions in backward, so a cached copy is never stale) forward quantizes each weight
-        both ways in one pass and the plan holds the columnwise copies by reference, as TE's
-        module keeps its FP8 weights: backward runs no weight quantization. They live on the
-        residual record's context, never through ``save_for_backward`` (hooks see no weight).
-        A DistributedWeight is re-materialized and re-quantized in backward instead (its hooks
-        fire as without FP8); so is a weight whose copy was not kept."""
+        With ``keep``, backward runs no weight quantization (NOTE: [FP8 weights for dgrad])."""
         raise NotImplementedError
 
     # --- backward --------------------------------------------------------------------------------

@@ -28,40 +28,6 @@ Example::
 The pieces below, one at a time: :class:`_Call` (one call's structure), :class:`_Bridge` (the
 Function: ``forward``, ``setup_context``, ``backward``, ``jvp``, ``vmap``, ``apply``), the
 transform rules (:func:`_vmap_rule`), and :func:`custom_vjp`, which picks the entry per mode.
-
-NOTE: [What goes where]
-  Tensor leaves of the residuals go through ``ctx.save_for_backward``, so saved-tensor hooks
-  (offloading, ``save_on_cpu``) see them and only them. Non-tensor leaves and the record's
-  context (weights, DistributedWeight objects, splits, flags) stay on ``ctx`` by reference.
-  A residual tensor that is not an input is also returned from ``forward`` as an extra,
-  non-differentiable output, which is what ``torch.func`` requires of intermediates.
-
-NOTE: [Backward is re-entrant]
-  ``backward`` reads ``ctx.saved_tensors`` exactly once (unpack hooks run on every read),
-  rebuilds the residuals and calls ``bwd``. It never clears or mutates ``ctx``, so a second
-  ``backward(retain_graph=True)`` repeats exactly the same work.
-
-NOTE: [One Function]
-  Every mode (eager autograd, ``torch.func``, ``torch.compile``) runs the same setup_context
-  style Function, :class:`_Bridge` (one subclass per pair, named after it). Its ``forward``
-  cannot see ``ctx``, so the structure it learns (the output's pytree spec, how to rebuild
-  the residuals) travels on a :class:`_Call` object, the Function's first input, which
-  ``setup_context`` then keeps on ``ctx``. One rule per mode: NOTE: [autograd], NOTE:
-  [torch.func grad and vjp], NOTE: [jvp], NOTE: [vmap], NOTE: [torch.compile].
-
-NOTE: [nondiff_argnums]
-  Arguments named by ``nondiff_argnums`` (a layer's options: flags, backend, FP8 recipe) ride
-  on the :class:`_Call` by reference: they are not leaves of the Function (no flattening, no
-  autograd input), and ``bwd`` returns one cotangent per *other* argument, so a layer's
-  backward returns ``(dx, dw, dsplits, dbias)``, not a tuple padded with a None per option.
-  Example: ``custom_vjp(f_fwd, f_bwd, nondiff_argnums=(2,))`` for ``f(x, w, opts)``: ``f_bwd``
-  returns ``(dx, dw)``.
-
-NOTE: [Pytrees]
-  Eager calls and ``torch.func`` flatten with torch's C++ pytree (optree; several times faster
-  than the Python one) when it is installed; compiled code uses the Python one (dynamo traces
-  it). Both read the same registrations (our residual records), and both kinds of spec
-  unflatten themselves (``spec.unflatten``).
 """
 
 from __future__ import annotations
@@ -85,6 +51,41 @@ except ImportError:  # optree is not installed
     fast_pytree = pytree
 
 __all__ = ["custom_vjp"]
+
+
+# NOTE: [What goes where]
+#   Tensor leaves of the residuals go through ``ctx.save_for_backward``, so saved-tensor hooks
+#   (offloading, ``save_on_cpu``) see them and only them. Non-tensor leaves and the record's
+#   context (weights, DistributedWeight objects, splits, flags) stay on ``ctx`` by reference.
+#   A residual tensor that is not an input is also returned from ``forward`` as an extra,
+#   non-differentiable output, which is what ``torch.func`` requires of intermediates.
+
+# NOTE: [Backward is re-entrant]
+#   ``backward`` reads ``ctx.saved_tensors`` exactly once (unpack hooks run on every read),
+#   rebuilds the residuals and calls ``bwd``. It never clears or mutates ``ctx``, so a second
+#   ``backward(retain_graph=True)`` repeats exactly the same work.
+
+# NOTE: [One Function]
+#   Every mode (eager autograd, ``torch.func``, ``torch.compile``) runs the same setup_context
+#   style Function, :class:`_Bridge` (one subclass per pair, named after it). Its ``forward``
+#   cannot see ``ctx``, so the structure it learns (the output's pytree spec, how to rebuild
+#   the residuals) travels on a :class:`_Call` object, the Function's first input, which
+#   ``setup_context`` then keeps on ``ctx``. One rule per mode: NOTE: [autograd], NOTE:
+#   [torch.func grad and vjp], NOTE: [jvp], NOTE: [vmap], NOTE: [torch.compile].
+
+# NOTE: [nondiff_argnums]
+#   Arguments named by ``nondiff_argnums`` (a layer's options: flags, backend, FP8 recipe) ride
+#   on the :class:`_Call` by reference: they are not leaves of the Function (no flattening, no
+#   autograd input), and ``bwd`` returns one cotangent per *other* argument, so a layer's
+#   backward returns ``(dx, dw, dsplits, dbias)``, not a tuple padded with a None per option.
+#   Example: ``custom_vjp(f_fwd, f_bwd, nondiff_argnums=(2,))`` for ``f(x, w, opts)``: ``f_bwd``
+#   returns ``(dx, dw)``.
+
+# NOTE: [Pytrees]
+#   Eager calls and ``torch.func`` flatten with torch's C++ pytree (optree; several times faster
+#   than the Python one) when it is installed; compiled code uses the Python one (dynamo traces
+#   it). Both read the same registrations (our residual records), and both kinds of spec
+#   unflatten themselves (``spec.unflatten``).
 
 Fwd = Callable[..., tuple[Any, Any]]
 Bwd = Callable[..., Any]
@@ -132,8 +133,8 @@ class _FlatSpec:
     """The structure of a layer's arguments without a pytree walk: each argument a tensor, a
     scalar or string, None, or a list/tuple of tensors (every layer's arguments), as (kind,
     count) pairs: ``unflatten`` and ``num_leaves`` as a pytree spec has them, and
-    :meth:`cotangent_leaves` for bwd's result. NOTE: [Pytrees] (several times faster than a
-    pytree spec, C++ or Python; torch installs no C++ pytree by default)."""
+    :meth:`cotangent_leaves` for bwd's result: several times faster than a pytree spec, C++ or
+    Python (torch installs no C++ pytree by default; NOTE: [Pytrees])."""
 
     __slots__ = ("kinds", "num_leaves")
 
@@ -294,23 +295,24 @@ def _plan(res: Any, in_leaves: tuple, tree: Any, out_leaves: tuple = ()) -> tupl
     return plan, extra, spec
 
 
+# NOTE: [Outputs are new tensors] autograd attaches the node to each output tensor object in
+# place. An output fwd made is handed out as ``detach()`` (the same storage, no copy, not a
+# view), so that (1) a tensor fwd closed over and returned (a Parameter, a buffer, a
+# non-leaf) is never turned into this node's output behind the caller's back (see NOTE:
+# [Closed-over tensors]), and (2) a view of a tensor fwd made (e.g. Linear's ``[T, N] ->
+# [B, S, N]`` reshape) does not reach the caller as "a view created in a custom Function",
+# which autograd forbids modifying in place (``y += r``, an in-place activation, FSDP2
+# hooks). A view of an input keeps torch's rule (its base is the caller's tensor), and so do
+# outputs that share storage with each other (``(y, y[0])``): detached, an in-place change
+# to one would reach the other's value but not its gradient. (``_base``, not ``_is_view()``:
+# dynamo traces the one, not the other.)
 def _fresh_outputs(out_leaves: tuple, in_leaves: tuple) -> tuple:
     """fwd's outputs as the Function hands them out.
 
     An input returned as an output becomes a view of it (``view_as``), as torch asks of a
     setup_context Function that also saves that input.
 
-    NOTE: [Outputs are new tensors] autograd attaches the node to each output tensor object in
-    place. An output fwd made is handed out as ``detach()`` (the same storage, no copy, not a
-    view), so that (1) a tensor fwd closed over and returned (a Parameter, a buffer, a
-    non-leaf) is never turned into this node's output behind the caller's back (see NOTE:
-    [Closed-over tensors]), and (2) a view of a tensor fwd made (e.g. Linear's ``[T, N] ->
-    [B, S, N]`` reshape) does not reach the caller as "a view created in a custom Function",
-    which autograd forbids modifying in place (``y += r``, an in-place activation, FSDP2
-    hooks). A view of an input keeps torch's rule (its base is the caller's tensor), and so do
-    outputs that share storage with each other (``(y, y[0])``): detached, an in-place change
-    to one would reach the other's value but not its gradient. (``_base``, not ``_is_view()``:
-    dynamo traces the one, not the other.)"""
+    An output fwd made is handed out as ``detach()`` (NOTE: [Outputs are new tensors])."""
     if len(out_leaves) == 1 and out_leaves[0]._base is None:  # the common case: one tensor
         o = out_leaves[0]
         return (o.view_as(o) if any(map(operator.is_, itertools.repeat(o), in_leaves)) else o.detach(),)
@@ -540,13 +542,15 @@ class _Bridge(torch.autograd.Function):
     def vmap(info: Any, in_dims: tuple, call: _Call, *in_leaves: Any) -> tuple:
         return _vmap_rule(info.batch_size, in_dims[1:], call, in_leaves)
 
+    # NOTE: [Fast apply] torch's ``Function.apply`` binds the arguments to ``forward``'s
+    # signature (``inspect.signature``: ~15 us) on every call of a setup_context Function,
+    # for keyword arguments we never pass. With no functorch transform active it then only
+    # unwraps dead functorch wrappers and calls the C++ apply (forward, then setup_context);
+    # we do just that. Under a transform, torch's own apply (``custom_function_call``).
     @classmethod
     def apply(cls, *args: Any) -> Any:
-        """NOTE: [Fast apply] torch's ``Function.apply`` binds the arguments to ``forward``'s
-        signature (``inspect.signature``: ~15 us) on every call of a setup_context Function,
-        for keyword arguments we never pass. With no functorch transform active it then only
-        unwraps dead functorch wrappers and calls the C++ apply (forward, then setup_context);
-        we do just that. Under a transform, torch's own apply (``custom_function_call``)."""
+        """``Function.apply`` without its signature binding when no functorch transform is active
+        (NOTE: [Fast apply])."""
         if torch._C._are_functorch_transforms_active():
             return super().apply(*args)
         call, *leaves = args
@@ -557,16 +561,17 @@ class _Bridge(torch.autograd.Function):
         return super(torch.autograd.Function, cls).apply(call, *leaves)
 
 
+# NOTE: [jvp] Forward mode (eager ``dual_level`` or ``torch.func.jvp``) runs the pair's
+# ``jvp`` rule on the residuals and the tangents, shaped like the arguments with None where
+# there is none (hence not materialized); the extra outputs get no tangent. Only when
+# forward mode is on at forward time does ``setup_context`` keep the residuals for it
+# (``save_for_forward``: a strong ref, which would defeat offloading).
 def _grads_as_given(ctx: Any, call: _Call, saved: list, output: tuple) -> None:
     """Grads and tangents not materialized: backward fills a missing output grad with zeros
     itself, and gets no zeros for the extra outputs (activation-sized intermediates), which it
     ignores. (Dynamo has neither this nor forward mode: a compiled graph's grads are tensors.)
 
-    NOTE: [jvp] Forward mode (eager ``dual_level`` or ``torch.func.jvp``) runs the pair's
-    ``jvp`` rule on the residuals and the tangents, shaped like the arguments with None where
-    there is none (hence not materialized); the extra outputs get no tangent. Only when
-    forward mode is on at forward time does ``setup_context`` keep the residuals for it
-    (``save_for_forward``: a strong ref, which would defeat offloading)."""
+    In forward mode the residuals are also kept for the pair's ``jvp`` rule (NOTE: [jvp])."""
     if call.rules.jvp is not None and _forward_ad_active():
         ctx.save_for_forward(*saved)
     ctx.set_materialize_grads(False)
@@ -586,9 +591,11 @@ def _residuals(ctx: Any) -> Any:
     return res if needs is None else with_needs(res, needs)
 
 
+# NOTE: [Which gradients] A record with a `needed()` field learns here which inputs
+# autograd wants gradients for (shaped like fwd's arguments), so bwd can skip a GEMM.
 def _needs(ctx: Any, cls: type) -> Any:
-    """NOTE: [Which gradients] A record with a `needed()` field learns here which inputs
-    autograd wants gradients for (shaped like fwd's arguments), so bwd can skip a GEMM."""
+    """Which of fwd's arguments autograd wants gradients for, shaped like them, for a record
+    with a `needed()` field (NOTE: [Which gradients]); else None."""
     mask = getattr(ctx, "needs_input_grad", None)
     if mask is None or not getattr(cls, "__needs_field__", None):
         return None
@@ -605,15 +612,17 @@ def _apply_inner(rules: _Rules, args: Any) -> tuple[tuple, _Call]:
     return rules.Function.apply(inner, *in_leaves), inner
 
 
+# NOTE: [vmap] The pair's ``vmap`` rule may fold the batch into one unbatched call (e.g.
+# x's batch into the token dimension): run it, then ``unfold`` puts the batch back. Without
+# a rule, or when it returns None, one call per batch element, stacked.
+#
+# Under ``vmap(grad(f))`` the grad level then runs ``setup_context`` on our outputs with
+# per-element semantics. A folded call's residuals hold folded context (e.g. splits * B),
+# so the grad level gets the plan of one element instead: ``fwd`` on element 0, run only
+# when asked (:func:`_element_plan`; plain ``vmap`` never asks).
 def _vmap_rule(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> tuple:
-    """NOTE: [vmap] The pair's ``vmap`` rule may fold the batch into one unbatched call (e.g.
-    x's batch into the token dimension): run it, then ``unfold`` puts the batch back. Without
-    a rule, or when it returns None, one call per batch element, stacked.
-
-    Under ``vmap(grad(f))`` the grad level then runs ``setup_context`` on our outputs with
-    per-element semantics. A folded call's residuals hold folded context (e.g. splits * B),
-    so the grad level gets the plan of one element instead: ``fwd`` on element 0, run only
-    when asked (:func:`_element_plan`; plain ``vmap`` never asks)."""
+    """The Function's vmap rule: one call with the batch folded in by the pair's ``vmap`` rule,
+    else one call per batch element (NOTE: [vmap])."""
     rules = call.rules
     folded = rules.vmap(batch_size, call.args(dims, static=None), *call.args(in_leaves)) if rules.vmap else None
     if folded is None:

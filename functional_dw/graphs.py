@@ -292,12 +292,13 @@ def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             mg.copy_(before)
 
 
+# NOTE: [Graphed grads alias] torch's graphed backward returns ``static.detach()``;
+# AccumulateGrad steals such a grad into ``.grad`` (a view of the graph's buffer), and the next
+# replay overwrites it before adding the next grad to it. With ``.grad`` already there, the
+# add reads the grad at once: no copy is needed.
 def _own_grads(params: Sequence[torch.Tensor]) -> list:
     """A hook per parameter that hands AccumulateGrad a copy of the incoming grad when ``.grad``
-    is None. NOTE: [Graphed grads alias] torch's graphed backward returns ``static.detach()``;
-    AccumulateGrad steals such a grad into ``.grad`` (a view of the graph's buffer), and the next
-    replay overwrites it before adding the next grad to it. With ``.grad`` already there, the
-    add reads the grad at once: no copy is needed."""
+    is None (NOTE: [Graphed grads alias])."""
     def own(p: torch.Tensor) -> Callable:
         return lambda g: g.clone() if g is not None and p.grad is None else None  # fused: no grad
 

@@ -404,14 +404,13 @@ def _dy_TN(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     return _checks.dense(_checks.cotangent("dy", dy, (res.splits.num_tokens, res.out_features), _like(res)))
 
 
+# NOTE: [Saved x] The residuals keep x as the caller gave it, not forward's dense copy:
+# a copy made inside the autograd Function has no graph link to x, so a second-order
+# gradient through wgrad (create_graph=True, jacrev of jacrev) would silently lose its x
+# term. Backward makes it dense again (also after an unpack hook that changed strides);
+# for a contiguous x (the usual case) both are no-ops.
 def _x_TK(res: GroupedLinearResiduals) -> torch.Tensor:
-    """The saved x, dense.
-
-    NOTE: [Saved x] The residuals keep x as the caller gave it, not forward's dense copy:
-    a copy made inside the autograd Function has no graph link to x, so a second-order
-    gradient through wgrad (create_graph=True, jacrev of jacrev) would silently lose its x
-    term. Backward makes it dense again (also after an unpack hook that changed strides);
-    for a contiguous x (the usual case) both are no-ops."""
+    """The saved x, dense."""
     return _checks.dense(res.x_TK)
 
 

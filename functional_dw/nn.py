@@ -2,27 +2,8 @@
 ``te.GroupedLinear`` name them, so a TE module's ``state_dict`` loads unchanged, and a
 ``forward`` that is one call of the functional API.
 
-NOTE: [FP8 in the modules]
-  A module runs FP8 with its ``recipe`` (a constructor argument), or, when that is None, with
-  the recipe of an active Transformer Engine ``te.autocast(enabled=True, recipe=...)`` /
-  ``fp8_autocast`` (read from TE's ``FP8GlobalStateManager`` only when TE is already imported:
-  no autocast can be active otherwise, and TE is never imported here). Delayed scaling keeps
-  its state in the module as non-persistent buffers ``fp8_amax_history_fwd``,
-  ``fp8_scale_fwd``, ``fp8_amax_history_bwd``, ``fp8_scale_bwd`` (they follow ``.to(device)``,
-  stay float32 under ``.to(dtype)``), made at construction for a delayed ``recipe`` or at the
-  first FP8 forward under an autocast. The state is checkpointed as TE checkpoints it: in
-  ``_extra_state``, in TE's format, so a TE module and this one load each other's state dicts.
-  A module built on ``meta`` and materialized (``to_empty``, ``load_state_dict(assign=True)``,
-  either by swap_tensors too) gets the construction-time state where its parameters are, or the
-  checkpoint's when it holds one (``_FP8._fp8_materialize``, the one place that does it).
-
-  Updates are lazy: TE updates the forward state when the autocast exits and the backward state
-  after the step's backward; here each forward with grad enabled, and each backward through the
-  module, leave an update pending, and the next forward (or ``state_dict()``) applies them
-  first (``fp8.update_state_``), so step t quantizes with scales from steps < t as under TE. A
-  forward without grad (inference) records amaxes but leaves no update pending (TE skips the
-  update under no_grad). Amaxes are not reduced across ranks here (TE's
-  ``amax_reduction_group``): use the functional API's ``fp8.update_state(..., group=)`` for that.
+FP8: a module runs with its ``recipe``, else with the recipe of an active TE autocast; delayed
+scaling's state is checkpointed in TE's ``_extra_state`` format (NOTE: [FP8 in the modules]).
 """
 
 from __future__ import annotations
@@ -42,6 +23,29 @@ from .kernels import packed
 from .linear import linear
 
 __all__ = ["Linear", "GroupedLinear", "remap_layouts"]
+
+
+# NOTE: [FP8 in the modules]
+#   A module runs FP8 with its ``recipe`` (a constructor argument), or, when that is None, with
+#   the recipe of an active Transformer Engine ``te.autocast(enabled=True, recipe=...)`` /
+#   ``fp8_autocast`` (read from TE's ``FP8GlobalStateManager`` only when TE is already imported:
+#   no autocast can be active otherwise, and TE is never imported here). Delayed scaling keeps
+#   its state in the module as non-persistent buffers ``fp8_amax_history_fwd``,
+#   ``fp8_scale_fwd``, ``fp8_amax_history_bwd``, ``fp8_scale_bwd`` (they follow ``.to(device)``,
+#   stay float32 under ``.to(dtype)``), made at construction for a delayed ``recipe`` or at the
+#   first FP8 forward under an autocast. The state is checkpointed as TE checkpoints it: in
+#   ``_extra_state``, in TE's format, so a TE module and this one load each other's state dicts.
+#   A module built on ``meta`` and materialized (``to_empty``, ``load_state_dict(assign=True)``,
+#   either by swap_tensors too) gets the construction-time state where its parameters are, or the
+#   checkpoint's when it holds one (``_FP8._fp8_materialize``, the one place that does it).
+#
+#   Updates are lazy: TE updates the forward state when the autocast exits and the backward state
+#   after the step's backward; here each forward with grad enabled, and each backward through the
+#   module, leave an update pending, and the next forward (or ``state_dict()``) applies them
+#   first (``fp8.update_state_``), so step t quantizes with scales from steps < t as under TE. A
+#   forward without grad (inference) records amaxes but leaves no update pending (TE skips the
+#   update under no_grad). Amaxes are not reduced across ranks here (TE's
+#   ``amax_reduction_group``): use the functional API's ``fp8.update_state(..., group=)`` for that.
 
 
 def _init_(w: torch.Tensor, b: torch.Tensor | None, fan_in: int) -> None:
@@ -283,26 +287,29 @@ def _names(prefix: str, n: int) -> tuple[str, ...]:
     return tuple(f"{prefix}{e}" for e in range(n))
 
 
+# NOTE: [One buffer] The per-expert parameters are views of one contiguous ``[E, out, in]``
+# (biases: ``[E, out]``) storage, so the kernels read them in place as one operand (no stack,
+# see ``kernels/packing.py``); grads arrive as views of one ``[E, out, in]`` buffer. The
+# module keeps the buffer shared: ``load_state_dict`` copies into the views; ``.to()``,
+# ``.cuda()``, ``.half()``, ``to_empty()`` convert each group as one tensor (:meth:`_apply`);
+# ``load_state_dict(assign=True)`` takes the state dict's tensors where they already are one
+# buffer's slices (another GroupedLinear's state dict), else copies them into a new one of
+# their dtype and device (the parameters then do not alias them). Sharing one storage, the
+# experts share a version counter, and ``safetensors.save_file`` refuses the state dict
+# (``torch.save`` stores the buffer once). FSDP2 (``fully_shard``) replaces the parameters with
+# its own (sharded DTensors; unsharded per-parameter tensors in forward and backward): there
+# the buffer is gone and each pass stacks the weights once (results unchanged); with
+# ``single_grouped_weight=True`` FSDP2 gathers the one ``[E, out, in]`` parameter as one
+# tensor, read in place (no stack: the layout to use under FSDP2, tests/test_fsdp2.py).
 class GroupedLinear(_FP8, torch.nn.Module):
     """E experts with parameters ``weight0..weight{E-1}`` ``[out, in]`` and ``bias0..``; or, with
     ``single_grouped_weight=True``, one ``weight [E, out, in]`` and one ``bias [E, out]`` (TE's
     names for both layouts; ``single_grouped_bias`` picks the bias layout on its own, by
     default the weight's). A checkpoint of either layout loads into either (as in TE).
 
-    NOTE: [One buffer] The per-expert parameters are views of one contiguous ``[E, out, in]``
-    (biases: ``[E, out]``) storage, so the kernels read them in place as one operand (no stack,
-    see ``kernels/packing.py``); grads arrive as views of one ``[E, out, in]`` buffer. The
-    module keeps the buffer shared: ``load_state_dict`` copies into the views; ``.to()``,
-    ``.cuda()``, ``.half()``, ``to_empty()`` convert each group as one tensor (:meth:`_apply`);
-    ``load_state_dict(assign=True)`` takes the state dict's tensors where they already are one
-    buffer's slices (another GroupedLinear's state dict), else copies them into a new one of
-    their dtype and device (the parameters then do not alias them). Sharing one storage, the
-    experts share a version counter, and ``safetensors.save_file`` refuses the state dict
-    (``torch.save`` stores the buffer once). FSDP2 (``fully_shard``) replaces the parameters with
-    its own (sharded DTensors; unsharded per-parameter tensors in forward and backward): there
-    the buffer is gone and each pass stacks the weights once (results unchanged); with
-    ``single_grouped_weight=True`` FSDP2 gathers the one ``[E, out, in]`` parameter as one
-    tensor, read in place (no stack: the layout to use under FSDP2, tests/test_fsdp2.py).
+    The experts' parameters are views of one buffer (NOTE: [One buffer]): they share a version
+    counter, ``safetensors.save_file`` refuses the state dict (``torch.save`` stores the buffer
+    once), and under FSDP2 ``single_grouped_weight=True`` keeps the weights one tensor.
 
     ``recipe``: as for :class:`Linear` (one state of ``num_gemms`` GEMMs, TE's layout)."""
 

@@ -1,31 +1,4 @@
 """Plans: what a layer call decides from metadata alone, decided once per call signature.
-
-NOTE: [Plan once, run lean]
-  A layer call has two kinds of work. What depends only on metadata (shapes, dtypes, devices,
-  the weights' layout, the options, the recipe, the torch mode) is decided by ONE function per
-  layer into ONE immutable plan: the argument checks, the kernels, the GEMM path and why, the
-  FP8 plan. What depends on data runs on every call: version stamps, the split counts, the
-  quantization, the GEMMs, the residual record.
-
-  Plans are cached (:class:`PlanCache`) for plain calls, keyed on exactly what they read: a
-  call whose key was seen reuses its plan and skips every metadata check. The key of a group of
-  E weights is every weight's storage address, shape and strides, the group's dtypes and
-  devices (C loops over E), and the first one's storage (base and size: the caching allocator
-  may put separate tensors back to back, and only one storage is one buffer): what the plan's
-  checks and its one-buffer verdict read, so a ``.data`` swap, an in-place ``transpose_``, a
-  re-tied module or a new model built where an old one was freed changes it. (Identity is not
-  in it: equal metadata at equal addresses makes the same decisions.) Calls that are not plain
-  (``torch.compile`` tracing, forward-mode AD, a dispatch mode such as ``FakeTensorMode``,
-  functorch's wrappers at the call, tensor subclasses, DistributedWeights, whose materialized
-  weights are data) plan every time with the same function: the same decisions, no cache.
-  (Under ``torch.func.grad``/``vjp``/``jacrev`` and a folded ``vmap`` the layer's forward runs one
-  level below the transform, on the caller's own tensors: a plain call, sharing its plan.)
-
-  Example: ``grouped_linear(x, m.weights(), splits)`` in a training loop plans at the first
-  step; later steps with any token count and any routing hit the cache (T and the counts are
-  data), also under ``no_grad`` (whether autograd must see the weights' one-buffer view is
-  decided per call), while a call with ``use_grouped_tensor=False``, another dtype or another
-  bias makes a plan of its own.
 """
 
 from __future__ import annotations
@@ -40,6 +13,34 @@ import torch
 from ._checks import PLAIN_TYPES
 
 __all__ = ["Options", "PlanCache", "eager_plain", "weights_key", "tensor_key", "choose_path", "route", "wgrad_grouped"]
+
+
+# NOTE: [Plan once, run lean]
+#   A layer call has two kinds of work. What depends only on metadata (shapes, dtypes, devices,
+#   the weights' layout, the options, the recipe, the torch mode) is decided by ONE function per
+#   layer into ONE immutable plan: the argument checks, the kernels, the GEMM path and why, the
+#   FP8 plan. What depends on data runs on every call: version stamps, the split counts, the
+#   quantization, the GEMMs, the residual record.
+#
+#   Plans are cached (:class:`PlanCache`) for plain calls, keyed on exactly what they read: a
+#   call whose key was seen reuses its plan and skips every metadata check. The key of a group of
+#   E weights is every weight's storage address, shape and strides, the group's dtypes and
+#   devices (C loops over E), and the first one's storage (base and size: the caching allocator
+#   may put separate tensors back to back, and only one storage is one buffer): what the plan's
+#   checks and its one-buffer verdict read, so a ``.data`` swap, an in-place ``transpose_``, a
+#   re-tied module or a new model built where an old one was freed changes it. (Identity is not
+#   in it: equal metadata at equal addresses makes the same decisions.) Calls that are not plain
+#   (``torch.compile`` tracing, forward-mode AD, a dispatch mode such as ``FakeTensorMode``,
+#   functorch's wrappers at the call, tensor subclasses, DistributedWeights, whose materialized
+#   weights are data) plan every time with the same function: the same decisions, no cache.
+#   (Under ``torch.func.grad``/``vjp``/``jacrev`` and a folded ``vmap`` the layer's forward runs one
+#   level below the transform, on the caller's own tensors: a plain call, sharing its plan.)
+#
+#   Example: ``grouped_linear(x, m.weights(), splits)`` in a training loop plans at the first
+#   step; later steps with any token count and any routing hit the cache (T and the counts are
+#   data), also under ``no_grad`` (whether autograd must see the weights' one-buffer view is
+#   decided per call), while a call with ``use_grouped_tensor=False``, another dtype or another
+#   bias makes a plan of its own.
 
 
 class Options(NamedTuple):
@@ -131,20 +132,19 @@ def choose_path(why_not: str | None, use_grouped_tensor: bool | None) -> tuple[s
     return "split", why_not
 
 
+# NOTE: [Transforms without a rule] ``torch._grouped_mm`` has no forward-mode formula and no
+# functorch batching rule, and TE's C++ kernels read raw pointers, so neither can take
+# functorch's wrappers (the batched tensors of the backward inside ``vmap(grad(f))`` or
+# ``jacrev``, jvp's tangents). Such products run on the reference kernels' split path, which
+# torch's transforms handle (same math, reference numerics); under forward-mode AD the
+# reference kernels take their split path too. Forward and backward route on their own
+# operands: ``jacrev`` batches only backward's dy, so forward may run grouped and backward
+# split. (A traced graph holds no wrappers: while compiling, the plan's kernels and path.)
 def route(kernels: Any, grouped: bool, *operands: Any, one_path: bool = False) -> tuple[Any, bool]:
     """The kernels and path that run these operands: the plan's, except under a transform the
     GEMMs have no rule for (the one place that decides it; kernels never fall back).
     ``one_path``: products with no other path (RowwiseScaling's one grouped GEMM, whose
-    reference ops torch's transforms take) run as planned.
-
-    NOTE: [Transforms without a rule] ``torch._grouped_mm`` has no forward-mode formula and no
-    functorch batching rule, and TE's C++ kernels read raw pointers, so neither can take
-    functorch's wrappers (the batched tensors of the backward inside ``vmap(grad(f))`` or
-    ``jacrev``, jvp's tangents). Such products run on the reference kernels' split path, which
-    torch's transforms handle (same math, reference numerics); under forward-mode AD the
-    reference kernels take their split path too. Forward and backward route on their own
-    operands: ``jacrev`` batches only backward's dy, so forward may run grouped and backward
-    split. (A traced graph holds no wrappers: while compiling, the plan's kernels and path.)"""
+    reference ops torch's transforms take) run as planned."""
     if one_path or torch.compiler.is_compiling():
         return kernels, grouped
     forward_ad = torch.autograd.forward_ad._current_level >= 0

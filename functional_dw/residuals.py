@@ -6,14 +6,6 @@ autograd bridge hands to ``ctx.save_for_backward`` (and so to any saved-tensor h
 Every other field is pytree *context*, held by reference: weights (plain or
 DistributedWeight), split sizes, dtypes, flags, the kernel backend.
 
-NOTE: [Why weights are context, not leaves]
-  A saved-tensor hook (``save_on_cpu``, Megatron's activation offloading) replaces a saved
-  tensor with whatever its unpack returns: a fresh plain tensor. A DistributedWeight saved
-  that way comes back without its subclass or its ``is_distributed_weight`` marker, and TE's
-  backward then takes the plain-weight branch. Weights are parameters that outlive the graph,
-  so holding them by reference costs nothing, keeps their identity, and keeps them out of
-  the hooks' traffic (an offloading hook would otherwise copy every weight to the host).
-
 Example::
 
     @residuals
@@ -31,6 +23,15 @@ import torch
 import torch.utils._pytree as pytree
 
 __all__ = ["residuals", "saved", "needed", "with_needs", "any_needed", "split", "RecordSpec", "saved_activations"]
+
+
+# NOTE: [Why weights are context, not leaves]
+#   A saved-tensor hook (``save_on_cpu``, Megatron's activation offloading) replaces a saved
+#   tensor with whatever its unpack returns: a fresh plain tensor. A DistributedWeight saved
+#   that way comes back without its subclass or its ``is_distributed_weight`` marker, and TE's
+#   backward then takes the plain-weight branch. Weights are parameters that outlive the graph,
+#   so holding them by reference costs nothing, keeps their identity, and keeps them out of
+#   the hooks' traffic (an offloading hook would otherwise copy every weight to the host).
 
 _SAVED = "functional_dw.saved"
 _NEEDS = "functional_dw.needs"

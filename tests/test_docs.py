@@ -14,6 +14,7 @@ they would take minutes on the CI's two cores.
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import dataclasses
 import importlib.util
@@ -177,6 +178,22 @@ def test_note_index_matches_the_code():
     assert not wrong, f"docs/design.md points these NOTEs at a file that does not hold them: {wrong}"
     count = re.search(r"`functional_dw/` \((\d+)\)", (ROOT / "docs" / "design.md").read_text())
     assert count and int(count.group(1)) == len(code), "the NOTE count in docs/design.md"
+
+
+def test_notes_are_comments_not_docstrings():
+    """A NOTE is written out in a # comment block, never in a docstring (help() shows docstrings
+    to users). A docstring may refer to a note: its title then ends a clause ("(NOTE: [title])",
+    "NOTE: [title], ...", "see NOTE: [title] in ``file``")."""
+    written_out = []
+    for path in sorted((ROOT / "functional_dw").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            doc = ast.get_docstring(node, clean=False) or ""
+            for m in NOTE.finditer(doc):
+                if not re.match(r"[)\],;.:]|\s+in\b", doc[m.end():]):
+                    written_out.append(f"{path.relative_to(ROOT)}: {getattr(node, 'name', 'module')}: [{m.group(1)}]")
+    assert not written_out, f"NOTEs written out in docstrings (make them # comments): {written_out}"
 
 
 def slug(heading: str) -> str:

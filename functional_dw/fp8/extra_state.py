@@ -16,13 +16,8 @@ no FP8 state (FP8 never enabled, or a stateless recipe: current, block, MXFP8, N
 defaults; ``"scale_inv_fwd"/"scale_inv_bwd"`` dropped) and the deprecated ``io.BytesIO``
 holding ``torch.save(state)``.
 
-NOTE: [Unpickling safely]
-  TE itself now refuses such pickles unless ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``
-  (``pytorch/_extra_state.py``): unpickling can run arbitrary code. Here the unpickler only
-  resolves an allow-list: torch's tensor and storage rebuilders (storages through
-  ``torch.load(weights_only=True)``), ``collections.OrderedDict``, and names in TE's recipe
-  module, which become inert stand-ins (attributes only; ``Format`` becomes ours) that
-  :func:`.recipe.as_recipe` converts. Any other global raises ``pickle.UnpicklingError``.
+Reading unpickles with an allow-list: any other global raises ``pickle.UnpicklingError``
+(NOTE: [Unpickling safely]).
 
 Writing (:func:`state_to_extra_state`) pickles this package's recipe under TE's class names
 (``transformer_engine.common.recipe.DelayedScaling``, ``Format``, ``_FormatHelper``): our
@@ -44,6 +39,15 @@ from .recipe import DelayedScaling, Format, MMParams, QParams, _FormatHelper, as
 from .state import FWD_PER_GEMM, DelayedScalingState
 
 __all__ = ["read_extra_state", "state_from_extra_state", "state_to_extra_state"]
+
+
+# NOTE: [Unpickling safely]
+#   TE itself now refuses such pickles unless ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``
+#   (``pytorch/_extra_state.py``): unpickling can run arbitrary code. Here the unpickler only
+#   resolves an allow-list: torch's tensor and storage rebuilders (storages through
+#   ``torch.load(weights_only=True)``), ``collections.OrderedDict``, and names in TE's recipe
+#   module, which become inert stand-ins (attributes only; ``Format`` becomes ours) that
+#   :func:`.recipe.as_recipe` converts. Any other global raises ``pickle.UnpicklingError``.
 
 _RECIPE_MODULE = "transformer_engine.common.recipe"
 _STATE_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")

@@ -1,25 +1,7 @@
 """``QTensor``: a quantized tensor as data (an FP8 payload and fp32 inverse scales).
 
-NOTE: [Rowwise and columnwise]
-  TE keeps up to two FP8 copies of a tensor ``t`` of shape ``[*lead, K]``, seen as the 2-D
-  matrix ``[M, K]`` (``M = prod(lead)``): *rowwise* data of ``t``'s shape, and *columnwise* data,
-  the transpose, of shape ``[K, *lead]`` (TE's ``get_columnwise_shape``). A GEMM picks the one
-  its layout needs (see :mod:`.spec`); after forward only x's columnwise copy is needed (wgrad).
-  A ``QTensor`` holds either or both, like TE's ``Float8TensorStorage`` /
-  ``Float8BlockwiseQTensorStorage``. Each copy has its own ``*_scale_inv``:
-
-  - per-tensor scaling (delayed, current): one fp32 value, shape ``[1]``; the columnwise data
-    is exactly the transpose of the rowwise data and shares its scale (the same tensor).
-  - block scaling: one fp32 value per tile of the *stored* 2-D matrix (``[M, K]`` rowwise,
-    ``[K, M]`` columnwise), ``block`` = the tile, ``(1, 128)`` or ``(128, 128)``, in compact
-    layout ``[ceil(rows / block[0]), ceil(cols / block[1])]``. With 1x128 tiles the columnwise
-    copy is quantized on its own (tiles run along M), so it is not the rowwise data transposed;
-    with 128x128 tiles it is, and its scales are the rowwise ones transposed. Partial tiles at
-    the edges are scaled by the amax of the elements they hold.
-
-  TE stores block scales in a GEMM-ready layout instead (1x128: transposed; both: the last dim
-  padded to a multiple of 4, padding left unwritten): :func:`te_scale_inv` /
-  :func:`from_te_scale_inv` convert.
+A ``QTensor`` holds TE's rowwise copy of a tensor, its columnwise (transposed) copy, or both,
+each with its own inverse scales (NOTE: [Rowwise and columnwise]).
 
 A ``QTensor`` is a frozen record and a pytree node whose leaves are the tensors it holds (no
 None leaves), so it can sit in a residuals record and go through ``save_for_backward``.
@@ -36,6 +18,28 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 __all__ = ["QTensor", "te_scale_inv", "from_te_scale_inv"]
+
+
+# NOTE: [Rowwise and columnwise]
+#   TE keeps up to two FP8 copies of a tensor ``t`` of shape ``[*lead, K]``, seen as the 2-D
+#   matrix ``[M, K]`` (``M = prod(lead)``): *rowwise* data of ``t``'s shape, and *columnwise* data,
+#   the transpose, of shape ``[K, *lead]`` (TE's ``get_columnwise_shape``). A GEMM picks the one
+#   its layout needs (see :mod:`.spec`); after forward only x's columnwise copy is needed (wgrad).
+#   A ``QTensor`` holds either or both, like TE's ``Float8TensorStorage`` /
+#   ``Float8BlockwiseQTensorStorage``. Each copy has its own ``*_scale_inv``:
+#
+#   - per-tensor scaling (delayed, current): one fp32 value, shape ``[1]``; the columnwise data
+#     is exactly the transpose of the rowwise data and shares its scale (the same tensor).
+#   - block scaling: one fp32 value per tile of the *stored* 2-D matrix (``[M, K]`` rowwise,
+#     ``[K, M]`` columnwise), ``block`` = the tile, ``(1, 128)`` or ``(128, 128)``, in compact
+#     layout ``[ceil(rows / block[0]), ceil(cols / block[1])]``. With 1x128 tiles the columnwise
+#     copy is quantized on its own (tiles run along M), so it is not the rowwise data transposed;
+#     with 128x128 tiles it is, and its scales are the rowwise ones transposed. Partial tiles at
+#     the edges are scaled by the amax of the elements they hold.
+#
+#   TE stores block scales in a GEMM-ready layout instead (1x128: transposed; both: the last dim
+#   padded to a multiple of 4, padding left unwritten): :func:`te_scale_inv` /
+#   :func:`from_te_scale_inv` convert.
 
 _TENSORS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv", "amax")
 

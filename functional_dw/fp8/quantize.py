@@ -7,14 +7,8 @@ __frcp_rn(scale)``), ``common/transpose/quantize_transpose_vector_blockwise.cu``
 ``scale_inv = 1.0 / scale`` in double) and ``quantize_transpose_square_blockwise.cu`` (128x128
 tiles, ``scale_inv = 1.0f / scale``).
 
-NOTE: [Rounding, saturation, NaN]
-  Every kernel computes ``float(x) * scale`` in fp32 and converts with CUDA's saturating
-  conversion (``__NV_SATFINITE``): round to nearest even, anything beyond the largest finite
-  value (inf included) becomes +-448 (E4M3) / +-57344 (E5M2), NaN stays NaN. torch's casts do
-  not all saturate (E5M2 overflows to inf), so values are clamped to +-max first; as clamping is
-  monotone and max is representable, clamp-then-round equals round-then-saturate.
-  Amaxes are ``fmaxf`` reductions starting from 0, which skip NaN: a NaN element does not make
-  the amax NaN here either.
+Casts round to nearest even and saturate at the format's largest finite value, keeping NaN, as
+CUDA's do; amaxes skip NaN (NOTE: [Rounding, saturation, NaN]).
 """
 
 from __future__ import annotations
@@ -30,6 +24,16 @@ from .qtensor import QTensor
 from .spec import TensorSpec
 
 __all__ = ["FLT_MAX", "compute_scale_from_amax", "amax_of", "quantize", "quantize_groups"]
+
+
+# NOTE: [Rounding, saturation, NaN]
+#   Every kernel computes ``float(x) * scale`` in fp32 and converts with CUDA's saturating
+#   conversion (``__NV_SATFINITE``): round to nearest even, anything beyond the largest finite
+#   value (inf included) becomes +-448 (E4M3) / +-57344 (E5M2), NaN stays NaN. torch's casts do
+#   not all saturate (E5M2 overflows to inf), so values are clamped to +-max first; as clamping is
+#   monotone and max is representable, clamp-then-round equals round-then-saturate.
+#   Amaxes are ``fmaxf`` reductions starting from 0, which skip NaN: a NaN element does not make
+#   the amax NaN here either.
 
 FLT_MAX = torch.finfo(torch.float32).max
 _INPUTS = (torch.float32, torch.bfloat16, torch.float16)  # TE's TRANSFORMER_ENGINE_TYPE_SWITCH_INPUT

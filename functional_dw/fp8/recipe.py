@@ -8,23 +8,9 @@ by field, as frozen dataclasses that check their fields (a ``ValueError`` names 
 Only the recipes TE runs on Hopper (sm_90) are here. ``MXFP8BlockScaling`` and
 ``NVFP4BlockScaling`` need compute capability 10.0+; :func:`as_recipe` refuses them by name.
 
-NOTE: [Defaults read from the environment]
-  TE computes some defaults from environment variables when its recipe module is imported,
-  and so does this module, with the same variables and the same rules:
-  ``NVTE_BACKWARD_OVERRIDE`` (every recipe's ``backward_override``),
-  ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1`` (``Float8CurrentScaling.use_power_2_scales`` and
-  its ``fp8_quant_*`` ``power_2_scale``), ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``
-  (``Float8BlockScaling.use_f32_scales``; its ``fp8_quant_*`` get ``power_2_scale=False``).
-
-NOTE: [fp8_quant_* are fields here, class attributes in TE]
-  In TE, ``fp8_quant_fwd_inp``/``fp8_quant_fwd_weight``/``fp8_quant_bwd_grad`` of
-  ``Float8CurrentScaling`` and ``Float8BlockScaling`` carry no annotation, so they are class
-  attributes computed once from the environment, not constructor arguments (TE users override
-  them by assignment). Here they are ordinary fields with the same defaults. As in TE, they are
-  *not* derived from ``use_power_2_scales``/``use_f32_scales`` per instance: TE's Linear and
-  GroupedLinear configure their input, weight and grad-output quantizers from ``fp8_quant_*``
-  (``module/linear.py: _customize_quantizers_float8_current_scaling``), so
-  ``Float8CurrentScaling(use_power_2_scales=True)`` alone changes nothing for them.
+Some defaults come from TE's ``NVTE_*`` environment variables, read at import (NOTE: [Defaults
+read from the environment]); ``fp8_quant_*`` are fields with TE's defaults (NOTE: [fp8_quant_* are
+fields here, class attributes in TE]).
 """
 
 from __future__ import annotations
@@ -40,6 +26,25 @@ __all__ = [
     "Format", "MMParams", "QParams", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
     "RowwiseScaling", "Recipe", "as_recipe", "HOPPER_RECIPES", "RECIPES",
 ]
+
+
+# NOTE: [Defaults read from the environment]
+#   TE computes some defaults from environment variables when its recipe module is imported,
+#   and so does this module, with the same variables and the same rules:
+#   ``NVTE_BACKWARD_OVERRIDE`` (every recipe's ``backward_override``),
+#   ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1`` (``Float8CurrentScaling.use_power_2_scales`` and
+#   its ``fp8_quant_*`` ``power_2_scale``), ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``
+#   (``Float8BlockScaling.use_f32_scales``; its ``fp8_quant_*`` get ``power_2_scale=False``).
+
+# NOTE: [fp8_quant_* are fields here, class attributes in TE]
+#   In TE, ``fp8_quant_fwd_inp``/``fp8_quant_fwd_weight``/``fp8_quant_bwd_grad`` of
+#   ``Float8CurrentScaling`` and ``Float8BlockScaling`` carry no annotation, so they are class
+#   attributes computed once from the environment, not constructor arguments (TE users override
+#   them by assignment). Here they are ordinary fields with the same defaults. As in TE, they are
+#   *not* derived from ``use_power_2_scales``/``use_f32_scales`` per instance: TE's Linear and
+#   GroupedLinear configure their input, weight and grad-output quantizers from ``fp8_quant_*``
+#   (``module/linear.py: _customize_quantizers_float8_current_scaling``), so
+#   ``Float8CurrentScaling(use_power_2_scales=True)`` alone changes nothing for them.
 
 _BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 _ENV_BACKWARD_OVERRIDE = os.getenv("NVTE_BACKWARD_OVERRIDE", None)

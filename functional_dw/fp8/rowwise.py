@@ -17,13 +17,8 @@ W  [E,N,K]  rowwise (fprop)                  ``[E, N, K]``         ``[E, N]``: o
             columnwise (dgrad)               ``[E, K, N]``         ``[E, K]``: over N
 ==========  ===============================  ====================  ===========================
 
-NOTE: [Padded token columns] wgrad's grouped GEMM sums over each expert's tokens, and torch's
-scaled grouped GEMM needs each such group to be a multiple of 16 columns (else a device-side
-assert). So a columnwise copy puts expert ``e``'s tokens at columns ``pstart[e] ...`` where
-``pstart`` is the running sum of the counts rounded up to 16, and fills the gap with zeros;
-``P = round_up(T + 15 E, 16)`` bounds it on the host, so nothing is read back from the device
-(the counts may live only there). fprop and dgrad group along the GEMM's rows, which take any
-counts.
+wgrad's columnwise copies pad each expert's tokens with zeros to a multiple of 16 columns,
+``P = round_up(T + 15 E, 16)`` in all, known on the host (NOTE: [Padded token columns]).
 
 Scales: ``scale = fp8_max / amax`` (an amax of 0, inf or NaN gives 1; ``amax_epsilon`` floors
 the amax), rounded down to a power of two with ``power_2_scale``; data ``fp8(x * scale)``
@@ -51,6 +46,15 @@ from .spec import TensorSpec
 __all__ = ["PAD", "RowwiseActivation", "RowwiseWeight", "WEIGHT_CACHE", "OPTIMIZER_STEPS", "clear_weight_cache",
            "install_optimizer_hook", "remove_optimizer_hook", "padded_columns", "padded_ends", "quantize_activation",
            "quantize_weight", "scale_of"]
+
+
+# NOTE: [Padded token columns] wgrad's grouped GEMM sums over each expert's tokens, and torch's
+# scaled grouped GEMM needs each such group to be a multiple of 16 columns (else a device-side
+# assert). So a columnwise copy puts expert ``e``'s tokens at columns ``pstart[e] ...`` where
+# ``pstart`` is the running sum of the counts rounded up to 16, and fills the gap with zeros;
+# ``P = round_up(T + 15 E, 16)`` bounds it on the host, so nothing is read back from the device
+# (the counts may live only there). fprop and dgrad group along the GEMM's rows, which take any
+# counts.
 
 PAD = 16  # wgrad's token groups: multiples of 16 columns (torch's scaled grouped GEMM)
 

@@ -15,54 +15,9 @@ grad_input: 1}``, ``_num_fp8_tensors_per_gemm = {fwd: 3, bwd: 2}``; Linear uses 
 indices with e = 0, ``FP8FwdTensors.GEMM1_INPUT`` ...). ``H = recipe.amax_history_len``.
 Scales start at 1, histories at 0.
 
-NOTE: [Where TE writes amaxes, and when it updates]
-  Quantizing GEMM e's input in forward uses ``Float8Quantizer(scale=scale_fwd[3e],
-  amax=amax_history_fwd[0][3e])``: the cast kernel reads the scale and *atomically maxes* the
-  tensor's amax into row 0 of the history (``atomicMaxFloat``), so several quantizations
-  before an update keep the largest. The weight goes to ``[0, 3e+1]``, and in backward dy to
-  ``amax_history_bwd[0, 2e]`` with ``scale_bwd[2e]``. Row 0 is "this step"; :func:`record_amax`
-  does that max.
-
-  Updates (:func:`update_state`) are separate for the two directions:
-  - forward: when the outermost ``te.autocast`` exits with grad enabled
-    (``FP8GlobalStateManager.autocast_exit -> reduce_and_update_fp8_tensors(forward=True)``;
-    skipped under ``no_grad``, so inference forwards keep maxing into row 0). Forward t uses the
-    scale computed at the exit of step t-1.
-  - backward: at the end of the backward of the module that ran first in that autocast
-    (``is_first_fp8_module`` -> ``ctx.reduce_and_update_bwd_fp8_tensors``), i.e. after every
-    module's backward of the step has recorded its dy amax; it updates the backward state of
-    every module registered under that autocast (``forward=False``).
-
-  A second backward through the same graph (``retain_graph=True``; TE's own backward cannot run
-  twice, it clears its ctx) would, under TE's rules, quantize dy with the backward scale as the
-  first backward's update left it, max its amax into the fresh row 0, and run the backward
-  update again: the backward history rolls twice in one step. With this module the caller
-  decides: update the backward state once after all backwards of a step, and the two
-  backwards' amaxes share one row.
-
-  Activation recomputation: TE stashes the forward scales before the first forward and
-  restores them for the recompute (``copy_forward_fp8_meta_tensors_for_recompute``), so the
-  recomputed forward quantizes exactly as the first did. Here, a recompute must be given the
-  scale values the first forward used.
-
-NOTE: [The update rule]  (``common/recipe/delayed_scaling.cu: kernel_bulk``, TE's default
-  ``tex.fused_amax_and_scale_update_after_reduction``), per slot, with ``last`` = row 0 (after
-  the optional max-reduction over ranks):
-  - if ``last != 0``: the history rolls one row up (row i takes row i+1, row H-1 takes
-    ``last``) and row 0 is zeroed; ``amax`` = the max over the window ``rows 1..H-1 and last``
-    ("max", NaN skipped by ``fmaxf``) or ``last`` ("most_recent").
-  - if ``last == 0`` (nothing recorded this step): the history does not roll and amax = 0.
-  - ``scale = (fp8_max * 2**-margin) / amax`` if amax is finite and > 0, else the old scale;
-    an inf scale becomes FLT_MAX. fp8_max is the direction's format's (E4M3 448, E5M2 57344).
-  TE runs its unfused Python update instead (``quantization.py: _amax_and_scale_update``) when
-  ``amax_compute_algo`` or ``scaling_factor_compute_algo`` is a callable, or when
-  ``NVTE_UNFUSED_FP8_UPDATE=1``. It differs: the history always rolls (even for a zero row),
-  "max" is ``torch.max`` over the whole history (NaN propagates), and the scale is
-  ``(fp8_max / amax) / 2**margin``, a true fp32 division here. TE's ``_default_sf_compute`` runs
-  under ``torch.compile`` by default (``jit_fuser``); with ``NVTE_TORCH_COMPILE=0`` eager torch
-  evaluates ``float / tensor`` as ``reciprocal(amax) * fp8_max``, which can differ by an ulp.
-  Callables get (a copy of) the history and ``(amax, scale, fp8_max, recipe)`` with this
-  package's recipe.
+:func:`record_amax` maxes a tensor's amax into row 0 (this step's); :func:`update_state` rolls
+the histories and recomputes the scales as TE does (NOTE: [Where TE writes amaxes, and when it
+updates], NOTE: [The update rule]).
 """
 
 from __future__ import annotations
@@ -82,6 +37,56 @@ __all__ = [
     "DelayedScalingState", "init_state", "slot", "scale_for", "group_scales", "record_amax", "record_amax_",
     "update_state", "update_state_", "adjust_history_len", "FWD_PER_GEMM", "BWD_PER_GEMM",
 ]
+
+
+# NOTE: [Where TE writes amaxes, and when it updates]
+#   Quantizing GEMM e's input in forward uses ``Float8Quantizer(scale=scale_fwd[3e],
+#   amax=amax_history_fwd[0][3e])``: the cast kernel reads the scale and *atomically maxes* the
+#   tensor's amax into row 0 of the history (``atomicMaxFloat``), so several quantizations
+#   before an update keep the largest. The weight goes to ``[0, 3e+1]``, and in backward dy to
+#   ``amax_history_bwd[0, 2e]`` with ``scale_bwd[2e]``. Row 0 is "this step"; :func:`record_amax`
+#   does that max.
+#
+#   Updates (:func:`update_state`) are separate for the two directions:
+#   - forward: when the outermost ``te.autocast`` exits with grad enabled
+#     (``FP8GlobalStateManager.autocast_exit -> reduce_and_update_fp8_tensors(forward=True)``;
+#     skipped under ``no_grad``, so inference forwards keep maxing into row 0). Forward t uses the
+#     scale computed at the exit of step t-1.
+#   - backward: at the end of the backward of the module that ran first in that autocast
+#     (``is_first_fp8_module`` -> ``ctx.reduce_and_update_bwd_fp8_tensors``), i.e. after every
+#     module's backward of the step has recorded its dy amax; it updates the backward state of
+#     every module registered under that autocast (``forward=False``).
+#
+#   A second backward through the same graph (``retain_graph=True``; TE's own backward cannot run
+#   twice, it clears its ctx) would, under TE's rules, quantize dy with the backward scale as the
+#   first backward's update left it, max its amax into the fresh row 0, and run the backward
+#   update again: the backward history rolls twice in one step. With this module the caller
+#   decides: update the backward state once after all backwards of a step, and the two
+#   backwards' amaxes share one row.
+#
+#   Activation recomputation: TE stashes the forward scales before the first forward and
+#   restores them for the recompute (``copy_forward_fp8_meta_tensors_for_recompute``), so the
+#   recomputed forward quantizes exactly as the first did. Here, a recompute must be given the
+#   scale values the first forward used.
+
+# NOTE: [The update rule]  (``common/recipe/delayed_scaling.cu: kernel_bulk``, TE's default
+#   ``tex.fused_amax_and_scale_update_after_reduction``), per slot, with ``last`` = row 0 (after
+#   the optional max-reduction over ranks):
+#   - if ``last != 0``: the history rolls one row up (row i takes row i+1, row H-1 takes
+#     ``last``) and row 0 is zeroed; ``amax`` = the max over the window ``rows 1..H-1 and last``
+#     ("max", NaN skipped by ``fmaxf``) or ``last`` ("most_recent").
+#   - if ``last == 0`` (nothing recorded this step): the history does not roll and amax = 0.
+#   - ``scale = (fp8_max * 2**-margin) / amax`` if amax is finite and > 0, else the old scale;
+#     an inf scale becomes FLT_MAX. fp8_max is the direction's format's (E4M3 448, E5M2 57344).
+#   TE runs its unfused Python update instead (``quantization.py: _amax_and_scale_update``) when
+#   ``amax_compute_algo`` or ``scaling_factor_compute_algo`` is a callable, or when
+#   ``NVTE_UNFUSED_FP8_UPDATE=1``. It differs: the history always rolls (even for a zero row),
+#   "max" is ``torch.max`` over the whole history (NaN propagates), and the scale is
+#   ``(fp8_max / amax) / 2**margin``, a true fp32 division here. TE's ``_default_sf_compute`` runs
+#   under ``torch.compile`` by default (``jit_fuser``); with ``NVTE_TORCH_COMPILE=0`` eager torch
+#   evaluates ``float / tensor`` as ``reciprocal(amax) * fp8_max``, which can differ by an ulp.
+#   Callables get (a copy of) the history and ``(amax, scale, fp8_max, recipe)`` with this
+#   package's recipe.
 
 FWD_PER_GEMM, BWD_PER_GEMM = 3, 2
 _SLOTS = {"input": ("fwd", 0), "weight": ("fwd", 1), "output": ("fwd", 2),

@@ -1,10 +1,5 @@
 """A group's tensors as one ``[E, ...]`` buffer, and small helpers over a group of weights
 (``Weights``: a sequence of E ``[N, K]`` tensors or one ``[E, N, K]`` tensor).
-
-NOTE: [One buffer] E weights that are consecutive slices of one buffer (``nn.GroupedLinear``'s
-parameters, ``list(w_ENK)``, Megatron's contiguous ``main_grad`` buffer) are read, and written,
-in place as one ``[E, N, K]`` tensor: :func:`packed` recognises them, :func:`stacked` falls back
-to one copy (``torch.stack``) for separately made tensors.
 """
 
 from __future__ import annotations
@@ -19,6 +14,12 @@ import torch
 from .._checks import PLAIN_TYPES
 
 __all__ = ["Weights", "as_one_buffer", "out_in", "packed", "per_expert", "stacked"]
+
+
+# NOTE: [One buffer] E weights that are consecutive slices of one buffer (``nn.GroupedLinear``'s
+# parameters, ``list(w_ENK)``, Megatron's contiguous ``main_grad`` buffer) are read, and written,
+# in place as one ``[E, N, K]`` tensor: :func:`packed` recognises them, :func:`stacked` falls back
+# to one copy (``torch.stack``) for separately made tensors.
 
 Weights = Union[Sequence[torch.Tensor], torch.Tensor]
 

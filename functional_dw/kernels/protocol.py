@@ -19,24 +19,8 @@ grouped_*      the same per expert     rows of x/dy split by ``splits``;
 ``grouped_wgrad`` returns ``(dw, db_EN)``: ``dw`` is ``out`` when given (filled in place),
 else a fresh ``[E, N, K]`` tensor.
 
-NOTE: [FP8 operands] (the layers' side: ``functional_dw/_fp8.py``; docs/fp8.md)
-  ``quantize(t, spec, *, scale, amax, rowwise, columnwise) -> Q`` and
-  ``grouped_quantize(x_TK, splits, spec, *, scales, amaxes, rowwise, columnwise, grouped) -> QGroup``
-  quantize as a ``functional_dw.fp8.TensorSpec`` says. For delayed scaling ``scale``/``amax``
-  are views into the caller's ``DelayedScalingState`` (0-d for one GEMM; for a group, one
-  strided ``[E]`` view each, indexable per expert): quantize with ``scale`` and max the tensor's
-  amax into ``amax`` in place (None: record nothing). ``Q`` offers ``with_usage(rowwise=,
-  columnwise=)``, ``dtype`` (the source's) and ``shape``, and is a pytree node whose leaves are
-  its tensors (it rides in a residuals record and through saved-tensor hooks). A ``QGroup`` is
-  opaque to the layer: a list of E ``Q`` (split path), or the backend's grouped object.
-  Optional: ``quantize_each(ts, spec, *, scales, amaxes, rowwise, columnwise) -> list[Q]``,
-  ``quantize`` of each of E tensors of one shape (a group's weights) with one check (the
-  layers fall back to ``quantize`` per tensor).
-  Every GEMM method takes ``Q`` operands (both, or neither) in place of tensors, reading
-  fprop's x and W rowwise, dgrad's dy rowwise and W columnwise, wgrad's x and dy columnwise,
-  and a keyword ``split_accumulator`` (read only with ``Q`` operands); outputs are in the
-  activations' dtype, ``out``/``accumulate`` work as without FP8, and ``with_dbias`` is False
-  (the layer sums the bias grad from its high-precision dy).
+FP8: ``quantize``/``grouped_quantize`` make quantized operands, which every GEMM method takes in
+place of tensors (NOTE: [FP8 operands]).
 """
 
 from __future__ import annotations
@@ -49,6 +33,26 @@ from .packing import Weights
 from .splits import Splits
 
 __all__ = ["Kernels"]
+
+
+# NOTE: [FP8 operands] (the layers' side: ``functional_dw/_fp8.py``; docs/fp8.md)
+#   ``quantize(t, spec, *, scale, amax, rowwise, columnwise) -> Q`` and
+#   ``grouped_quantize(x_TK, splits, spec, *, scales, amaxes, rowwise, columnwise, grouped) -> QGroup``
+#   quantize as a ``functional_dw.fp8.TensorSpec`` says. For delayed scaling ``scale``/``amax``
+#   are views into the caller's ``DelayedScalingState`` (0-d for one GEMM; for a group, one
+#   strided ``[E]`` view each, indexable per expert): quantize with ``scale`` and max the tensor's
+#   amax into ``amax`` in place (None: record nothing). ``Q`` offers ``with_usage(rowwise=,
+#   columnwise=)``, ``dtype`` (the source's) and ``shape``, and is a pytree node whose leaves are
+#   its tensors (it rides in a residuals record and through saved-tensor hooks). A ``QGroup`` is
+#   opaque to the layer: a list of E ``Q`` (split path), or the backend's grouped object.
+#   Optional: ``quantize_each(ts, spec, *, scales, amaxes, rowwise, columnwise) -> list[Q]``,
+#   ``quantize`` of each of E tensors of one shape (a group's weights) with one check (the
+#   layers fall back to ``quantize`` per tensor).
+#   Every GEMM method takes ``Q`` operands (both, or neither) in place of tensors, reading
+#   fprop's x and W rowwise, dgrad's dy rowwise and W columnwise, wgrad's x and dy columnwise,
+#   and a keyword ``split_accumulator`` (read only with ``Q`` operands); outputs are in the
+#   activations' dtype, ``out``/``accumulate`` work as without FP8, and ``with_dbias`` is False
+#   (the layer sums the bias grad from its high-precision dy).
 
 
 class Kernels(Protocol):

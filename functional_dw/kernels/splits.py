@@ -17,6 +17,21 @@ from torch._subclasses.fake_tensor import FakeTensor
 __all__ = ["CAPTURE_DEVICE_SPLITS", "CAPTURE_HOST_SPLITS", "Splits", "check_sizes"]
 
 
+# NOTE: [Splits under torch.compile]
+#   A compiled step must not depend on the routing: dynamo would guard on host counts (a
+#   graph per routing, until its recompile limit) and cannot trace host sizes read from a
+#   splits tensor (a data-dependent error under ``fullgraph=True``). So while compiling the
+#   counts are data: a list becomes a CPU int64 tensor, ``host`` is None, and no path reads
+#   them on the host at trace time. The grouped path reads them on the device (clamped: see
+#   NOTE: [Device splits are clamped]); the split path, which needs host sizes, runs inside
+#   opaque custom ops (``torch_ops.py``, ``te_ops.py``) whose real implementations read the
+#   sizes at run time (:meth:`in_op`) and validate them as eager does, and whose fake ones
+#   give the output shapes from x and the weights alone. Measured on the CPU over 10 random
+#   routings (with 0- and 1-token experts): a splits tensor compiles one graph; so does a
+#   list with ``dynamic=True``. A list's ints are still inputs dynamo sees: with
+#   ``dynamic=None`` the first graph bakes them in and the second makes the changed ones
+#   symbolic; dynamo decides that per element, so a count that is equal in the first two
+#   steps costs one more graph when it first changes.
 @dataclasses.dataclass(frozen=True, eq=False, init=False)
 class Splits:
     """Token counts per expert, as the user gave them.
@@ -27,21 +42,8 @@ class Splits:
     Derived tensors (device counts, offsets) are cached on the record, so forward and
     backward build them once.
 
-    NOTE: [Splits under torch.compile]
-      A compiled step must not depend on the routing: dynamo would guard on host counts (a
-      graph per routing, until its recompile limit) and cannot trace host sizes read from a
-      splits tensor (a data-dependent error under ``fullgraph=True``). So while compiling the
-      counts are data: a list becomes a CPU int64 tensor, ``host`` is None, and no path reads
-      them on the host at trace time. The grouped path reads them on the device (clamped: see
-      NOTE: [Device splits are clamped]); the split path, which needs host sizes, runs inside
-      opaque custom ops (``torch_ops.py``, ``te_ops.py``) whose real implementations read the
-      sizes at run time (:meth:`in_op`) and validate them as eager does, and whose fake ones
-      give the output shapes from x and the weights alone. Measured on the CPU over 10 random
-      routings (with 0- and 1-token experts): a splits tensor compiles one graph; so does a
-      list with ``dynamic=True``. A list's ints are still inputs dynamo sees: with
-      ``dynamic=None`` the first graph bakes them in and the second makes the changed ones
-      symbolic; dynamo decides that per element, so a count that is equal in the first two
-      steps costs one more graph when it first changes.
+    While compiling, the counts are data: a compiled step does not depend on the routing
+    (NOTE: [Splits under torch.compile]).
     """
 
     host: tuple[int, ...] | None
@@ -85,19 +87,19 @@ class Splits:
 
         return self.cached("device", make)
 
+    # NOTE: [Device splits are clamped] Counts known only on the device cannot be validated without
+    # a sync, so they are made memory-safe instead: negatives count as 0, each count is capped at T
+    # before the running sum (which so cannot overflow), the running sum stops at T, and the last
+    # expert ends at T (it takes any rows the counts leave over), so no kernel reads or writes past
+    # x and every row of y and dx is computed (the caller's bad splits give wrong rows, never a
+    # crash, garbage or NaN: torch's grouped GEMM would hit a device-side assert, which ends the
+    # process, or leave rows unwritten). On CUDA one Triton launch does it (``triton_splits``); else
+    # four or five torch launches (widen, clamp, a two-kernel scan, a capping cast).
     def ends(self, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """``[E]`` end offsets ``[s0, s0+s1, ...]`` on the activations' device, no sync.
 
-        NOTE: [Device splits are clamped] Counts known only on the device cannot be validated
-        without a sync, so they are made memory-safe instead: negatives count as 0, each count
-        is capped at T before the running sum (which so cannot overflow), the running sum
-        stops at T, and the last expert ends at T (it takes any rows the counts
-        leave over), so no kernel reads or writes past x and every row of y and dx is computed
-        (the caller's bad splits give wrong rows, never a crash, garbage or NaN: torch's
-        grouped GEMM would hit a device-side assert, which ends the process, or leave rows
-        unwritten). On CUDA one Triton launch does it (``triton_splits``); else
-        four or five torch launches (widen, clamp, a two-kernel scan, a capping cast). Host
-        counts are copied once."""
+        Counts known only on the device are clamped to be memory-safe: bad splits give wrong rows,
+        never a crash (NOTE: [Device splits are clamped]). Host counts are copied once."""
         def make() -> torch.Tensor:
             if self.host is not None:
                 return _to_device(itertools.accumulate(self.host), dtype, self.device)

@@ -8,14 +8,6 @@
   ``tex.group_quantize``); :class:`TEQGroup`: E ``TEQ`` (split path). Both are pytree nodes whose
   leaves are the storages' tensors, so they go through ``save_for_backward`` and its hooks.
 * :func:`quantize`, :func:`grouped_quantize`, and the FP8 forms of ``TEKernels``' GEMMs.
-
-NOTE: [dbias under FP8] TE takes the bias grad from the high-precision dy while quantizing it:
-``tex.bgrad_quantize`` (delayed scaling: a fused cast+transpose+dbias kernel, used when dy is cast
-both ways, which TE's dy quantizers always are; current scaling: ``at::sum_out``), a torch sum for
-block scaling (``_split_quantize``, ``grad_output_preprocess``), and on the grouped path
-``tex.bgrad_group_quantize`` (block scaling with rowwise dy) or the Triton ``compute_grouped_dbias``.
-``with_dbias=True`` at quantization does that. A wgrad asked ``with_dbias`` for a dy quantized
-without it recomputes it the same way from dy (one more quantization, nothing recorded).
 """
 
 from __future__ import annotations
@@ -41,6 +33,15 @@ from .packing import per_expert
 from .te_fp8_checks import MAX_LIST, _per, check_quantize, env_of
 
 __all__ = ["TEQ", "TEQGroup", "quantizer", "quantize", "quantize_each", "grouped_quantize", "is_fp8"]
+
+
+# NOTE: [dbias under FP8] TE takes the bias grad from the high-precision dy while quantizing it:
+# ``tex.bgrad_quantize`` (delayed scaling: a fused cast+transpose+dbias kernel, used when dy is cast
+# both ways, which TE's dy quantizers always are; current scaling: ``at::sum_out``), a torch sum for
+# block scaling (``_split_quantize``, ``grad_output_preprocess``), and on the grouped path
+# ``tex.bgrad_group_quantize`` (block scaling with rowwise dy) or the Triton ``compute_grouped_dbias``.
+# ``with_dbias=True`` at quantization does that. A wgrad asked ``with_dbias`` for a dy quantized
+# without it recomputes it the same way from dy (one more quantization, nothing recorded).
 
 _TE_FP8 = {torch.float8_e4m3fn: tex.DType.kFloat8E4M3, torch.float8_e5m2: tex.DType.kFloat8E5M2}
 # (rowwise names, columnwise names) of each storage's get_metadata() (= its constructor's kwargs)

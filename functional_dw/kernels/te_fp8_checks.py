@@ -2,16 +2,9 @@
 so the rules are tested on the CPU). ``env`` is ``(compute capability, cuBLASLt version, CUDA
 version)`` of the tensor's device, e.g. ``((9, 0), 131000, (12, 9))``.
 
-NOTE: [FP8 sizes] Hopper runs FP8 GEMMs as TN only, on the rowwise copy of one operand and the
-columnwise (transposed) copy of the other, and cuBLASLt wants every FP8 leading dimension to be a
-multiple of 16 (TE: ``CanonicalizeGemmInput``, "Leading dimension requirement ... Caller must
-pad"). So: in-features (K) and out-features (N) multiples of 16 (fprop reads ``[*, K]`` rows,
-dgrad the weight's ``[K, N]`` transpose and dy's ``[*, N]`` rows); the token count of every
-columnwise copy (x and dy for wgrad: ``[K, T_e]``, ``[N, T_e]``) a multiple of 16 per expert;
-otherwise rows a multiple of 8 (TE's ``assert_dim_for_fp8_exec`` for Linear; block scaling's
-outer-dimension rule). TE's grouped FP8 block-scaling quantize needs every expert's rows to be a
-multiple of 128 (a device-side error otherwise), so on that path host-known splits are checked;
-a CUDA splits tensor is not read on the host there (no sync) and is the caller's to keep aligned.
+In short: in- and out-features multiples of 16, every expert's tokens a multiple of 16 for
+wgrad, rows a multiple of 8, and every expert's rows a multiple of 128 for grouped block
+scaling (NOTE: [FP8 sizes]).
 """
 
 from __future__ import annotations
@@ -25,6 +18,18 @@ import torch
 from .. import fp8
 
 __all__ = ["device_problem", "grouped_path_problem", "check_quantize", "env_of", "MAX_LIST"]
+
+
+# NOTE: [FP8 sizes] Hopper runs FP8 GEMMs as TN only, on the rowwise copy of one operand and the
+# columnwise (transposed) copy of the other, and cuBLASLt wants every FP8 leading dimension to be a
+# multiple of 16 (TE: ``CanonicalizeGemmInput``, "Leading dimension requirement ... Caller must
+# pad"). So: in-features (K) and out-features (N) multiples of 16 (fprop reads ``[*, K]`` rows,
+# dgrad the weight's ``[K, N]`` transpose and dy's ``[*, N]`` rows); the token count of every
+# columnwise copy (x and dy for wgrad: ``[K, T_e]``, ``[N, T_e]``) a multiple of 16 per expert;
+# otherwise rows a multiple of 8 (TE's ``assert_dim_for_fp8_exec`` for Linear; block scaling's
+# outer-dimension rule). TE's grouped FP8 block-scaling quantize needs every expert's rows to be a
+# multiple of 128 (a device-side error otherwise), so on that path host-known splits are checked;
+# a CUDA splits tensor is not read on the host there (no sync) and is the caller's to keep aligned.
 
 MAX_LIST = 64  # TE's grouped GEMM takes at most 64 list operands (per-expert FP8 weights)
 _ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)

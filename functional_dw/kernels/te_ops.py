@@ -1,14 +1,5 @@
 """TE's kernels as ``torch.library`` custom ops, so ``torch.compile`` can trace them.
 
-NOTE: [Custom ops without autograd]
-  Each op wraps one method of :class:`~functional_dw.kernels.te.TEKernels` and has a fake
-  (meta) implementation that gives the output shapes. None registers an autograd formula:
-  autograd stays in the one ``custom_vjp`` bridge (custom ops with ``register_autograd`` do
-  not compose with ``torch.func.grad``). Eager calls bypass these ops and call TEKernels
-  directly (no dispatcher overhead); :data:`TRACED_TE` is what ``get_kernels`` returns while
-  compiling. Splits travel as one int tensor (CPU or device) and are rebuilt per op by
-  ``Splits.in_op`` (see NOTE: [Splits under torch.compile] in ``kernels/splits.py``).
-
 FP8 is not traced yet: ``quantize``/``grouped_quantize`` raise under ``torch.compile`` (TE's
 quantized storages are not tensors an op schema can carry; they would need their own ops).
 """
@@ -21,6 +12,16 @@ from torch import Tensor
 from .splits import Splits
 from .te import TE
 from .torch_ops import op_list as _list, op_splits, op_weights as _weights
+
+
+# NOTE: [Custom ops without autograd]
+#   Each op wraps one method of :class:`~functional_dw.kernels.te.TEKernels` and has a fake
+#   (meta) implementation that gives the output shapes. None registers an autograd formula:
+#   autograd stays in the one ``custom_vjp`` bridge (custom ops with ``register_autograd`` do
+#   not compose with ``torch.func.grad``). Eager calls bypass these ops and call TEKernels
+#   directly (no dispatcher overhead); :data:`TRACED_TE` is what ``get_kernels`` returns while
+#   compiling. Splits travel as one int tensor (CPU or device) and are rebuilt per op by
+#   ``Splits.in_op`` (see NOTE: [Splits under torch.compile] in ``kernels/splits.py``).
 
 _NS = "functional_dw"
 

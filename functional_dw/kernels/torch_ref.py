@@ -4,13 +4,8 @@ Split path: a per-expert loop of GEMMs. Grouped path: ``torch.nn.functional.grou
 (``torch._grouped_mm`` on older builds) with offsets computed on the device: no per-expert
 host loop and no host sync. Bias add and bias gradients use a device-side row->expert index.
 
-FP8 (NOTE: [FP8 emulation]): ``quantize``/``grouped_quantize`` are ``functional_dw.fp8``'s
-emulated quantization (TE's formulas) into :class:`~functional_dw.fp8.QTensor` (a group: a list
-of E, one per expert); a GEMM given QTensor operands dequantizes both to fp32, multiplies in
-fp32 (bias added in fp32, as cuBLASLt's epilogue adds it to the fp32 accumulator) and rounds
-once to the activations' dtype (an fp32 ``main_grad`` gets the fp32 product). Split
-accumulation is a cuBLASLt mode; the fp32 reference has nothing to split (the keyword is read
-and ignored).
+FP8: TE's quantization emulated, and GEMMs that multiply the dequantized operands in fp32 and
+round once to the activations' dtype (NOTE: [FP8 emulation]).
 """
 
 from __future__ import annotations
@@ -28,18 +23,25 @@ from .packing import Weights, out_in, packed, stacked
 from .splits import Splits
 from . import rowwise as rowwise_ops
 
+# NOTE: [FP8 emulation] ``quantize``/``grouped_quantize`` are ``functional_dw.fp8``'s
+# emulated quantization (TE's formulas) into :class:`~functional_dw.fp8.QTensor` (a group: a list
+# of E, one per expert); a GEMM given QTensor operands dequantizes both to fp32, multiplies in
+# fp32 (bias added in fp32, as cuBLASLt's epilogue adds it to the fp32 accumulator) and rounds
+# once to the activations' dtype (an fp32 ``main_grad`` gets the fp32 product). Split
+# accumulation is a cuBLASLt mode; the fp32 reference has nothing to split (the keyword is read
+# and ignored).
+
 _torch_grouped_mm = getattr(torch, "_grouped_mm", None) or getattr(F, "grouped_mm", None)  # (F.grouped_mm is
 # a Python wrapper that calls torch._grouped_mm: the op itself saves ~1 us a call)
 
 
+# NOTE: [Double backward through grouped_mm] With ``create_graph=True`` our backward's
+# grouped GEMMs are themselves differentiated, and the gradient reaching them is often an
+# expanded (zero-stride) tensor, e.g. from ``dx.sum()``; torch's grouped_mm backward rejects
+# such strides ("Invalid strides/sizes"). Only then (an output that requires grad) is this
+# identity put after the GEMM.
 class _DenseGrad(torch.autograd.Function):
-    """Identity whose backward hands on a dense gradient.
-
-    NOTE: [Double backward through grouped_mm] With ``create_graph=True`` our backward's
-    grouped GEMMs are themselves differentiated, and the gradient reaching them is often an
-    expanded (zero-stride) tensor, e.g. from ``dx.sum()``; torch's grouped_mm backward rejects
-    such strides ("Invalid strides/sizes"). Only then (an output that requires grad) is this
-    identity put after the GEMM."""
+    """Identity whose backward hands on a dense gradient."""
 
     generate_vmap_rule = True
 
@@ -92,13 +94,14 @@ def _stack(w_ENK: Weights) -> torch.Tensor:
     return _mm_ready(w_ENK if isinstance(w_ENK, torch.Tensor) else stacked(w_ENK))
 
 
+# NOTE: [Layouts] Callers and saved-tensor hooks may hand over any strides (a slice of a
+# wider buffer, a transposed copy, a size-1 dim with an odd stride, which ``is_contiguous``
+# ignores); a fresh row-major copy always fits, since the path check has made in/out
+# features 16-byte multiples.
 def _mm_ready(t: torch.Tensor) -> torch.Tensor:
     """``t`` in a layout grouped_mm takes, copied only when it does not: the last two dims
     row- or column-major with a 16-byte multiple leading stride (and, on CUDA, a 16-byte
-    aligned start and batch stride). NOTE: [Layouts] Callers and saved-tensor hooks may hand
-    over any strides (a slice of a wider buffer, a transposed copy, a size-1 dim with an odd
-    stride, which ``is_contiguous`` ignores); a fresh row-major copy always fits, since the
-    path check has made in/out features 16-byte multiples."""
+    aligned start and batch stride)."""
     if t.is_contiguous() and t.shape[-2] > 1 and not t.is_cuda:
         return t  # the common case on the CPU
     if torch.compiler.is_compiling():  # dynamo cannot trace storage_offset(); a traced graph's
@@ -125,12 +128,14 @@ def _no_data(t: torch.Tensor) -> bool:
     return get_proxy_mode() is None
 
 
+# NOTE: [Shapes only] grouped_mm's meta (fake) rule mirrors CUDA and takes bfloat16 only,
+# while the CPU kernel also takes float32 and float16: on meta or fake tensors those get an
+# empty result of the right shape.
 def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """grouped_mm on the groups' int32 end offsets ``offs`` (:meth:`Splits.ends`; operands
-    through :func:`_mm_ready`). NOTE: [Shapes only] grouped_mm's meta
-    (fake) rule mirrors CUDA and takes bfloat16 only, while the CPU kernel also takes float32
-    and float16: on meta or fake tensors those get an empty result of the right shape. An output
-    that requires grad (create_graph) gets :class:`_DenseGrad` after it."""
+    through :func:`_mm_ready`); on meta or fake tensors of another dtype than bfloat16, an
+    empty result of the right shape (NOTE: [Shapes only]). An output that requires grad
+    (create_graph) gets :class:`_DenseGrad` after it."""
     if a.dtype != torch.bfloat16 and _no_data(a):
         E = offs.shape[0]
         shape = (E, a.shape[0], b.shape[1]) if b.dim() == 2 else (a.shape[0], b.shape[-1])
@@ -396,17 +401,18 @@ class TorchKernels:
     def split_dgrad(self, dy_TN, w_ENK, splits):
         return torch.cat([dy @ w_ENK[e] for e, dy in enumerate(dy_TN.split(splits.sizes()))])
 
+    # NOTE: [main_grad is written elementwise] ``out`` (a caller's main_grad or grad buffer, any
+    # strides) is only written elementwise: each product is made dense, then copied or added, as on
+    # the grouped path. A GEMM writing into it (``addmm_``, ``mm(out=)``) would take its fp32
+    # summation order from the buffer's strides (the BLAS runs a column-major output as the
+    # transposed product, and ``addmm_`` adds main_grad inside the sum): other bits for another
+    # layout of the same main_grad. The fresh buffer gets each product in place, unless autograd or
+    # a transform records the products (then they are stacked, as ordinary ops).
     def split_wgrad(self, x_TK, dy_TN, splits, *, out=None, accumulate=False):
         """E ``[N, K]`` products written into ``out`` (E ``[N, K]`` or ``[E, N, K]``; added when
         ``accumulate``), else into one fresh ``[E, N, K]`` tensor; returns it.
 
-        NOTE: [main_grad is written elementwise] ``out`` (a caller's main_grad or grad buffer,
-        any strides) is only written elementwise: each product is made dense, then copied or
-        added, as on the grouped path. A GEMM writing into it (``addmm_``, ``mm(out=)``) would take its fp32 summation order from
-        the buffer's strides (the BLAS runs a column-major output as the transposed product, and
-        ``addmm_`` adds main_grad inside the sum): other bits for another layout of the same
-        main_grad. The fresh buffer gets each product in place, unless autograd or a transform
-        records the products (then they are stacked, as ordinary ops)."""
+        ``out`` is only written elementwise (NOTE: [main_grad is written elementwise])."""
         sizes = splits.sizes()
         pairs = list(zip(x_TK.split(sizes), dy_TN.split(sizes)))
         if out is not None:

@@ -19,14 +19,6 @@ and the columnwise amax spans an expert's tokens, so the work is:
 A group's weights ``[E, N, K]`` take the same two kernels, as ``E * N`` rows in E groups of N
 (rowwise ``[E, N, K]`` over K; columnwise ``[E, K, N]`` over N, no padding). Counts may live
 only on the device (``ends``: int32 running ends; no host sync).
-
-NOTE: [Why two reads] Reading x once would need every scale local to the tile being read
-(1x128 / 128x1 blocks, DeepSeek-style), and Hopper's only grouped FP8 GEMM with such scales is
-cuBLASLt's block-scaled one, which runs with split accumulation (TE's Float8BlockScaling:
-slower than bf16 at fine-grained MoE shapes, ``../shared/docs/fp8-hopper.md``). torch's
-rowwise-scaled grouped GEMM is 1.3-1.7x bf16's speed but takes one scale per row/column of the
-summed dimension, whose amax spans the whole row (x's) or the whole expert (wgrad's). So the
-second read is the price of the fast GEMM; the first pass writes nothing but amaxes.
 """
 
 from __future__ import annotations
@@ -44,6 +36,15 @@ except ImportError:  # CPU-only torch builds ship no Triton
 from ..fp8.rowwise import RowwiseActivation, RowwiseWeight, padded_columns
 
 __all__ = ["available", "quantize_activation", "quantize_weight"]
+
+
+# NOTE: [Why two reads] Reading x once would need every scale local to the tile being read
+# (1x128 / 128x1 blocks, DeepSeek-style), and Hopper's only grouped FP8 GEMM with such scales is
+# cuBLASLt's block-scaled one, which runs with split accumulation (TE's Float8BlockScaling:
+# slower than bf16 at fine-grained MoE shapes, ``../shared/docs/fp8-hopper.md``). torch's
+# rowwise-scaled grouped GEMM is 1.3-1.7x bf16's speed but takes one scale per row/column of the
+# summed dimension, whose amax spans the whole row (x's) or the whole expert (wgrad's). So the
+# second read is the price of the fast GEMM; the first pass writes nothing but amaxes.
 
 
 def available(t: torch.Tensor) -> bool:
@@ -64,12 +65,13 @@ if triton is not None:
             s = (s.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # fp8/quantize.py's _EXPONENT_BITS
         return tl.where(special, 1.0, s)
 
+    # NOTE: [Saturating casts] The recipe's cast saturates at +-fp8_max and keeps NaN. On
+    # sm_90 Triton's conversion is ``cvt.rn.satfinite.e4m3x2.f32``, which does exactly that,
+    # so the kernel spells out the clamp (four operations per element, 20% of the cast
+    # kernel's time on the H200) only where Triton's CPU interpreter runs it (SAT).
     @triton.jit
     def _cast(v, fp8_max, SAT: tl.constexpr):
-        """NOTE: [Saturating casts] The recipe's cast saturates at +-fp8_max and keeps NaN. On
-        sm_90 Triton's conversion is ``cvt.rn.satfinite.e4m3x2.f32``, which does exactly that,
-        so the kernel spells out the clamp (four operations per element, 20% of the cast
-        kernel's time on the H200) only where Triton's CPU interpreter runs it (SAT)."""
+        """``v`` as e4m3, saturated at +-fp8_max, NaN kept (NOTE: [Saturating casts])."""
         if SAT:
             v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -fp8_max), fp8_max))
         return v.to(tl.float8e4nv)
