@@ -43,10 +43,12 @@ import torch
 from . import _checks, _fp8, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from .grouped_linear import GroupedLinearResiduals, SplitsArg, WeightsArg, grouped_linear_bwd
-from .grouped_linear import _check_bias, _dy_TN, _forward, _fprop, _normalized, _prepare  # fc1's and fc2's own steps
+from .grouped_linear import (  # fc1's and fc2's own steps
+    _check_bias, _dy_TN, _forward, _fprop, _normalized, _one_buffer, _prepare, _x_TK,
+)
 from .kernels import Kernels, stacked
 from .kernels.activation import ACTIVATIONS, ActivationKernels, activation_kernels, glu_width
-from .plan import Options
+from .plan import Options, route
 from .residuals import _describe_value, _nbytes, any_needed, needed, residuals, saved, saved_activations
 
 __all__ = ["GroupedMLPResiduals", "MLPGrads", "POLICIES", "grouped_mlp", "grouped_mlp_fwd", "grouped_mlp_bwd"]
@@ -87,11 +89,9 @@ class _ProbsBias(NamedTuple):
 
 
 class _Recompute(NamedTuple):
-    """What ``save="x_only"`` needs to run fc1's forward again in backward (by reference)."""
+    """What ``save="x_only"`` needs, beyond fc1's record, to run fc1's GEMM again in backward."""
 
-    splits: Any
-    bias1: Any
-    opts: Options
+    bias1: Any  # as given, by reference (a parameter, like the weights)
 
 
 @residuals
@@ -103,7 +103,8 @@ class GroupedMLPResiduals:
     probs: Any = saved()  # [T] router weights, or None
     activation: str  # "swiglu", "gelu" or "silu"
     save: str  # the policy: "default", "h" or "x_only"
-    act: ActivationKernels  # the activation's kernels (the reference, or the backend's fused ones)
+    act: ActivationKernels  # the activation's kernels: the backend's fused ones, or the reference (each call
+    # runs the reference where its operands are functorch wrappers: activation_kernels)
     probs_bias: _ProbsBias | None  # fc2's bias weighted by probs (added outside fc2), else None
     recompute: _Recompute | None  # "x_only": how to run fc1's forward again; else None
     h_kept: bool  # fc2's forward kept h for its wgrad (False only with FP8 and w2 frozen): rebuild it if not saved
@@ -134,7 +135,7 @@ def _describe(self: GroupedMLPResiduals) -> str:
     if self.probs_bias is not None:
         lines.append(f"  [ref  ] probs_bias = bias2 ({self.probs_bias.form}), added as probs * bias2 after fc2")
     if self.recompute is not None:
-        lines.append("  [ref  ] recompute = splits, bias1 and fc1's options, to run fc1 again")
+        lines.append("  [ref  ] recompute = bias1, to run fc1's GEMM again (with fc1's record)")
     lines.append(f")  # {_nbytes(saved_activations(self))} B through save_for_backward")
     return "\n".join(lines)
 
@@ -230,12 +231,12 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
                          "use save='default' or 'h' with recipe=")
     weighted = probs is not None and bias2 is not None  # fc2's bias times probs, added after fc2
     c1 = _in_layer("fc1", _prepare, x, w1, splits, bias1, opts.fc1)
-    act = activation_kernels(c1.kernels)
+    act = activation_kernels(c1.plan.kernels)  # (the backend's; each call routes on its own operands)
     if keep:
         fc1_out, r1 = _forward(c1, x, keep_x=_keep_x(opts.fc1))
     else:
         fc1_out, r1 = _fprop(c1), None
-    h = act.act_fwd(fc1_out, probs, opts.activation)
+    h = activation_kernels(act, fc1_out, probs).act_fwd(fc1_out, probs, opts.activation)
     c2 = _in_layer("fc2", _prepare, h, w2, splits, None if weighted else bias2, opts.fc2)
     if keep:
         y, r2 = _forward(c2, h, keep_x=_keep_x(opts.fc2))
@@ -245,7 +246,7 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
     if weighted:
         form = _in_layer("fc2", _check_bias, bias2, c2.plan.num_experts, c2.plan.out_features, y)
         pb = _ProbsBias(bias2, form)
-        y = act.probs_bias_fwd(y, _bias_EH(pb), probs, c2.split)
+        y = activation_kernels(act, y, probs).probs_bias_fwd(y, _bias_EH(pb), probs, c2.split)
     if not keep:
         return y, None
     h_kept = r2.x_TK is not None
@@ -254,7 +255,7 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
     res = GroupedMLPResiduals(
         fc1=r1, fc2=r2, fc1_out=None if opts.save == "x_only" else fc1_out, probs=probs,
         activation=opts.activation, save=opts.save, act=act, probs_bias=pb,
-        recompute=_Recompute(splits, bias1, opts.fc1) if opts.save == "x_only" else None, h_kept=h_kept,
+        recompute=_Recompute(bias1) if opts.save == "x_only" else None, h_kept=h_kept,
     )
     return y, res
 
@@ -294,11 +295,18 @@ def _wanted(res: GroupedMLPResiduals) -> tuple:
 
 
 def _recompute_fc1(res: GroupedMLPResiduals) -> torch.Tensor:
-    """fc1's output again (``save="x_only"``): fc1's forward on the saved x, the same plan and
-    kernels, so the same bits (a DistributedWeight is gathered for forward again)."""
-    r1, rc = res.fc1, res.recompute
-    weights = r1.weights[0] if r1.stacked else list(r1.weights)
-    return _fprop(_prepare(r1.x_TK, weights, rc.splits, rc.bias1, rc.opts))
+    """fc1's output again (``save="x_only"``): fc1's GEMM on the saved x with forward's plan,
+    kernels, path and split counts (fc1's record), so the same bits. Nothing is planned again;
+    a DistributedWeight is gathered for forward again."""
+    r1 = res.fc1
+    x_TK = _x_TK(r1)
+    full = dwp.materialize(r1.weights, r1.distributed, for_backward=False, like=x_TK, name="w1")
+    dwp.check_materialized(full, r1.weight_shapes, "materialize_group_for_forward()", "w1")
+    w_ENK = full[0] if r1.stacked else _one_buffer(full, r1.plan)
+    b1 = res.recompute.bias1
+    b_EN = None if b1 is None else (b1 if r1.plan.bias_form == "stacked" else stacked(b1))
+    kernels, grouped = route(r1.kernels, r1.path == "grouped", x_TK, w_ENK)
+    return kernels.grouped_fprop(x_TK, w_ENK, b_EN, r1.splits, grouped)
 
 
 def _with_h(r2: GroupedLinearResiduals, h: torch.Tensor) -> GroupedLinearResiduals:
@@ -321,12 +329,12 @@ def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     need_dh = fc1_side or (res.probs is not None and bool(want_p))  # (a DistributedWeight's backward always runs)
     fc1_out = res.fc1_out if res.fc1_out is not None else _recompute_fc1(res)
     if r2.x_TK is None and res.h_kept:
-        r2 = _with_h(r2, act.act_fwd(fc1_out, res.probs, res.activation))
+        r2 = _with_h(r2, activation_kernels(act, fc1_out, res.probs).act_fwd(fc1_out, res.probs, res.activation))
     dy = _dy_TN(r2, dy)
     db2 = dprobs_b = None
     pb = res.probs_bias
     if pb is not None and (any_needed(want_b2) or need_dh):
-        db_EH, dprobs_b = act.probs_bias_bwd(dy, _bias_EH(pb), res.probs, r2.splits)
+        db_EH, dprobs_b = activation_kernels(act, dy, res.probs).probs_bias_bwd(dy, _bias_EH(pb), res.probs, r2.splits)
         db2 = db_EH if pb.form == "stacked" else list(db_EH.unbind(0))
     needs2 = None if res.needs is None else (need_dh, want_w2, False, want_b2 if pb is None else None)
     dh, dw2, db2_fc2 = grouped_linear_bwd(dataclasses.replace(r2, needs=needs2), dy)
@@ -334,7 +342,8 @@ def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
         db2 = db2_fc2
     dfc1 = dprobs = None
     if dh is not None and need_dh:
-        dfc1, dprobs = act.act_bwd(fc1_out, res.probs, dh, res.activation, dprobs_in=dprobs_b)
+        k = activation_kernels(act, fc1_out, res.probs, dh, dprobs_b)
+        dfc1, dprobs = k.act_bwd(fc1_out, res.probs, dh, res.activation, dprobs_in=dprobs_b)
     dx = dw1 = db1 = None
     if fc1_side:
         needs1 = None if res.needs is None else (want_x, want_w1, False, want_b1)

@@ -151,15 +151,21 @@ REFERENCE = TorchActivation()
 _METHODS = ("act_fwd", "act_bwd", "probs_bias_fwd", "probs_bias_bwd")
 
 
-def activation_kernels(kernels: Any) -> ActivationKernels:
-    """The activation kernels to run with the GEMM ``kernels``: the backend's own when it has
-    all four methods and no ``torch.func`` transform or forward-mode AD is active (a fused
-    kernel reads raw pointers and has no derivative), else the reference."""
-    if kernels is None or not all(callable(getattr(kernels, m, None)) for m in _METHODS):
+def activation_kernels(kernels: Any, *operands: Any) -> ActivationKernels:
+    """The activation kernels that run on ``operands``: the backend's own (``kernels`` with all
+    four methods), except where forward-mode AD is active or an operand is a functorch wrapper
+    (a fused kernel reads raw pointers and has no derivative: the reference runs, as the GEMMs
+    route in ``plan.route``); the reference for a backend without them."""
+    if kernels is None or kernels is REFERENCE or not all(callable(getattr(kernels, m, None)) for m in _METHODS):
         return REFERENCE
-    if not torch.compiler.is_compiling() and (torch._C._functorch.peek_interpreter_stack() is not None
-                                              or torch.autograd.forward_ad._current_level >= 0):
+    if torch.compiler.is_compiling():
+        return kernels
+    if torch.autograd.forward_ad._current_level >= 0:
         return REFERENCE
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+        if any(isinstance(t, torch.Tensor) and wrapped(t) for t in operands):
+            return REFERENCE
     return kernels
 
 
