@@ -88,12 +88,6 @@ class _ProbsBias(NamedTuple):
     form: str  # "list" or "stacked"
 
 
-class _Recompute(NamedTuple):
-    """What ``save="x_only"`` needs, beyond fc1's record, to run fc1's GEMM again in backward."""
-
-    bias1: Any  # as given, by reference (a parameter, like the weights)
-
-
 @residuals
 class GroupedMLPResiduals:
     fc1: GroupedLinearResiduals = saved()  # fc1's own record: saves x (or with FP8 x's FP8 copy) for fc1's wgrad
@@ -106,7 +100,7 @@ class GroupedMLPResiduals:
     act: ActivationKernels  # the activation's kernels: the backend's fused ones, or the reference (each call
     # runs the reference where its operands are functorch wrappers: activation_kernels)
     probs_bias: _ProbsBias | None  # fc2's bias weighted by probs (added outside fc2), else None
-    recompute: _Recompute | None  # "x_only": how to run fc1's forward again; else None
+    bias1: Any  # fc1's bias as given, by reference (a parameter): to run fc1's GEMM again (x_only, second order)
     h_kept: bool  # fc2's forward kept h for its wgrad (False only with FP8 and w2 frozen): rebuild it if not saved
     needs: Any = needed()  # which gradients bwd computes, shaped like (x, w1, w2, splits, probs, bias1, bias2)
 
@@ -134,8 +128,6 @@ def _describe(self: GroupedMLPResiduals) -> str:
     lines.append(f"  [ref  ] act = {self.act!r}")
     if self.probs_bias is not None:
         lines.append(f"  [ref  ] probs_bias = bias2 ({self.probs_bias.form}), added as probs * bias2 after fc2")
-    if self.recompute is not None:
-        lines.append("  [ref  ] recompute = bias1, to run fc1's GEMM again (with fc1's record)")
     lines.append(f")  # {_nbytes(saved_activations(self))} B through save_for_backward")
     return "\n".join(lines)
 
@@ -255,7 +247,7 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
     res = GroupedMLPResiduals(
         fc1=r1, fc2=r2, fc1_out=None if opts.save == "x_only" else fc1_out, probs=probs,
         activation=opts.activation, save=opts.save, act=act, probs_bias=pb,
-        recompute=_Recompute(bias1) if opts.save == "x_only" else None, h_kept=h_kept,
+        bias1=bias1, h_kept=h_kept,
     )
     return y, res
 
@@ -303,10 +295,35 @@ def _recompute_fc1(res: GroupedMLPResiduals) -> torch.Tensor:
     full = dwp.materialize(r1.weights, r1.distributed, for_backward=False, like=x_TK, name="w1")
     dwp.check_materialized(full, r1.weight_shapes, "materialize_group_for_forward()", "w1")
     w_ENK = full[0] if r1.stacked else _one_buffer(full, r1.plan)
-    b1 = res.recompute.bias1
+    b1 = res.bias1
     b_EN = None if b1 is None else (b1 if r1.plan.bias_form == "stacked" else stacked(b1))
     kernels, grouped = route(r1.kernels, r1.path == "grouped", x_TK, w_ENK)
     return kernels.grouped_fprop(x_TK, w_ENK, b_EN, r1.splits, grouped)
+
+
+def _differentiated(dy: Any, params: Any) -> bool:
+    """Whether this backward will itself be differentiated (autograd's ``create_graph=True``, or
+    under ``torch.func`` a dy tracked by another grad level than the one running it: grad of
+    grad, ``jacrev(jacrev)``), as ``_fp8.check_first_order`` tells. Then fc1's output and h are
+    recomputed from the saved inputs whatever the policy: saved intermediates carry no graph
+    back to x, the weights and probs, and a second-order gradient would silently miss their
+    terms (as NOTE: [Saved x] says of x). The same bits; a direct ``grouped_mlp_bwd`` call uses
+    what was saved."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(dy, torch.Tensor):
+        return False
+    func = torch._C._functorch
+    top = func.peek_interpreter_stack()
+    if top is not None:
+        own = top.level() if top.key() == func.TransformType.Grad else None
+        t = dy
+        while func.is_functorch_wrapped_tensor(t):
+            if func.is_gradtrackingtensor(t) and func.maybe_get_level(t) != own and t.requires_grad:
+                return True
+            t = func.get_unwrapped(t)
+        return False
+    if torch._C._current_autograd_node() is None:
+        return False  # the pure API called directly, not autograd's backward
+    return dy.requires_grad or any(p.requires_grad for p in params)
 
 
 def _with_h(r2: GroupedLinearResiduals, h: torch.Tensor) -> GroupedLinearResiduals:
@@ -327,8 +344,9 @@ def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     r1, r2, act = res.fc1, res.fc2, res.act
     fc1_side = bool(want_x) or any_needed(want_w1) or any_needed(want_b1) or r1.distributed
     need_dh = fc1_side or (res.probs is not None and bool(want_p))  # (a DistributedWeight's backward always runs)
-    fc1_out = res.fc1_out if res.fc1_out is not None else _recompute_fc1(res)
-    if r2.x_TK is None and res.h_kept:
+    second = _differentiated(dy, r1.weights) and r1.fp8 is None  # (FP8 refuses a second order itself)
+    fc1_out = res.fc1_out if res.fc1_out is not None and not second else _recompute_fc1(res)
+    if (r2.x_TK is None and res.h_kept) or (second and r2.fp8 is None):
         r2 = _with_h(r2, activation_kernels(act, fc1_out, res.probs).act_fwd(fc1_out, res.probs, res.activation))
     dy = _dy_TN(r2, dy)
     db2 = dprobs_b = None

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 import functional_dw as fd
-from conftest import FWD_SCALE, HOOKS, UNIT, FakeDW, PathRecorder, assert_same
+from conftest import FWD_SCALE, HOOKS, UNIT, FakeDW, PathRecorder, assert_close, assert_same
 from functional_dw import fp8
 from functional_dw.kernels import activation as act_mod
 from functional_dw.kernels.torch_ref import TorchKernels
@@ -324,6 +324,37 @@ def test_torch_func_grad_and_vjp_over_x_and_probs(save):
     y2, vjp_fn = torch.func.vjp(f, x, p)
     assert_same(y2, y.detach())
     assert_same(list(vjp_fn(dy)), [dx, dp])
+
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_second_order(save):
+    """A backward that is itself differentiated (create_graph, grad of grad) recomputes fc1's
+    output and h from the saved inputs under every policy (saved intermediates carry no graph):
+    gradgradcheck passes, and a Hessian-vector product is the float64 reference's and the same
+    bits for every policy."""
+    g = torch.Generator().manual_seed(5)
+    x, p = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.rand(6, generator=g, dtype=torch.float64)
+    w1, w2 = torch.randn(3, 4, 4, generator=g, dtype=torch.float64), torch.randn(3, 4, 2, generator=g, dtype=torch.float64)
+    b2 = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    for t in (x, p, w1, w2, b2):
+        t.requires_grad_()
+
+    def f(x, p, w1, w2, b2, save=save):
+        return fd.grouped_mlp(x, w1, w2, [2, 0, 4], probs=p, bias2=b2, save=save, use_grouped_tensor=False)
+
+    assert torch.autograd.gradgradcheck(lambda x, p, b2: f(x, p, w1, w2, b2), (x, p, b2))
+
+    def hvp(fn):
+        (gx,) = torch.autograd.grad(fn(x, p, w1, w2, b2).square().sum(), x, create_graph=True)
+        return torch.autograd.grad(gx.sum(), [x, p, w1])
+
+    got = hvp(f)
+    want = hvp(lambda x, p, w1, w2, b2: ref_mlp(x, w1, w2, [2, 0, 4], p, None, b2, ACT["swiglu"]))
+    for a, b, name in zip(got, want, ("x", "p", "w1")):
+        assert_close(a, b, torch.float64, f"d/d{name} of sum(dx)")
+    assert_same(list(got), list(hvp(lambda *a: f(*a, save="default"))))
+    gx = lambda x: torch.func.grad(lambda x: f(x, p, w1, w2, b2).square().sum())(x)  # noqa: E731
+    assert_close(torch.func.grad(lambda x: gx(x).sum())(x), want[0], torch.float64, "grad of grad")
 
 
 @pytest.mark.parametrize("save", ["default", "x_only"])
