@@ -24,9 +24,12 @@ save       kept through save_for_backward         recomputed in backward
 "x_only"   x, probs                               fc1_out = fc1(x) (a GEMM), then h
 =========  =====================================  ===========================================
 
-Every policy gives the same numbers, bitwise (a recompute runs the very ops forward ran). With
-FP8 (``recipe=``) each linear quantizes as its layer does: fc1's record keeps x's FP8 copy, fc2's
-h's FP8 copy (``"h"``), or backward quantizes the recomputed h again by fc2's plan
+Every policy gives the same numbers, bitwise (a recompute runs the very ops forward ran). A
+backward that is itself differentiated (``create_graph``, grad of grad) recomputes fc1's output
+and h under every policy (:func:`_differentiated`).
+
+With FP8 (``recipe=``) each linear quantizes as its layer does: fc1's record keeps x's FP8
+copy, fc2's h's FP8 copy (``"h"``), or backward quantizes the recomputed h again by fc2's plan
 (``"default"``: the same bits; delayed scaling reads the state's scale, so update the state
 after backward, as the modules do). ``"x_only"`` is refused with FP8 (fc1 keeps only x's FP8
 copy, not x). The activation runs in high precision between FP8 GEMMs; fusing it with h's
@@ -342,8 +345,10 @@ def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     _checks.record("grouped_mlp_bwd", res, GroupedMLPResiduals, "grouped_mlp_fwd")
     want_x, want_w1, want_w2, want_p, want_b1, want_b2 = _wanted(res)
     r1, r2, act = res.fc1, res.fc2, res.act
+    # fc1's backward runs when it has a gradient to give, and always for a DistributedWeight (its
+    # gathers and finalize match across ranks, as in grouped_linear); dh also feeds dprobs
     fc1_side = bool(want_x) or any_needed(want_w1) or any_needed(want_b1) or r1.distributed
-    need_dh = fc1_side or (res.probs is not None and bool(want_p))  # (a DistributedWeight's backward always runs)
+    need_dh = fc1_side or (res.probs is not None and bool(want_p))
     second = _differentiated(dy, r1.weights) and r1.fp8 is None  # (FP8 refuses a second order itself)
     fc1_out = res.fc1_out if res.fc1_out is not None and not second else _recompute_fc1(res)
     if (r2.x_TK is None and res.h_kept) or (second and r2.fp8 is None):
