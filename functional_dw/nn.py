@@ -19,10 +19,12 @@ import torch
 
 from . import _checks, _fp8, fp8
 from .grouped_linear import grouped_linear
+from .grouped_mlp import _check_options, grouped_mlp
+from .kernels.activation import glu_width
 from .kernels import packed
 from .linear import linear
 
-__all__ = ["Linear", "GroupedLinear", "remap_layouts"]
+__all__ = ["Linear", "GroupedLinear", "GroupedMLP", "remap_layouts"]
 
 
 # NOTE: [FP8 in the modules]
@@ -471,6 +473,62 @@ class GroupedLinear(_FP8, torch.nn.Module):
         single += ", single_grouped_bias=True" if self.single_grouped_bias and not self.single_grouped_weight else ""
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.use_bias}{single}")
+
+
+class GroupedMLP(torch.nn.Module):
+    """E experts' MLP, ``fc2(act(fc1(x)) * probs)`` (Megatron's TEGroupedMLP), as one call of
+    :func:`functional_dw.grouped_mlp`. ``fc1`` (``hidden_size -> 2 * ffn_hidden_size`` for SwiGLU,
+    else ``-> ffn_hidden_size``) and ``fc2`` (``ffn_hidden_size -> hidden_size``) are
+    :class:`GroupedLinear` submodules with TE's parameter names, so two GroupedLinear state
+    dicts (``fc1.weight0``.. ``fc2.weight{E-1}``, either layout, FP8 ``_extra_state`` included)
+    load unchanged. ``forward`` reads their parameters and runs the pure pair once (not two
+    module calls); the other arguments are ``grouped_mlp``'s and GroupedLinear's, for both."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, activation: str = "swiglu",
+                 bias: bool = False, save: str = "default", params_dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, fuse_wgrad_accumulation: bool = False,
+                 use_grouped_tensor: bool | None = None, backend: str | None = None,
+                 single_grouped_weight: bool = False, single_grouped_bias: bool | None = None,
+                 recipe: Any = None) -> None:
+        super().__init__()
+        _check_options(activation, save)
+        self.activation, self.save = activation, save
+        ffn = _size("ffn_hidden_size", ffn_hidden_size)
+        kw = dict(bias=bias, params_dtype=params_dtype, device=device, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                  use_grouped_tensor=use_grouped_tensor, backend=backend, single_grouped_weight=single_grouped_weight,
+                  single_grouped_bias=single_grouped_bias, recipe=recipe)
+        self.fc1 = GroupedLinear(num_experts, hidden_size, glu_width(activation) * ffn, **kw)
+        self.fc2 = GroupedLinear(num_experts, ffn, hidden_size, **kw)
+
+    num_experts = property(lambda self: self.fc1.num_gemms)
+    hidden_size = property(lambda self: self.fc1.in_features)
+    ffn_hidden_size = property(lambda self: self.fc2.in_features)
+
+    def forward(self, x: torch.Tensor, splits: Sequence[int] | torch.Tensor,
+                probs: torch.Tensor | None = None) -> torch.Tensor:
+        fc1, fc2 = self.fc1, self.fc2
+        recipe, state1 = fc1._fp8_begin(x)
+        recipe2, state2 = fc2._fp8_begin(x)
+        if recipe2 != recipe:
+            raise ValueError(f"GroupedMLP runs one FP8 recipe for fc1 and fc2; fc1 has {recipe!r}, fc2 {recipe2!r}")
+        states = None if state1 is None and state2 is None else (state1, state2)
+        y = grouped_mlp(x, _layer_weights(fc1), _layer_weights(fc2), splits, probs=probs, bias1=_layer_bias(fc1),
+                        bias2=_layer_bias(fc2), activation=self.activation, save=self.save, recipe=recipe,
+                        fp8_state=states, backend=fc1.backend, fuse_wgrad_accumulation=fc1.fuse_wgrad_accumulation,
+                        use_grouped_tensor=fc1.use_grouped_tensor)
+        fc1._fp8_end(y, state1)
+        return fc2._fp8_end(y, state2)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, save={self.save!r}"
+
+
+def _layer_weights(m: GroupedLinear) -> Any:
+    return m.weight if m.single_grouped_weight else m.weights()
+
+
+def _layer_bias(m: GroupedLinear) -> Any:
+    return m.bias if m.single_grouped_bias else m.biases()
 
 
 def remap_layouts(model: torch.nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:

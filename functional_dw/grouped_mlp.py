@@ -1,0 +1,460 @@
+"""The expert MLP as one pure pair: fc1, the activation (weighted by the router's probs), fc2.
+
+    h = act(x W1_e^T + b1_e) * probs          (per expert e on its rows; SwiGLU: silu(gate) * up)
+    y = h W2_e^T + b2_e * probs                (fc2's bias weighted by probs, as Megatron's _apply_bias)
+
+``grouped_mlp_fwd`` runs fc1's and fc2's own forward (``grouped_linear``'s ``_prepare``/``_forward``,
+the options path of ``grouped_linear_fwd``) with the activation in between, and its residual
+record NESTS theirs: ``res.fc1`` and ``res.fc2`` are the two layers' ``GroupedLinearResiduals``.
+``grouped_mlp_bwd`` is fc2's ``grouped_linear_bwd``, the activation's backward, then fc1's
+``grouped_linear_bwd``. ``grouped_mlp`` joins the pair through the one bridge, ``custom_vjp``,
+with the options as one nondiff argument (NOTE: [nondiff_argnums]).
+
+Legend: ``T`` tokens, ``H`` x's features (fc1's in), ``F`` the ffn width (fc2's in), ``H_out``
+fc2's out (usually H), ``E`` experts. w1 is E x ``[2F, H]`` for SwiGLU (gate rows, then up rows),
+E x ``[F, H]`` for GELU/SiLU; w2 is E x ``[H_out, F]``; each a list or one stacked tensor.
+
+What backward needs, and the policy (``save=``) that decides what forward keeps of it:
+
+=========  =====================================  ===========================================
+save       kept through save_for_backward         recomputed in backward
+=========  =====================================  ===========================================
+"default"  x (fc1's record), fc1_out, probs       h = act(fc1_out) * probs (fc2's wgrad input)
+"h"        x, fc1_out, h (fc2's record), probs    nothing
+"x_only"   x, probs                               fc1_out = fc1(x) (a GEMM), then h
+=========  =====================================  ===========================================
+
+Every policy gives the same numbers, bitwise (a recompute runs the very ops forward ran). A
+backward that is itself differentiated (``create_graph``, grad of grad) recomputes fc1's output
+and h under every policy (:func:`_differentiated`).
+
+With FP8 (``recipe=``) each linear quantizes as its layer does: fc1's record keeps x's FP8
+copy, fc2's h's FP8 copy (``"h"``), or backward quantizes the recomputed h again by fc2's plan
+(``"default"``: the same bits; delayed scaling reads the state's scale, so update the state
+after backward, as the modules do). ``"x_only"`` is refused with FP8 (fc1 keeps only x's FP8
+copy, not x). The activation runs in high precision between FP8 GEMMs; fusing it with h's
+quantization (and keeping fc1_out in FP8) is GPU work for later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _checks, _fp8, distributed_weight as dwp
+from .custom_vjp import custom_vjp
+from .grouped_linear import GroupedLinearResiduals, SplitsArg, WeightsArg, grouped_linear_bwd
+from .grouped_linear import (  # fc1's and fc2's own steps
+    _check_bias, _dy_TN, _forward, _fprop, _normalized, _one_buffer, _prepare, _x_TK,
+)
+from .kernels import Kernels, stacked
+from .kernels.activation import ACTIVATIONS, ActivationKernels, activation_kernels, glu_width
+from .plan import Options, route
+from .residuals import _describe_value, _nbytes, any_needed, needed, residuals, saved, saved_activations
+
+__all__ = ["GroupedMLPResiduals", "MLPGrads", "POLICIES", "grouped_mlp", "grouped_mlp_fwd", "grouped_mlp_bwd"]
+
+POLICIES = ("default", "h", "x_only")
+
+
+class MLPOptions(NamedTuple):
+    """A grouped_mlp call's static options: one nondiff argument of the bridge (NOTE:
+    [nondiff_argnums]); each layer's own ``plan.Options`` inside. (No tensors: ``_fdw_static``.)"""
+
+    _fdw_static = True
+
+    activation: str
+    save: str
+    fc1: Options
+    fc2: Options
+
+
+class MLPGrads(NamedTuple):
+    """What :func:`grouped_mlp_bwd` returns: one gradient per differentiable input (None where
+    there is none: no probs, no bias, not wanted), each shaped like its argument (weights and
+    biases as lists or stacked tensors, as given)."""
+
+    dx: Any
+    dw1: Any
+    dw2: Any
+    dprobs: Any
+    dbias1: Any
+    dbias2: Any
+
+
+class _ProbsBias(NamedTuple):
+    """fc2's bias when the probs weight it: added after fc2 (``y + probs * b2_e``), not by fc2."""
+
+    bias: Any  # as given (by reference): E x [H_out] or one [E, H_out]
+    form: str  # "list" or "stacked"
+
+
+@residuals
+class GroupedMLPResiduals:
+    fc1: GroupedLinearResiduals = saved()  # fc1's own record: saves x (or with FP8 x's FP8 copy) for fc1's wgrad
+    fc2: GroupedLinearResiduals = saved()  # fc2's own record: saves h (or h's FP8 copy) only under save="h";
+    # otherwise its x_TK is None and backward recomputes h = act(fc1_out) * probs
+    fc1_out: Any = saved()  # [T, 2F] (SwiGLU) or [T, F], the activation's input; None under "x_only" (recomputed)
+    probs: Any = saved()  # [T] router weights, or None
+    activation: str  # "swiglu", "gelu" or "silu"
+    save: str  # the policy: "default", "h" or "x_only"
+    act: ActivationKernels  # the activation's kernels: the backend's fused ones, or the reference (each call
+    # runs the reference where its operands are functorch wrappers: activation_kernels)
+    probs_bias: _ProbsBias | None  # fc2's bias weighted by probs (added outside fc2), else None
+    bias1: Any  # fc1's bias as given, by reference (a parameter): to run fc1's GEMM again (x_only, second order)
+    h_kept: bool  # fc2's forward kept h for its wgrad (False only with FP8 and w2 frozen): rebuild it if not saved
+    needs: Any = needed()  # which gradients bwd computes, shaped like (x, w1, w2, splits, probs, bias1, bias2)
+
+
+def _describe(self: GroupedMLPResiduals) -> str:
+    """What is saved, what is recomputed, and what is held by reference."""
+    lines = [f"GroupedMLPResiduals(activation={self.activation!r}, save={self.save!r}"]
+    for name, rec in (("fc1", self.fc1), ("fc2", self.fc2)):
+        inner = repr(rec).splitlines()
+        if name == "fc2" and rec.x_TK is None and self.h_kept:
+            inner = [line + "  (h: recomputed in backward)" if "] x_TK = " in line else line for line in inner]
+        lines.append(f"  [saved] {name} = {inner[0]}")
+        lines += [f"    {line}" for line in inner[1:]]
+    width = "2F" if glu_width(self.activation) == 2 else "F"
+    if self.fc1_out is not None:
+        lines.append(f"  [saved] fc1_out = {_describe_value(self.fc1_out)}")
+    else:
+        lines.append(f"  [recomputed] fc1_out: fc1(x) [T, {width}] again in backward (a GEMM)")
+    if self.fc2.x_TK is not None:
+        lines.append("  [saved] h: fc2.x_TK above")
+    elif self.h_kept:
+        fp8 = ", quantized again by fc2's FP8 plan" if self.fc2.fp8 is not None else ""
+        lines.append(f"  [recomputed] h: act(fc1_out) * probs [T, F] in backward, for fc2's wgrad{fp8}")
+    lines.append(f"  [saved] probs = {_describe_value(self.probs)}")
+    lines.append(f"  [ref  ] act = {self.act!r}")
+    if self.probs_bias is not None:
+        lines.append(f"  [ref  ] probs_bias = bias2 ({self.probs_bias.form}), added as probs * bias2 after fc2")
+    lines.append(f")  # {_nbytes(saved_activations(self))} B through save_for_backward")
+    return "\n".join(lines)
+
+
+GroupedMLPResiduals.__repr__ = _describe  # type: ignore[method-assign]
+
+
+# --- checks ---------------------------------------------------------------------------------------
+
+def _experts(name: str, w: Any) -> int | None:
+    """The number of experts of a weights argument (None where the layer's own checks will say
+    what is wrong with it)."""
+    if isinstance(w, torch.Tensor):
+        if w.dim() != 3:
+            raise ValueError(f"{name} must be E [out, in] tensors or one [E, out, in] tensor, got one tensor of "
+                             f"shape {tuple(w.shape)}")
+        return w.shape[0]
+    ws = _checks.sequence(w)
+    return None if not ws else len(ws)
+
+
+def _shape(w: Any) -> tuple[int, int] | None:
+    """(out, in) of a plain group's first weight (None: a DistributedWeight, whose shard is not
+    the shape the GEMMs see, or something the layer's checks will name)."""
+    w0 = w if isinstance(w, torch.Tensor) else (_checks.sequence(w) or [None])[0]
+    if not isinstance(w0, torch.Tensor) or w0.dim() < 2 or dwp.is_distributed_weight(w0):
+        return None
+    N, K = w0.shape[-2:]
+    return N, K
+
+
+def _check_options(activation: Any, save: Any) -> None:
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
+    if not isinstance(save, str) or save not in POLICIES:
+        raise ValueError(f"save must be one of {', '.join(map(repr, POLICIES))} (what forward keeps for backward), "
+                         f"got {save!r}")
+
+
+def _check_args(x: Any, w1: Any, w2: Any, probs: Any, activation: str) -> None:
+    """The MLP's own checks, before any GEMM: each names the argument and the fix."""
+    _checks.tensor("x", x, ndim=2)
+    E1, E2 = _experts("w1", w1), _experts("w2", w2)
+    if E1 is not None and E2 is not None and E1 != E2:
+        raise ValueError(f"w1 has {E1} experts but w2 has {E2}: fc1 and fc2 need one weight per expert each "
+                         f"(w1: E x [{glu_width(activation)}F, H], w2: E x [H, F])")
+    s1, s2 = _shape(w1), _shape(w2)
+    if s1 is not None and s2 is not None:
+        (N1, K1), (_, F) = s1, s2
+        if x.shape[1] != K1:
+            raise ValueError(f"x has {x.shape[1]} features but w1 is [{N1}, {K1}] per expert: x must be [T, {K1}], "
+                             f"or w1 [{N1}, {x.shape[1]}]")
+        want = glu_width(activation) * F
+        if N1 != want:
+            if activation == "swiglu":
+                raise ValueError(
+                    f"w1 is [{N1}, {K1}] per expert but activation='swiglu' needs 2 * F = {want} out-features "
+                    f"(the gate half, then the up half; F = {F} is w2's in-features): make w1 [{want}, {K1}], or "
+                    f"use activation='gelu' or 'silu' with w1 [{F}, {K1}]")
+            hint = f" (a [{2 * F}, {K1}] w1 is for activation='swiglu')" if N1 == 2 * F else ""
+            raise ValueError(f"w1 is [{N1}, {K1}] per expert but activation={activation!r} needs F = {F} "
+                             f"out-features (w2's in-features): make w1 [{F}, {K1}]{hint}")
+    if probs is not None:
+        _checks.tensor("probs", probs)
+        T = x.shape[0]
+        if probs.dim() != 1 or probs.shape[0] != T:
+            fix = " (probs.reshape(-1))" if probs.numel() == T else ""
+            raise ValueError(f"probs must be [T] = [{T}], one router weight per row of x, got shape "
+                             f"{tuple(probs.shape)}: pass a 1-D tensor of {T} values{fix}")
+        if probs.device != x.device:
+            raise ValueError(f"probs is on {probs.device} but x is on {x.device}; move them to one device")
+
+
+def _in_layer(layer: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` for fc1 or fc2, its argument errors prefixed with the layer and what its
+    arguments are called here."""
+    try:
+        return fn(*args)
+    except (ValueError, TypeError) as e:
+        names = ("x", "w1", "bias1") if layer == "fc1" else ("h = act(fc1_out) * probs", "w2", "bias2")
+        raise type(e)(f"grouped_mlp's {layer} (its x is {names[0]}, its weights {names[1]}, its bias "
+                      f"{names[2]}): {e}") from e
+
+
+# --- forward --------------------------------------------------------------------------------------
+
+def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
+    """Forward; with ``keep``, also the residual record (else None)."""
+    _check_options(opts.activation, opts.save)
+    _check_args(x, w1, w2, probs, opts.activation)
+    if opts.save == "x_only" and opts.fc1.fp8 is not None:
+        raise ValueError("save='x_only' recomputes fc1's output from x, but with FP8 fc1 keeps only x's FP8 copy: "
+                         "use save='default' or 'h' with recipe=")
+    weighted = probs is not None and bias2 is not None  # fc2's bias times probs, added after fc2
+    c1 = _in_layer("fc1", _prepare, x, w1, splits, bias1, opts.fc1)
+    act = activation_kernels(c1.plan.kernels)  # (the backend's; each call routes on its own operands)
+    if keep:
+        fc1_out, r1 = _forward(c1, x, keep_x=_keep_x(opts.fc1))
+    else:
+        fc1_out, r1 = _fprop(c1), None
+    h = activation_kernels(act, fc1_out, probs).act_fwd(fc1_out, probs, opts.activation)
+    c2 = _in_layer("fc2", _prepare, h, w2, splits, None if weighted else bias2, opts.fc2)
+    if keep:
+        y, r2 = _forward(c2, h, keep_x=_keep_x(opts.fc2))
+    else:
+        y, r2 = _fprop(c2), None
+    pb = None
+    if weighted:
+        form = _in_layer("fc2", _check_bias, bias2, c2.plan.num_experts, c2.plan.out_features, y)
+        pb = _ProbsBias(bias2, form)
+        y = activation_kernels(act, y, probs).probs_bias_fwd(y, _bias_EH(pb), probs, c2.split)
+    if not keep:
+        return y, None
+    h_kept = r2.x_TK is not None
+    if opts.save != "h" and h_kept:  # h is recomputed in backward: fc2's record holds it not
+        r2 = dataclasses.replace(r2, x_TK=None, x_version=None)
+    res = GroupedMLPResiduals(
+        fc1=r1, fc2=r2, fc1_out=None if opts.save == "x_only" else fc1_out, probs=probs,
+        activation=opts.activation, save=opts.save, act=act, probs_bias=pb,
+        bias1=bias1, h_kept=h_kept,
+    )
+    return y, res
+
+
+def _keep_x(o: Options) -> bool:
+    """Whether a layer keeps its x for wgrad (with FP8, only where a weight may get a grad)."""
+    return o.fp8 is None or o.fp8.keep_x
+
+
+def _bias_EH(pb: _ProbsBias) -> torch.Tensor:
+    return pb.bias if pb.form == "stacked" else stacked(pb.bias)
+
+
+def grouped_mlp_fwd(
+    x: torch.Tensor, w1: WeightsArg, w2: WeightsArg, splits: SplitsArg, *, probs: torch.Tensor | None = None,
+    activation: str = "swiglu", bias1: Any = None, bias2: Any = None, save: str = "default", recipe: Any = None,
+    fp8_state: Any = None, backend: str | Kernels | None = None, fuse_wgrad_accumulation: bool = False,
+    use_grouped_tensor: bool | None = None,
+) -> tuple[torch.Tensor, GroupedMLPResiduals]:
+    """``y`` ``[T, H_out]`` and the residual record (fc1's and fc2's records nested in it).
+    Arguments as for :func:`grouped_mlp`."""
+    opts, (w1, w2, splits, bias1, bias2) = _options(w1, w2, splits, bias1, bias2, activation, save,
+                                                    recipe, fp8_state, backend, fuse_wgrad_accumulation,
+                                                    use_grouped_tensor, keep_x=(True, True))
+    return _run(x, w1, w2, splits, probs, bias1, bias2, opts, keep=True)
+
+
+# --- backward -------------------------------------------------------------------------------------
+
+def _wanted(res: GroupedMLPResiduals) -> tuple:
+    """(x, w1, w2, probs, bias1, bias2): what autograd asked for, each a bool or a list of them
+    (all True for a direct call)."""
+    if res.needs is None:
+        return True, True, True, True, True, True
+    x, w1, w2, _, p, b1, b2 = res.needs
+    return x, w1, w2, p, b1, b2
+
+
+def _recompute_fc1(res: GroupedMLPResiduals) -> torch.Tensor:
+    """fc1's output again (``save="x_only"``): fc1's GEMM on the saved x with forward's plan,
+    kernels, path and split counts (fc1's record), so the same bits. Nothing is planned again;
+    a DistributedWeight is gathered for forward again."""
+    r1 = res.fc1
+    x_TK = _x_TK(r1)
+    full = dwp.materialize(r1.weights, r1.distributed, for_backward=False, like=x_TK, name="w1")
+    dwp.check_materialized(full, r1.weight_shapes, "materialize_group_for_forward()", "w1")
+    w_ENK = full[0] if r1.stacked else _one_buffer(full, r1.plan)
+    b1 = res.bias1
+    b_EN = None if b1 is None else (b1 if r1.plan.bias_form == "stacked" else stacked(b1))
+    kernels, grouped = route(r1.kernels, r1.path == "grouped", x_TK, w_ENK)
+    return kernels.grouped_fprop(x_TK, w_ENK, b_EN, r1.splits, grouped)
+
+
+def _differentiated(dy: Any, params: Any) -> bool:
+    """Whether this backward will itself be differentiated (autograd's ``create_graph=True``, or
+    under ``torch.func`` a dy tracked by another grad level than the one running it: grad of
+    grad, ``jacrev(jacrev)``), as ``_fp8.check_first_order`` tells. Then fc1's output and h are
+    recomputed from the saved inputs whatever the policy: saved intermediates carry no graph
+    back to x, the weights and probs, and a second-order gradient would silently miss their
+    terms (as NOTE: [Saved x] says of x). The same bits; a direct ``grouped_mlp_bwd`` call uses
+    what was saved."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(dy, torch.Tensor):
+        return False
+    func = torch._C._functorch
+    top = func.peek_interpreter_stack()
+    if top is not None:
+        own = top.level() if top.key() == func.TransformType.Grad else None
+        t = dy
+        while func.is_functorch_wrapped_tensor(t):
+            if func.is_gradtrackingtensor(t) and func.maybe_get_level(t) != own and t.requires_grad:
+                return True
+            t = func.get_unwrapped(t)
+        return False
+    if torch._C._current_autograd_node() is None:
+        return False  # the pure API called directly, not autograd's backward
+    return dy.requires_grad or any(p.requires_grad for p in params)
+
+
+def _with_h(r2: GroupedLinearResiduals, h: torch.Tensor) -> GroupedLinearResiduals:
+    """fc2's record with the recomputed h where forward kept it (with FP8, its FP8 copy again,
+    by fc2's plan: the same bits as forward's)."""
+    if r2.fp8 is None:
+        return dataclasses.replace(r2, x_TK=h)
+    hq = r2.fp8.quantize_x(r2.kernels, h, r2.splits, r2.path == "grouped", keep=True)
+    return dataclasses.replace(r2, x_TK=_fp8.with_usage(hq, rowwise=False, columnwise=True))
+
+
+def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
+    """(dx, dw1, dw2, dprobs, dbias1, dbias2) as an :class:`MLPGrads`: fc2's ``grouped_linear_bwd``
+    on fc2's record, the activation's backward, fc1's ``grouped_linear_bwd`` on fc1's record; what
+    the policy did not save is recomputed first."""
+    _checks.record("grouped_mlp_bwd", res, GroupedMLPResiduals, "grouped_mlp_fwd")
+    want_x, want_w1, want_w2, want_p, want_b1, want_b2 = _wanted(res)
+    r1, r2, act = res.fc1, res.fc2, res.act
+    # fc1's backward runs when it has a gradient to give, and always for a DistributedWeight (its
+    # gathers and finalize match across ranks, as in grouped_linear); dh also feeds dprobs
+    fc1_side = bool(want_x) or any_needed(want_w1) or any_needed(want_b1) or r1.distributed
+    need_dh = fc1_side or (res.probs is not None and bool(want_p))
+    second = _differentiated(dy, r1.weights) and r1.fp8 is None  # (FP8 refuses a second order itself)
+    fc1_out = res.fc1_out if res.fc1_out is not None and not second else _recompute_fc1(res)
+    if (r2.x_TK is None and res.h_kept) or (second and r2.fp8 is None):
+        r2 = _with_h(r2, activation_kernels(act, fc1_out, res.probs).act_fwd(fc1_out, res.probs, res.activation))
+    dy = _dy_TN(r2, dy)
+    db2 = dprobs_b = None
+    pb = res.probs_bias
+    if pb is not None and (any_needed(want_b2) or need_dh):
+        db_EH, dprobs_b = activation_kernels(act, dy, res.probs).probs_bias_bwd(dy, _bias_EH(pb), res.probs, r2.splits)
+        db2 = db_EH if pb.form == "stacked" else list(db_EH.unbind(0))
+    needs2 = None if res.needs is None else (need_dh, want_w2, False, want_b2 if pb is None else None)
+    dh, dw2, db2_fc2 = grouped_linear_bwd(dataclasses.replace(r2, needs=needs2), dy)
+    if pb is None:
+        db2 = db2_fc2
+    dfc1 = dprobs = None
+    if dh is not None and need_dh:
+        k = activation_kernels(act, fc1_out, res.probs, dh, dprobs_b)
+        dfc1, dprobs = k.act_bwd(fc1_out, res.probs, dh, res.activation, dprobs_in=dprobs_b)
+    dx = dw1 = db1 = None
+    if fc1_side:
+        needs1 = None if res.needs is None else (want_x, want_w1, False, want_b1)
+        dx, dw1, db1 = grouped_linear_bwd(dataclasses.replace(r1, needs=needs1), dfc1)
+    return MLPGrads(dx, dw1, dw2, dprobs, db1, db2)
+
+
+# --- the op ---------------------------------------------------------------------------------------
+
+def _fwd(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions):
+    return _run(x, w1, w2, splits, probs, bias1, bias2, opts, keep=True)
+
+
+def _primal(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions) -> torch.Tensor:
+    """Forward alone, when no gradient can be taken: no residuals."""
+    return _run(x, w1, w2, splits, probs, bias1, bias2, opts, keep=False)[0]
+
+
+def _bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> tuple:
+    """Cotangents of (x, w1, w2, splits, probs, bias1, bias2); the options are nondiff."""
+    g = grouped_mlp_bwd(res, dy)
+    return g.dx, g.dw1, g.dw2, None, g.dprobs, g.dbias1, g.dbias2
+
+
+_grouped_mlp = custom_vjp(_fwd, _bwd, nondiff_argnums=(7,), primal=_primal, name="grouped_mlp")
+_grouped_mlp_eager = torch.compiler.disable(_grouped_mlp, reason=dwp.NO_COMPILE)
+
+
+def _options(w1, w2, splits, bias1, bias2, activation, save, recipe, fp8_state, backend, fuse, use_grouped_tensor,
+             keep_x: tuple[bool, bool]) -> tuple[MLPOptions, tuple]:
+    """The call's options (each layer's ``plan.Options``) and its arguments normalized as the
+    layers normalize theirs."""
+    w1, splits, bias1 = _normalized(w1, splits, bias1)
+    w2, _, bias2 = _normalized(w2, splits, bias2)
+    args1 = args2 = None
+    if recipe is not None or fp8_state is not None:
+        if fp8_state is None:
+            s1 = s2 = None
+        elif isinstance(fp8_state, (list, tuple)) and len(fp8_state) == 2:
+            s1, s2 = fp8_state
+        else:
+            raise TypeError("fp8_state must be None or a pair (fc1's state, fc2's state), each "
+                            "fp8.init_state(recipe, num_gemms=E, device=...), got "
+                            f"{type(fp8_state).__name__}")
+        args1 = _fp8.Args(recipe, s1, keep_x=keep_x[0])
+        args2 = _fp8.Args(recipe, s2, keep_x=keep_x[1])
+    opts = MLPOptions(activation, save, Options(fuse, use_grouped_tensor, backend, args1),
+                      Options(fuse, use_grouped_tensor, backend, args2))
+    return opts, (w1, w2, splits, bias1, bias2)
+
+
+def grouped_mlp(
+    x: torch.Tensor, w1: WeightsArg, w2: WeightsArg, splits: SplitsArg, *, probs: torch.Tensor | None = None,
+    activation: str = "swiglu", bias1: Any = None, bias2: Any = None, save: str = "default", recipe: Any = None,
+    fp8_state: Any = None, backend: str | Kernels | None = None, fuse_wgrad_accumulation: bool = False,
+    use_grouped_tensor: bool | None = None,
+) -> torch.Tensor:
+    """Differentiable expert MLP: ``y = fc2(act(fc1(x)) * probs)`` per expert (Megatron's
+    TEGroupedMLP), as one autograd node built from the two layers' pure pairs.
+
+    Args:
+        x: ``[T, H]`` tokens, sorted by expert.
+        w1: fc1's weights, E ``[2F, H]`` for SwiGLU (the gate rows, then the up rows: Megatron's
+            layout) or E ``[F, H]`` for GELU/SiLU; a list or one stacked ``[E, ., H]`` tensor
+            (``w1[0]`` may be a DistributedWeight leader), as for ``grouped_linear``.
+        w2: fc2's weights, E ``[H_out, F]`` (usually ``H_out = H``), a list or one stacked tensor.
+        splits: E token counts summing to T: a list/tuple of ints or a 1-D integer tensor.
+        probs: None or ``[T]`` router weights: ``h = act(fc1_out) * probs[:, None]`` and fc2's
+            bias is added times probs (Megatron's weighted activation and ``_apply_bias``); any
+            float dtype (their gradient comes in it), on x's device.
+        activation: ``"swiglu"`` (``silu(gate) * up``), ``"gelu"`` (exact, Megatron's default
+            ``F.gelu``) or ``"silu"``.
+        bias1, bias2: None, E ``[out]`` tensors, or one ``[E, out]`` tensor each.
+        save: the residual policy: ``"default"`` (x and fc1's output; h recomputed in backward),
+            ``"h"`` (h too: no recompute), ``"x_only"`` (x: fc1's GEMM runs again in backward).
+            The same numbers, bitwise, for each.
+        recipe: an FP8 recipe (None: no FP8), for both linears; ``fp8_state``: delayed scaling's
+            states as a pair (fc1's, fc2's), each ``fp8.init_state(recipe, num_gemms=E, ...)``.
+        backend, fuse_wgrad_accumulation, use_grouped_tensor: as for ``grouped_linear``, for both
+            linears (``main_grad`` of w1's and w2's weights with fused accumulation).
+    """
+    fuse = _checks.fuse_flag(fuse_wgrad_accumulation)
+    keep_x = (True, True)
+    if recipe is not None or fp8_state is not None:
+        _fp8.refuse_compile(recipe)
+        keep_x = (_fp8.wgrad_possible(w1), _fp8.wgrad_possible(w2))
+    opts, (w1, w2, splits, bias1, bias2) = _options(w1, w2, splits, bias1, bias2, activation, save, recipe,
+                                                    fp8_state, backend, fuse, use_grouped_tensor, keep_x)
+    if torch.compiler.is_compiling() and (dwp.any_distributed(w1) or dwp.any_distributed(w2)):
+        return _grouped_mlp_eager(x, w1, w2, splits, probs, bias1, bias2, opts)
+    return _grouped_mlp(x, w1, w2, splits, probs, bias1, bias2, opts)

@@ -1,0 +1,619 @@
+"""grouped_mlp: the expert MLP as one pure pair built from fc1's and fc2's (issue 31, CPU core).
+
+The numbers against a plain float64 per-expert loop (matmuls and the activation written out),
+for each activation, dtype, probs and bias; the residual policies bitwise equal; saved-tensor
+hooks, retain_graph, torch.func, torch.compile; bytes saved per token; the errors; FP8; the
+DistributedWeight and main_grad paths; the activation kernels' seam; nn.GroupedMLP.
+
+Tolerance (NOTE: [The tolerance rule] in conftest.py, for a chain): each result is compared with
+the float64 reference from the same inputs, within
+
+    u(out) |expected| + ROUNDS * u(act) * mag + n * u(acc) * mag + ROUNDS * eta(out)
+
+where ``act`` is the activations' dtype (what every intermediate is rounded to), ``ROUNDS`` the
+longest chain of roundings to it behind any result (y: fc1's GEMM, its bias, the activation,
+fc2's GEMM, its bias = 5; the gradients' chains are no longer), and ``mag`` the elementwise
+magnitude of the same computation on absolute values with the activation replaced by a
+surrogate that bounds it and its slope (SwiGLU: ``|gate| * |up|``, GELU/SiLU: ``|z|``), times 2
+(their slopes are at most 1.13): it bounds every GEMM's accumulation error and how far an
+intermediate rounding travels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+import functional_dw as fd
+from conftest import FWD_SCALE, HOOKS, UNIT, FakeDW, PathRecorder, assert_close, assert_same
+from functional_dw import fp8
+from functional_dw.kernels import activation as act_mod
+from functional_dw.kernels.torch_ref import TorchKernels
+
+E, H, F_ = 4, 32, 16
+SPLITS = [3, 0, 5, 2]
+T = sum(SPLITS)
+ACTS = ["swiglu", "gelu", "silu"]
+POLICIES = ["default", "h", "x_only"]
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+ROUNDS, N_TERMS = 5, 256
+
+
+def _rand(*shape, seed, dtype=torch.float32, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def make(activation="swiglu", dtype=torch.float32, *, probs=True, bias=False, stacked=False, splits=SPLITS, seed=0):
+    """Leaf inputs of one call: dict(x, w1, w2, probs, bias1, bias2) and a cotangent dy."""
+    T_ = sum(splits)
+    n1 = (2 if activation == "swiglu" else 1) * F_
+    w1 = _rand(E, n1, H, seed=seed + 1, dtype=dtype, scale=H ** -0.5)
+    w2 = _rand(E, H, F_, seed=seed + 2, dtype=dtype, scale=F_ ** -0.5)
+    inp = dict(
+        x=_rand(T_, H, seed=seed, dtype=dtype),
+        w1=w1 if stacked else list(w1.unbind(0)),
+        w2=w2 if stacked else list(w2.unbind(0)),
+        probs=torch.rand(T_, generator=torch.Generator().manual_seed(seed + 3)).to(dtype) if probs else None,
+        bias1=_rand(E, n1, seed=seed + 4, dtype=dtype, scale=0.1) if bias else None,
+        bias2=_rand(E, H, seed=seed + 5, dtype=dtype, scale=0.1) if bias else None,
+    )
+    for k, v in inp.items():
+        for t in (v if isinstance(v, list) else [v]):
+            if t is not None:
+                t.requires_grad_()
+    return inp, _rand(T_, H, seed=seed + 6, dtype=dtype)
+
+
+NAMES = ["x", "w1", "w2", "probs", "bias1", "bias2"]
+
+
+def leaves(inp):
+    """The inputs that take a gradient, flattened, in NAMES order."""
+    out = []
+    for k in NAMES:
+        v = inp[k]
+        out += [t for t in (v if isinstance(v, list) else [v]) if t is not None]
+    return out
+
+
+def call(inp, splits=SPLITS, **kw):
+    return fd.grouped_mlp(inp["x"], inp["w1"], inp["w2"], splits, probs=inp["probs"], bias1=inp["bias1"],
+                          bias2=inp["bias2"], **kw)
+
+
+def run(inp, dy, splits=SPLITS, **kw):
+    """(y, grads of leaves(inp)) by autograd."""
+    y = call(inp, splits, **kw)
+    return y, list(torch.autograd.grad(y, leaves(inp), dy))
+
+
+# --- the float64 reference -----------------------------------------------------------------------
+
+ACT = {"swiglu": lambda z: F.silu(z.chunk(2, -1)[0]) * z.chunk(2, -1)[1], "gelu": F.gelu, "silu": F.silu}
+SURROGATE = {"swiglu": lambda z: z.chunk(2, -1)[0] * z.chunk(2, -1)[1], "gelu": lambda z: z, "silu": lambda z: z}
+
+
+def ref_mlp(x, w1, w2, splits, probs, b1, b2, act):
+    """A loop over experts of plain matmuls and the activation (Megatron's TEGroupedMLP)."""
+    rows, start = [], 0
+    for e, n in enumerate(splits):
+        xe = x[start:start + n]
+        z = xe @ w1[e].T + (0 if b1 is None else b1[e])
+        p = 1 if probs is None else probs[start:start + n, None]
+        h = act(z) * p
+        rows.append(h @ w2[e].T + (0 if b2 is None else b2[e] * p))
+        start += n
+    return torch.cat(rows)
+
+
+def reference(inp, dy, activation, splits=SPLITS):
+    """(y, grads) in float64 from the same inputs, and their magnitudes (see the docstring)."""
+    results = []
+    for f, act in ((lambda t: t.detach().double(), ACT[activation]),
+                   (lambda t: t.detach().double().abs(), SURROGATE[activation])):
+        d = {k: None if v is None else [f(t).requires_grad_() for t in v] if isinstance(v, list)
+             else f(v).requires_grad_() for k, v in inp.items()}
+        y = ref_mlp(d["x"], d["w1"], d["w2"], splits, d["probs"], d["bias1"], d["bias2"], act)
+        grads = torch.autograd.grad(y, leaves(d), f(dy), allow_unused=True)
+        results.append((y.detach(), list(grads)))
+    return results
+
+
+def close(actual, expected, mag, act_dtype, what=""):
+    """``actual`` within the chain's bound of the float64 ``expected`` (module docstring)."""
+    assert actual.shape == expected.shape, f"{what}: {tuple(actual.shape)} vs {tuple(expected.shape)}"
+    if not actual.numel():
+        return
+    acc = torch.float64 if act_dtype == torch.float64 else torch.float32
+    exp, m = expected.double(), 2 * mag.double()
+    eta = torch.finfo(actual.dtype).smallest_normal * torch.finfo(actual.dtype).eps / 2
+    bound = UNIT[actual.dtype] * exp.abs() + ROUNDS * UNIT[act_dtype] * m + N_TERMS * UNIT[acc] * m + ROUNDS * eta
+    err = (actual.double() - exp).abs()
+    bad = err > bound
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {err.numel()} outside the bound; worst error "
+                           f"{(err - bound).max().item():.3g} over it ({actual.dtype}, {act_dtype} activations)")
+
+
+def check_against_reference(inp, dy, activation, y, grads, splits=SPLITS):
+    (ry, rg), (my, mg) = reference(inp, dy, activation, splits)
+    dtype = inp["x"].dtype
+    close(y, ry, my, dtype, "y")
+    names = [k for k in NAMES for t in (inp[k] if isinstance(inp[k], list) else [inp[k]]) if t is not None]
+    assert len(grads) == len(rg)
+    for name, g, r, m in zip(names, grads, rg, mg):
+        assert g is not None and g.dtype == dtype, name
+        close(g, r, m, dtype, f"d{name}")
+
+
+# --- numerics ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("probs", [False, True], ids=["no-probs", "probs"])
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+@pytest.mark.parametrize("activation", ACTS)
+def test_matches_float64_reference(activation, dtype, probs, bias):
+    inp, dy = make(activation, DTYPES[dtype], probs=probs, bias=bias)
+    y, grads = run(inp, dy, activation=activation)
+    assert y.shape == (T, H) and y.dtype == DTYPES[dtype]
+    check_against_reference(inp, dy, activation, y, grads)
+
+
+@pytest.mark.parametrize("splits", [[3, 0, 5, 2], [0, 0, 10, 0], [10, 0, 0, 0], [0, 0, 0, 0]],
+                         ids=["one-empty", "one-full-middle", "one-full-first", "no-tokens"])
+@pytest.mark.parametrize("activation", ACTS)
+def test_layouts_and_splits_give_the_same_bits(activation, splits):
+    """Stacked [E, ., .] weights and a splits tensor give the list/host result bitwise; all of
+    them the reference's, also with empty experts and no tokens at all."""
+    inp, dy = make(activation, bias=True, splits=splits)
+    y, grads = run(inp, dy, splits, activation=activation)
+    check_against_reference(inp, dy, activation, y, grads, splits)
+    stk, _ = make(activation, bias=True, stacked=True, splits=splits)
+    for variant, s in ((stk, splits), (inp, torch.tensor(splits)), (stk, torch.tensor(splits, dtype=torch.int32))):
+        y2, g2 = run(variant, dy, s, activation=activation)
+        assert_same(y2, y, "y")
+        g2 = [list(g.unbind(0)) if g.dim() == 3 and variant is stk and g.shape[0] == E else g for g in g2]
+        flat = [t for g in g2 for t in (g if isinstance(g, list) else [g])]
+        assert_same(flat, grads, "grads")
+
+
+def test_probs_of_another_dtype():
+    """fp32 router probs with bf16 activations (Megatron's): dprobs in fp32, from one rounding."""
+    inp, dy = make("swiglu", torch.bfloat16, bias=True)
+    inp["probs"] = inp["probs"].detach().float().requires_grad_()
+    y, grads = run(inp, dy)
+    assert y.dtype == torch.bfloat16 and grads[1 + 2 * E].dtype == torch.float32  # x, w1 x E, w2 x E, probs
+    check_against_reference(inp, dy, "swiglu", y, [g.to(torch.bfloat16) if g.dtype == torch.float32 else g
+                                                   for g in grads])
+    (_, rg), (_, mg) = reference(inp, dy, "swiglu")
+    close(grads[1 + 2 * E], rg[1 + 2 * E], mg[1 + 2 * E], torch.bfloat16, "dprobs in fp32")
+
+
+# --- the policies --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("probs", [False, True], ids=["no-probs", "probs"])
+@pytest.mark.parametrize("activation", ACTS)
+def test_policies_give_the_same_bits(activation, probs, bias):
+    inp, dy = make(activation, torch.bfloat16, probs=probs, bias=bias)
+    y, grads = run(inp, dy, activation=activation, save="default")
+    for save in ("h", "x_only"):
+        y2, g2 = run(inp, dy, activation=activation, save=save)
+        assert_same(y2, y, f"y ({save})")
+        assert_same(g2, grads, f"grads ({save})")
+
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_the_pure_pair_is_the_op(save):
+    """grouped_mlp_fwd/bwd directly: the op's numbers, an MLPGrads shaped like the arguments."""
+    inp, dy = make("swiglu", bias=True)
+    y, grads = run(inp, dy, save=save)
+    y2, res = fd.grouped_mlp_fwd(inp["x"], inp["w1"], inp["w2"], SPLITS, probs=inp["probs"], bias1=inp["bias1"],
+                                 bias2=inp["bias2"], save=save)
+    assert_same(y2, y)
+    assert isinstance(res, fd.GroupedMLPResiduals) and isinstance(res.fc1, fd.GroupedLinearResiduals)
+    g = fd.grouped_mlp_bwd(res, dy)
+    assert isinstance(g, fd.MLPGrads) and g._fields == ("dx", "dw1", "dw2", "dprobs", "dbias1", "dbias2")
+    assert_same([g.dx, *g.dw1, *g.dw2, g.dprobs, g.dbias1, g.dbias2], grads)
+    g2 = fd.grouped_mlp_bwd(res, dy)  # backward is re-entrant: the record is never consumed
+    assert_same(list(g2.dw1), list(g.dw1))
+
+
+def test_the_record_nests_the_layers_records():
+    """res.fc1 and res.fc2 are the layers' own records: grouped_linear_bwd runs on them."""
+    inp, dy = make("gelu", probs=False)
+    y, res = fd.grouped_mlp_fwd(inp["x"], inp["w1"], inp["w2"], SPLITS, activation="gelu", save="h")
+    assert res.fc1.x_TK is inp["x"] and res.fc2.x_TK is not None
+    dh, dw2, _ = fd.grouped_linear_bwd(res.fc2, dy)  # fc2's backward alone, on its own record
+    g = fd.grouped_mlp_bwd(res, dy)
+    assert_same(list(dw2), list(g.dw2))
+    dz, _ = act_mod.act_bwd(res.fc1_out, None, dh, "gelu")
+    dx, dw1, _ = fd.grouped_linear_bwd(res.fc1, dz)
+    assert_same(dx, g.dx)
+    assert_same(list(dw1), list(g.dw1))
+
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_record_repr_says_what_is_saved_and_recomputed(save):
+    inp, _ = make("swiglu")
+    _, res = fd.grouped_mlp_fwd(inp["x"], inp["w1"], inp["w2"], SPLITS, probs=inp["probs"], save=save)
+    text = repr(res)
+    assert text.startswith(f"GroupedMLPResiduals(activation='swiglu', save={save!r}")
+    assert ("[saved] h: fc2.x_TK above" in text) == (save == "h")
+    assert ("[recomputed] h: act(fc1_out) * probs" in text) == (save != "h")
+    assert ("[recomputed] fc1_out: fc1(x)" in text) == (save == "x_only")
+    assert ("[saved] fc1_out = Tensor[10, 32] float32 1280 B" in text) == (save != "x_only")
+    saved = fd.saved_activations(res)
+    want = {"x_only": 1280 + 40, "default": 1280 + 1280 + 40, "h": 1280 + 1280 + 640 + 40}[save]
+    assert sum(t.numel() * t.element_size() for t in saved) == want
+    assert text.endswith(f")  # {want} B through save_for_backward")
+    assert any(t is inp["x"] for t in saved) and any(t is inp["probs"] for t in saved)
+
+
+def saved_bytes_per_token(save, dtype, activation="swiglu"):
+    inp, dy = make(activation, dtype)
+    rec = HOOKS["identity"]()
+    with rec:
+        y = call(inp, activation=activation, save=save)
+    y.backward(dy)
+    return sum(t.numel() * t.element_size() for t in rec.packed) / T
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_bytes_saved_per_token(dtype):
+    """Measured with a pack hook: x only < default (+ fc1's output) < h (+ h); probs 4 B or 2 B."""
+    dt = DTYPES[dtype]
+    b = {s: saved_bytes_per_token(s, dt) for s in POLICIES}
+    es = dt.itemsize
+    assert b == {"x_only": (H + 1) * es, "default": (H + 2 * F_ + 1) * es, "h": (H + 2 * F_ + F_ + 1) * es}
+    assert b["x_only"] < b["default"] < b["h"]
+
+
+# --- hooks, retain_graph, torch.func, torch.compile -------------------------------------------------
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_hooks_see_only_activations_and_change_no_bit(save, hook_name):
+    inp, dy = make("swiglu", torch.bfloat16, bias=True)
+    y, grads = run(inp, dy, save=save)
+    rec = HOOKS[hook_name]()
+    with rec:
+        y2 = call(inp, save=save)
+    g2 = list(torch.autograd.grad(y2, leaves(inp), dy))
+    assert_same(y2, y)
+    assert_same(g2, grads)
+    assert rec.packed and rec.unpacks == len(rec.packed)
+    params = [t for k in ("w1", "w2", "bias1", "bias2") for t in inp[k]]
+    for t in rec.packed:
+        assert t.shape[0] == T, f"a saved tensor of shape {tuple(t.shape)}: not an activation"
+        assert not any(t is p or t.data_ptr() == p.data_ptr() for p in params), "a weight went through the hooks"
+
+
+def test_save_on_cpu_is_bitwise():
+    inp, dy = make("silu", torch.bfloat16, bias=True)
+    y, grads = run(inp, dy, activation="silu")
+    with torch.autograd.graph.save_on_cpu():
+        y2 = call(inp, activation="silu")
+    assert_same(y2, y)
+    assert_same(list(torch.autograd.grad(y2, leaves(inp), dy)), grads)
+
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_retain_graph_twice(save):
+    inp, dy = make("swiglu", bias=True)
+    y = call(inp, save=save)
+    g1 = torch.autograd.grad(y, leaves(inp), dy, retain_graph=True)
+    g2 = torch.autograd.grad(y, leaves(inp), dy)
+    assert_same(list(g2), list(g1))
+
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_torch_func_grad_and_vjp_over_x_and_probs(save):
+    inp, dy = make("swiglu", torch.float64, bias=True)
+    x, p = inp["x"], inp["probs"]
+
+    def f(x, p):
+        return fd.grouped_mlp(x, inp["w1"], inp["w2"], SPLITS, probs=p, bias1=inp["bias1"], bias2=inp["bias2"],
+                              save=save, use_grouped_tensor=False)
+
+    y = f(x, p)
+    dx, dp = torch.autograd.grad(y, [x, p], dy)
+    gx, gp = torch.func.grad(lambda x, p: (f(x, p) * dy).sum(), argnums=(0, 1))(x, p)
+    assert_same([gx, gp], [dx, dp])
+    y2, vjp_fn = torch.func.vjp(f, x, p)
+    assert_same(y2, y.detach())
+    assert_same(list(vjp_fn(dy)), [dx, dp])
+
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_second_order(save):
+    """A backward that is itself differentiated (create_graph, grad of grad) recomputes fc1's
+    output and h from the saved inputs under every policy (saved intermediates carry no graph):
+    gradgradcheck passes, and a Hessian-vector product is the float64 reference's and the same
+    bits for every policy."""
+    g = torch.Generator().manual_seed(5)
+    x, p = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.rand(6, generator=g, dtype=torch.float64)
+    w1, w2 = torch.randn(3, 4, 4, generator=g, dtype=torch.float64), torch.randn(3, 4, 2, generator=g, dtype=torch.float64)
+    b2 = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    for t in (x, p, w1, w2, b2):
+        t.requires_grad_()
+
+    def f(x, p, w1, w2, b2, save=save):
+        return fd.grouped_mlp(x, w1, w2, [2, 0, 4], probs=p, bias2=b2, save=save, use_grouped_tensor=False)
+
+    assert torch.autograd.gradgradcheck(lambda x, p, b2: f(x, p, w1, w2, b2), (x, p, b2))
+
+    def hvp(fn):
+        (gx,) = torch.autograd.grad(fn(x, p, w1, w2, b2).square().sum(), x, create_graph=True)
+        return torch.autograd.grad(gx.sum(), [x, p, w1])
+
+    got = hvp(f)
+    want = hvp(lambda x, p, w1, w2, b2: ref_mlp(x, w1, w2, [2, 0, 4], p, None, b2, ACT["swiglu"]))
+    for a, b, name in zip(got, want, ("x", "p", "w1")):
+        assert_close(a, b, torch.float64, f"d/d{name} of sum(dx)")
+    assert_same(list(got), list(hvp(lambda *a: f(*a, save="default"))))
+    gx = lambda x: torch.func.grad(lambda x: f(x, p, w1, w2, b2).square().sum())(x)  # noqa: E731
+    assert_close(torch.func.grad(lambda x: gx(x).sum())(x), want[0], torch.float64, "grad of grad")
+
+
+@pytest.mark.parametrize("save", ["default", "x_only"])
+def test_torch_compile_aot_eager_equals_eager(save):
+    torch._dynamo.reset()
+    inp, dy = make("swiglu", bias=True)
+    splits = torch.tensor(SPLITS)
+
+    def f(x, w1, w2, splits, p, b1, b2):
+        return fd.grouped_mlp(x, w1, w2, splits, probs=p, bias1=b1, bias2=b2, save=save)
+
+    args = (inp["x"], inp["w1"], inp["w2"], splits, inp["probs"], inp["bias1"], inp["bias2"])
+    y = f(*args)
+    grads = torch.autograd.grad(y, leaves(inp), dy)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    y2 = compiled(*args)
+    assert_same(y2, y)
+    assert_same(list(torch.autograd.grad(y2, leaves(inp), dy)), list(grads))
+
+
+# --- which gradients, DistributedWeight, main_grad, the seam -----------------------------------------
+
+def test_only_the_gemms_asked_for_run():
+    inp, dy = make("swiglu", probs=False)
+    for t in leaves(inp):
+        t.requires_grad_(False)
+    inp["x"].requires_grad_()
+    rec = PathRecorder()
+    y = call(inp, backend=rec)
+    (dx,) = torch.autograd.grad(y, [inp["x"]], dy)
+    assert rec.gemms() == ["dgrad", "dgrad"]  # fc2's and fc1's dgrad: no wgrad for frozen weights
+    inp2, _ = make("swiglu", probs=False)
+    assert_same(dx, run(inp2, dy)[1][0])
+    inp["x"].requires_grad_(False)
+    for w in inp["w2"]:
+        w.requires_grad_()
+    rec.paths.clear()
+    y = call(inp, backend=rec)
+    dw2 = torch.autograd.grad(y, inp["w2"], dy)
+    assert rec.gemms() == ["wgrad"]  # fc2's wgrad alone: nothing of fc1's backward
+    assert_same(list(dw2), run(inp2, dy)[1][1 + E:1 + 2 * E])
+
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_distributed_weights(save):
+    """FakeDW groups (TE's protocol) for w1 and w2: forward runs on the gathered weights, grads
+    land on the shards, hooks see no weight; x_only gathers fc1's weights for forward again."""
+    inp, dy = make("swiglu", bias=True)
+    w1 = FakeDW.group_of([w.detach() for w in inp["w1"]])
+    w2 = FakeDW.group_of([w.detach() for w in inp["w2"]])
+    dw_inp = dict(inp, w1=w1, w2=w2)
+    rec = HOOKS["clone"]()
+    with rec:
+        y = call(dw_inp, save=save)
+    plain = dict(inp, w1=[FWD_SCALE * w.detach() for w in inp["w1"]], w2=[FWD_SCALE * w.detach() for w in inp["w2"]])
+    assert_same(y, call(plain))
+    y.backward(dy)
+    assert all(not isinstance(t, FakeDW) and t.shape[0] == T for t in rec.packed)
+    assert [tuple(w.grad.shape) for w in w1] == [(F_, H)] * E and [tuple(w.grad.shape) for w in w2] == [(H // 2, F_)] * E
+    assert w1[0].calls == {"forward": 2 if save == "x_only" else 1, "backward": 1, "finalize": 1}
+    assert w2[0].calls == {"forward": 1, "backward": 1, "finalize": 1}
+    ref = dict(inp, w1=FakeDW.group_of([w.detach() for w in inp["w1"]]), w2=FakeDW.group_of([w.detach() for w in inp["w2"]]))
+    call(ref).backward(dy)
+    assert_same([w.grad for w in w1 + w2], [w.grad for w in ref["w1"] + ref["w2"]])
+
+
+def test_fused_main_grad():
+    inp, dy = make("gelu", bias=True)
+    _, grads = run(inp, dy, activation="gelu")
+    for w in inp["w1"] + inp["w2"]:
+        w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+    y = call(inp, activation="gelu", fuse_wgrad_accumulation=True)
+    y.backward(dy)
+    assert_same([w.main_grad for w in inp["w1"] + inp["w2"]], grads[1:1 + 2 * E])
+
+
+class FusedActivation(TorchKernels):
+    """A backend with its own activation kernels (as a Triton one will be): the reference's,
+    counted, refusing functorch's wrappers as a kernel reading raw pointers would."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _run(self, name, *args, **kw):
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+        assert not any(isinstance(t, torch.Tensor) and wrapped(t) for t in (*args, *kw.values())), name
+        self.calls.append(name)
+        return getattr(act_mod.REFERENCE, name)(*args, **kw)
+
+    def act_fwd(self, *args, **kw):
+        return self._run("act_fwd", *args, **kw)
+
+    def act_bwd(self, *args, **kw):
+        return self._run("act_bwd", *args, **kw)
+
+    def probs_bias_fwd(self, *args, **kw):
+        return self._run("probs_bias_fwd", *args, **kw)
+
+    def probs_bias_bwd(self, *args, **kw):
+        return self._run("probs_bias_bwd", *args, **kw)
+
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_a_backends_activation_kernels_slot_in(save):
+    inp, dy = make("swiglu", bias=True)
+    y, grads = run(inp, dy, save=save)
+    k = FusedActivation()
+    y2, g2 = run(inp, dy, save=save, backend=k)
+    assert_same(y2, y)
+    assert_same(g2, grads)
+    recompute = [] if save == "h" else ["act_fwd"]
+    assert k.calls == ["act_fwd", "probs_bias_fwd", *recompute, "probs_bias_bwd", "act_bwd"]
+    k.calls.clear()  # torch.func: the backend's kernels run on plain operands, the reference on wrappers
+    f = lambda x, p: (call(dict(inp, x=x, probs=p), save=save, backend=k, use_grouped_tensor=False) * dy).sum()  # noqa: E731
+    got = torch.func.grad(f, argnums=(0, 1))(inp["x"], inp["probs"])
+    want = torch.autograd.grad(call(inp, save=save, use_grouped_tensor=False), [inp["x"], inp["probs"]], dy)
+    assert_same(list(got), list(want))
+    assert k.calls[:2] == ["act_fwd", "probs_bias_fwd"]  # forward runs below the transform, on plain tensors
+
+
+def test_reference_activation_rounds_once():
+    """The reference computes in fp32 and rounds once: bf16 h is fp32 h rounded."""
+    z = _rand(T, 2 * F_, seed=7, dtype=torch.bfloat16)
+    p = torch.rand(T).to(torch.bfloat16)
+    h = act_mod.act_fwd(z, p, "swiglu")
+    g, u = z.float().chunk(2, -1)
+    assert_same(h, (F.silu(g) * u * p.float()[:, None]).to(torch.bfloat16))
+    dh = _rand(T, F_, seed=8, dtype=torch.bfloat16)
+    dz, dp = act_mod.act_bwd(z, p, dh, "swiglu")
+    g32 = dh.float() * p.float()[:, None]
+    s = torch.sigmoid(g)
+    assert_same(dz, torch.cat([g32 * (s * (1 + g * (1 - s))) * u, g32 * F.silu(g)], -1).to(torch.bfloat16))
+    assert_same(dp, (F.silu(g) * u * dh.float()).sum(-1).to(torch.bfloat16))
+
+
+# --- FP8 ---------------------------------------------------------------------------------------------
+
+FP8_SPLITS = [16, 0, 32, 16]
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_fp8_policies_and_the_layers_chain(recipe):
+    """Each linear quantizes as its layer does: y is grouped_linear_fwd, the reference activation,
+    grouped_linear_fwd, bitwise; "default" (h recomputed and quantized again) equals "h"."""
+    r = fp8.Float8CurrentScaling() if recipe == "current" else fp8.DelayedScaling()
+
+    def states():
+        return None if recipe == "current" else (fp8.init_state(r, num_gemms=E), fp8.init_state(r, num_gemms=E))
+
+    inp, dy = make("swiglu", torch.bfloat16, splits=FP8_SPLITS)
+    results = {}
+    for save in ("default", "h"):
+        st = states()
+        y = call(inp, FP8_SPLITS, recipe=r, fp8_state=st, save=save)
+        results[save] = (y, list(torch.autograd.grad(y, leaves(inp), dy)), st)
+    (y, grads, st), (y2, g2, st2) = results["default"], results["h"]
+    assert_same(y2, y)
+    assert_same(g2, grads)
+    if st is not None:  # the recompute recorded h's amax again: the same state
+        assert_same(pytree.tree_leaves(st), pytree.tree_leaves(st2))
+    s1, s2 = (None, None) if recipe == "current" else states()
+    fc1, _ = fd.grouped_linear_fwd(inp["x"], inp["w1"], FP8_SPLITS, recipe=r, fp8_state=s1)
+    h = act_mod.act_fwd(fc1, inp["probs"], "swiglu")
+    y3, _ = fd.grouped_linear_fwd(h, inp["w2"], FP8_SPLITS, recipe=r, fp8_state=s2)
+    assert_same(y3, y.detach())
+    _, res = fd.grouped_mlp_fwd(inp["x"], inp["w1"], inp["w2"], FP8_SPLITS, probs=inp["probs"], recipe=r,
+                                fp8_state=states(), save="h")
+    assert "FP8(" in repr(res) and not any(t is inp["x"] for t in fd.saved_activations(res))  # x's FP8 copy only
+
+
+# --- errors ---------------------------------------------------------------------------------------------
+
+def _err(exc, match, **changes):
+    inp, _ = make("swiglu")
+    kw = {k: changes.pop(k) for k in list(changes) if k in ("activation", "save", "recipe", "fp8_state")}
+    inp.update(changes)
+    with pytest.raises(exc, match=match):
+        call(inp, **kw)
+
+
+def test_errors_name_the_argument_and_the_fix():
+    w1_wrong = [torch.randn(F_, H) for _ in range(E)]  # [F, H]: what GELU takes, not SwiGLU
+    _err(ValueError, r"w1 is \[16, 32\] per expert but activation='swiglu' needs 2 \* F = 32 out-features.*"
+         r"make w1 \[32, 32\]", w1=w1_wrong)
+    _err(ValueError, r"w1 is \[32, 32\] per expert but activation='gelu' needs F = 16 out-features.*"
+         r"make w1 \[16, 32\] \(a \[32, 32\] w1 is for activation='swiglu'\)", activation="gelu")
+    _err(ValueError, r"w1 has 4 experts but w2 has 3: fc1 and fc2 need one weight per expert",
+         w2=[torch.randn(H, F_) for _ in range(3)])
+    _err(ValueError, r"activation must be one of 'swiglu', 'gelu', 'silu', got 'relu'", activation="relu")
+    _err(ValueError, r"save must be one of 'default', 'h', 'x_only'", save="all")
+    _err(ValueError, r"probs must be \[T\] = \[10\], one router weight per row of x, got shape \(10, 1\).*"
+         r"probs.reshape\(-1\)", probs=torch.rand(T, 1))
+    _err(ValueError, r"probs must be \[T\] = \[10\].*got shape \(9,\)", probs=torch.rand(9))
+    _err(TypeError, r"probs must be float32, bfloat16, float16 or float64", probs=torch.ones(T, dtype=torch.int64))
+    _err(ValueError, r"x has 32 features but w1 is \[32, 16\] per expert",
+         w1=[torch.randn(2 * F_, F_) for _ in range(E)])
+    _err(ValueError, r"save='x_only' recomputes fc1's output from x, but with FP8",
+         save="x_only", recipe=fp8.Float8CurrentScaling())
+    _err(TypeError, r"fp8_state must be None or a pair \(fc1's state, fc2's state\)",
+         recipe=fp8.DelayedScaling(), fp8_state=fp8.init_state(fp8.DelayedScaling(), num_gemms=E))
+    _err(ValueError, r"grouped_mlp's fc2 \(its x is h = act\(fc1_out\) \* probs, its weights w2, its bias bias2\): "
+         r"bias must be None, a sequence of 4", bias2=[torch.randn(H) for _ in range(3)])
+    with pytest.raises(TypeError, match="grouped_mlp_bwd takes the GroupedMLPResiduals that grouped_mlp_fwd returned"):
+        fd.grouped_mlp_bwd(object(), torch.zeros(T, H))
+
+
+# --- nn.GroupedMLP ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("single", [False, True], ids=["per-expert", "single-grouped-weight"])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_module_loads_two_grouped_linear_state_dicts(activation, single):
+    n1 = (2 if activation == "swiglu" else 1) * F_
+    fc1, fc2 = fd.nn.GroupedLinear(E, H, n1, bias=True), fd.nn.GroupedLinear(E, F_, H, bias=True)
+    sd = {**{f"fc1.{k}": v for k, v in fc1.state_dict().items()}, **{f"fc2.{k}": v for k, v in fc2.state_dict().items()}}
+    assert "fc1.weight0" in sd and f"fc2.weight{E - 1}" in sd
+    m = fd.nn.GroupedMLP(E, H, F_, activation=activation, bias=True, single_grouped_weight=single)
+    m.load_state_dict(sd)  # strict: the keys of two GroupedLinears, in either layout
+    if not single:
+        assert set(m.state_dict()) == set(sd)
+    x = torch.randn(T, H, requires_grad=True)
+    probs = torch.rand(T, requires_grad=True)
+    dy = torch.randn(T, H)
+    y = m(x, SPLITS, probs)
+    y.backward(dy)
+    w1, w2 = fc1.weights(), fc2.weights()
+    for t in (*w1, *w2, *fc1.biases(), *fc2.biases()):
+        t.requires_grad_()
+    x2, p2 = x.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
+    y2 = fd.grouped_mlp(x2, w1, w2, SPLITS, probs=p2, bias1=fc1.biases(), bias2=fc2.biases(), activation=activation)
+    y2.backward(dy)
+    assert_same(y, y2)
+    assert_same([x.grad, probs.grad], [x2.grad, p2.grad])
+    got = list(m.fc1.weight.grad.unbind(0)) if single else [w.grad for w in m.fc1.weights()]
+    assert_same(got, [w.grad for w in w1])
+
+
+def test_module_runs_fp8_with_a_state_per_linear():
+    m = fd.nn.GroupedMLP(E, H, F_, params_dtype=torch.bfloat16, recipe=fp8.DelayedScaling())
+    x = torch.randn(sum(FP8_SPLITS), H, dtype=torch.bfloat16, requires_grad=True)
+    m(x, FP8_SPLITS).float().square().sum().backward()
+    assert m.fc1.fp8_state is not None and m.fc2.fp8_state is not None
+    assert m.fc1.fp8_state.amax_history_fwd.abs().sum() > 0 and m.fc2.fp8_state.amax_history_bwd.abs().sum() > 0
+    assert m.fc1.weight0.grad is not None and x.grad is not None
+    assert "fc1._extra_state" in m.state_dict() and "fc2._extra_state" in m.state_dict()
+
+
+@pytest.mark.parametrize("save", ["default", "h"])
+def test_fp8_bytes_saved_per_token(save):
+    """With FP8: x's FP8 copy (1 B per feature, per expert columnwise, a scale each), fc1's output
+    in bf16, and under "h" h's FP8 copy; never a weight."""
+    inp, dy = make("swiglu", torch.bfloat16, probs=False, splits=FP8_SPLITS)
+    rec = HOOKS["identity"]()
+    with rec:
+        y = call(inp, FP8_SPLITS, recipe=fp8.Float8CurrentScaling(), save=save)
+    y.backward(dy)
+    by = {}
+    for t in rec.packed:
+        by[t.dtype] = by.get(t.dtype, 0) + t.numel() * t.element_size()
+    T_, nonempty = sum(FP8_SPLITS), sum(1 for s in FP8_SPLITS if s)
+    h_copy = F_ * T_ if save == "h" else 0
+    assert by == {torch.float8_e4m3fn: H * T_ + h_copy, torch.float32: 4 * E * (2 if save == "h" else 1),
+                  torch.bfloat16: 2 * F_ * 2 * T_}, (by, nonempty)
