@@ -310,7 +310,7 @@ def _differentiated(dy: Any, params: Any) -> bool:
     grad, ``jacrev(jacrev)``), as ``_fp8.check_first_order`` tells. Then fc1's output and h are
     recomputed from the saved inputs whatever the policy: saved intermediates carry no graph
     back to x, the weights and probs, and a second-order gradient would silently miss their
-    terms (as NOTE: [Saved x] says of x). The same bits; a direct ``grouped_mlp_bwd`` call uses
+    terms (for x: NOTE: [Saved x]). The same bits; a direct ``grouped_mlp_bwd`` call uses
     what was saved."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(dy, torch.Tensor):
         return False
