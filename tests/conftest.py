@@ -283,7 +283,7 @@ def assert_same(a, b, what=""):
 # absolutely: fp16's start at 6e-5). So an fp32 main_grad or an fp32-accumulated bias grad is held to fp32 accuracy,
 # and a bf16 result to half a bf16 ulp of its own value plus fp32-level accumulation error:
 # a bf16 product cast up to fp32, or a bias grad summed in bf16, fails
-# (tests/planted_bugs.py shows it).
+# (tests/support/planted_bugs.py shows it).
 UNIT = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 TOL = UNIT  # (old name)
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_dw as fd
-from compile_cases import check_routings, make_model, max_graphs
+from support.compile_cases import check_routings, make_model, max_graphs
 from conftest import HOOKS
 
 SPLITS = (2, 0, 4)

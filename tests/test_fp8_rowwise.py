@@ -274,7 +274,7 @@ def test_compiled_fullgraph_is_one_graph_and_bitwise_eager(device, backend, bias
     """NOTE: [RowwiseScaling under torch.compile]: the quantization and GEMMs as custom ops; one
     graph for every routing (the counts are data), results bitwise those of eager (with a bias
     too: added where eager adds it, not to a rounded product)."""
-    from compile_cases import ROUTINGS, GraphCounter
+    from support.compile_cases import ROUTINGS, GraphCounter
 
     torch.manual_seed(0)
     T = 12

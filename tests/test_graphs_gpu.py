@@ -362,7 +362,7 @@ def test_a_host_copying_hook_fails_clearly_in_graph_step():
 def _subprocess(case: str) -> dict:
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(root / "tests" / "graphs_subprocess.py"), case], capture_output=True,
+    run = subprocess.run([sys.executable, str(root / "tests" / "support" / "graphs_subprocess.py"), case], capture_output=True,
                          text=True, timeout=300, cwd=root, env=env)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, f"{case}: no result (rc {run.returncode})\nstdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-5000:]}"

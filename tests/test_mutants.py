@@ -5,7 +5,7 @@ mutant's run from a process that imported functional_dw unmutated, so whatever r
 (``custom_vjp(...)`` building the layers' bridges, ``@residuals`` and ``saved()`` declaring
 their records) keeps its original code there. The tests below therefore build their bridges
 and records inside the test, where a mutant of ``custom_vjp``/``residuals``/``saved`` is live.
-The equivalent mutants that no test can kill are listed in tests/mutation_equivalents.md.
+The equivalent mutants that no test can kill are listed in tests/support/mutation_equivalents.md.
 """
 
 from __future__ import annotations
@@ -697,7 +697,7 @@ ERROR_CASES = {
     "linear-dw-finalize-shape": (lambda: _lin(_dw(finalize=lambda s, g: g)), ValueError, 'weight: finalize_group_grads returned (8, 8) on cpu for weight 0; each grad must be None or a tensor shaped like that parameter ((4, 8) on cpu)'),
     "linear-dw-finalize-type": (lambda: _lin(_dw(finalize=lambda s, g: [1.0])), ValueError, 'weight: finalize_group_grads returned a float for weight 0; each grad must be None or a tensor shaped like that parameter ((4, 8) on cpu)'),
     # the forward-mode rules themselves (through torch.func.jvp the subclass does not arrive: see
-    # tests/mutation_equivalents.md)
+    # tests/support/mutation_equivalents.md)
     "linear-dw-jvp": (lambda: lin_mod._jvp(fd.linear_fwd(_rand(5, K), _dw())[1], (None, _rand(N, K), None)), ValueError, 'forward-mode (jvp) tangents for a DistributedWeight are not supported: take the tangent with respect to x or bias, or use a plain weight'),
     "linear-weight-bumped-dgrad": (lambda: _lin(_rand(N, K, grad=True), bump=True, part="dgrad"), RuntimeError, 'weight was modified in place between forward and backward (version 0 -> 1), e.g. by an optimizer step. Its gradient would be computed with the new values; run backward before updating the weights.'),
     "linear-weight-bumped-wgrad": (lambda: _lin(_rand(N, K, grad=True), bump=True, part="wgrad"), RuntimeError, 'weight was modified in place between forward and backward (version 0 -> 1), e.g. by an optimizer step. Its gradient would be computed with the new values; run backward before updating the weights.'),

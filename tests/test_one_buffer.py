@@ -339,7 +339,7 @@ def test_compiled_module_reads_the_buffer_in_place(monkeypatch):
     """Traced, a list of weights has no addresses: the grouped path's weight GEMMs take the
     list into the ``ref_weights_gmm`` op, which finds the buffer at run time. No stack in the
     graph; every run found one buffer; output and grads equal eager's."""
-    from compile_cases import GraphCounter
+    from support.compile_cases import GraphCounter
     from functional_dw.kernels import torch_ref
 
     found = []

@@ -1,6 +1,6 @@
 """Probe 16: a hostile user's findings on the host-time change (storages by attribute, cached
 quantizers, quantize_each, TE's fused delayed-scaling update). Each test asserts the right
-behaviour. The TE-side ones run over tests/fake_te in a subprocess (as test_te_fp8_fake.py does),
+behaviour. The TE-side ones run over tests/support/fake_te in a subprocess (as test_te_fp8_fake.py does),
 so the fake never meets a real TE or the rest of the suite."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 HERE = Path(__file__).parent
 PRELUDE = f"""
 import sys
-sys.path[:0] = [{str(HERE / "fake_te")!r}, {str(HERE.parent)!r}]
+sys.path[:0] = [{str(HERE / "support" / "fake_te")!r}, {str(HERE.parent)!r}]
 import torch
 from functional_dw import fp8
 from functional_dw.kernels import Splits

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from probe_cases import F, assert_steps_equal, data as _data, gl as _gl, make_probe_tests, mlp_weights, rnd as _rnd
+from support.rank_cases import F, assert_steps_equal, data as _data, gl as _gl, make_rank_case_tests, mlp_weights, rnd as _rnd
 from functional_dw import distributed as fdd
 
 
@@ -132,4 +132,4 @@ CASES = {
     "finalize-shapes": _finalize_checks_grad_shapes,
 }
 
-results, test_probe20 = make_probe_tests(CASES)
+results, test_probe20 = make_rank_case_tests(CASES)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from probe_cases import E, F, H, assert_steps_equal, data as _data, gl as _gl, make_probe_tests, mlp_weights, rnd as _rnd
+from support.rank_cases import E, F, H, assert_steps_equal, data as _data, gl as _gl, make_rank_case_tests, mlp_weights, rnd as _rnd
 from functional_dw import distributed as fdd
 
 gelu = torch.nn.functional.gelu
@@ -202,4 +202,4 @@ CASES = {
     "failed-backward-leak": _failed_backward_leaks_group,
 }
 
-results, test_probe21 = make_probe_tests(CASES)
+results, test_probe21 = make_rank_case_tests(CASES)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from probe_cases import E, F, assert_steps_equal, data as _data, gl as _gl, make_probe_tests, rnd as _rnd
+from support.rank_cases import E, F, assert_steps_equal, data as _data, gl as _gl, make_rank_case_tests, rnd as _rnd
 from functional_dw import distributed as fdd
 
 gelu = torch.nn.functional.gelu
@@ -189,4 +189,4 @@ CASES = {
     "compile-sharded-weight": _compile_around_sharded_weight,
 }
 
-results, test_probe22 = make_probe_tests(CASES)
+results, test_probe22 = make_rank_case_tests(CASES)

@@ -1,4 +1,4 @@
-"""te_fp8's plumbing on the CPU, over a fake TE (tests/fake_te: TE's names and signatures, fp8's
+"""te_fp8's plumbing on the CPU, over a fake TE (tests/support/fake_te: TE's names and signatures, fp8's
 emulation for quantization, GEMMs that read only the copy TE's TN-only GEMM reads): every recipe,
 Linear and both grouped paths, usages, pytree round trips, dbias at quantization or recomputed,
 amaxes recorded into the state. In a subprocess, so the fake never meets a real TE or the rest
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).parent / "fake_te" / "run_te_fp8.py"
+SCRIPT = Path(__file__).parent / "support" / "fake_te" / "run_te_fp8.py"
 
 
 def test_te_fp8_plumbing_on_a_fake_te():
