@@ -1,4 +1,6 @@
-"""Shared test fixtures: a fake DistributedWeight, saved-tensor hooks, float64 references."""
+"""Shared test fixtures: a fake DistributedWeight, a path recorder, a copy counter, saved-tensor
+hooks, and the tolerance rule with its float64 reference. (Seeded inputs, module builders and
+the plain-PyTorch per-expert reference ``ref_grouped``: tests/helpers.py.)"""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 FWD_SCALE, BWD_SCALE = 2.0, 4.0
 STALE = 1000.0  # what a FakeDW's grad_buffer() holds before the wgrad GEMM writes it
@@ -243,12 +244,6 @@ def hook_name(request) -> str:
 
 
 # --- references ----------------------------------------------------------------------------
-
-
-def ref_grouped(x, ws, splits, bs=None):
-    """A loop of F.linear: the semantics grouped_linear must match."""
-    xs = x.split(list(splits))
-    return torch.cat([F.linear(xe, ws[e], None if bs is None else bs[e]) for e, xe in enumerate(xs)])
 
 
 def assert_same(a, b, what=""):

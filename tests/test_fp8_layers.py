@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import functools
 import importlib
 import re
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch.utils._pytree as pytree
 
 import functional_dw as fd
 from conftest import BWD_SCALE, FWD_SCALE, HOOKS, FakeDW, Recorder, assert_same
+from helpers import randn
 from functional_dw import _fp8, fp8
 from functional_dw.kernels.torch_ref import TorchKernels
 
@@ -37,9 +39,7 @@ LAYERS = [("linear", None), ("grouped", False), ("grouped", True)]
 LAYER_IDS = ["linear", "grouped-split", "grouped-grouped"]
 
 
-def _rand(*shape, seed, dtype=BF16, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+_rand = functools.partial(randn, dtype=BF16)
 
 
 def _inputs(layer, dtype=BF16, seed=0, bias=True):

@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 
 import functional_dw as fd
 from conftest import assert_same
+from helpers import grouped_module, linear_module
 from functional_dw import fp8
 from functional_dw import nn as fnn
 
@@ -32,10 +33,9 @@ def _data(step, kind):
 
 
 def _module(kind, recipe=None, **kw):
-    torch.manual_seed(0)
     if kind == "linear":
-        return fnn.Linear(K, N, recipe=recipe, **kw)
-    return fnn.GroupedLinear(E, K, N, recipe=recipe, **kw)
+        return linear_module(K, N, recipe=recipe, **kw)
+    return grouped_module(E, K, N, recipe=recipe, **kw)
 
 
 def _params(m):

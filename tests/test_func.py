@@ -7,7 +7,8 @@ import torch
 from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
 
 import functional_dw as fd
-from conftest import HOOKS, FakeDW, PathRecorder, ref_grouped
+from conftest import HOOKS, FakeDW, PathRecorder
+from helpers import grouped_inputs, ref_grouped
 from functional_dw.kernels.torch_ref import TorchKernels
 
 D = torch.float64
@@ -16,11 +17,7 @@ E, K, N, T = 3, 8, 4, sum(SPLITS)
 
 
 def _data(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, K, generator=g, dtype=D)
-    ws = [torch.randn(N, K, generator=g, dtype=D) for _ in range(E)]
-    bs = [torch.randn(N, generator=g, dtype=D) for _ in range(E)]
-    return x, ws, bs
+    return grouped_inputs(SPLITS, K, N, seed=seed, dtype=D, draw_dtype=None, dy=False)[:3]
 
 
 def _loss(x, ws, bs):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import functional_dw as fd
-from conftest import FakeDW, assert_close, assert_same, ref_grouped
+from conftest import FakeDW, assert_close, assert_same
+from helpers import ref_grouped
 
 SPLITS = [2, 0, 3, 1]
 E, T, K, N = len(SPLITS), sum(SPLITS), 16, 8

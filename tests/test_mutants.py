@@ -23,7 +23,8 @@ import torch.utils._pytree as pytree
 from torch.func import grad, jvp, vjp, vmap
 
 import functional_dw as fd
-from conftest import HOOKS, FakeDW, ref_grouped
+from conftest import HOOKS, FakeDW
+from helpers import ref_grouped
 from functional_dw import custom_vjp, residuals, saved, saved_activations
 from functional_dw.kernels.torch_ref import TorchKernels
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import functional_dw as fdw
-from conftest import PathRecorder, assert_close, assert_same, ref_grouped
+from conftest import PathRecorder, assert_close, assert_same
+from helpers import ref_grouped
 
 E, K, N, SPLITS = 3, 4, 8, [2, 0, 4]
 T = sum(SPLITS)

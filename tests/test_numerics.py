@@ -9,20 +9,15 @@ import torch
 import torch.nn.functional as F
 
 import functional_dw as fd
-from conftest import assert_close, assert_same, ref_grouped, reference
+from conftest import assert_close, assert_same, reference
+from helpers import grouped_inputs, ref_grouped
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 PATHS = [False, True, None]
 
 
 def _make(E, K, N, splits, dtype, bias=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    T = sum(splits)
-    x = torch.randn(T, K, generator=g).to(dtype).requires_grad_()
-    ws = [(torch.randn(N, K, generator=g) / K**0.5).to(dtype).requires_grad_() for _ in range(E)]
-    bs = [torch.randn(N, generator=g).to(dtype).requires_grad_() for _ in range(E)] if bias else None
-    dy = torch.randn(T, N, generator=g).to(dtype)
-    return x, ws, bs, dy
+    return grouped_inputs(splits, K, N, experts=E, seed=seed, dtype=dtype, w_div=K**0.5, bias=bias, grad=True)
 
 
 def _grads(y, inputs, dy):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import functional_dw as fd
-from conftest import CopyCounter, assert_close, assert_same, ref_grouped, reference
+from conftest import CopyCounter, assert_close, assert_same, reference
+from helpers import grouped_module, ref_grouped
 from functional_dw.kernels import packed, stacked
 
 E, K, N = 3, 16, 32
@@ -20,8 +21,7 @@ PATHS = {"split": False, "grouped": True}
 
 
 def _module(dtype=torch.float32, path=None, bias=True, **kw):
-    torch.manual_seed(0)
-    return fd.nn.GroupedLinear(E, K, N, bias=bias, params_dtype=dtype, use_grouped_tensor=path, backend="torch", **kw)
+    return grouped_module(E, K, N, bias=bias, params_dtype=dtype, use_grouped_tensor=path, backend="torch", **kw)
 
 
 def _is_one_buffer(ts) -> bool:

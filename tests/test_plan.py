@@ -27,7 +27,8 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import FakeDW, ref_grouped
+from conftest import FakeDW
+from helpers import ref_grouped
 
 import functional_dw as fd
 from functional_dw import fp8

@@ -8,6 +8,7 @@ Shapes stay small (K, N multiples of 64; T up to a few thousand): the file runs 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections import Counter
 
@@ -21,6 +22,7 @@ te = pytest.importorskip("transformer_engine.pytorch", reason="needs Transformer
 
 import functional_dw as fd  # noqa: E402
 from conftest import assert_close  # noqa: E402
+from helpers import randn  # noqa: E402
 from functional_dw.kernels.te import TE  # noqa: E402
 
 BF16, DEV = torch.bfloat16, "cuda"
@@ -47,9 +49,7 @@ def needs_grouped(dtype=BF16) -> None:
         pytest.skip(f"TE grouped-tensor path unavailable: {why}")
 
 
-def randn(*shape, dtype=BF16, scale=1.0, seed=None):
-    g = torch.Generator(device=DEV).manual_seed(seed) if seed is not None else None
-    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
+randn = functools.partial(randn, seed=None, dtype=BF16, device=DEV)  # (seed=None: torch's global generator)
 
 
 def splits_arg(sizes, grouped: bool):

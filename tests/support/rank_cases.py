@@ -13,13 +13,13 @@ import torch.distributed as dist
 
 import functional_dw as fd
 from functional_dw import distributed as fdd
+from helpers import randn
 
 H, F, E = 8, 12, 3  # hidden, ffn, experts of the cases' two-layer expert MLP
 
 
 def rnd(*shape: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=torch.float64) / 4
+    return randn(*shape, seed=seed, dtype=torch.float64, draw_dtype=None, scale=0.25)
 
 
 def data() -> tuple:
