@@ -59,7 +59,7 @@ def run(index: int | None) -> tuple[str, bool, float, str]:
     a collection error or anything else that is not a failing test is the harness's fault."""
     name, rel, old, new = BUGS[index] if index is not None else ("(no bug)", "pyproject.toml", "", "")
     with tempfile.TemporaryDirectory() as tmp:
-        for part in ("functional_dw", "tests", "pyproject.toml"):
+        for part in ("functional_dw", "tests", "benchmarks", "pyproject.toml"):  # (test_fp8_train_script loads benchmarks/)
             src = ROOT / part
             (shutil.copytree if src.is_dir() else shutil.copy)(src, Path(tmp) / part)
         path = Path(tmp) / rel
