@@ -122,6 +122,22 @@ class PathRecorder(TorchKernels):
         assert self.paths and all(g == want for _, g in self.paths), (use_grouped_tensor, possible, self.paths)
 
 
+class CountingKernels(TorchKernels):
+    """The reference kernels (pass as ``backend=``), counting the forward GEMM calls (Linear's
+    and the grouped one's) in ``calls``: a vmap that folds its batch into one call makes one."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def fprop(self, *args):
+        self.calls += 1
+        return super().fprop(*args)
+
+    def grouped_fprop(self, *args):
+        self.calls += 1
+        return super().grouped_fprop(*args)
+
+
 # --- copies ------------------------------------------------------------------------------------
 
 

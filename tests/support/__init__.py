@@ -9,7 +9,7 @@
 * ``megatron_steps.py``: Megatron-Core's TEGroupedMLP driven through training steps
   (test_megatron.py, test_megatron_gpu.py).
 * ``rank_cases.py``: cases run in every rank of one gloo launch, each reported as its own test
-  (the ShardedWeight overlap tests).
+  (test_distributed_overlap.py).
 * ``planted_bugs.py``: plants six realistic bugs one at a time and runs the suite against each
   (``python tests/support/planted_bugs.py``); not a test module.
 * ``mutation_equivalents.md``: the surviving mutants of ``bash .ci/mutation``, and why each is

@@ -1,7 +1,7 @@
 """Cases that run in every rank of one launch (CPU, gloo, 2 ranks): named check functions,
 each case's assertion failure collected (so the ranks stay in step) and reported as its own
 test; and the data the cases share (a two-layer expert MLP's full weights, each rank's tokens).
-Used by the ShardedWeight overlap tests."""
+Used by test_distributed_overlap.py."""
 
 from __future__ import annotations
 
