@@ -1,6 +1,6 @@
 """Shared test helpers: seeded inputs, module builders and the plain-PyTorch reference.
 
-    from helpers import randn, grouped_inputs, grouped_module, ExpertMLP, ref_grouped
+    from helpers import randn, draws, grouped_inputs, grouped_module, ExpertMLP, ref_grouped
 
 Every input is drawn from a generator seeded where it is made, so a test's numbers depend on
 its own arguments only, never on the tests that ran before it. (conftest.py holds the rest of
@@ -39,6 +39,15 @@ def randn(*shape: int, seed: int | None = 0, dtype: torch.dtype = torch.float32,
         t = t * scale
     t = t.to(dtype).to(device)
     return t.requires_grad_() if grad else t
+
+
+def draws(*shapes: Sequence[int], seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu", draw_device=None,
+          draw_dtype: torch.dtype | None = torch.float32) -> list[torch.Tensor]:
+    """One tensor per shape, drawn one after another from one generator seeded with ``seed``
+    (each as :func:`randn` draws it), e.g. ``x, dy = draws((T, K), (T, N), seed=1)``."""
+    draw_device = device if draw_device is None else draw_device
+    g = gen(seed, draw_device)
+    return [torch.randn(*s, generator=g, device=draw_device, dtype=draw_dtype or dtype).to(dtype).to(device) for s in shapes]
 
 
 class GroupedInputs(NamedTuple):

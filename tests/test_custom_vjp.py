@@ -20,7 +20,7 @@ from conftest import HOOKS, CountingKernels
 from functional_dw import custom_vjp, residuals, saved, saved_activations
 from functional_dw.plan import Options
 from functional_dw.residuals import needed
-from helpers import randn, ref_grouped
+from helpers import draws, randn, ref_grouped
 
 gl_mod = importlib.import_module("functional_dw.grouped_linear")  # the modules (the package's names are the functions)
 lin_mod = importlib.import_module("functional_dw.linear")
@@ -70,8 +70,7 @@ def plain_two(x, w, scale):
 
 
 def inputs(seed=0, grad=True):  # float64 (x, w); seed=1, grad=False: the cotangents (da, db)
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(5, dtype=torch.float64, generator=g, requires_grad=grad) for _ in range(2)]
+    return [t.requires_grad_(grad) for t in draws((5,), (5,), seed=seed, dtype=torch.float64, draw_dtype=None)]
 
 
 def test_gradients_match_autograd_of_the_plain_expression():

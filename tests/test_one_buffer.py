@@ -12,7 +12,7 @@ import torch
 
 import functional_dw as fd
 from conftest import CopyCounter, assert_close, assert_same, reference
-from helpers import grouped_module, ref_grouped
+from helpers import draws, grouped_module, ref_grouped
 from functional_dw.kernels import packed, stacked
 
 E, K, N = 3, 16, 32
@@ -32,9 +32,8 @@ def _is_one_buffer(ts) -> bool:
 
 
 def _run(m, dtype=torch.float32, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, K, generator=g).to(dtype).requires_grad_()
-    dy = torch.randn(T, N, generator=g).to(dtype)
+    x, dy = draws((T, K), (T, N), seed=seed, dtype=dtype)
+    x.requires_grad_()
     y = m(x, SPLITS)
     y.backward(dy)
     return x, dy, y

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 import functional_dw as fd  # noqa: E402
 from conftest import CopyCounter, assert_close, assert_same, reference  # noqa: E402
-from helpers import grouped_module, ref_grouped  # noqa: E402
+from helpers import draws, grouped_module, ref_grouped  # noqa: E402
 from functional_dw.kernels import packed, te_available  # noqa: E402
 from functional_dw.kernels.torch_ref import TORCH  # noqa: E402
 
@@ -62,9 +62,8 @@ def _splits(sizes, grouped):
 
 
 def _inputs(sizes, seed=1):
-    g = torch.Generator(device=DEV).manual_seed(seed)
     T = sum(sizes)
-    return torch.randn(T, K, device=DEV, generator=g).to(BF16), torch.randn(T, N, device=DEV, generator=g).to(BF16)
+    return tuple(draws((T, K), (T, N), seed=seed, dtype=BF16, device=DEV))
 
 
 def _step(layer, x, splits, dy):
