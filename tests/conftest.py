@@ -1,4 +1,6 @@
-"""Shared test fixtures: a fake DistributedWeight, saved-tensor hooks, float64 references."""
+"""Shared test fixtures: a fake DistributedWeight, a path recorder, a copy counter, saved-tensor
+hooks, and the tolerance rule with its float64 reference. (Seeded inputs, module builders and
+the plain-PyTorch per-expert reference ``ref_grouped``: tests/helpers.py.)"""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 FWD_SCALE, BWD_SCALE = 2.0, 4.0
 STALE = 1000.0  # what a FakeDW's grad_buffer() holds before the wgrad GEMM writes it
@@ -119,6 +120,22 @@ class PathRecorder(TorchKernels):
         possible = self.grouped_path_unsupported(x, w) is None
         want = use_grouped_tensor is not False and possible
         assert self.paths and all(g == want for _, g in self.paths), (use_grouped_tensor, possible, self.paths)
+
+
+class CountingKernels(TorchKernels):
+    """The reference kernels (pass as ``backend=``), counting the forward GEMM calls (Linear's
+    and the grouped one's) in ``calls``: a vmap that folds its batch into one call makes one."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def fprop(self, *args):
+        self.calls += 1
+        return super().fprop(*args)
+
+    def grouped_fprop(self, *args):
+        self.calls += 1
+        return super().grouped_fprop(*args)
 
 
 # --- copies ------------------------------------------------------------------------------------
@@ -245,12 +262,6 @@ def hook_name(request) -> str:
 # --- references ----------------------------------------------------------------------------
 
 
-def ref_grouped(x, ws, splits, bs=None):
-    """A loop of F.linear: the semantics grouped_linear must match."""
-    xs = x.split(list(splits))
-    return torch.cat([F.linear(xe, ws[e], None if bs is None else bs[e]) for e, xe in enumerate(xs)])
-
-
 def assert_same(a, b, what=""):
     """Bitwise equality for tensors, lists of tensors and None."""
     if isinstance(a, (list, tuple)):
@@ -283,7 +294,7 @@ def assert_same(a, b, what=""):
 # absolutely: fp16's start at 6e-5). So an fp32 main_grad or an fp32-accumulated bias grad is held to fp32 accuracy,
 # and a bf16 result to half a bf16 ulp of its own value plus fp32-level accumulation error:
 # a bf16 product cast up to fp32, or a bias grad summed in bf16, fails
-# (tests/planted_bugs.py shows it).
+# (tests/support/planted_bugs.py shows it).
 UNIT = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 TOL = UNIT  # (old name)
 

@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_mock(out, *flags):
-    run = subprocess.run([sys.executable, str(HERE / "bench_mock.py"), str(out), *flags], capture_output=True,
+    run = subprocess.run([sys.executable, str(HERE / "support" / "bench_mock.py"), str(out), *flags], capture_output=True,
                          text=True, timeout=600, cwd=HERE.parent)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()

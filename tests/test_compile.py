@@ -1,5 +1,6 @@
 """torch.compile of a grouped MLP block on the reference backend: no graph breaks, eager numerics,
-and one compiled graph for a new routing every step."""
+and one compiled graph for a new routing every step; no graph break where the grouped path
+falls back to the split path."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import functional_dw as fd
-from compile_cases import check_routings, make_model, max_graphs
 from conftest import HOOKS
+from helpers import grouped_inputs, ref_grouped
+from support.compile_cases import check_routings, make_model, max_graphs
 
 SPLITS = (2, 0, 4)
 E, H, FF, T = 3, 16, 32, sum(SPLITS)
@@ -139,3 +141,20 @@ def test_compiled_split_path_validates_splits_at_run_time():
         compiled(x, torch.tensor([3, 3, 3, 2]))
     with pytest.raises(ValueError, match="non-negative"):
         compiled(x, torch.tensor([3, 3, 9, -3]))
+
+
+# --- use_grouped_tensor=True where the compiled grouped GEMM cannot run ------------------------
+
+FALLBACK_SPLITS = [2, 0, 3, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compile_with_grouped_fallback_has_no_graph_break(dtype):
+    """use_grouped_tensor=True in a dtype the compiled grouped GEMM cannot take: the split path,
+    no warnings.warn inside the trace (dynamo cannot trace it)."""
+    torch._dynamo.reset()
+    x, ws, _, _ = grouped_inputs(FALLBACK_SPLITS, 16, 8, dtype=dtype, w_div=4, dy=False, grad=True)
+    f = lambda x, ws: fd.grouped_linear(x, ws, FALLBACK_SPLITS, use_grouped_tensor=True)  # noqa: E731
+    explained = torch._dynamo.explain(f)(x, ws)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x, ws), ref_grouped(x, ws, FALLBACK_SPLITS))

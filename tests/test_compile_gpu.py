@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import functional_dw as fd
-from compile_cases import E, K, N, T, check_routings, make_model, max_graphs
+from support.compile_cases import E, K, N, T, check_routings, make_model, max_graphs
 from functional_dw.kernels import te_available
 
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64

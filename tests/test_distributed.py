@@ -11,6 +11,7 @@ its own test). GPU (marker ``gpu``): NCCL on two GPUs with TE kernels.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from functools import partial
 from collections import Counter
@@ -22,6 +23,7 @@ import torch.multiprocessing as mp
 
 import functional_dw as fd
 from conftest import HOOKS, assert_close
+from helpers import randn
 from functional_dw import distributed as fdd
 
 E, K = 3, 16
@@ -51,9 +53,7 @@ def _parse(case: str) -> dict:
     return dict(layer=layer, hook=hook, backwards=backwards, fused=fused, async_=async_, N=5 if n5 else 8, K=K)
 
 
-def _randn(*shape, seed, dtype, device):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) / 4).to(dtype).to(device)
+_randn = functools.partial(randn, scale=0.25, draw_device="cpu")  # drawn on the CPU: the same values on any device
 
 
 def _shard_rows(N: int, world: int, rank: int) -> slice:

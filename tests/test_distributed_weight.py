@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import functional_dw as fd
-from conftest import BWD_SCALE, FWD_SCALE, HOOKS, FakeDW, PathRecorder, assert_same, ref_grouped
+from conftest import BWD_SCALE, FWD_SCALE, HOOKS, FakeDW, PathRecorder, assert_same
+from helpers import grouped_inputs, ref_grouped
 
 E, K, N = 3, 16, 8
 SPLITS = [5, 0, 7]
@@ -19,11 +20,7 @@ T = sum(SPLITS)
 
 
 def _inputs(dtype=torch.float32, fused=False, seed=0, experts=E):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, K, generator=g, dtype=dtype).requires_grad_()
-    fulls = [torch.randn(N, K, generator=g, dtype=dtype) for _ in range(E)]
-    bias = [torch.randn(N, generator=g, dtype=dtype).requires_grad_() for _ in range(E)]
-    dy = torch.randn(T, N, generator=g, dtype=dtype)
+    x, fulls, bias, dy = grouped_inputs(SPLITS, K, N, seed=seed, dtype=dtype, draw_dtype=None, grad=True)
     return x, FakeDW.group_of(fulls[:experts], fused=fused), bias, dy
 
 

@@ -1,8 +1,12 @@
 """A catalogue of invalid inputs: each gets a specific exception type and a message naming the
-offending argument. NaN/Inf are data, not errors: they pass through to the output."""
+offending argument. NaN/Inf are data, not errors: they pass through to the output. Nested,
+sparse and subclassed weights are named by the checks' fast paths as by their loops, and a
+catalogue of messages is held to its full text (ERROR_CASES)."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import types
 
 import pytest
@@ -10,7 +14,12 @@ import torch
 
 import functional_dw as fdw
 from conftest import FakeDW, PathRecorder
+from functional_dw.distributed_weight import check_materialized
 from functional_dw.kernels import te_available
+from helpers import grouped_inputs, randn
+
+gl_mod = importlib.import_module("functional_dw.grouped_linear")  # the modules (the package's names are the functions)
+lin_mod = importlib.import_module("functional_dw.linear")
 
 T, K, N, E = 6, 4, 8, 3
 SPLITS = [2, 1, 3]
@@ -414,3 +423,252 @@ def test_load_full_state_dict_names_what_does_not_fit_before_loading(case):
         with pytest.raises(error, match=message):
             load_full_state_dict(m, sd, strict=strict)
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items()), "a load that raised changed the model"
+
+
+# --- nested, subclassed and odd weights in the checks' fast paths ------------------------------
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("pos", [0, 1])
+def test_a_nested_weight_is_named(pos):
+    # A strided nested tensor has layout torch.strided and no .shape: the fast path (and the
+    # slow one) died in torch with "Internal error: NestedTensorImpl doesn't support sizes"
+    nt = torch.nested.nested_tensor([torch.randn(5), torch.randn(5)])  # dim() == 2
+    ws = [torch.randn(4, 5), torch.randn(4, 5)]
+    ws[pos] = nt
+    with pytest.raises(TypeError, match=rf"weights\[{pos}\] must be a dense .*nested"):
+        fdw.grouped_linear(torch.randn(4, 5), ws, [2, 2])
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_nested_x_or_stacked_weight_is_named():
+    nt3 = torch.nested.nested_tensor([torch.randn(4, 5), torch.randn(4, 5)])
+    with pytest.raises(TypeError, match=r"^weights must be a dense .*nested"):
+        fdw.grouped_linear(torch.randn(4, 5), nt3, [2, 2])
+    nt2 = torch.nested.nested_tensor([torch.randn(5), torch.randn(5)])
+    with pytest.raises(TypeError, match=r"^x must be a dense .*nested"):
+        fdw.grouped_linear(nt2, [torch.randn(4, 5)] * 2, [1, 1])
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_check_materialized_names_a_nested_weight():
+    nt = torch.nested.nested_tensor([torch.randn(5), torch.randn(5)])
+    with pytest.raises(ValueError, match=r"returned a nested tensor for weight 1, expected \(2, 5\)"):
+        check_materialized([torch.randn(2, 5), nt], [(2, 5), (2, 5)], "materialize_group_for_backward()")
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_fast_paths_agree_with_the_loops_on_hostile_lists():
+    # equivalence of the C-loop checks with the per-expert loops they replaced (errors name the expert)
+    x = torch.randn(4, 3)
+    P = torch.nn.Parameter
+    cases = {
+        "dtype": ([torch.randn(5, 3), torch.randn(5, 3, dtype=torch.float64)], TypeError, r"weights\[1\] has dtype"),
+        "shape": ([torch.randn(5, 3), torch.randn(6, 3)], ValueError, r"weights\[1\] is \(6, 3\)"),
+        "3-D": ([torch.randn(5, 3), torch.randn(1, 5, 3)], ValueError, r"weights\[1\] must be 2-D"),
+        "meta": ([P(torch.randn(5, 3)), torch.empty(5, 3, device="meta")], ValueError, r"weights\[1\] is on meta"),
+        "sparse": ([torch.randn(5, 3), torch.randn(5, 3).to_sparse()], TypeError, r"weights\[1\] must be a dense"),
+        "item": ([torch.randn(5, 3), 3], TypeError, r"weights\[1\] must be a torch.Tensor, got int"),
+    }
+    for name, (ws, exc, msg) in cases.items():
+        with pytest.raises(exc, match=msg):
+            fdw.grouped_linear(x, ws, [2, 2])
+
+
+# --- the pure API: x changed in place; a DistributedWeight's gather in the wrong dtype ---------
+
+
+def _group(requires_grad=True):
+    """x, weights, biases of this file's sizes (seeded; weights / 4)."""
+    return grouped_inputs(SPLITS, K, N, w_div=4, dy=False, grad=requires_grad)[:3]
+
+
+@pytest.mark.parametrize("layer", ["linear", "grouped"])
+def test_pure_api_sees_x_modified_in_place(layer):
+    x, ws, _ = _group(requires_grad=False)
+    y, res = fdw.linear_fwd(x, ws[0]) if layer == "linear" else fdw.grouped_linear_fwd(x, ws, SPLITS)
+    bwd = fdw.linear_bwd if layer == "linear" else fdw.grouped_linear_bwd
+    bwd(res, torch.ones_like(y))  # fine before the change
+    x.mul_(2)
+    with pytest.raises(RuntimeError, match=r"x was modified in place between forward and backward \(version 0 -> 1\)"):
+        bwd(res, torch.ones_like(y))
+
+
+def test_dw_materialize_wrong_dtype_names_the_method():
+    dws = WrongDtypeDW.group_of([torch.randn(N, K) for _ in range(E)])
+    with pytest.raises(TypeError, match=r"materialize_group_for_forward\(\) of the DistributedWeight returned a torch.float64 tensor on cpu for weight 0"):
+        fdw.grouped_linear(torch.randn(T, K), dws, SPLITS)
+
+
+# --- error messages in full: they name the argument (and the position) and say what to do ------
+# (Written to kill mutants of the checks in `bash .ci/mutation`; the messages quote these sizes.)
+MSG_SPLITS = (2, 0, 3)
+MSG_E, MSG_K, MSG_N, MSG_T = 3, 8, 4, sum(MSG_SPLITS)
+D = torch.float64
+_rand = functools.partial(randn, dtype=D, draw_dtype=None)  # (drawn in float64)
+
+
+class BentDW(FakeDW):
+    """A FakeDW whose gathers and finalize a test can replace."""
+
+    bend: dict = {}
+
+    def materialize_group_for_forward(self):
+        f = self.bend.get("forward")
+        return f(self) if f else super().materialize_group_for_forward()
+
+    def materialize_group_for_backward(self, **kwargs):
+        f = self.bend.get("backward")
+        return f(self) if f else super().materialize_group_for_backward()
+
+    def finalize_group_grads(self, wgrads):
+        f = self.bend.get("finalize")
+        return f(self, wgrads) if f else super().finalize_group_grads(wgrads)
+
+
+def _dw(**bend):
+    w = BentDW(_rand(2 * MSG_N, MSG_K, seed=5))  # shard [N, K] of a full [2N, K]
+    w.bend = bend
+    return w
+
+
+def _dw_group(fused=False, **bend):
+    ws = BentDW.group_of([_rand(2 * MSG_N, MSG_K, seed=5 + e) for e in range(MSG_E)], fused=fused)
+    ws[0].bend = bend
+    return ws
+
+
+def _bump(*ts):
+    with torch.no_grad():
+        for t in ts:
+            t.add_(0)
+
+
+def _lin(w, x=None, bias=None, bump=False, part="bwd", **kw):
+    x = _rand(5, MSG_K, seed=7, grad=True) if x is None else x
+    y, res = fdw.linear_fwd(x, w, bias, **kw)
+    if bump:
+        _bump(w)
+    fn = {"bwd": fdw.linear_bwd, "dgrad": fdw.linear_bwd_dgrad, "wgrad": fdw.linear_bwd_wgrad}[part]
+    return fn(res, torch.ones_like(y))
+
+
+def _grp(ws, bias=None, bump=None, part="bwd", **kw):
+    x = _rand(MSG_T, MSG_K, seed=7, grad=True)
+    y, res = fdw.grouped_linear_fwd(x, ws, list(MSG_SPLITS), bias, **kw)
+    if bump is not None:
+        _bump(*bump)
+    fn = {"bwd": fdw.grouped_linear_bwd, "dgrad": fdw.grouped_linear_bwd_dgrad, "wgrad": fdw.grouped_linear_bwd_wgrad}[part]
+    return fn(res, torch.ones_like(y))
+
+
+def _with(t, **attrs):
+    for k, v in attrs.items():
+        setattr(t, k, v)
+    return t
+
+
+def _ws(n=MSG_E, grad=True, **attrs):
+    return [_with(_rand(MSG_N, MSG_K, seed=2 + e, grad=grad), **attrs) for e in range(n)]
+
+
+def _f32(*shape, device="cpu", dtype=torch.float32):
+    return torch.zeros(*(shape or (MSG_N, MSG_K)), dtype=dtype, device=device)
+
+
+def _w(**attrs):
+    return _with(_rand(MSG_N, MSG_K, seed=2, grad=True), **attrs)
+
+
+def _mg_group(*mgs):
+    return [_with(w, main_grad=m) for w, m in zip(_ws(), mgs)]
+
+
+ERROR_CASES = {
+    # linear: argument checks
+    "linear-x-9d": (lambda: fdw.linear(torch.zeros([1] * 8 + [MSG_K], dtype=D), _rand(MSG_N, MSG_K)), ValueError, 'x must be 1-D or 2-D or 3-D or 4-D or 5-D or 6-D or 7-D or 8-D, got shape (1, 1, 1, 1, 1, 1, 1, 1, 8)'),
+    "linear-weight-3d": (lambda: fdw.linear(_rand(5, MSG_K), _rand(1, MSG_N, MSG_K)), ValueError, 'weight must be 2-D, got shape (1, 4, 8)'),
+    "linear-fuse-flag": (lambda: fdw.linear_fwd(_rand(5, MSG_K), _rand(MSG_N, MSG_K), fuse_wgrad_accumulation=1), TypeError, 'fuse_wgrad_accumulation must be a bool, got int'),
+    "linear-bias-2d": (lambda: fdw.linear(_rand(5, MSG_K), _rand(MSG_N, MSG_K), _rand(1, MSG_N)), ValueError, 'bias must be 1-D, got shape (1, 4)'),
+    "linear-x-features": (lambda: fdw.linear(_rand(5, MSG_K + 1), _rand(MSG_N, MSG_K)), ValueError, 'x has 9 features but weight is [4, 8]: x must be [..., 8]'),
+    "linear-x3d-features": (lambda: fdw.linear(_rand(2, 5, MSG_K + 1), _rand(MSG_N, MSG_K)), ValueError, 'x has 9 features but weight is [4, 8]: x must be [..., 8]'),
+    "linear-dw-x-features": (lambda: fdw.linear(_rand(5, MSG_K + 1), _dw()), ValueError, 'x has 9 features but weight is [8, 8] (as materialize_group_for_forward() of the DistributedWeight returned it): x must be [..., 8]'),
+    "linear-dw-3d": (lambda: fdw.linear(_rand(5, MSG_K), _dw(forward=lambda s: s.full[None])), ValueError, 'weight (materialized) must be 2-D, got shape (1, 8, 8)'),
+    "linear-dw-fwd-dtype": (lambda: fdw.linear(_rand(5, MSG_K), _dw(forward=lambda s: s.full.float())), TypeError, "weight: materialize_group_for_forward() of the DistributedWeight returned a torch.float32 tensor on cpu for weight 0; the layer runs in torch.float64 on cpu (x's dtype and device): gather into that"),
+    "linear-dw-bwd-dtype": (lambda: _lin(_dw(backward=lambda s: s.full.float())), TypeError, "weight: materialize_group_for_backward() of the DistributedWeight returned a torch.float32 tensor on cpu for weight 0; the layer runs in torch.float64 on cpu (x's dtype and device): gather into that"),
+    "linear-dw-bwd-shape": (lambda: _lin(_dw(backward=lambda s: s.full[:1])), ValueError, 'weight: materialize_group_for_backward() returned (1, 8) for weight 0, expected (8, 8)'),
+    "linear-dw-finalize-count": (lambda: _lin(_dw(finalize=lambda s, g: [g, g])), ValueError, 'weight: finalize_group_grads returned 2 grad(s) for 1 weights'),
+    "linear-dw-finalize-shape": (lambda: _lin(_dw(finalize=lambda s, g: g)), ValueError, 'weight: finalize_group_grads returned (8, 8) on cpu for weight 0; each grad must be None or a tensor shaped like that parameter ((4, 8) on cpu)'),
+    "linear-dw-finalize-type": (lambda: _lin(_dw(finalize=lambda s, g: [1.0])), ValueError, 'weight: finalize_group_grads returned a float for weight 0; each grad must be None or a tensor shaped like that parameter ((4, 8) on cpu)'),
+    # the forward-mode rules themselves (through torch.func.jvp the subclass does not arrive: see
+    # tests/support/mutation_equivalents.md)
+    "linear-dw-jvp": (lambda: lin_mod._jvp(fdw.linear_fwd(_rand(5, MSG_K), _dw())[1], (None, _rand(MSG_N, MSG_K), None)), ValueError, 'forward-mode (jvp) tangents for a DistributedWeight are not supported: take the tangent with respect to x or bias, or use a plain weight'),
+    "linear-weight-bumped-dgrad": (lambda: _lin(_rand(MSG_N, MSG_K, grad=True), bump=True, part="dgrad"), RuntimeError, 'weight was modified in place between forward and backward (version 0 -> 1), e.g. by an optimizer step. Its gradient would be computed with the new values; run backward before updating the weights.'),
+    "linear-weight-bumped-wgrad": (lambda: _lin(_rand(MSG_N, MSG_K, grad=True), bump=True, part="wgrad"), RuntimeError, 'weight was modified in place between forward and backward (version 0 -> 1), e.g. by an optimizer step. Its gradient would be computed with the new values; run backward before updating the weights.'),
+    "linear-res-type": (lambda: fdw.linear_bwd(("not", "res"), torch.ones(1)), TypeError, 'linear_bwd takes the LinearResiduals that linear_fwd returned, got tuple'),
+    "linear-dgrad-res-type": (lambda: fdw.linear_bwd_dgrad(None, torch.ones(1)), TypeError, 'linear_bwd_dgrad takes the LinearResiduals that linear_fwd returned, got NoneType'),
+    "linear-wgrad-res-type": (lambda: fdw.linear_bwd_wgrad(None, torch.ones(1)), TypeError, 'linear_bwd_wgrad takes the LinearResiduals that linear_fwd returned, got NoneType'),
+    "linear-no-main-grad": (lambda: _lin(_w(), fuse_wgrad_accumulation=True), ValueError, 'weight: fuse_wgrad_accumulation=True needs a `main_grad` buffer on the weight (e.g. `w.main_grad = torch.zeros_like(w, dtype=torch.float32)`)'),
+    "linear-main-grad-shape": (lambda: _lin(_w(main_grad=_f32(MSG_N, MSG_K + 1)), fuse_wgrad_accumulation=True), ValueError, 'weight: main_grad/grad_buffer() must be a (4, 8) tensor, got (4, 9)'),
+    "linear-main-grad-type": (lambda: _lin(_w(main_grad=[0.0]), fuse_wgrad_accumulation=True), ValueError, 'weight: main_grad/grad_buffer() must be a (4, 8) tensor, got list'),
+    "linear-main-grad-int": (lambda: _lin(_w(main_grad=_f32(dtype=torch.int32)), fuse_wgrad_accumulation=True), TypeError, 'weight: main_grad/grad_buffer() is torch.int32; it must be a float tensor (float32)'),
+    "linear-main-grad-device": (lambda: _lin(_w(main_grad=_f32(device="meta")), fuse_wgrad_accumulation=True), ValueError, 'weight: main_grad is on meta but the weight is on cpu'),
+    # grouped: the same checks, naming the expert
+    "grouped-fuse-flag": (lambda: fdw.grouped_linear_fwd(_rand(MSG_T, MSG_K), _ws(), list(MSG_SPLITS), fuse_wgrad_accumulation=0), TypeError, 'fuse_wgrad_accumulation must be a bool, got int'),
+    "grouped-dw-x-features": (lambda: fdw.grouped_linear(_rand(MSG_T, MSG_K + 1), _dw_group(), list(MSG_SPLITS)), ValueError, 'x has 9 features but the weights are [8, 8] (as materialize_group_for_forward() of the DistributedWeight returned them): x must be [T, 8]'),
+    "grouped-dw-fwd-count": (lambda: fdw.grouped_linear(_rand(MSG_T, MSG_K), _dw_group(forward=lambda s: [m.full for m in s.group][:2]), list(MSG_SPLITS)), ValueError, 'weights: materialize_group_for_forward() of the DistributedWeight returned 2 tensor(s) for a group of 3; it must return one per weight'),
+    "grouped-dw-fwd-type": (lambda: fdw.grouped_linear(_rand(MSG_T, MSG_K), _dw_group(forward=lambda s: [m.full for m in s.group][:2] + ["w"]), list(MSG_SPLITS)), TypeError, 'weights: materialize_group_for_forward() of the DistributedWeight returned a str for weight 2; it must return tensors'),
+    "grouped-dw-bwd-shape": (lambda: _grp(_dw_group(backward=lambda s: [m.full[:1] for m in s.group])), ValueError, 'weights: materialize_group_for_backward() returned (1, 8) for weight 0, expected (8, 8)'),
+    "grouped-dw-finalize-count": (lambda: _grp(_dw_group(finalize=lambda s, g: g[:1])), ValueError, 'weights: finalize_group_grads returned 1 grad(s) for 3 weights'),
+    "grouped-dw-jvp": (lambda: gl_mod._jvp(fdw.grouped_linear_fwd(_rand(MSG_T, MSG_K), _dw_group(), list(MSG_SPLITS))[1], (None, [_rand(MSG_N, MSG_K), None, None], None, None)), ValueError, 'forward-mode (jvp) tangents for a DistributedWeight are not supported: take the tangent with respect to x or bias, or use plain weights'),
+    "grouped-weight-bumped-dgrad": (lambda: _grp(ws := _ws(), bump=ws[1:2], part="dgrad"), RuntimeError, 'weights[1] was modified in place between forward and backward (version 0 -> 1), e.g. by an optimizer step. Its gradient would be computed with the new values; run backward before updating the weights.'),
+    "grouped-weight-bumped-wgrad": (lambda: _grp(ws := _ws(), bump=ws[2:], part="wgrad"), RuntimeError, 'weights[2] was modified in place between forward and backward (version 0 -> 1), e.g. by an optimizer step. Its gradient would be computed with the new values; run backward before updating the weights.'),
+    "grouped-stacked-bumped": (lambda: _grp(W := _rand(MSG_E, MSG_N, MSG_K, grad=True), bump=[W], part="wgrad"), RuntimeError, 'weights was modified in place between forward and backward (version 0 -> 1), e.g. by an optimizer step. Its gradient would be computed with the new values; run backward before updating the weights.'),
+    "grouped-res-type": (lambda: fdw.grouped_linear_bwd(None, torch.ones(1)), TypeError, 'grouped_linear_bwd takes the GroupedLinearResiduals that grouped_linear_fwd returned, got NoneType'),
+    "grouped-dgrad-res-type": (lambda: fdw.grouped_linear_bwd_dgrad(None, torch.ones(1)), TypeError, 'grouped_linear_bwd_dgrad takes the GroupedLinearResiduals that grouped_linear_fwd returned, got NoneType'),
+    "grouped-wgrad-res-type": (lambda: fdw.grouped_linear_bwd_wgrad(None, torch.ones(1)), TypeError, 'grouped_linear_bwd_wgrad takes the GroupedLinearResiduals that grouped_linear_fwd returned, got NoneType'),
+    "grouped-no-main-grad": (lambda: _grp(_ws(), fuse_wgrad_accumulation=True), ValueError, 'weights[0]: fuse_wgrad_accumulation=True needs a `main_grad` buffer on the weight (e.g. `w.main_grad = torch.zeros_like(w, dtype=torch.float32)`)'),
+    "grouped-main-grad-shape": (lambda: _grp(_mg_group(_f32(), _f32(MSG_N, MSG_K + 1), _f32()), fuse_wgrad_accumulation=True), ValueError, 'weights[1]: main_grad/grad_buffer() must be a (4, 8) tensor, got (4, 9)'),
+    "grouped-main-grad-type": (lambda: _grp(_mg_group(_f32(), _f32(), "buffer"), fuse_wgrad_accumulation=True), ValueError, 'weights[2]: main_grad/grad_buffer() must be a (4, 8) tensor, got str'),
+    "grouped-main-grad-device": (lambda: _grp(_mg_group(_f32(), _f32(device="meta"), _f32()), fuse_wgrad_accumulation=True), ValueError, 'weights[1]: main_grad is on meta but the weight is on cpu'),
+    "grouped-main-grad-dtypes": (lambda: _grp(_mg_group(_f32(), _f32(dtype=D), _f32()), fuse_wgrad_accumulation=True), TypeError, "weights[1]: main_grad is torch.float64 but another weight's is torch.float32: the weights of a group share one main_grad dtype (one wgrad GEMM writes them all)"),
+    "grouped-splits-meta": (lambda: fdw.grouped_linear(_rand(MSG_T, MSG_K), _ws(), torch.tensor(MSG_SPLITS, device="meta")), ValueError, 'splits is a tensor on the meta device, which holds no counts: give the splits as a list of ints (shape inference needs their values) or a tensor on a real device'),
+    "grouped-splits-str": (lambda: fdw.grouped_linear_fwd(_rand(MSG_T, MSG_K), _ws(), "235"), TypeError, 'splits must be a list/tuple of ints or a 1-D integer tensor, got str'),
+    "grouped-bias-3d": (lambda: fdw.grouped_linear(_rand(MSG_T, MSG_K), _ws(), list(MSG_SPLITS), _rand(MSG_E, MSG_N, 1)), ValueError, 'bias must be 2-D, got shape (3, 4, 1)'),
+    "grouped-bias-item-2d": (lambda: fdw.grouped_linear(_rand(MSG_T, MSG_K), _ws(), list(MSG_SPLITS), [_rand(MSG_N), _rand(1, MSG_N), _rand(MSG_N)]), ValueError, 'bias[1] must be 1-D, got shape (1, 4)'),
+    "grouped-bias-item-dtype": (lambda: fdw.grouped_linear(_rand(MSG_T, MSG_K), _ws(), list(MSG_SPLITS), [_rand(MSG_N), _rand(MSG_N), _rand(MSG_N, dtype=torch.float32)]), TypeError, 'bias[2] has dtype torch.float32 but x has torch.float64; cast one of them'),
+    "grouped-bias-count": (lambda: fdw.grouped_linear(_rand(MSG_T, MSG_K), _ws(), list(MSG_SPLITS), [_rand(MSG_N)] * 2), ValueError, 'bias must be None, a sequence of 3 [4] tensors or one [3, 4] tensor; got 2 items'),
+    "grouped-bias-type": (lambda: fdw.grouped_linear_fwd(_rand(MSG_T, MSG_K), _ws(), list(MSG_SPLITS), 5), ValueError, 'bias must be None, a sequence of 3 [4] tensors or one [3, 4] tensor; got int'),
+    "grouped-stacked-dtype": (lambda: fdw.grouped_linear(_rand(MSG_T, MSG_K), _rand(MSG_E, MSG_N, MSG_K, dtype=torch.float32), list(MSG_SPLITS)), TypeError, 'weights has dtype torch.float32 but x has torch.float64; cast one of them'),
+    "grouped-weights-2d-tensor": (lambda: fdw.grouped_linear(_rand(MSG_T, MSG_K), _rand(MSG_N, MSG_K), list(MSG_SPLITS)), ValueError, 'weights must be 3-D, got shape (4, 8)'),
+    "grouped-weight-3d-in-list": (lambda: fdw.grouped_linear(_rand(MSG_T, MSG_K), [_rand(MSG_N, MSG_K), _rand(1, MSG_N, MSG_K), _rand(MSG_N, MSG_K)], list(MSG_SPLITS)), ValueError, 'weights[1] must be 2-D, got shape (1, 4, 8)'),
+    "grouped-weight-shape-in-list": (lambda: fdw.grouped_linear(_rand(MSG_T, MSG_K), [_rand(MSG_N, MSG_K), _rand(MSG_N + 1, MSG_K), _rand(MSG_N, MSG_K)], list(MSG_SPLITS)), ValueError, "weights[1] is (5, 8); every expert's weight must be [4, 8] like weights[0]"),
+    "grouped-weights-empty": (lambda: fdw.grouped_linear_fwd(_rand(MSG_T, MSG_K), [], []), TypeError, 'weights must be a non-empty sequence of [out, in] tensors or one [E, out, in] tensor, got list (empty)'),
+    "grouped-weights-int": (lambda: fdw.grouped_linear_fwd(_rand(MSG_T, MSG_K), 5, list(MSG_SPLITS)), TypeError, 'weights must be a non-empty sequence of [out, in] tensors or one [E, out, in] tensor, got int'),
+    "grouped-weights-str-item": (lambda: fdw.grouped_linear_fwd(_rand(MSG_T, MSG_K), [_rand(MSG_N, MSG_K), "w", _rand(MSG_N, MSG_K)], list(MSG_SPLITS)), TypeError, 'weights[1] must be a torch.Tensor, got str'),
+    "grouped-x-features": (lambda: fdw.grouped_linear(_rand(MSG_T, MSG_K + 1), _ws(), list(MSG_SPLITS)), ValueError, 'x has 9 features but the weights are [4, 8]: x must be [T, 8]'),
+    "dw-not-a-tensor": (lambda: fdw.is_distributed_weight(type("NotATensor", (), {"is_distributed_weight": True})()), TypeError, 'weight: a DistributedWeight must be a torch.Tensor subclass, got NotATensor'),
+    "grouped-dw-buffer-shape": (lambda: _grp(_with_buffer(_dw_group(fused=True), 1, _f32(MSG_N, MSG_K)), fuse_wgrad_accumulation=True), ValueError, 'weights[1]: main_grad/grad_buffer() must be a (8, 8) tensor, got (4, 8)'),
+}
+
+
+def _with_buffer(ws, e, buf):
+    ws[e].buffer = buf
+    return ws
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_error_message_in_full(case):
+    run, exc, message = ERROR_CASES[case]
+    with pytest.raises(exc) as info:
+        run()
+    assert str(info.value) == message
+
+
+def test_finalize_gets_a_bare_tensor_for_one_weight_and_may_return_none():
+    got = []
+    w = _dw(finalize=lambda s, g: got.append(g))  # returns None: no grad for the parameter
+    dx, dw, db = _lin(w)
+    assert dw is None and isinstance(got[0], torch.Tensor) and got[0].shape == (2 * MSG_N, MSG_K)  # TE: bare for one
+    ws = _dw_group(finalize=lambda s, g: got.append(g))
+    _, dws, _ = _grp(ws)
+    assert dws == [None] * MSG_E and isinstance(got[1], list) and len(got[1]) == MSG_E

@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 
 import functional_dw as fd
 from conftest import assert_same
+from helpers import draws, grouped_module, linear_module
 from functional_dw import fp8
 from functional_dw import nn as fnn
 
@@ -26,16 +27,14 @@ STATE_BUFFERS = ["fp8_amax_history_fwd", "fp8_scale_fwd", "fp8_amax_history_bwd"
 
 
 def _data(step, kind):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(T, K, generator=g) * (step + 1)
-    return x, torch.randn(T, N, generator=g)
+    x, dy = draws((T, K), (T, N), seed=step)
+    return x * (step + 1), dy
 
 
 def _module(kind, recipe=None, **kw):
-    torch.manual_seed(0)
     if kind == "linear":
-        return fnn.Linear(K, N, recipe=recipe, **kw)
-    return fnn.GroupedLinear(E, K, N, recipe=recipe, **kw)
+        return linear_module(K, N, recipe=recipe, **kw)
+    return grouped_module(E, K, N, recipe=recipe, **kw)
 
 
 def _params(m):

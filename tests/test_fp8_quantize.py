@@ -18,6 +18,7 @@ from functional_dw.fp8 import (
     FLT_MAX, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, QParams, QTensor, TensorSpec,
     amax_of, compute_scale_from_amax, from_te_scale_inv, quantize, quantize_groups, te_scale_inv, tensor_spec,
 )
+from helpers import randn
 
 F32 = np.float32
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -73,11 +74,6 @@ def same(a: list[float], b: list[float]) -> bool:
 
 def spec(scaling: str, fp8_dtype=E4, block=None, pow2=False, eps=0.0) -> TensorSpec:
     return TensorSpec("input", scaling, fp8_dtype, block=block, power_2_scale=pow2, amax_epsilon=eps)
-
-
-def randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
 
 # ---- scales ---------------------------------------------------------------------------------

@@ -1,14 +1,23 @@
-"""torch.func over both layers on the reference backend: grad, vjp, jacrev, vmap, jvp."""
+"""torch.func over both layers on the reference backend: grad, vjp, jacrev, vmap, jvp; second
+order (double backward, the Hessian) against float64; the forward-mode and vmap rules for every
+combination of what has a tangent or is batched."""
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
 
 import functional_dw as fd
-from conftest import HOOKS, FakeDW, PathRecorder, ref_grouped
-from functional_dw.kernels.torch_ref import TorchKernels
+from conftest import HOOKS, CountingKernels, FakeDW, PathRecorder, assert_close
+from helpers import grouped_inputs, randn, ref_grouped
+
+gl_mod = importlib.import_module("functional_dw.grouped_linear")  # the modules (the package's names are the functions)
+lin_mod = importlib.import_module("functional_dw.linear")
 
 D = torch.float64
 SPLITS = (2, 0, 4)
@@ -16,11 +25,7 @@ E, K, N, T = 3, 8, 4, sum(SPLITS)
 
 
 def _data(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, K, generator=g, dtype=D)
-    ws = [torch.randn(N, K, generator=g, dtype=D) for _ in range(E)]
-    bs = [torch.randn(N, generator=g, dtype=D) for _ in range(E)]
-    return x, ws, bs
+    return grouped_inputs(SPLITS, K, N, seed=seed, dtype=D, draw_dtype=None, dy=False)[:3]
 
 
 def _loss(x, ws, bs):
@@ -43,19 +48,6 @@ def test_grad_vjp_jacrev_match_autograd():
     J = jacrev(lambda w: fd.linear(x, w, bs[0]))(ws[0])
     J_ref = jacrev(lambda w: torch.nn.functional.linear(x, w, bs[0]))(ws[0])
     torch.testing.assert_close(J, J_ref)
-
-
-class CountingKernels(TorchKernels):
-    def __init__(self):
-        self.calls = 0
-
-    def grouped_fprop(self, *args):
-        self.calls += 1
-        return super().grouped_fprop(*args)
-
-    def fprop(self, *args):
-        self.calls += 1
-        return super().fprop(*args)
 
 
 @pytest.mark.parametrize("in_dim", [0, 1])
@@ -254,3 +246,205 @@ def test_weight_changed_in_place_under_grad_is_named_without_a_shared_buffer_not
             r"optimizer step\. Its gradient would be computed with the new values; run backward before updating the weights\.$")
     with pytest.raises(RuntimeError, match=want):
         grad(f)(ws[0])
+
+
+# --- second order: double backward on every path and layout, the Hessian -----------------------
+
+SO_SPLITS = [2, 0, 3, 1]  # the sizes of this section: 4 experts, K = 16, N = 8
+SO_E = len(SO_SPLITS)
+PATHS = [pytest.param(False, id="split"), pytest.param(True, id="grouped")]
+
+
+def _so_group(dtype=torch.float32, stacked=False, seed=0, requires_grad=True):
+    """x, weights and biases (lists, or stacked); weights drawn / 4."""
+    return grouped_inputs(SO_SPLITS, 16, 8, seed=seed, dtype=dtype, w_div=4, dy=False, stacked=stacked,
+                          grad=requires_grad)[:3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+@pytest.mark.parametrize("path", PATHS)
+def test_double_backward_matches_float64(dtype, stacked, path):
+    x, ws, bs = _so_group(dtype, stacked)
+    params = [x, *([ws] if stacked else ws), *([bs] if stacked else bs)]
+
+    def second_order(f, args):
+        y = f(*args)
+        g = torch.autograd.grad(y.float().square().sum(), args, create_graph=True)
+        return torch.autograd.grad(sum(t.float().sum() for t in g), args)
+
+    got = second_order(lambda *a: fd.grouped_linear(a[0], _unflat(a[1:], stacked)[0], SO_SPLITS, _unflat(a[1:], stacked)[1],
+                                                    use_grouped_tensor=path), params)
+    ref_args = [p.detach().double().requires_grad_() for p in params]
+    want = second_order(lambda *a: ref_grouped(a[0], *_unflat(a[1:], stacked)[:1], SO_SPLITS, _unflat(a[1:], stacked)[1]),
+                        ref_args)
+    for i, (a, b) in enumerate(zip(got, want)):  # a chain of GEMMs and sums, each result rounded
+        assert_close(a, b, dtype, f"second-order grad {i}", rounds=8)
+    y, res = fd.grouped_linear_fwd(x, ws, SO_SPLITS, bs, use_grouped_tensor=path)
+    assert res.path == ("grouped" if path else "split")
+
+
+def _unflat(rest, stacked):
+    if stacked:
+        return rest[0], rest[1]
+    return list(rest[:SO_E]), list(rest[SO_E:])
+
+
+def test_linear_double_backward_bf16():
+    x, ws, bs = _so_group(torch.bfloat16)
+    args = [x, ws[0], bs[0]]
+    g = torch.autograd.grad(fd.linear(*args).float().square().sum(), args, create_graph=True)
+    got = torch.autograd.grad(sum(t.float().sum() for t in g), args)
+    ref = [a.detach().double().requires_grad_() for a in args]
+    g = torch.autograd.grad((ref[0] @ ref[1].T + ref[2]).square().sum(), ref, create_graph=True)
+    want = torch.autograd.grad(sum(t.sum() for t in g), ref)
+    for a, b in zip(got, want):  # a chain of GEMMs and sums, each result rounded
+        assert_close(a, b, torch.bfloat16, rounds=8)
+
+
+def test_hessian_through_the_grouped_path():
+    """grouped_mm has no forward-AD formula: under jvp-of-vjp the reference runs per expert."""
+    x, ws, _ = _so_group(torch.float64, requires_grad=False)
+    f = lambda *w: fd.grouped_linear(x, list(w), SO_SPLITS).square().sum()  # noqa: E731
+    ref = lambda *w: ref_grouped(x, list(w), SO_SPLITS).square().sum()  # noqa: E731
+    got = torch.func.hessian(f, argnums=(0, 1))(*ws)
+    want = torch.func.hessian(ref, argnums=(0, 1))(*ws)
+    for a, b in zip(pytree_leaves(got), pytree_leaves(want)):
+        torch.testing.assert_close(a, b)
+
+
+def pytree_leaves(t):
+    return torch.utils._pytree.tree_leaves(t)
+
+
+# --- forward mode and vmap, every combination of what is batched or has a tangent --------------
+# (Written to kill mutants of the layers' jvp and vmap rules, with these sizes.)
+RULE_SPLITS = (2, 0, 3)
+RULE_T = sum(RULE_SPLITS)
+_rand = functools.partial(randn, dtype=D, draw_dtype=None)  # (drawn in float64)
+
+
+_SUBSETS = [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (0, 1, 1), (1, 0, 1), (1, 1, 1), (0, 0, 0)]
+
+
+@pytest.mark.parametrize("which", _SUBSETS, ids=lambda s: "t" + "".join("xwb"[i] for i in range(3) if s[i]) or "none")
+def test_linear_jvp_for_every_subset_of_tangents(which):
+    x = _rand(2, 3, K, seed=1)  # leading dims [2, 3]: the tangent keeps them
+    w, b = _rand(N, K, seed=2), _rand(N, seed=3)
+    tans = [_rand(*t.shape, seed=10 + i) if on else torch.zeros_like(t) for i, (t, on) in enumerate(zip((x, w, b), which))]
+    primals = tuple(t for t, on in zip((x, w, b), which) if on)
+    tangents = tuple(t for t, on in zip(tans, which) if on)
+
+    def call(fn):
+        def f(*ps):
+            it = iter(ps)
+            args = [next(it) if on else t for t, on in zip((x, w, b), which)]
+            return fn(*args)
+        return f
+
+    if not primals:  # the rule with no tangent at all: zeros shaped like y
+        res = fd.linear_fwd(x, w, b)[1]
+        assert torch.equal(lin_mod._jvp(res, (None, None, None, None, None)), torch.zeros(2, 3, N, dtype=D))
+        return
+    y, t = jvp(call(fd.linear), primals, tangents)
+    y_ref, t_ref = jvp(call(F.linear), primals, tangents)
+    assert t.shape == (2, 3, N)
+    torch.testing.assert_close((y, t), (y_ref, t_ref))
+
+
+@pytest.mark.parametrize("which", _SUBSETS[:-1], ids=lambda s: "t" + "".join("xwb"[i] for i in range(3) if s[i]))
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_grouped_jvp_for_every_subset_of_tangents(which, stacked):
+    x = _rand(RULE_T, K, seed=1)
+    ws = [_rand(N, K, seed=2 + e) for e in range(E)]
+    bs = [_rand(N, seed=8 + e) for e in range(E)]
+    W, B = torch.stack(ws), torch.stack(bs)
+    base = (x, W, B) if stacked else (x, ws, bs)
+    tans = (_rand(RULE_T, K, seed=20), _rand(E, N, K, seed=21), _rand(E, N, seed=22))
+    if not stacked:
+        tans = (tans[0], list(tans[1].unbind(0)), list(tans[2].unbind(0)))
+    idx = [i for i in range(3) if which[i]]
+
+    def call(fn):
+        def f(*ps):
+            args = list(base)
+            for i, p in zip(idx, ps):
+                args[i] = p
+            return fn(*args)
+        return f
+
+    ours = call(lambda x, w, b: fd.grouped_linear(x, w, RULE_SPLITS, b))
+    ref = call(lambda x, w, b: ref_grouped(x, list(w), RULE_SPLITS, list(b)))
+    y, t = jvp(ours, tuple(base[i] for i in idx), tuple(tans[i] for i in idx))
+    torch.testing.assert_close((y, t), jvp(ref, tuple(base[i] for i in idx), tuple(tans[i] for i in idx)))
+
+
+def test_grouped_jvp_with_a_none_tangent_in_a_list():
+    x = _rand(RULE_T, K, seed=1)
+    ws = [_rand(N, K, seed=2 + e) for e in range(E)]
+    bs = [_rand(N, seed=8 + e) for e in range(E)]
+    res = fd.grouped_linear_fwd(x, ws, list(RULE_SPLITS), bs)[1]
+    tw = [None, _rand(N, K, seed=30), None]
+    tb = [_rand(N, seed=31), None, None]
+    got = gl_mod._jvp(res, (None, tw, None, tb))
+    zeros_w = [torch.zeros(N, K, dtype=D) if t is None else t for t in tw]
+    zeros_b = [torch.zeros(N, dtype=D) if t is None else t for t in tb]
+    torch.testing.assert_close(got, ref_grouped(x, zeros_w, RULE_SPLITS, zeros_b))
+    assert torch.equal(gl_mod._jvp(res, (None, [None] * E, None, None)), torch.zeros(RULE_T, N, dtype=D))
+
+
+@pytest.mark.parametrize("which", _SUBSETS[:-1], ids=lambda s: "v" + "".join("xwb"[i] for i in range(3) if s[i]))
+def test_linear_vmap_for_every_subset_of_batched_args(which):
+    B = 3
+    args = (_rand(5, K, seed=1), _rand(N, K, seed=2), _rand(N, seed=3))
+    batched = [_rand(B, *a.shape, seed=10 + i) if on else a for i, (a, on) in enumerate(zip(args, which))]
+    dims = tuple(0 if on else None for on in which)
+    k = CountingKernels()
+    y = vmap(lambda x, w, b: fd.linear(x, w, b, backend=k), in_dims=dims)(*batched)
+    want = torch.stack([F.linear(*[a[i] if on else a for a, on in zip(batched, which)]) for i in range(B)])
+    torch.testing.assert_close(y, want)
+    assert k.calls == (1 if which == (1, 0, 0) else B)  # only a batch of x alone folds
+
+
+@pytest.mark.parametrize("which", _SUBSETS[:-1], ids=lambda s: "v" + "".join("xwb"[i] for i in range(3) if s[i]))
+def test_grouped_vmap_for_every_subset_of_batched_args(which):
+    B = 2
+    args = (_rand(RULE_T, K, seed=1), _rand(E, N, K, seed=2), _rand(E, N, seed=3))
+    batched = [_rand(B, *a.shape, seed=10 + i) if on else a for i, (a, on) in enumerate(zip(args, which))]
+    dims = tuple(0 if on else None for on in which)
+    k = CountingKernels()
+    y = vmap(lambda x, w, b: fd.grouped_linear(x, w, list(RULE_SPLITS), b, backend=k), in_dims=dims)(*batched)
+    want = torch.stack([ref_grouped(*[a[i] if on else a for a, on in zip(batched, which)][:2], RULE_SPLITS,
+                                    [a[i] if on else a for a, on in zip(batched, which)][2]) for i in range(B)])
+    torch.testing.assert_close(y, want)
+    assert k.calls == (1 if which == (1, 0, 0) else B)
+
+
+def test_linear_jvp_in_x_uses_the_forward_gather():
+    full = _rand(N, K, seed=2)
+    w = FakeDW(full)  # gathers 2 * full for forward, 4 * full for backward
+    x, tx = _rand(5, K, seed=1), _rand(5, K, seed=3)
+    y, t = jvp(lambda x: fd.linear(x, w), (x,), (tx,))
+    torch.testing.assert_close((y, t), (x @ (2 * full).t(), tx @ (2 * full).t()))
+
+
+def test_float32_grouped_path_under_jvp_and_vmap():
+    """grouped_mm has no forward-AD formula and no functorch batching rule: under jvp, vmap or
+    a transform's wrappers the reference backend must run the split path (the results match)."""
+    F32 = torch.float32
+    x, dy = _rand(RULE_T, 16, seed=1, dtype=F32), _rand(RULE_T, 16, seed=2, dtype=F32)
+    ws = [_rand(16, 16, seed=3 + e, dtype=F32) for e in range(E)]
+    tx, tws = _rand(RULE_T, 16, seed=10, dtype=F32), [_rand(16, 16, seed=11 + e, dtype=F32) for e in range(E)]
+    tol = dict(rtol=1e-5, atol=1e-5)
+    f = lambda x, ws: fd.grouped_linear(x, ws, list(RULE_SPLITS), use_grouped_tensor=True)  # noqa: E731
+    ref = lambda x, ws: ref_grouped(x, ws, RULE_SPLITS)  # noqa: E731
+    torch.testing.assert_close(jvp(f, (x, ws), (tx, tws)), jvp(ref, (x, ws), (tx, tws)), **tol)
+    xb = torch.stack([x, 2 * x])
+    torch.testing.assert_close(vmap(lambda ws: f(x, ws))([torch.stack([w, -w]) for w in ws]),
+                               torch.stack([ref(x, ws), ref(x, [-w for w in ws])]), **tol)
+    g = grad(lambda x, ws: (f(x, ws) * dy).sum(), argnums=(0, 1))(x, ws)
+    leaves = [t.clone().requires_grad_() for t in (x, *ws)]
+    want = torch.autograd.grad(ref(leaves[0], leaves[1:]), leaves, dy)
+    torch.testing.assert_close([g[0], *g[1]], list(want), **tol)
+    dxb = vmap(grad(lambda x: (f(x, ws) * dy).sum()))(xb)
+    torch.testing.assert_close(dxb, torch.stack([want[0]] * 2), **tol)

@@ -1,5 +1,6 @@
 """CUDA graphs, the parts a CPU can check: the clear errors for splits that cannot be captured
-(capture is simulated), and ``functional_dw.graphs``' argument errors and CPU pass-through.
+(capture is simulated), and ``functional_dw.graphs``' argument errors (what to pass instead) and
+CPU pass-through.
 The captures themselves run in ``tests/test_graphs_gpu.py``."""
 
 from __future__ import annotations
@@ -99,6 +100,36 @@ def test_graphed_step_checks_new_inputs_and_rebound_grads():
     with pytest.raises(RuntimeError, match=r"set to None since capture.*zero_grad\(set_to_none=False\)"):
         g()
     assert FakeGraph.replays == 2
+
+
+@pytest.mark.parametrize("params,match", [
+    (lambda m: m, r"params must be a sequence of tensors \(e\.g\. model\.parameters\(\)\), got GroupedLinear"),
+    (lambda m: None, r"params must be a sequence of tensors \(e\.g\. model\.parameters\(\)\), got NoneType"),
+    (lambda m: m.named_parameters(), r"params\[0\] is a \(name, tensor\) pair: pass model\.parameters\(\)"),
+], ids=["module", "none", "named"])
+def test_graph_step_params_errors_say_what_to_pass(params, match):
+    """Was: "'GroupedLinear' object is not iterable", "'NoneType' object is not iterable",
+    "params[0] must be a torch.Tensor, got tuple"."""
+    m = fd.nn.GroupedLinear(2, 16, 16)
+    with pytest.raises(TypeError, match=match):
+        fd.graphs.graph_step(_step, params=params(m))
+
+
+def test_graph_step_checks_flags_and_takes_numpy_warmup():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match="check_sync must be True or False"):
+        fd.graphs.graph_step(_step, check_sync="no")  # was: taken as True
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device") if not torch.cuda.is_available() \
+            else pytest.raises(Exception):
+        fd.graphs.graph_step(_step, warmup=np.int64(2))  # was: "warmup must be an int >= 1 ... np.int64(2)"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_make_graphed_callables_without_cuda_says_so():
+    """Was: torch's "Tried to instantiate dummy base class CUDAGraph"."""
+    m = fd.nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="make_graphed_callables: CUDA graphs need a CUDA device"):
+        fd.graphs.make_graphed_callables(m, (torch.ones(2, 4),))
 
 
 # --- PinnedOffload on the CPU: everything passes through --------------------------------------

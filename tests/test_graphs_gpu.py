@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -31,6 +32,7 @@ if not torch.cuda.is_available():
 
 import functional_dw as fd  # noqa: E402
 from conftest import FakeDW  # noqa: E402
+from helpers import ExpertMLP, randn  # noqa: E402
 from functional_dw.graphs import PinnedOffload, graph_step  # noqa: E402
 
 try:
@@ -83,9 +85,7 @@ def need(cfg: Cfg) -> None:
         pytest.skip(why)
 
 
-def randn(*shape, seed, scale=1.0, dtype=BF16):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
+randn = functools.partial(randn, dtype=BF16, device=DEV)
 
 
 def make_params(cfg: Cfg, seed: int = 0) -> dict:
@@ -362,7 +362,7 @@ def test_a_host_copying_hook_fails_clearly_in_graph_step():
 def _subprocess(case: str) -> dict:
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(root / "tests" / "graphs_subprocess.py"), case], capture_output=True,
+    run = subprocess.run([sys.executable, str(root / "tests" / "support" / "graphs_subprocess.py"), case], capture_output=True,
                          text=True, timeout=300, cwd=root, env=env)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, f"{case}: no result (rc {run.returncode})\nstdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-5000:]}"
@@ -461,16 +461,9 @@ def test_sharded_weight_nccl_collectives_are_captured():
 # --- make_graphed_callables: one graph pair per module, eager autograd around it ---------------
 
 
-class ExpertMLP(torch.nn.Module):
-    def __init__(self, cfg: Cfg, fuse: bool = False):
-        super().__init__()
-        kw = dict(bias=cfg.bias, params_dtype=BF16, device=DEV, use_grouped_tensor=cfg.grouped, backend=cfg.backend,
-                  fuse_wgrad_accumulation=fuse)
-        self.fc1 = fd.nn.GroupedLinear(E, H, FF, **kw)
-        self.fc2 = fd.nn.GroupedLinear(E, FF, H, **kw)
-
-    def forward(self, x, splits):
-        return self.fc2(F.gelu(self.fc1(x, splits)), splits)
+def _expert_mlp(cfg: Cfg, fuse: bool = False) -> ExpertMLP:
+    return ExpertMLP(E, H, FF, bias=cfg.bias, params_dtype=BF16, device=DEV, use_grouped_tensor=cfg.grouped,
+                     backend=cfg.backend, fuse_wgrad_accumulation=fuse)
 
 
 @pytest.mark.parametrize("cfg", [GROUPED[1], GROUPED[2]], ids=str)
@@ -479,7 +472,7 @@ def test_make_graphed_callables_on_an_expert_mlp_module(cfg):
     graphs with new tokens and routings; .grad accumulates across calls as in eager."""
     need(cfg)
     torch.manual_seed(0)
-    m = ExpertMLP(cfg)
+    m = _expert_mlp(cfg)
     ref = copy.deepcopy(m)
     x0, s0 = randn(T, H, seed=1).requires_grad_(), torch.tensor(SIZES, device=DEV)
     graphed = fd.graphs.make_graphed_callables(m, (x0, s0), num_warmup_iters=WARMUP)
@@ -503,7 +496,7 @@ def test_torch_make_graphed_callables_grads_alias_its_buffers():
     graph's static grad buffer, so two backwards without zeroing give 2 * g2, not g1 + g2."""
     cfg = GROUPED[1]
     torch.manual_seed(0)
-    m = ExpertMLP(cfg)
+    m = _expert_mlp(cfg)
     ref = copy.deepcopy(m)
     graphed = torch.cuda.make_graphed_callables(m, (randn(T, H, seed=1).requires_grad_(), torch.tensor(SIZES, device=DEV)))
     for i in range(2):
@@ -522,7 +515,7 @@ def test_make_graphed_callables_with_fused_main_grad():
     cfg = Cfg("te-grouped", "te", True, False, te="grouped")
     need(cfg)
     torch.manual_seed(0)
-    m = ExpertMLP(cfg, fuse=True)
+    m = _expert_mlp(cfg, fuse=True)
     ref = copy.deepcopy(m)
     for mod in (m, ref):
         for w in (*mod.fc1.weights(), *mod.fc2.weights()):

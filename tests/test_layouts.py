@@ -1,5 +1,6 @@
 """Layouts: whatever strides a caller or a saved-tensor hook hands over, the result is the
-contiguous run's, bit for bit.
+contiguous run's, bit for bit. (Also: a non-contiguous x is saved as given and differentiated
+twice through, non-contiguous jvp tangents, and which grouped_mm operands must be copied.)
 
 A drawn *layout* keeps a tensor's values and changes only where they live: the dims stored
 in a drawn order (a transposed or permuted copy, as ``t.mT.contiguous().mT``), each dim
@@ -27,6 +28,7 @@ derandomized, one intra-op thread: a few seconds on 2 cores. ``long``: 1000 each
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import warnings
@@ -38,6 +40,9 @@ from hypothesis import strategies as st
 
 import functional_dw as fd
 from conftest import PathRecorder, assert_close, assert_same
+from helpers import grouped_inputs, ref_grouped
+
+ref_mod = importlib.import_module("functional_dw.kernels.torch_ref")
 
 PROFILES = {
     "ci": dict(examples={"grouped": 40, "linear": 20}, deadline=None, derandomize=True, database=None,
@@ -339,3 +344,111 @@ def test_fused_wgrad_into_transposed_main_grad(layer, path):
     for w, r in zip(ws, ref):
         assert not w.main_grad.is_contiguous()
         torch.testing.assert_close(w.main_grad, r)
+
+
+# --- a non-contiguous x: saved as given, second order through it; non-contiguous tangents ------
+
+SPLITS = [2, 0, 3, 1]
+E, T, K, N = len(SPLITS), sum(SPLITS), 16, 8
+PATHS = [pytest.param(False, id="split"), pytest.param(True, id="grouped")]
+
+
+def _group(dtype=torch.float32, seed=0, requires_grad=True):
+    """x, weights and biases (lists); weights drawn / 4."""
+    return grouped_inputs(SPLITS, K, N, seed=seed, dtype=dtype, w_div=4, dy=False, grad=requires_grad)[:3]
+
+
+def test_non_contiguous_x_is_saved_as_given():
+    """The residuals hold x itself (not forward's dense copy), so an in-place change is seen."""
+    x, ws, _ = _group(requires_grad=False)
+    xt = x.t().contiguous().t()
+    y, res = fd.grouped_linear_fwd(xt, ws, SPLITS)
+    assert res.x_TK is xt
+    xt.mul_(2)
+    with pytest.raises(RuntimeError, match="x was modified in place"):
+        fd.grouped_linear_bwd(res, torch.ones_like(y))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("layer", ["linear", "grouped"])
+def test_second_order_through_a_non_contiguous_x(layer, path):
+    """The x term of d(dW)/dx survives when forward had to copy x (found by an adversarial pass)."""
+    x, ws, _ = _group(torch.float64)
+    xt = x.detach().t().contiguous().t().requires_grad_()
+    f = (lambda x, w: fd.linear(x, w[0])) if layer == "linear" else \
+        (lambda x, w: fd.grouped_linear(x, w, SPLITS, use_grouped_tensor=path))
+    ref = (lambda x, w: x @ w[0].T) if layer == "linear" else (lambda x, w: ref_grouped(x, w, SPLITS))
+    params = [xt, ws[0]] if layer == "linear" else [xt, *ws]
+    out = []
+    for fn in (f, ref):
+        g = torch.autograd.grad(fn(xt, ws).square().sum(), params, create_graph=True)
+        out.append(torch.autograd.grad(sum(t.sum() for t in g), params))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_jvp_with_non_contiguous_tangents_on_the_grouped_path(stacked):
+    x, ws, _ = _group(requires_grad=False)
+    W = torch.stack(ws) if stacked else ws
+    xt = x.t().contiguous().t()
+    tx = torch.randn(K, T).t()
+    tW = torch.randn(E, K, N).transpose(1, 2) if stacked else [torch.randn(K, N).t() for _ in range(E)]
+    y, ty = torch.func.jvp(lambda x, W: fd.grouped_linear(x, W, SPLITS, use_grouped_tensor=True), (xt, W), (tx, tW))
+    _, want = torch.func.jvp(lambda x, W: ref_grouped(x, W, SPLITS), (xt, W), (tx, tW))
+    torch.testing.assert_close(ty, want)
+
+
+# --- grouped_mm operands: kept as they are where grouped_mm takes them, else one dense copy ----
+
+_F32, _BF16 = torch.float32, torch.bfloat16  # a = 16 bytes / element size: 4 and 8 elements
+
+_LAYOUTS = [  # (device, dtype, size, stride, storage offset, kept)
+    ("cpu", _F32, (4, 8), (8, 1), 0, True),  # row-major
+    ("cpu", _F32, (3, 4, 8), (32, 8, 1), 0, True),
+    ("cpu", _F32, (4, 8), (12, 1), 0, True),  # rows of a wider buffer, 48-byte stride
+    ("cpu", _F32, (4, 8), (10, 1), 0, False),  # 40-byte rows
+    ("cpu", _F32, (4, 8), (1, 4), 0, True),  # column-major, 16-byte columns
+    ("cpu", _F32, (4, 8), (1, 6), 0, False),  # column-major, 24-byte columns
+    ("cpu", _F32, (4, 8), (1, 2), 0, False),  # columns overlap
+    ("cpu", _F32, (4, 2), (1, 4), 0, True),
+    ("cpu", _F32, (1, 8), (3, 1), 0, False),  # one row, an odd stride is_contiguous() ignores
+    ("cpu", _F32, (1, 8), (8, 1), 0, True),
+    ("cpu", _F32, (1, 8), (12, 1), 0, True),
+    ("cpu", _F32, (8, 1), (4, 1), 0, True),  # one column, row stride 16 bytes
+    ("cpu", _F32, (4, 1), (1, 4), 0, True),
+    ("cpu", _F32, (8, 1), (1, 1), 0, True),  # contiguous: the CPU kernel takes it as it is
+    ("cuda", _BF16, (8, 1), (1, 1), 0, True),  # contiguous with an aligned start
+    ("cuda", _BF16, (8, 1), (1, 1), 2, False),  # contiguous, 4-byte aligned start
+    ("cpu", _F32, (4, 8), (8, 1), 2, True),  # an offset is fine on the CPU
+    ("cuda", _BF16, (4, 8), (8, 1), 0, True),
+    ("cuda", _BF16, (4, 8), (8, 1), 8, True),
+    ("cuda", _BF16, (4, 8), (8, 1), 4, False),  # 8-byte aligned start
+    ("cuda", _BF16, (4, 8), (16, 1), 4, False),
+    ("cuda", _BF16, (4, 8), (16, 1), 8, True),
+    ("cuda", _BF16, (4, 8), (1, 8), 0, True),
+    ("cuda", _BF16, (4, 8), (1, 4), 0, False),
+    ("cuda", _BF16, (3, 4, 8), (32, 8, 1), 0, True),
+    ("cuda", _BF16, (3, 4, 8), (40, 8, 1), 0, True),  # batch stride 80 bytes
+    ("cuda", _BF16, (3, 4, 8), (36, 8, 1), 0, False),  # batch stride 72 bytes
+    ("cuda", _BF16, (3, 4, 8), (36, 8, 1), 8, False),
+    ("cuda", _BF16, (1, 8), (8, 1), 0, True),
+    ("cuda", _BF16, (1, 8), (8, 1), 4, False),
+    ("cuda", _BF16, (1, 8), (3, 1), 0, False),
+]
+
+
+@pytest.mark.parametrize("case", _LAYOUTS, ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}-off{c[4]}-{'kept' if c[5] else 'copied'}")
+def test_grouped_mm_operands_copied_only_when_they_must(case):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device, dtype, size, stride, offset, kept = case
+    with FakeTensorMode() if device == "cuda" else torch.device("cpu"):  # CUDA: fake tensors
+        base = torch.arange(200, dtype=torch.float32).to(dtype) if device == "cpu" else torch.empty(200, dtype=dtype, device="cuda")
+        t = base.as_strided(size, stride, offset)
+        out = ref_mod._mm_ready(t)
+        assert (out is t) == kept
+        if not kept:
+            assert out.is_contiguous() and out.stride() == torch.empty(size).stride()
+            if device == "cpu":
+                assert torch.equal(out, t)

@@ -486,7 +486,7 @@ def test_megatron_offloading_steps_bitwise_on_cpu(mpu, cuda_faked_offloading, sh
     """tests/test_megatron_gpu.py's steps on the CPU: two chained TEGroupedMLPs, warm-up and
     steady-state steps under Megatron's offloading (x's storage freed after fc1, reloaded for
     backward) give bitwise the results of the same steps without it; no weight in the hooks."""
-    from megatron_steps import T, H, check_ours, run_steps, summary
+    from support.megatron_steps import T, H, check_ours, run_steps, summary
 
     ref = run_steps("fd", offload=False, shard=shard, device="cpu")
     got = run_steps("fd", offload=True, shard=shard, device="cpu")

@@ -68,7 +68,7 @@ import torch.distributed as dist  # noqa: E402
 
 from functional_dw import distributed as fdd  # noqa: E402
 
-from megatron_steps import H, T, check_ours, differences, record, run_steps, summary  # noqa: E402
+from support.megatron_steps import H, T, check_ours, differences, record, run_steps, summary  # noqa: E402
 
 
 # --- one rank, in this process ---------------------------------------------------------------

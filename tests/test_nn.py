@@ -1,14 +1,16 @@
-"""functional_dw.nn.Linear / GroupedLinear: TE's parameter names, TE state dicts, and a
-forward/backward that is the functional call."""
+"""functional_dw.nn.Linear / GroupedLinear: TE's parameter names, TE state dicts, a
+forward/backward that is the functional call, and sizes taken as torch.nn takes them."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import functional_dw as fdw
-from conftest import PathRecorder, assert_close, assert_same, ref_grouped
+from conftest import PathRecorder, assert_close, assert_same
+from helpers import ref_grouped
 
 E, K, N, SPLITS = 3, 4, 8, [2, 0, 4]
 T = sum(SPLITS)
@@ -185,3 +187,20 @@ def test_compiled_output_made_by_a_reshape_can_be_modified_in_place():
     assert_close(y, F.linear(x.double(), m.weight.double(), m.bias.double()) + r.double(), torch.float32)
     assert_close(m.weight.grad, _reference_grads([m.weight], lambda p: F.linear(x.double(), p[0]).sum())[0],
                  torch.float32)
+
+
+# --- sizes: zero in_features, numpy ints, as torch.nn takes them -------------------------------
+
+def test_zero_in_features_like_torch():
+    lin = fdw.nn.Linear(0, 4)
+    ref = torch.nn.Linear(0, 4)
+    y = lin(torch.randn(3, 0))
+    assert y.shape == ref(torch.randn(3, 0)).shape == (3, 4)
+    torch.testing.assert_close(y, lin.bias.expand(3, 4))
+    g = fdw.nn.GroupedLinear(2, 0, 4)
+    assert g(torch.randn(3, 0), [1, 2]).shape == (3, 4)
+
+
+def test_nn_sizes_take_numpy_ints_like_torch():
+    lin, grp = fdw.nn.Linear(np.int64(16), np.int32(8)), fdw.nn.GroupedLinear(np.int64(4), 16, np.int64(8))
+    assert lin.weight.shape == (8, 16) and type(grp.num_gemms) is int and grp(torch.randn(6, 16), [2, 0, 3, 1]).shape == (6, 8)

@@ -1,4 +1,5 @@
-"""Numerics of both layers on the reference backend against a float64 reference."""
+"""Numerics of both layers on the reference backend against a float64 reference; bias grads in
+the layer's dtype at fp32 accuracy."""
 
 from __future__ import annotations
 
@@ -9,20 +10,15 @@ import torch
 import torch.nn.functional as F
 
 import functional_dw as fd
-from conftest import assert_close, assert_same, ref_grouped, reference
+from conftest import assert_close, assert_same, reference
+from helpers import gen, grouped_inputs, ref_grouped
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 PATHS = [False, True, None]
 
 
 def _make(E, K, N, splits, dtype, bias=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    T = sum(splits)
-    x = torch.randn(T, K, generator=g).to(dtype).requires_grad_()
-    ws = [(torch.randn(N, K, generator=g) / K**0.5).to(dtype).requires_grad_() for _ in range(E)]
-    bs = [torch.randn(N, generator=g).to(dtype).requires_grad_() for _ in range(E)] if bias else None
-    dy = torch.randn(T, N, generator=g).to(dtype)
-    return x, ws, bs, dy
+    return grouped_inputs(splits, K, N, experts=E, seed=seed, dtype=dtype, w_div=K**0.5, bias=bias, grad=True)
 
 
 def _grads(y, inputs, dy):
@@ -160,3 +156,24 @@ def test_device_only_splits_are_made_memory_safe():
     assert s.ends(torch.int32).tolist() == [7, 7] and s.on_device().tolist() == [7, 0]
     host = Splits(host=(3, 0, 7), tensor=None, device=torch.device("cpu"), num_tokens=10, num_experts=3)
     assert host.ends().tolist() == [3, 3, 10] and host.on_device().tolist() == [3, 0, 7]
+
+
+# --- bias grads: the layer's dtype, fp32 accuracy ----------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bias_grads_keep_the_layer_dtype_and_fp32_accuracy(dtype):
+    g = gen(3)
+    x = torch.randn(64, 8, generator=g).to(dtype)
+    dy = (torch.randn(64, 4, generator=g) * 100).to(dtype)
+    w, b = torch.randn(4, 8, generator=g).to(dtype), torch.zeros(4, dtype=dtype)
+    want = dy.double().sum(0)
+    y, res = fd.linear_fwd(x, w, b)
+    _, db = fd.linear_bwd_wgrad(res, dy)
+    assert db.dtype == dtype
+    torch.testing.assert_close(db.double(), want.to(dtype).double(), rtol=0, atol=0)
+    splits = [30, 34]
+    y, res = fd.grouped_linear_fwd(x, [w, w], splits, torch.zeros(2, 4, dtype=dtype))
+    _, db = fd.grouped_linear_bwd_wgrad(res, dy)
+    assert db.dtype == dtype
+    want = torch.stack([d.double().sum(0) for d in dy.split(splits)]).to(dtype)
+    torch.testing.assert_close(db.double(), want.double(), rtol=0, atol=0)

@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 import functional_dw as fd  # noqa: E402
-from conftest import CopyCounter, assert_close, assert_same, ref_grouped, reference  # noqa: E402
+from conftest import CopyCounter, assert_close, assert_same, reference  # noqa: E402
+from helpers import draws, grouped_module, ref_grouped  # noqa: E402
 from functional_dw.kernels import packed, te_available  # noqa: E402
 from functional_dw.kernels.torch_ref import TORCH  # noqa: E402
 
@@ -53,9 +54,7 @@ def _skip_unless_runs(backend: str, grouped: bool) -> None:
 
 
 def _module(backend, grouped, experts, **kw):
-    torch.manual_seed(0)
-    return fd.nn.GroupedLinear(experts, K, N, params_dtype=BF16, device=DEV, use_grouped_tensor=grouped,
-                               backend=backend, **kw)
+    return grouped_module(experts, K, N, params_dtype=BF16, device=DEV, use_grouped_tensor=grouped, backend=backend, **kw)
 
 
 def _splits(sizes, grouped):
@@ -63,9 +62,8 @@ def _splits(sizes, grouped):
 
 
 def _inputs(sizes, seed=1):
-    g = torch.Generator(device=DEV).manual_seed(seed)
     T = sum(sizes)
-    return torch.randn(T, K, device=DEV, generator=g).to(BF16), torch.randn(T, N, device=DEV, generator=g).to(BF16)
+    return tuple(draws((T, K), (T, N), seed=seed, dtype=BF16, device=DEV))
 
 
 def _step(layer, x, splits, dy):

@@ -1,4 +1,5 @@
-"""Kernels obey the plan; the plan cache's contract; custom_vjp's ``nondiff_argnums``.
+"""Kernels obey the plan; the plan cache's contract; custom_vjp's ``nondiff_argnums``; which
+kernel runs (grouped_mm on the grouped path only) and the fallback warning's text and line.
 
 NOTE: [Plan once, run lean] (``functional_dw/plan.py``): ``grouped_linear`` decides its GEMM
 path once, in ``grouped_linear._plan``; the layer routes products under transforms in one
@@ -19,15 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import re
 import threading
+import warnings
 from unittest import mock
 
 import pytest
 import torch
-from conftest import FakeDW, ref_grouped
+from conftest import FakeDW
+from helpers import randn, ref_grouped
 
 import functional_dw as fd
 from functional_dw import fp8
@@ -1165,3 +1169,64 @@ def test_nondiff_argnums_out_of_range_refused_at_call():
         f(x, w, Opts(1.0))
     with pytest.raises(TypeError, match=re.escape("custom_vjp(far): nondiff_argnums=(5,)")):
         torch.func.grad(lambda x: f(x, w, Opts(1.0)).sum())(x.detach())
+
+
+# --- which kernel runs: grouped_mm on the grouped path only; the fallback warning --------------
+# (The first three written to kill mutants of the reference kernels, with these sizes.)
+GMM_SPLITS = (2, 0, 3)
+GMM_E, GMM_N, GMM_T = 3, 4, sum(GMM_SPLITS)
+_rand = functools.partial(randn, dtype=torch.float64, draw_dtype=None)  # (drawn in the given dtype)
+
+
+@pytest.mark.parametrize("path", [True, False], ids=["grouped", "split"])
+def test_path_decides_whether_grouped_mm_runs(path):
+    calls = []
+    real = ref_mod._torch_grouped_mm
+
+    def spy(a, b, offs):
+        calls.append(a.shape)
+        return real(a, b, offs=offs)
+
+    x, dy = _rand(GMM_T, 16, seed=1, dtype=torch.float32), _rand(GMM_T, 16, seed=2, dtype=torch.float32)
+    ws = [_rand(16, 16, seed=3 + e, dtype=torch.float32, grad=True) for e in range(GMM_E)]
+    with mock.patch.object(ref_mod, "_torch_grouped_mm", spy):
+        y, res = fd.grouped_linear_fwd(x, ws, list(GMM_SPLITS), use_grouped_tensor=path)
+        dx, dws, _ = fd.grouped_linear_bwd(res, dy)
+    assert res.path == ("grouped" if path else "split")
+    assert len(calls) == (3 if path else 0)  # fprop, dgrad, wgrad
+    torch.testing.assert_close(y, ref_grouped(x, ws, GMM_SPLITS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, torch.cat([d @ w for d, w in zip(dy.split(list(GMM_SPLITS)), ws)]), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_kernels_name_themselves():
+    assert repr(TorchKernels()) == "TorchKernels()" and TorchKernels.name == "torch"
+
+
+def test_grouped_path_fallback_warning_says_why(monkeypatch):
+    monkeypatch.setattr(ref_mod, "_PATH_VERDICTS", {})  # a verdict cached by an earlier test would hide the message
+    x, ws = _rand(GMM_T, 0, dtype=torch.float32), [_rand(GMM_N, 0, dtype=torch.float32) for _ in range(GMM_E)]
+    with pytest.warns(UserWarning, match=r"^grouped_linear: use_grouped_tensor=True but grouped_mm takes no zero-size "
+                                         r"features; running the split path$"):
+        y = fd.grouped_linear(x, ws, list(GMM_SPLITS), use_grouped_tensor=True)
+    assert torch.equal(y, torch.zeros(GMM_T, GMM_N))
+
+
+WARN_SPLITS = [2, 0, 3, 1]
+WARN_E, WARN_T, WARN_N = len(WARN_SPLITS), sum(WARN_SPLITS), 8
+
+
+def test_fallback_warning_points_at_the_callers_line():
+    x = torch.randn(WARN_T, 3)  # 3 fp32 features: 12-byte rows, the grouped path cannot run
+    ws = [torch.randn(WARN_N, 3, requires_grad=True) for _ in range(WARN_E)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fd.grouped_linear(x, ws, WARN_SPLITS, use_grouped_tensor=True)  # <- this line
+        line = __import__("inspect").currentframe().f_lineno - 1
+    (w,) = [c for c in caught if "use_grouped_tensor=True" in str(c.message)]
+    assert w.filename == __file__ and w.lineno == line
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fd.nn.GroupedLinear(WARN_E, 3, WARN_N, use_grouped_tensor=True)(x, WARN_SPLITS)  # <- this line
+        line = __import__("inspect").currentframe().f_lineno - 1
+    (w,) = [c for c in caught if "use_grouped_tensor=True" in str(c.message)]
+    assert w.filename == __file__ and w.lineno == line

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import functional_dw as fd
-from conftest import BWD_SCALE, FWD_SCALE, STALE, FakeDW, PathRecorder, assert_close, ref_grouped, reference
+from conftest import BWD_SCALE, FWD_SCALE, STALE, FakeDW, PathRecorder, assert_close, reference
+from helpers import grouped_inputs, ref_grouped
 from functional_dw.kernels import Splits
 
 SPLITS = [3, 0, 5, 2]
@@ -16,10 +17,7 @@ E, T, K, N = len(SPLITS), sum(SPLITS), 16, 8
 
 
 def _data(dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, K, generator=g).to(dtype)
-    ws = [(torch.randn(N, K, generator=g) / 4).to(dtype) for _ in range(E)]
-    dy = torch.randn(T, N, generator=g).to(dtype)
+    x, ws, _, dy = grouped_inputs(SPLITS, K, N, seed=seed, dtype=dtype, w_div=4, bias=False)
     return x, ws, dy
 
 

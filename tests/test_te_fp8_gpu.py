@@ -22,6 +22,7 @@ tensor, how many elements differ, the largest difference, the first differing el
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 from collections import Counter
@@ -38,6 +39,7 @@ import functional_dw as fd  # noqa: E402
 from functional_dw import fp8  # noqa: E402
 from functional_dw.kernels import Splits  # noqa: E402
 from functional_dw.kernels.te import TE  # noqa: E402
+from helpers import randn  # noqa: E402
 from transformer_engine.common import recipe as te_recipes  # noqa: E402
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: E402
 
@@ -90,9 +92,7 @@ def needs_grouped(recipe) -> None:
         pytest.skip(f"TE grouped-tensor path unavailable: {why}")
 
 
-def randn(*shape, dtype=BF16, scale=1.0, seed=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
+randn = functools.partial(randn, dtype=BF16, device=DEV)
 
 
 def splits_arg(sizes, grouped: bool):

@@ -1,6 +1,9 @@
 """The TE backend on a GPU: bitwise parity with te.Linear / te.GroupedLinear on both grouped
 paths, E > 64 experts, no host sync, fused main_grad, CUDA graphs, dtype fallback, and
-DistributedWeight hooks under saved-tensor hooks. Skips cleanly without CUDA or TE.
+DistributedWeight hooks under saved-tensor hooks; and ordinary uses that once crashed or were
+silently wrong: any layout gives the contiguous run's bits, a strided main_grad, partly frozen
+groups with fused wgrad, main_grad dtypes, inference tensors, fake CUDA tensors. Skips cleanly
+without CUDA or TE.
 
 Shapes stay small (K, N multiples of 64; T up to a few thousand): the file runs in seconds.
 """
@@ -8,6 +11,7 @@ Shapes stay small (K, N multiples of 64; T up to a few thousand): the file runs 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections import Counter
 
@@ -20,7 +24,8 @@ if not torch.cuda.is_available():
 te = pytest.importorskip("transformer_engine.pytorch", reason="needs Transformer Engine for PyTorch")
 
 import functional_dw as fd  # noqa: E402
-from conftest import assert_close  # noqa: E402
+from conftest import assert_close, assert_same  # noqa: E402
+from helpers import grouped_inputs, randn  # noqa: E402
 from functional_dw.kernels.te import TE  # noqa: E402
 
 BF16, DEV = torch.bfloat16, "cuda"
@@ -47,9 +52,7 @@ def needs_grouped(dtype=BF16) -> None:
         pytest.skip(f"TE grouped-tensor path unavailable: {why}")
 
 
-def randn(*shape, dtype=BF16, scale=1.0, seed=None):
-    g = torch.Generator(device=DEV).manual_seed(seed) if seed is not None else None
-    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
+randn = functools.partial(randn, seed=None, dtype=BF16, device=DEV)  # (seed=None: torch's global generator)
 
 
 def splits_arg(sizes, grouped: bool):
@@ -484,3 +487,139 @@ def test_retain_graph_twice_on_grouped_path_under_hooks():
         equal(a, 2 * b, f"wgrad[{e}] x2")
     for a, b in zip(twice["db"], once["db"]):
         torch.testing.assert_close(a, 2 * b)
+
+
+# --- any layout, strided main_grad, partly frozen groups, inference tensors, fake CUDA tensors ---
+
+
+def _paths():
+    """Both paths where TE's grouped path runs, else the split path only; with
+    FDW_EXPECT_GROUPED=1 both (the grouped cases then fail in needs_grouped(): it must run)."""
+    why = grouped_unavailable()
+    return [False, True] if why is None or os.environ.get("FDW_EXPECT_GROUPED") == "1" else [False]
+
+
+PATHS = _paths()
+
+
+def _data(experts=E, sizes=SIZES, seed=0):
+    return grouped_inputs(sizes, K, N, experts=experts, seed=seed, dtype=BF16, w_div=16, device=DEV)
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values, column-major (a transposed copy viewed back)."""
+    return t.t().contiguous().t() if t.dim() == 2 else t[None].expand(2, *t.shape)[1]
+
+
+def _run(x, ws, bs, dy, sizes, path, fuse=False, main_grads=None):
+    if path:
+        needs_grouped()
+    x = x.detach().clone().requires_grad_()
+    params = [w.detach().requires_grad_() for w in ws]
+    biases = [b.detach().requires_grad_() for b in bs]
+    for p, mg in zip(params, main_grads or []):
+        p.main_grad = mg
+    splits = torch.tensor(sizes, device=DEV) if path else list(sizes)
+    y, res = fd.grouped_linear_fwd(x, params, splits, biases, use_grouped_tensor=path, backend="te",
+                                   fuse_wgrad_accumulation=fuse)
+    assert res.path == ("grouped" if path else "split") and res.kernels.name == "te"
+    dx, dws, dbs = fd.grouped_linear_bwd(res, dy)
+    return y, dx, dws, dbs
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("operand", ["x", "weights", "bias", "dy"])
+def test_te_any_layout_gives_the_contiguous_bits(path, operand):
+    x, ws, bs, dy = _data()
+    want = _run(x, ws, bs, dy, SIZES, path)
+    if operand == "x":
+        x = _strided(x)
+    elif operand == "weights":
+        ws = [_strided(w) for w in ws]
+    elif operand == "bias":
+        bs = [_strided(b) for b in bs]
+    else:
+        dy = _strided(dy)
+    got = _run(x, ws, bs, dy, SIZES, path)
+    for a, b in zip(got[:2], want[:2]):
+        assert_same(a, b, operand)
+    assert_same(list(got[2]), list(want[2]), f"{operand}: dW")
+    assert_same(list(got[3]), list(want[3]), f"{operand}: db")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("experts", [4, 70])
+def test_te_strided_main_grad_accumulates_into_the_callers_tensor(path, experts):
+    sizes = [T // experts] * experts
+    sizes[0] += T - sum(sizes)
+    x, ws, bs, dy = _data(experts, sizes)
+    dense = [torch.full((N, K), 0.25, device=DEV) for _ in range(experts)]
+    strided = [torch.full((K, N), 0.25, device=DEV).t() for _ in range(experts)]
+    _run(x, ws, bs, dy, sizes, path, fuse=True, main_grads=dense)
+    _run(x, ws, bs, dy, sizes, path, fuse=True, main_grads=strided)
+    for a, b in zip(strided, dense):
+        assert not a.is_contiguous()
+        assert_same(a.contiguous(), b, "main_grad")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_te_partly_frozen_group_with_fused_wgrad(path):
+    if path:
+        needs_grouped()
+    x, ws, bs, dy = _data()
+    params = [w.detach().requires_grad_(e != 2) for e, w in enumerate(ws)]
+    for e, p in enumerate(params):
+        if e != 2:
+            p.main_grad = torch.zeros(N, K, device=DEV)
+    params[2].main_grad = torch.full((N, K), 7.0, device=DEV)  # frozen: untouched
+    splits = torch.tensor(SIZES, device=DEV) if path else SIZES
+    y = fd.grouped_linear(x, params, splits, fuse_wgrad_accumulation=True, use_grouped_tensor=path, backend="te")
+    y.backward(dy)
+    assert_same(params[2].main_grad, torch.full((N, K), 7.0, device=DEV))
+    for e in (0, 1, 3):
+        xe = x.float().split(SIZES)[e]
+        dye = dy.float().split(SIZES)[e]
+        torch.testing.assert_close(params[e].main_grad, dye.T @ xe, rtol=1e-2, atol=1e-2)
+
+
+def test_te_refuses_a_float64_main_grad():
+    x, ws, _, dy = _data()
+    w = ws[0].detach().requires_grad_()
+    w.main_grad = torch.zeros(N, K, dtype=torch.float64, device=DEV)
+    y = fd.linear(x, w, fuse_wgrad_accumulation=True, backend="te")
+    with pytest.raises(TypeError, match="main_grad is torch.float64, but backend='te'"):
+        y.backward(dy)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_te_inference_weights(path):
+    if path:
+        needs_grouped()
+    with torch.inference_mode():
+        x, ws, bs, _ = _data()
+        mod = fd.nn.GroupedLinear(E, K, N, params_dtype=BF16, device=DEV, use_grouped_tensor=path, backend="te")
+    splits = torch.tensor(SIZES, device=DEV) if path else SIZES
+    with torch.inference_mode():
+        y = fd.grouped_linear(x, ws, splits, bs, use_grouped_tensor=path, backend="te")
+        ym = mod(x, splits)
+    with torch.no_grad():
+        y2 = fd.grouped_linear(x.clone(), [w.clone() for w in ws], splits, [b.clone() for b in bs],
+                               use_grouped_tensor=path, backend="te")
+    assert_same(y, y2)
+    assert ym.shape == (T, N) and ym.grad_fn is None
+
+
+def test_fake_cuda_tensors_get_shapes_from_te_ops():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if True in PATHS:
+        needs_grouped()
+    with FakeTensorMode():
+        x = torch.empty(T, K, dtype=BF16, device=DEV, requires_grad=True)
+        ws = [torch.empty(N, K, dtype=BF16, device=DEV, requires_grad=True) for _ in range(E)]
+        for path in PATHS:
+            y = fd.grouped_linear(x, ws, SIZES, use_grouped_tensor=path)
+            assert y.shape == (T, N) and y.device.type == "cuda"
+            y.sum().backward()
+        assert x.grad.shape == (T, K) and ws[0].grad.shape == (N, K)
+        assert fd.linear(x, ws[0]).shape == (T, N)

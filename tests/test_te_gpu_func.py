@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from compile_cases import GraphCounter
+from support.compile_cases import GraphCounter
 
 import functional_dw as fd
 

@@ -73,7 +73,7 @@ def test_traced_kernels_compile_once_for_every_routing(ops, dtype, path, form, d
     symbolic sizes), with the reference standing in for TE: one graph for ten routings (two for
     a list with dynamic=None), the te_* ops in it, eager numerics (see tests/test_compile_gpu.py
     for the real kernels)."""
-    from compile_cases import check_routings, make_model, max_graphs
+    from support.compile_cases import check_routings, make_model, max_graphs
 
     model = make_model("layer", dtype, "cpu", path, True, ops.TRACED_TE)
     counter = check_routings(model, form, dynamic, "cpu")

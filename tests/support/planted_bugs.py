@@ -1,7 +1,7 @@
 """Plant small, realistic bugs one at a time and run the CPU suite against each.
 
-    python tests/planted_bugs.py            # all bugs; prints a table, exits 1 if one survives
-    python tests/planted_bugs.py 2 5        # some of them
+    python tests/support/planted_bugs.py    # all bugs; prints a table, exits 1 if one survives
+    python tests/support/planted_bugs.py 2 5  # some of them
 
 Each bug is a one-line edit of the library, applied to a copy of the tree in a temporary
 folder (the checkout is never touched); the suite runs there with ``-x`` (stop at the first
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 BUGS = [  # (name, file, original line fragment, planted fragment)
     ("main_grad from a bf16 product (Linear)", "functional_dw/kernels/torch_ref.py",
@@ -59,7 +59,7 @@ def run(index: int | None) -> tuple[str, bool, float, str]:
     a collection error or anything else that is not a failing test is the harness's fault."""
     name, rel, old, new = BUGS[index] if index is not None else ("(no bug)", "pyproject.toml", "", "")
     with tempfile.TemporaryDirectory() as tmp:
-        for part in ("functional_dw", "tests", "pyproject.toml"):
+        for part in ("functional_dw", "tests", "benchmarks", "pyproject.toml"):  # (test_fp8_train_script loads benchmarks/)
             src = ROOT / part
             (shutil.copytree if src.is_dir() else shutil.copy)(src, Path(tmp) / part)
         path = Path(tmp) / rel

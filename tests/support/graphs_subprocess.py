@@ -2,7 +2,7 @@
 a capture that CUDA invalidates (the process may not be fit to go on afterwards), and an NCCL
 process group (global state, and a hang must not take the test session with it).
 
-    python tests/graphs_subprocess.py save_on_cpu_capture | sharded_nccl
+    python tests/support/graphs_subprocess.py save_on_cpu_capture | sharded_nccl
 
 Prints one JSON line (``RESULT {...}``) and exits 0 when the case behaved as documented."""
 

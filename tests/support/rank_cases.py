@@ -1,5 +1,7 @@
-"""The probe tests' harness: named check functions run in every rank of one launch, each
-case's assertion failure collected (so the ranks stay in step) and reported as its own test."""
+"""Cases that run in every rank of one launch (CPU, gloo, 2 ranks): named check functions,
+each case's assertion failure collected (so the ranks stay in step) and reported as its own
+test; and the data the cases share (a two-layer expert MLP's full weights, each rank's tokens).
+Used by test_distributed_overlap.py."""
 
 from __future__ import annotations
 
@@ -11,13 +13,13 @@ import torch.distributed as dist
 
 import functional_dw as fd
 from functional_dw import distributed as fdd
+from helpers import randn
 
-H, F, E = 8, 12, 3  # hidden, ffn, experts of the probes' two-layer expert MLP
+H, F, E = 8, 12, 3  # hidden, ffn, experts of the cases' two-layer expert MLP
 
 
 def rnd(*shape: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=torch.float64) / 4
+    return randn(*shape, seed=seed, dtype=torch.float64, draw_dtype=None, scale=0.25)
 
 
 def data() -> tuple:
@@ -69,8 +71,9 @@ def assert_steps_equal(outs: dict, why: str) -> None:
         assert torch.equal(a, b), f"step {step}: output differs {why}"
 
 
-def make_probe_tests(cases: dict[str, Callable[[], None]]) -> tuple:
-    """A probe module's fixture and test, one test per case: ``results, test_probeN = make_probe_tests(CASES)``."""
+def make_rank_case_tests(cases: dict[str, Callable[[], None]]) -> tuple:
+    """A module's fixture and test, one test per case (all cases in one launch):
+    ``results, test_name = make_rank_case_tests(CASES)``."""
 
     @pytest.fixture(scope="module")
     def results() -> list[dict]:

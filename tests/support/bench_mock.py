@@ -8,7 +8,7 @@ import types
 
 import torch
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # this checkout's package
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))  # this checkout's package
 import functional_dw as fd  # noqa: E402
 gl, ll = sys.modules["functional_dw.grouped_linear"], sys.modules["functional_dw.linear"]
 from functional_dw.kernels import get_kernels as real_get  # noqa: E402
@@ -77,7 +77,7 @@ ao, ao_proto, ao_moe = (types.ModuleType(n) for n in ("torchao", "torchao.protot
 ao_moe._to_fp8_rowwise_then_scaled_grouped_mm = fake_ao_gmm
 ao.prototype, ao_proto.moe_training = ao_proto, ao_moe
 sys.modules.update({"torchao": ao, "torchao.prototype": ao_proto, "torchao.prototype.moe_training": ao_moe})
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench  # noqa: E402
 import bench_sections  # noqa: E402
 import bench_timing  # noqa: E402

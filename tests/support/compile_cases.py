@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 
 import torch
-import torch.nn.functional as F
 from torch._dynamo.backends.registry import lookup_backend
 
 from conftest import TOL
+from helpers import ExpertMLP
 from functional_dw import nn as fnn
 
 E, K, N, T = 4, 16, 32, 12
@@ -48,22 +48,11 @@ class GraphCounter:
         return lookup_backend(self.inner)(gm, example_inputs)
 
 
-class ExpertMLP(torch.nn.Module):
-    """Two GroupedLinear layers with an activation between: an MoE expert block."""
-
-    def __init__(self, bias: bool, **kw):
-        super().__init__()
-        self.fc1 = fnn.GroupedLinear(E, K, N, bias, **kw)
-        self.fc2 = fnn.GroupedLinear(E, N, K, bias, **kw)
-
-    def forward(self, x, splits):
-        return self.fc2(F.gelu(self.fc1(x, splits)), splits)
-
-
 def make_model(kind: str, dtype, device, path, bias, backend):
+    """A GroupedLinear (``kind="layer"``) or an ExpertMLP of two (K -> N -> K), from seed 0."""
     torch.manual_seed(0)
-    kw = dict(params_dtype=dtype, device=device, use_grouped_tensor=path, backend=backend)
-    return fnn.GroupedLinear(E, K, N, bias, **kw) if kind == "layer" else ExpertMLP(bias, **kw)
+    kw = dict(bias=bias, params_dtype=dtype, device=device, use_grouped_tensor=path, backend=backend)
+    return fnn.GroupedLinear(E, K, N, **kw) if kind == "layer" else ExpertMLP(E, K, N, **kw)
 
 
 def step(model, x, splits):

@@ -5,7 +5,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # the checkout: tests/support/fake_te/../../..
+sys.path[:0] = [HERE, ROOT]
 
 import torch  # noqa: E402
 import torch.utils._pytree as pytree  # noqa: E402
@@ -16,7 +17,7 @@ from functional_dw.kernels import Splits  # noqa: E402
 from functional_dw.kernels import te as te_mod  # noqa: E402
 from functional_dw.kernels import te_fp8  # noqa: E402
 
-assert te_mod.__file__.startswith(os.path.dirname(os.path.dirname(HERE))), "not this checkout's functional_dw"
+assert te_mod.__file__.startswith(ROOT), "not this checkout's functional_dw"
 TE = te_mod.TE
 TE.prepare = lambda *a, **k: None  # no CUDA workspaces
 te_fp8._env = lambda t: ((9, 0), 131000, (12, 9))  # an H200, for CPU tensors
