@@ -1,4 +1,4 @@
-"""CUDA graphs on a GPU (README "CUDA graphs"): a whole expert-MLP step (grouped_linear, GELU,
+"""CUDA graphs on a GPU (docs/cuda-graphs.md): a whole expert-MLP step (grouped_linear, GELU,
 grouped_linear; forward and backward) captured with ``functional_dw.graphs.graph_step`` or per
 module with ``torch.cuda.make_graphed_callables``, replayed with new tokens and new routings
 copied into the static splits tensor, against eager runs of the same values. Also: the grads'
@@ -505,7 +505,7 @@ def test_torch_make_graphed_callables_grads_alias_its_buffers():
         graphed(xi.clone().requires_grad_(), si).backward(dyi)
         ref(xi.clone().requires_grad_(), si.clone()).backward(dyi)
     w, w_ref = m.fc1.weights()[0], ref.fc1.weights()[0]
-    assert not torch.equal(w.grad, w_ref.grad), "torch's make_graphed_callables now accumulates correctly: update the README"
+    assert not torch.equal(w.grad, w_ref.grad), "torch's make_graphed_callables now accumulates correctly: update docs/cuda-graphs.md"
 
 
 def test_make_graphed_callables_with_fused_main_grad():
