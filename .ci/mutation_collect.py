@@ -26,8 +26,16 @@ except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
 
 ROOT = Path(__file__).resolve().parents[1]
 # What mutmut 3 copies besides source_paths and also_copy (mutmut/configuration.py, load_config).
-MUTMUT_ALSO_COPY = ["tests/", "test/", "setup.cfg", "pyproject.toml", "uv.lock", "poetry.lock", "Pipfile.lock",
-                    "pdm.lock"]
+MUTMUT_ALSO_COPY = [
+    "tests/",
+    "test/",
+    "setup.cfg",
+    "pyproject.toml",
+    "uv.lock",
+    "poetry.lock",
+    "Pipfile.lock",
+    "pdm.lock",
+]
 
 
 def mutmut_config() -> dict:
@@ -55,8 +63,20 @@ def lay_out(cfg: dict, dest: Path) -> list[str]:
 
 def pytest_args(cfg: dict) -> list[str]:
     """mutmut's stats run (runners/harness.py: execute_pytest around _pytest_args_regular_run), collect only."""
-    return ["--rootdir=.", "--tb=native", "-x", "-q", "-p", "no:randomly", "-p", "no:random-order", "--collect-only",
-            *cfg.get("pytest_add_cli_args_test_selection", []), *cfg.get("tests_dir", []), *cfg.get("pytest_add_cli_args", [])]
+    return [
+        "--rootdir=.",
+        "--tb=native",
+        "-x",
+        "-q",
+        "-p",
+        "no:randomly",
+        "-p",
+        "no:random-order",
+        "--collect-only",
+        *cfg.get("pytest_add_cli_args_test_selection", []),
+        *cfg.get("tests_dir", []),
+        *cfg.get("pytest_add_cli_args", []),
+    ]
 
 
 def main() -> int:
@@ -71,8 +91,10 @@ def main() -> int:
     lines = run.stdout.strip().splitlines()
     if run.returncode != 0:
         print(run.stdout[-6000:], run.stderr[-3000:], sep="\n")
-        print(f"FAILED: bash .ci/mutation's test selection does not collect in mutmut's layout (pytest exit "
-              f"{run.returncode}); add what the tests read to also_copy in [tool.mutmut], or leave them out there")
+        print(
+            f"FAILED: bash .ci/mutation's test selection does not collect in mutmut's layout (pytest exit "
+            f"{run.returncode}); add what the tests read to also_copy in [tool.mutmut], or leave them out there"
+        )
     else:
         print(f"mutation selection collects: {lines[-1] if lines else '?'}")
     return run.returncode

@@ -10,8 +10,10 @@ KILLED = {1, 3, 36, -24, 24, 152, 255, -9, -11}  # failed, pytest internal error
 rows, survivors, unchecked = [], [], 0
 for meta in sorted(pathlib.Path("mutants").rglob("*.py.meta")):
     codes = json.loads(meta.read_text())["exit_code_by_key"]
-    c = collections.Counter("killed" if v in KILLED else "survived" if v in (0, 5, 33) else
-                            "unchecked" if v is None else f"other {v}" for v in codes.values())
+    c = collections.Counter(
+        "killed" if v in KILLED else "survived" if v in (0, 5, 33) else "unchecked" if v is None else f"other {v}"
+        for v in codes.values()
+    )
     survivors += sorted(k for k, v in codes.items() if v in (0, 5, 33))
     unchecked += c["unchecked"]
     checked = sum(c.values()) - c["unchecked"]

@@ -1,5 +1,6 @@
 """A/B on a CUDA machine: host microseconds of the device splits' bookkeeping, one Triton
 launch vs the torch ops, alone and inside a launch-bound fd.grouped_linear step (auto path)."""
+
 import torch
 
 import functional_dw as fd

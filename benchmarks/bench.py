@@ -66,13 +66,22 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="few shapes per section (about a third of the full run's time)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script, measures nothing")
-    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections to run, of {','.join(SECTIONS)}")
+    p.add_argument(
+        "--only", default=",".join(SECTIONS), help=f"comma-separated sections to run, of {','.join(SECTIONS)}"
+    )
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--fp8-configs", default="", help="fp8 section: only these TE recipe/path rows, e.g. "
-                   "'delayed split,block grouped' (default: all)")
-    p.add_argument("--budget", type=float, default=450,
-                   help="seconds for the whole run (default 450; 0: none): fp8 and grouped shapes that would start later are "
-                        "skipped, and listed in the results")
+    p.add_argument(
+        "--fp8-configs",
+        default="",
+        help="fp8 section: only these TE recipe/path rows, e.g. 'delayed split,block grouped' (default: all)",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=450,
+        help="seconds for the whole run (default 450; 0: none): fp8 and grouped shapes that would start later are "
+        "skipped, and listed in the results",
+    )
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench"))
     args = p.parse_args(argv)
     only = [s for s in args.only.split(",") if s]
@@ -90,16 +99,28 @@ def main(argv=None):
     torch.manual_seed(0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"date": datetime.date.today().isoformat(), "card": torch.cuda.get_device_name(), "versions": versions(tex),
-            "quick": args.quick, "smoke": args.smoke, "sections": only, "budget_s": args.budget}
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "card": torch.cuda.get_device_name(),
+        "versions": versions(tex),
+        "quick": args.quick,
+        "smoke": args.smoke,
+        "sections": only,
+        "budget_s": args.budget,
+    }
     result = {"meta": meta}
     clock = Clock(args.budget or None, out, result)
     print(meta, flush=True)
     samples = clock.section("dense_samples", lambda: dense_samples(args.smoke, te is not None, 1))
-    runs = {"host": lambda: host_rows(args, te), "linear": lambda: linear_rows(args, te),
-            "offload": lambda: offload_rows(args, te), "frozen": lambda: frozen_rows(args, te),
-            "graphed": lambda: graphed_rows(args, te), "fp8": lambda: fp8_rows(args, te, clock),
-            "grouped": lambda: grouped_rows(args, te, clock)}
+    runs = {
+        "host": lambda: host_rows(args, te),
+        "linear": lambda: linear_rows(args, te),
+        "offload": lambda: offload_rows(args, te),
+        "frozen": lambda: frozen_rows(args, te),
+        "graphed": lambda: graphed_rows(args, te),
+        "fp8": lambda: fp8_rows(args, te, clock),
+        "grouped": lambda: grouped_rows(args, te, clock),
+    }
     for name in SECTIONS:
         result[name] = clock.section(name, runs[name]) if name in only else None
     end = clock.section("dense_samples_end", lambda: dense_samples(args.smoke, te is not None, 2))

@@ -33,14 +33,19 @@ def make_splits(E, T, kind, seed=0):
         return base
     g = torch.Generator().manual_seed(seed)
     w = torch.tensor([1.0 / (r + 1) ** 1.2 for r in range(E)])
-    w[-max(1, E // 8):] = 0.0  # the coldest experts get nothing
+    w[-max(1, E // 8) :] = 0.0  # the coldest experts get nothing
     counts = torch.multinomial(w / w.sum(), T, replacement=True, generator=g).bincount(minlength=E)
     return counts[torch.randperm(E, generator=g)].tolist()
 
 
 def make_inputs(T, H, FF, n=2):
-    return [(torch.randn(T, H, device=bench_timing.DEV, dtype=BF16, requires_grad=True), torch.randn(T, FF, device=bench_timing.DEV, dtype=BF16))
-            for _ in range(n)]
+    return [
+        (
+            torch.randn(T, H, device=bench_timing.DEV, dtype=BF16, requires_grad=True),
+            torch.randn(T, FF, device=bench_timing.DEV, dtype=BF16),
+        )
+        for _ in range(n)
+    ]
 
 
 # --- implementations (each a step(inputs) for forward+backward) ------------------------------
@@ -51,6 +56,7 @@ def grads_step(forward, params):
         x, dy = inp
         y = forward(x)
         return torch.autograd.grad(y, [x, *params], dy)
+
     return step
 
 
@@ -63,7 +69,12 @@ def if_runs(step, T, H, FF):
     """``step`` if one forward+backward runs, else the reason (TE's grouped path beyond 64
     experts; torch's grouped GEMM backward where the build lacks it)."""
     try:
-        step((torch.randn(T, H, device=bench_timing.DEV, dtype=BF16, requires_grad=True), torch.randn(T, FF, device=bench_timing.DEV, dtype=BF16)))
+        step(
+            (
+                torch.randn(T, H, device=bench_timing.DEV, dtype=BF16, requires_grad=True),
+                torch.randn(T, FF, device=bench_timing.DEV, dtype=BF16),
+            )
+        )
         return step
     except Exception as e:  # noqa: BLE001
         return reason(e)
@@ -94,8 +105,15 @@ class Layer:
         if self.te is None:
             return "n/a: Transformer Engine is not installed"
         try:
-            m = self.te.GroupedLinear(self.E, self.H, self.FF, bias=False, params_dtype=BF16, device=bench_timing.DEV,
-                                      use_grouped_tensor=grouped)
+            m = self.te.GroupedLinear(
+                self.E,
+                self.H,
+                self.FF,
+                bias=False,
+                params_dtype=BF16,
+                device=bench_timing.DEV,
+                use_grouped_tensor=grouped,
+            )
             with torch.no_grad():
                 for e in range(self.E):
                     getattr(m, f"weight{e}").copy_(self.w_ENK[e])
@@ -113,11 +131,17 @@ class Layer:
     def fd_forward(self, backend, grouped, layout):
         arg = self.split_arg(grouped)
         if layout == "stacked":
-            return (lambda x, frozen=False: fd.grouped_linear(x, self.w_ENK.detach() if frozen else self.w_ENK, arg,
-                                                              backend=backend, use_grouped_tensor=grouped)), [self.w_ENK]
+            return (
+                lambda x, frozen=False: fd.grouped_linear(
+                    x, self.w_ENK.detach() if frozen else self.w_ENK, arg, backend=backend, use_grouped_tensor=grouped
+                )
+            ), [self.w_ENK]
         ws = self.mod.weights()
-        return (lambda x, frozen=False: fd.grouped_linear(x, [w.detach() for w in ws] if frozen else ws, arg,
-                                                          backend=backend, use_grouped_tensor=grouped)), ws
+        return (
+            lambda x, frozen=False: fd.grouped_linear(
+                x, [w.detach() for w in ws] if frozen else ws, arg, backend=backend, use_grouped_tensor=grouped
+            )
+        ), ws
 
     def fd_step(self, backend, grouped, layout):
         if backend == "te" and self.te is None:
@@ -130,6 +154,7 @@ class Layer:
                 ws = self.mod.weights()
                 y = fd.grouped_linear(x, ws, arg, backend=backend, use_grouped_tensor=grouped)
                 return torch.autograd.grad(y, [x, *ws], dy)
+
             return step
         fwd, params = self.fd_forward(backend, grouped, layout)
         return grads_step(fwd, params)
@@ -145,12 +170,22 @@ class Layer:
         gm = getattr(torch, "_grouped_mm", None)
         if gm is None:
             return f"n/a: torch {torch.__version__} has no _grouped_mm"
-        return if_runs(grads_step(lambda x: gm(x, self.w_ENK.transpose(-2, -1), offs=self.offs), [self.w_ENK]),
-                        self.T, self.H, self.FF)
+        return if_runs(
+            grads_step(lambda x: gm(x, self.w_ENK.transpose(-2, -1), offs=self.offs), [self.w_ENK]),
+            self.T,
+            self.H,
+            self.FF,
+        )
 
 
-FD_NAMES = ["fd auto stacked", "fd auto list", "fd te grouped stacked", "fd te grouped list", "fd te split stacked",
-            "fd te split list"]
+FD_NAMES = [
+    "fd auto stacked",
+    "fd auto list",
+    "fd te grouped stacked",
+    "fd te grouped list",
+    "fd te split stacked",
+    "fd te split list",
+]
 FD_PATHS = {"fd auto": ("auto", None), "fd te grouped": ("te", True), "fd te split": ("te", False)}
 PEER_NAMES = ["te grouped", "te split", "torch._grouped_mm", "torch._grouped_mm (autograd)", "torch.mm loop"]
 GROUPED_NAMES = FD_NAMES + PEER_NAMES
@@ -173,6 +208,7 @@ def impls_grouped(layer: Layer) -> dict:
             gm(x, w.transpose(-2, -1), offs=offs)
             gm(dy, w, offs=offs)
             gm(dy.t(), x, offs=offs)
+
         out["torch._grouped_mm"] = torch_gm
     out["torch._grouped_mm (autograd)"] = layer.gm_autograd_step()
     ws, sizes = layer.mod.weights(), layer.splits
@@ -181,5 +217,6 @@ def impls_grouped(layer: Layer) -> dict:
         x, dy = inp
         for e, (xe, de) in enumerate(zip(x.split(sizes), dy.split(sizes))):
             xe @ ws[e].t(), de @ ws[e], de.t() @ xe
+
     out["torch.mm loop"] = mm_loop
     return out

@@ -76,6 +76,7 @@ def _torchao_gmm():
     B_t [E, K, N] column-major, offs int32 group ends)``), or why not."""
     try:
         from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm as f
+
         return f
     except Exception as e:  # noqa: BLE001
         return f"n/a: torchao not importable ({str(e).splitlines()[0][:80] if str(e) else type(e).__name__})"
@@ -99,6 +100,7 @@ def fp8_impls(layer: Layer, te, configs) -> dict:
         with torch.no_grad():  # versions change, so the next step quantizes them again
             for w in ws:
                 w.add_(0)
+
     out["fd rowwise new weights"] = ((lambda x: fd.grouped_linear(x, ws, layer.splits_dev, recipe=rowwise)), ws, bump)
     for kind, grouped in configs:
         tag, arg = fp8_tag(kind, grouped), layer.split_arg(grouped)
@@ -106,11 +108,19 @@ def fp8_impls(layer: Layer, te, configs) -> dict:
             out[f"fd {tag}"] = out[f"te {tag}"] = "n/a: Transformer Engine is not installed"
             continue
         try:
-            r = {"delayed": fp8.DelayedScaling, "current": fp8.Float8CurrentScaling, "block": fp8.Float8BlockScaling}[kind]()
+            r = {"delayed": fp8.DelayedScaling, "current": fp8.Float8CurrentScaling, "block": fp8.Float8BlockScaling}[
+                kind
+            ]()
             state = fp8.init_state(r, num_gemms=layer.E, device=bench_timing.DEV) if kind == "delayed" else None
-            out[f"fd {tag}"] = ((lambda x, r=r, state=state, arg=arg, grouped=grouped: fd.grouped_linear(
-                x, ws, arg, backend="te", use_grouped_tensor=grouped, recipe=r, fp8_state=state)), ws,
-                (lambda r=r, state=state: fp8.update_state_(state, r)) if state is not None else None)
+            out[f"fd {tag}"] = (
+                (
+                    lambda x, r=r, state=state, arg=arg, grouped=grouped: fd.grouped_linear(
+                        x, ws, arg, backend="te", use_grouped_tensor=grouped, recipe=r, fp8_state=state
+                    )
+                ),
+                ws,
+                (lambda r=r, state=state: fp8.update_state_(state, r)) if state is not None else None,
+            )
         except Exception as e:  # noqa: BLE001
             out[f"fd {tag}"] = reason(e)
         try:
@@ -125,13 +135,16 @@ def fp8_impls(layer: Layer, te, configs) -> dict:
             def te_fwd(x, m=m, tr=tr, arg=arg):
                 with _te_autocast(te, tr):
                     return m(x, arg)
+
             out[f"te {tag}"] = (te_fwd, list(m.parameters()), None)
         except Exception as e:  # noqa: BLE001
             out[f"te {tag}"] = reason(e)
     fwd, params = layer.fd_forward("auto", None, "list")
     out["bf16 fd auto"] = (fwd, params, None)
     m = layer.te_mods[True]
-    out["bf16 te grouped"] = m if isinstance(m, str) else ((lambda x, m=m: m(x, layer.splits_dev)), list(m.parameters()), None)
+    out["bf16 te grouped"] = (
+        m if isinstance(m, str) else ((lambda x, m=m: m(x, layer.splits_dev)), list(m.parameters()), None)
+    )
     f = _torchao_gmm()
     if isinstance(f, str):
         out["torchao fp8 rowwise"] = f
@@ -139,11 +152,19 @@ def fp8_impls(layer: Layer, te, configs) -> dict:
         import inspect
 
         try:
-            kw = {"pad_token_groups_for_grouped_mm": False} if "pad_token_groups_for_grouped_mm" in inspect.signature(f).parameters else {}
+            kw = (
+                {"pad_token_groups_for_grouped_mm": False}
+                if "pad_token_groups_for_grouped_mm" in inspect.signature(f).parameters
+                else {}
+            )
         except (TypeError, ValueError):
             kw = {}
         w = layer.w_ENK  # B_t = w^T: [E, K, N] with strides (N*K, 1, K), the column-major layout torchao asks for
-        out["torchao fp8 rowwise"] = ((lambda x: f(x, w.transpose(-2, -1), layer.offs, out_dtype=BF16, **kw)), [w], None)
+        out["torchao fp8 rowwise"] = (
+            (lambda x: f(x, w.transpose(-2, -1), layer.offs, out_dtype=BF16, **kw)),
+            [w],
+            None,
+        )
     return out
 
 
@@ -154,6 +175,7 @@ def fp8_step(fwd, params, after):
         if after is not None:
             after()
         return g
+
     return step
 
 
@@ -161,8 +183,18 @@ def _packed_bytes(t) -> int:
     """Bytes of one packed tensor; a quantized tensor subclass (TE's Float8Tensor...) counts its
     data and scales, not its nominal dtype."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        inner = [getattr(t, a, None) for a in ("_data", "_transpose", "_rowwise_data", "_columnwise_data", "_scale_inv",
-                                               "_rowwise_scale_inv", "_columnwise_scale_inv")]
+        inner = [
+            getattr(t, a, None)
+            for a in (
+                "_data",
+                "_transpose",
+                "_rowwise_data",
+                "_columnwise_data",
+                "_scale_inv",
+                "_rowwise_scale_inv",
+                "_columnwise_scale_inv",
+            )
+        ]
         inner = [u for u in inner if isinstance(u, torch.Tensor)]
         if inner:
             return sum(u.numel() * u.element_size() for u in inner)
@@ -189,8 +221,13 @@ class Fp8PackCounter:
 def fp8_hook_bytes(layer: Layer, impls: dict, inputs) -> dict:
     """Bytes through a saved-tensor pack hook for one forward (then backward) per implementation."""
     out = {}
-    cases = {"bf16 fd te split": ((lambda x: fd.grouped_linear(x, layer.mod.weights(), layer.splits, backend="te",
-                                                               use_grouped_tensor=False)), layer.mod.weights(), None)}
+    cases = {
+        "bf16 fd te split": (
+            (lambda x: fd.grouped_linear(x, layer.mod.weights(), layer.splits, backend="te", use_grouped_tensor=False)),
+            layer.mod.weights(),
+            None,
+        )
+    }
     m = layer.te_mods[False]
     cases["bf16 te split"] = m if isinstance(m, str) else ((lambda x: m(x, layer.splits)), list(m.parameters()), None)
     cases |= {n: v for n, v in impls.items() if n.startswith(("fd ", "te "))}
@@ -207,8 +244,12 @@ def fp8_hook_bytes(layer: Layer, impls: dict, inputs) -> dict:
             torch.autograd.grad(y, [x, *params], dy)
             if after is not None:
                 after()
-            out[name] = {"hook_tensors": c.count, "hook_bytes": c.bytes, "param_bytes": c.param_bytes,
-                         "types": sorted(c.types)}
+            out[name] = {
+                "hook_tensors": c.count,
+                "hook_bytes": c.bytes,
+                "param_bytes": c.param_bytes,
+                "types": sorted(c.types),
+            }
         except Exception as e:  # noqa: BLE001
             out[name] = reason(e)
     base = out.get("bf16 fd te split")
@@ -224,13 +265,22 @@ def _fd_path(layer, kind, grouped):
     from functional_dw import fp8
 
     try:
-        r = {"delayed": fp8.DelayedScaling, "current": fp8.Float8CurrentScaling, "block": fp8.Float8BlockScaling}[kind]()
+        r = {"delayed": fp8.DelayedScaling, "current": fp8.Float8CurrentScaling, "block": fp8.Float8BlockScaling}[
+            kind
+        ]()
         st = fp8.init_state(r, num_gemms=layer.E, device=bench_timing.DEV) if kind == "delayed" else None
         x = torch.zeros(layer.T, layer.H, device=bench_timing.DEV, dtype=BF16)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return fd.grouped_linear_fwd(x, layer.mod.weights(), layer.split_arg(grouped), backend="te",
-                                         use_grouped_tensor=grouped, recipe=r, fp8_state=st)[1].path
+            return fd.grouped_linear_fwd(
+                x,
+                layer.mod.weights(),
+                layer.split_arg(grouped),
+                backend="te",
+                use_grouped_tensor=grouped,
+                recipe=r,
+                fp8_state=st,
+            )[1].path
     except Exception as e:  # noqa: BLE001
         return reason(e)
 
@@ -241,7 +291,9 @@ def fp8_rows(args, te, clock):
     GEMM next to them; balanced splits (multiples of 128 tokens per expert); and the bytes through
     a saved-tensor hook at one shape."""
     rows, hooks, configs = [], None, fp8_configs(args)
-    for (E, H, FF, T), kind in [(shape, k) for shape in fp8_shapes(args) for k in (FP8_SPLITS if not args.smoke else ("balanced",))]:
+    for (E, H, FF, T), kind in [
+        (shape, k) for shape in fp8_shapes(args) for k in (FP8_SPLITS if not args.smoke else ("balanced",))
+    ]:
         if clock.over():
             clock.skipped.append(f"fp8 E={E} hidden={H} ffn={FF} tokens={T} {kind}")
             continue
@@ -252,7 +304,10 @@ def fp8_rows(args, te, clock):
         flops = 3 * 2 * T * H * FF
         impls = fp8_impls(layer, te, configs)
         if hooks is None and ((E, H, FF, T) == FP8_HOOK_SHAPE or args.smoke):
-            hooks = {"shape": {"E": E, "hidden": H, "ffn": FF, "tokens": T}, "results": fp8_hook_bytes(layer, impls, inputs)}
+            hooks = {
+                "shape": {"E": E, "hidden": H, "ffn": FF, "tokens": T},
+                "results": fp8_hook_bytes(layer, impls, inputs),
+            }
             clock.save("fp8", {"rows": rows, "hook_bytes": hooks})
         res, steps = {}, {}
         for name, impl in impls.items():
@@ -286,9 +341,15 @@ def fp8_rows(args, te, clock):
         res["fd path"] = {fp8_tag(k, g): _fd_path(layer, k, g) for k, g in configs} if te is not None else {}
         rows.append({"E": E, "hidden": H, "ffn": FF, "tokens": T, "splits": kind, "results": res})
         clock.save("fp8", {"rows": rows, "hook_bytes": hooks})
-        print("fp8", E, H, FF, T, {k: (v["tflops"] if isinstance(v, dict) and "tflops" in v else v) for k, v in res.items()},
-              flush=True)
+        print(
+            "fp8",
+            E,
+            H,
+            FF,
+            T,
+            {k: (v["tflops"] if isinstance(v, dict) and "tflops" in v else v) for k, v in res.items()},
+            flush=True,
+        )
         del layer, inputs, impls, steps
         torch.cuda.empty_cache()
     return {"rows": rows, "hook_bytes": hooks}
-

@@ -21,8 +21,7 @@ import functional_dw as fd
 from functional_dw.graphs import graph_step
 
 import bench_timing
-from bench_contenders import (FD_PATHS, Layer, grads_step, if_runs, impls_grouped, make_inputs, make_splits,
-                              reason)
+from bench_contenders import FD_PATHS, Layer, grads_step, if_runs, impls_grouped, make_inputs, make_splits, reason
 from bench_timing import BF16, TIMING, backward_times, cuda_times, host_times, ms_tflops
 
 
@@ -34,14 +33,19 @@ def grouped_shapes(args):
         return [(4, 64, 64, 256), (80, 64, 64, 160)]
     if args.quick:
         return [(8, 4096, 2048, 16384), (32, 4096, 1536, 32768), (128, 2048, 1536, 65536)]
-    full = [(E, 4096, FF, T) for T in (8192, 32768, 65536) for E in (8, 32, 128) for FF in (1536, 4096)
-            if not (E == 128 and FF == 4096 and T == 65536)]
+    full = [
+        (E, 4096, FF, T)
+        for T in (8192, 32768, 65536)
+        for E in (8, 32, 128)
+        for FF in (1536, 4096)
+        if not (E == 128 and FF == 4096 and T == 65536)
+    ]
     return full[:12] + [(64, 4096, 1536, 32768)] + full[12:] + [(128, 2048, 1536, 65536)]  # by token count
 
 
 def grouped_rows(args, te, clock):
     rows = []
-    for (E, H, FF, T) in grouped_shapes(args):
+    for E, H, FF, T in grouped_shapes(args):
         if clock.over():
             clock.skipped.append(f"grouped E={E} hidden={H} ffn={FF} tokens={T}")
             continue
@@ -56,46 +60,84 @@ def grouped_rows(args, te, clock):
             for name, ms in timed.items():
                 res[name] = ms_tflops(flops, ms)
             x0 = inputs[0][0]
-            res["chosen"] = {"te, use_grouped_tensor=None": _te_choice(x0, E, FF, H, splits, te),
-                             "auto": _auto_choice(x0, E, FF, H, splits)}
-            rows.append({"E": E, "hidden": H, "ffn": FF, "tokens": T, "splits": kind,
-                         "zero_experts": sum(s == 0 for s in splits), "results": res})
+            res["chosen"] = {
+                "te, use_grouped_tensor=None": _te_choice(x0, E, FF, H, splits, te),
+                "auto": _auto_choice(x0, E, FF, H, splits),
+            }
+            rows.append(
+                {
+                    "E": E,
+                    "hidden": H,
+                    "ffn": FF,
+                    "tokens": T,
+                    "splits": kind,
+                    "zero_experts": sum(s == 0 for s in splits),
+                    "results": res,
+                }
+            )
             clock.save("grouped", rows)
-            print(E, H, FF, T, kind, {k: (v["tflops"] if isinstance(v, dict) and "tflops" in v else v) for k, v in res.items()}, flush=True)
+            print(
+                E,
+                H,
+                FF,
+                T,
+                kind,
+                {k: (v["tflops"] if isinstance(v, dict) and "tflops" in v else v) for k, v in res.items()},
+                flush=True,
+            )
             del inputs, layer, impls
             torch.cuda.empty_cache()
     return rows
 
 
-
 def _auto_choice(x, E, FF, H, splits):
-    y, res = fd.grouped_linear_fwd(x.detach(), torch.empty(E, FF, H, device=bench_timing.DEV, dtype=BF16), torch.tensor(splits, device=bench_timing.DEV), backend="auto")
+    y, res = fd.grouped_linear_fwd(
+        x.detach(),
+        torch.empty(E, FF, H, device=bench_timing.DEV, dtype=BF16),
+        torch.tensor(splits, device=bench_timing.DEV),
+        backend="auto",
+    )
     return f"{res.kernels.name} {res.path}"
 
 
 def _te_choice(x, E, FF, H, splits, te):
     if te is None:
         return "n/a"
-    return fd.grouped_linear_fwd(x.detach(), [torch.empty(FF, H, device=bench_timing.DEV, dtype=BF16)] * E,
-                                 torch.tensor(splits, device=bench_timing.DEV), backend="te")[1].path
+    return fd.grouped_linear_fwd(
+        x.detach(),
+        [torch.empty(FF, H, device=bench_timing.DEV, dtype=BF16)] * E,
+        torch.tensor(splits, device=bench_timing.DEV),
+        backend="te",
+    )[1].path
 
 
 # --- frozen experts (backward alone) ----------------------------------------------------------
 
 
 FROZEN_CASES = ("trainable", "frozen weights", "x without grad")
-FROZEN_NAMES = ["fd auto stacked", "fd te grouped list", "fd te split list", "te grouped", "te split",
-                "torch._grouped_mm (autograd)"]
+FROZEN_NAMES = [
+    "fd auto stacked",
+    "fd te grouped list",
+    "fd te split list",
+    "te grouped",
+    "te split",
+    "torch._grouped_mm (autograd)",
+]
 
 
 def frozen_rows(args, te):
     """Backward time (forward outside the timed region) with frozen weights (requires_grad=False;
     x requires grad: no wgrad GEMM) and with an x that needs no grad (no dgrad GEMM), vs
     trainable, per implementation."""
-    shapes = [(4, 64, 64, 256)] if args.smoke else [(32, 4096, 1536, 32768)] if args.quick else [
-        (32, 4096, 1536, 32768), (8, 4096, 4096, 32768)]
+    shapes = (
+        [(4, 64, 64, 256)]
+        if args.smoke
+        else [(32, 4096, 1536, 32768)]
+        if args.quick
+        else [(32, 4096, 1536, 32768), (8, 4096, 4096, 32768)]
+    )
     rows = []
-    for (E, H, FF, T) in shapes:
+    for E, H, FF, T in shapes:
         splits = make_splits(E, T, "balanced")
         layer = Layer(E, H, FF, splits, te, frozen_te=True)
         inputs = make_inputs(T, H, FF)
@@ -148,8 +190,9 @@ def frozen_rows(args, te):
             if isinstance(r, dict):
                 for case in FROZEN_CASES[1:]:
                     ok = isinstance(r.get(case), float) and isinstance(r.get("trainable"), float)
-                    r[f"{case} / trainable"] = ("n/a" if not ok else round(r[case] / r["trainable"], 3) if r["trainable"] > 0
-                                                else "-")
+                    r[f"{case} / trainable"] = (
+                        "n/a" if not ok else round(r[case] / r["trainable"], 3) if r["trainable"] > 0 else "-"
+                    )
         rows.append({"E": E, "hidden": H, "ffn": FF, "tokens": T, "results": res})
         print("frozen", E, H, FF, T, res, flush=True)
         del layer, inputs, cases
@@ -160,8 +203,14 @@ def frozen_rows(args, te):
 # --- CUDA graphs -------------------------------------------------------------------------------
 
 
-GRAPHED_NAMES = ["fd auto stacked", "fd te grouped list", "fd te split list", "te grouped", "te split",
-                 "torch._grouped_mm (autograd)"]
+GRAPHED_NAMES = [
+    "fd auto stacked",
+    "fd te grouped list",
+    "fd te split list",
+    "te grouped",
+    "te split",
+    "torch._grouped_mm (autograd)",
+]
 
 
 def graphed_step(step, T, H, FF):
@@ -181,10 +230,15 @@ def graphed_rows(args, te):
     """Eager vs graph replay of a whole forward+backward (the replay includes copying the new
     x and dy into the graph's static inputs) at launch-bound shapes. Host splits on the split
     paths are baked into the graph (this benchmark's routing is fixed)."""
-    shapes = [(4, 64, 64, 256)] if args.smoke else [(8, 128, 128, 64), (32, 4096, 1536, 8192)] if args.quick else [
-        (8, 128, 128, 64), (8, 4096, 1536, 8192), (32, 4096, 1536, 8192), (128, 4096, 1536, 8192)]
+    shapes = (
+        [(4, 64, 64, 256)]
+        if args.smoke
+        else [(8, 128, 128, 64), (32, 4096, 1536, 8192)]
+        if args.quick
+        else [(8, 128, 128, 64), (8, 4096, 1536, 8192), (32, 4096, 1536, 8192), (128, 4096, 1536, 8192)]
+    )
     rows = []
-    for (E, H, FF, T) in shapes:
+    for E, H, FF, T in shapes:
         splits = make_splits(E, T, "balanced")
         layer = Layer(E, H, FF, splits, te)
         impls = impls_grouped(layer)
@@ -212,8 +266,15 @@ def graphed_rows(args, te):
                 r["graph"] = ms_tflops(flops, timed[f"{name} (graph)"])
                 r["graph / eager"] = round(r["graph"]["ms"] / r["eager"]["ms"], 3) if r["eager"]["ms"] > 0 else "-"
         rows.append({"E": E, "hidden": H, "ffn": FF, "tokens": T, "results": res})
-        print("graphed", E, H, FF, T, {k: (v.get("graph / eager") if isinstance(v, dict) else v) for k, v in res.items()},
-              flush=True)
+        print(
+            "graphed",
+            E,
+            H,
+            FF,
+            T,
+            {k: (v.get("graph / eager") if isinstance(v, dict) else v) for k, v in res.items()},
+            flush=True,
+        )
         del layer, impls, steps, inputs
         torch.cuda.empty_cache()
     return rows
@@ -224,8 +285,13 @@ def graphed_rows(args, te):
 
 def linear_rows(args, te):
     rows = []
-    for (T, K, N) in ([(64, 64, 64)] if args.smoke else [(8192, 4096, 4096)] if args.quick
-                      else [(8192, 4096, 4096), (8192, 8192, 28672)]):
+    for T, K, N in (
+        [(64, 64, 64)]
+        if args.smoke
+        else [(8192, 4096, 4096)]
+        if args.quick
+        else [(8192, 4096, 4096), (8192, 8192, 28672)]
+    ):
         w = torch.nn.Parameter(torch.randn(N, K, device=bench_timing.DEV, dtype=BF16) * 0.02)
         steps = {"fd linear (te)": grads_step(lambda x: fd.linear(x, w, backend="te" if te else None), [w])}
         if te is not None:
@@ -233,7 +299,13 @@ def linear_rows(args, te):
             with torch.no_grad():
                 m.weight.copy_(w)
             steps["te.Linear"] = grads_step(m, [m.weight])
-        inputs = [(torch.randn(T, K, device=bench_timing.DEV, dtype=BF16, requires_grad=True), torch.randn(T, N, device=bench_timing.DEV, dtype=BF16)) for _ in range(2)]
+        inputs = [
+            (
+                torch.randn(T, K, device=bench_timing.DEV, dtype=BF16, requires_grad=True),
+                torch.randn(T, N, device=bench_timing.DEV, dtype=BF16),
+            )
+            for _ in range(2)
+        ]
         timed = cuda_times(steps, inputs, repeats=args.repeats)
         res = {name: ms_tflops(3 * 2 * T * K * N, ms) for name, ms in timed.items()}
         rows.append({"tokens": T, "in": K, "out": N, "results": res})
@@ -241,8 +313,16 @@ def linear_rows(args, te):
     return rows
 
 
-HOST_NAMES = ["fd auto", "fd te grouped", "fd te split", "fd linear (te)", "te grouped", "te split", "te.Linear",
-              "torch._grouped_mm (autograd)"]
+HOST_NAMES = [
+    "fd auto",
+    "fd te grouped",
+    "fd te split",
+    "fd linear (te)",
+    "te grouped",
+    "te split",
+    "te.Linear",
+    "torch._grouped_mm (autograd)",
+]
 
 
 def host_rows(args, te):
@@ -262,11 +342,17 @@ def host_rows(args, te):
         if te is None:
             steps[f"fd te {tag}"] = steps[f"te {tag}"] = "n/a: Transformer Engine is not installed"
             continue
-        m = fd.nn.GroupedLinear(E, H, FF, bias=False, params_dtype=BF16, device=bench_timing.DEV, use_grouped_tensor=grouped, backend="te")
+        m = fd.nn.GroupedLinear(
+            E, H, FF, bias=False, params_dtype=BF16, device=bench_timing.DEV, use_grouped_tensor=grouped, backend="te"
+        )
         steps[f"fd te {tag}"] = grads_step(lambda x, m=m, arg=arg: m(x, arg), list(m.parameters()))
         try:
-            tm = te.GroupedLinear(E, H, FF, bias=False, params_dtype=BF16, device=bench_timing.DEV, use_grouped_tensor=grouped)
-            steps[f"te {tag}"] = if_runs(grads_step(lambda x, m=tm, arg=arg: m(x, arg), list(tm.parameters())), T, H, FF)
+            tm = te.GroupedLinear(
+                E, H, FF, bias=False, params_dtype=BF16, device=bench_timing.DEV, use_grouped_tensor=grouped
+            )
+            steps[f"te {tag}"] = if_runs(
+                grads_step(lambda x, m=tm, arg=arg: m(x, arg), list(tm.parameters())), T, H, FF
+            )
         except Exception as e:  # noqa: BLE001
             steps[f"te {tag}"] = reason(e)
     lin = fd.nn.Linear(H, FF, bias=False, params_dtype=BF16, device=bench_timing.DEV, backend="te" if te else None)
@@ -277,13 +363,16 @@ def host_rows(args, te):
     gm = getattr(torch, "_grouped_mm", None)
     if gm is not None:
         offs = splits_dev.cumsum(0).to(torch.int32)
-        steps["torch._grouped_mm (autograd)"] = if_runs(grads_step(lambda x: gm(x, w_ENK.transpose(-2, -1), offs=offs), [w_ENK]), T, H, FF)
+        steps["torch._grouped_mm (autograd)"] = if_runs(
+            grads_step(lambda x: gm(x, w_ENK.transpose(-2, -1), offs=offs), [w_ENK]), T, H, FF
+        )
     for name in ("fd auto", "fd te grouped", "te grouped", "torch._grouped_mm (autograd)"):
         if callable(steps.get(name)):
             steps[f"{name} (graph)"] = graphed_step(steps[name], T, H, FF)
     runnable = {n: s for n, s in steps.items() if callable(s)}
-    res = host_times(runnable, (x.detach().clone().requires_grad_(), dy),
-                     **(dict(iters=3, blocks=2, warmup=1) if args.smoke else {}))
+    res = host_times(
+        runnable, (x.detach().clone().requires_grad_(), dy), **(dict(iters=3, blocks=2, warmup=1) if args.smoke else {})
+    )
     res |= {n: s for n, s in steps.items() if not callable(s)}
     print("host us", res, flush=True)
     return res
@@ -323,17 +412,21 @@ def offload_rows(args, te):
         def off(inp, step=step):
             with torch.autograd.graph.save_on_cpu(pin_memory=True):
                 step(inp)
+
         offloaded[name] = off
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         step(inputs[0])
         torch.cuda.synchronize()
-        out[name] = {"hook_tensors": c.count, "hook_bytes": c.bytes, "peak_mem_bytes": torch.cuda.max_memory_allocated() - base}
+        out[name] = {
+            "hook_tensors": c.count,
+            "hook_bytes": c.bytes,
+            "peak_mem_bytes": torch.cuda.max_memory_allocated() - base,
+        }
     plain = cuda_times(steps, inputs, repeats=args.repeats)
     off_ms = cuda_times(offloaded, inputs, repeats=max(5, args.repeats // 2))
     for name in impls:
         out[name].update(ms=round(plain[name], 3), ms_save_on_cpu=round(off_ms[name], 3))
     print("offload", out, flush=True)
     return {"shape": {"E": E, "hidden": H, "ffn": FF, "tokens": T}, "results": out}
-

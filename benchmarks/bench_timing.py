@@ -51,7 +51,7 @@ def cuda_times(steps: dict, inputs, warmup=None, repeats=15, burst=None) -> dict
     torch.cuda.synchronize()
     times = {n: [] for n in names}
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for j in range(burst):
@@ -73,7 +73,9 @@ def backward_times(cases: dict, inputs, warmup=2, repeats=15) -> dict:
         x, dy = inputs[i % len(inputs)]
         x = x if x_grad else x.detach()
         y = fwd(x)
-        start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if timed else (None, None)
+        start, end = (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if timed else (None, None)
+        )
         if timed:
             start.record()
         torch.autograd.grad(y, wrt(x), dy)
@@ -87,7 +89,7 @@ def backward_times(cases: dict, inputs, warmup=2, repeats=15) -> dict:
     torch.cuda.synchronize()
     times = {n: [] for n in names}
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             start, end = run(name, r, True)
             end.synchronize()
             times[name].append(start.elapsed_time(end))
@@ -152,8 +154,12 @@ def _cublaslt_loaded() -> tuple[int | None, str | None]:
 
 def versions(tex) -> dict:
     """torch, CUDA, TE and cuBLASLt versions (cuBLASLt as TE reports it and as loaded in this process)."""
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "te": _te_version() if tex is not None else None,
-           "cublaslt_te": tex.get_cublasLt_version() if tex is not None else None}
+    out = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "te": _te_version() if tex is not None else None,
+        "cublaslt_te": tex.get_cublasLt_version() if tex is not None else None,
+    }
     if torch.cuda.is_available():  # a GEMM on CUDA loads cuBLAS(Lt), whatever device the run times
         torch.zeros(8, 8, device="cuda", dtype=BF16) @ torch.zeros(8, 8, device="cuda", dtype=BF16)
     out["cublaslt_loaded"], out["cublaslt_path"] = _cublaslt_loaded()
@@ -168,15 +174,27 @@ def dense_samples(smoke: bool, have_te: bool, round_: int) -> list[dict]:
     n = 256 if smoke else 8192
     shapes = [("torch mm TN", n, n, n), ("torch mm NN", n, n, n)]
     if not smoke:
-        shapes += [("torch mm TN", 16384, 16384, 16384), ("torch mm TN", 8192, 4096, 4096),
-                   ("torch mm NN", 8192, 4096, 4096), ("torch mm NT", 4096, 4096, 8192)]
+        shapes += [
+            ("torch mm TN", 16384, 16384, 16384),
+            ("torch mm TN", 8192, 4096, 4096),
+            ("torch mm NN", 8192, 4096, 4096),
+            ("torch mm NT", 4096, 4096, 8192),
+        ]
     if have_te:
         shapes += [("te gemm TN", n, n, n)] + ([] if smoke else [("te gemm TN", 8192, 4096, 4096)])
     out = []
     for name, M, N, K in shapes:  # out [M, N] from a [M, K] and b [N, K] (TN) / [K, N] (NN); NT: a^T [K, M]
         try:
-            a = torch.randn(K, M, device=DEV, dtype=BF16) if name.endswith("NT") else torch.randn(M, K, device=DEV, dtype=BF16)
-            b = torch.randn(K, N, device=DEV, dtype=BF16) if name.endswith(("NN", "NT")) else torch.randn(N, K, device=DEV, dtype=BF16)
+            a = (
+                torch.randn(K, M, device=DEV, dtype=BF16)
+                if name.endswith("NT")
+                else torch.randn(M, K, device=DEV, dtype=BF16)
+            )
+            b = (
+                torch.randn(K, N, device=DEV, dtype=BF16)
+                if name.endswith(("NN", "NT"))
+                else torch.randn(N, K, device=DEV, dtype=BF16)
+            )
             if name.startswith("te"):
                 from functional_dw.kernels.te import TE
 
@@ -188,8 +206,17 @@ def dense_samples(smoke: bool, have_te: bool, round_: int) -> list[dict]:
             else:
                 step = lambda _: a.t() @ b  # noqa: E731
             ms = cuda_time(step, [None], warmup=1 if smoke else 5, repeats=2 if smoke else 20)
-            out.append({"gemm": name, "M": M, "N": N, "K": K, "round": round_, "ms": round(ms, 4),
-                        "tflops": round(2 * M * N * K / ms / 1e9, 1)})
+            out.append(
+                {
+                    "gemm": name,
+                    "M": M,
+                    "N": N,
+                    "K": K,
+                    "round": round_,
+                    "ms": round(ms, 4),
+                    "tflops": round(2 * M * N * K / ms / 1e9, 1),
+                }
+            )
         except Exception as e:  # noqa: BLE001
             out.append({"gemm": name, "M": M, "N": N, "K": K, "round": round_, "error": str(e).splitlines()[0][:120]})
         finally:
@@ -233,4 +260,3 @@ class Clock:
         print(f"--- {name}: {self.elapsed[name]} s (total {time.monotonic() - self.t0:.0f} s)", flush=True)
         self.save(name, value)
         return value
-

@@ -36,8 +36,13 @@ import torch.nn.functional as F
 from functional_dw import fp8
 from functional_dw.nn import GroupedLinear
 
-RECIPES = {"rowwise": "RowwiseScaling", "current": "Float8CurrentScaling", "block": "Float8BlockScaling",
-           "delayed": "DelayedScaling", "none": None}  # --recipe -> the class in functional_dw.fp8
+RECIPES = {
+    "rowwise": "RowwiseScaling",
+    "current": "Float8CurrentScaling",
+    "block": "Float8BlockScaling",
+    "delayed": "DelayedScaling",
+    "none": None,
+}  # --recipe -> the class in functional_dw.fp8
 ALIGN = 16  # FP8 GEMMs need each expert's token count to be a multiple of 16
 NOISE = 0.01  # std of the noise added to the teacher's targets
 SMOOTH = 10  # window of the moving averages, and the number of final steps averaged
@@ -47,8 +52,9 @@ GAP_FROM = 50  # first step whose gap counts
 class ExpertMLP(torch.nn.Module):
     """fc1 (hidden -> ffn), GELU, fc2 (ffn -> hidden), one GEMM per expert in each."""
 
-    def __init__(self, experts: int, hidden: int, ffn: int, recipe: fp8.Recipe | None, device: torch.device,
-                 backend: str | None) -> None:
+    def __init__(
+        self, experts: int, hidden: int, ffn: int, recipe: fp8.Recipe | None, device: torch.device, backend: str | None
+    ) -> None:
         super().__init__()
         kw = dict(bias=False, params_dtype=torch.bfloat16, device=device, recipe=recipe, backend=backend)
         self.fc1 = GroupedLinear(experts, hidden, ffn, **kw)
@@ -85,7 +91,7 @@ def teacher(x: torch.Tensor, w1: list[torch.Tensor], w2: list[torch.Tensor], spl
 
 def moving_average(curve: torch.Tensor, window: int) -> torch.Tensor:
     """Trailing mean over the last ``window`` points (fewer at the start); NaN stays NaN."""
-    return torch.stack([curve[max(0, i + 1 - window): i + 1].mean() for i in range(len(curve))])
+    return torch.stack([curve[max(0, i + 1 - window) : i + 1].mean() for i in range(len(curve))])
 
 
 def summarize(loss_bf16: list[float], loss_fp8: list[float]) -> dict:
@@ -95,8 +101,13 @@ def summarize(loss_bf16: list[float], loss_fp8: list[float]) -> dict:
     start = min(GAP_FROM, len(a) // 2)
     ref = moving_average(a, SMOOTH)
     gaps = (moving_average(b, SMOOTH) - ref).abs() / ref
-    return dict(max_rel_gap=gaps[start:].max().item(), gap_from_step=start, smoothing_window=SMOOTH,
-                final_bf16=a[-SMOOTH:].mean().item(), final_fp8=b[-SMOOTH:].mean().item())
+    return dict(
+        max_rel_gap=gaps[start:].max().item(),
+        gap_from_step=start,
+        smoothing_window=SMOOTH,
+        final_bf16=a[-SMOOTH:].mean().item(),
+        final_fp8=b[-SMOOTH:].mean().item(),
+    )
 
 
 def train(args: argparse.Namespace, recipe: fp8.Recipe | None) -> tuple[list[float], list[float]]:
@@ -106,8 +117,8 @@ def train(args: argparse.Namespace, recipe: fp8.Recipe | None) -> tuple[list[flo
     g = torch.Generator().manual_seed(args.seed)
     splits, rows = route(args.tokens, E, 1 if args.unaligned else ALIGN, g)
     rows = rows.to(device)
-    w1 = [(torch.randn(F_, H, generator=g) / H ** 0.5).to(device) for _ in range(E)]
-    w2 = [(torch.randn(H, F_, generator=g) / F_ ** 0.5).to(device) for _ in range(E)]
+    w1 = [(torch.randn(F_, H, generator=g) / H**0.5).to(device) for _ in range(E)]
+    w2 = [(torch.randn(H, F_, generator=g) / F_**0.5).to(device) for _ in range(E)]
     torch.manual_seed(args.seed)
     models = [ExpertMLP(E, H, F_, None, device, args.backend), ExpertMLP(E, H, F_, recipe, device, args.backend)]
     models[1].load_state_dict(models[0].state_dict())
@@ -156,14 +167,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--ffn", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--recipe", choices=list(RECIPES), default="rowwise",
-                   help="the FP8 recipe of the second run (none: a second bf16 run, gap 0)")
+    p.add_argument(
+        "--recipe",
+        choices=list(RECIPES),
+        default="rowwise",
+        help="the FP8 recipe of the second run (none: a second bf16 run, gap 0)",
+    )
     p.add_argument("--device", default="cuda", help="cuda or cpu (the reference backend emulates FP8)")
-    p.add_argument("--backend", choices=["torch", "te", "auto"], default=None,
-                   help="GroupedLinear's backend (default: TE on CUDA when installed, else torch)")
+    p.add_argument(
+        "--backend",
+        choices=["torch", "te", "auto"],
+        default=None,
+        help="GroupedLinear's backend (default: TE on CUDA when installed, else torch)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--unaligned", action="store_true",
-                   help="leave each expert's token count as drawn (default: padded to a multiple of 16)")
+    p.add_argument(
+        "--unaligned",
+        action="store_true",
+        help="leave each expert's token count as drawn (default: padded to a multiple of 16)",
+    )
     p.add_argument("--tolerance", type=float, default=0.05, help="largest smoothed relative gap that passes")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/fp8_train"))
     p.add_argument("--seed", type=int, default=0)
@@ -181,15 +203,23 @@ def main(argv: list[str] | None = None) -> int:
         config={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         torch=torch.__version__,
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        steps=list(range(args.steps)), loss_bf16=loss_bf16, loss_fp8=loss_fp8, summary=dict(summary, ok=ok),
+        steps=list(range(args.steps)),
+        loss_bf16=loss_bf16,
+        loss_fp8=loss_fp8,
+        summary=dict(summary, ok=ok),
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"losses_{args.recipe}.json").write_text(json.dumps(result, indent=1))
-    config = (f"E={args.experts} H={args.hidden} F={args.ffn} T={args.tokens}"
-              f"{' unaligned' if args.unaligned else ''}, {args.steps} steps, lr {args.lr}")
-    plot(args.out / f"loss_{args.recipe}.png", result,
-         f"bf16 vs {args.recipe}: {config}\nmax relative gap (smoothed, steps >= {summary['gap_from_step']}): "
-         f"{summary['max_rel_gap']:.4f}")
+    config = (
+        f"E={args.experts} H={args.hidden} F={args.ffn} T={args.tokens}"
+        f"{' unaligned' if args.unaligned else ''}, {args.steps} steps, lr {args.lr}"
+    )
+    plot(
+        args.out / f"loss_{args.recipe}.png",
+        result,
+        f"bf16 vs {args.recipe}: {config}\nmax relative gap (smoothed, steps >= {summary['gap_from_step']}): "
+        f"{summary['max_rel_gap']:.4f}",
+    )
 
     print(f"## FP8 training check: recipe {args.recipe} vs bf16 ({config}, {result['device_name']})\n")
     print(f"| run | first loss | final loss (mean of last {SMOOTH}) |")
@@ -197,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| bf16 | {loss_bf16[0]:.5g} | {summary['final_bf16']:.5g} |")
     print(f"| {args.recipe} | {loss_fp8[0]:.5g} | {summary['final_fp8']:.5g} |")
     gap = summary["max_rel_gap"]
-    print(f"\nmax relative gap ({SMOOTH}-step moving averages, steps >= {summary['gap_from_step']}): {gap:.4g} "
-          f"(tolerance {args.tolerance}): {'OK' if ok else 'FAIL'}" + ("" if math.isfinite(gap) else " (not finite)"))
+    print(
+        f"\nmax relative gap ({SMOOTH}-step moving averages, steps >= {summary['gap_from_step']}): {gap:.4g} "
+        f"(tolerance {args.tolerance}): {'OK' if ok else 'FAIL'}" + ("" if math.isfinite(gap) else " (not finite)")
+    )
     print(f"written: {args.out / f'losses_{args.recipe}.json'}")
     return 0 if ok else 1
 

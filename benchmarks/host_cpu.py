@@ -21,6 +21,7 @@ rounds: seconds) is what the CI runs; the numbers it writes are not meant to be 
 Writes ``DIR/host_cpu.json`` and ``DIR/host_cpu.md`` (default ``benchmarks/results/host_cpu/``; with
 ``--quick``, a temporary folder).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,11 +75,13 @@ def contenders(E: int) -> dict:
     def step(forward):
         def run():
             torch.autograd.backward(forward(), dy)
+
         return run
 
     return {
-        "torch grouped_mm": step(lambda: torch._grouped_mm(
-            x, w_ENK.transpose(-2, -1), offs=torch.cumsum(counts, 0, dtype=torch.int32))),
+        "torch grouped_mm": step(
+            lambda: torch._grouped_mm(x, w_ENK.transpose(-2, -1), offs=torch.cumsum(counts, 0, dtype=torch.int32))
+        ),
         "fd, one [E, N, K] weight": step(lambda: single(x, splits)),
         "fd, E weights (TE's layout)": step(lambda: per_expert(x, splits)),
         "engine, E leaves": lambda: torch.autograd.backward(_Leaves.apply(x, *leaves), dy[:, :1].expand(T, K)),
@@ -103,16 +106,22 @@ def measure(E: int, rounds: int, iters: int) -> dict[str, float]:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Host time per fwd+bwd step on the CPU (us; {result['shape']})", "",
-             f"torch {result['torch']}, Python {result['python']}, {result['rounds']} rounds x {result['iters']} steps"
-             f"{' (quick: not for comparison)' if result['quick'] else ''}.", "",
-             "| E | torch grouped_mm | fd, one [E,N,K] weight | ratio | fd, E weights | ratio | engine per extra parameter |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Host time per fwd+bwd step on the CPU (us; {result['shape']})",
+        "",
+        f"torch {result['torch']}, Python {result['python']}, {result['rounds']} rounds x {result['iters']} steps"
+        f"{' (quick: not for comparison)' if result['quick'] else ''}.",
+        "",
+        "| E | torch grouped_mm | fd, one [E,N,K] weight | ratio | fd, E weights | ratio | engine per extra parameter |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for E, r in result["us_per_step"].items():
         t = r["torch grouped_mm"]
         one, per = r["fd, one [E, N, K] weight"], r["fd, E weights (TE's layout)"]
-        lines.append(f"| {E} | {t:.1f} | {one:.1f} | {one / t:.2f}x | {per:.1f} | {per / t:.2f}x | "
-                     f"{r['engine per extra parameter']:.2f} |")
+        lines.append(
+            f"| {E} | {t:.1f} | {one:.1f} | {one / t:.2f}x | {per:.1f} | {per / t:.2f}x | "
+            f"{r['engine per extra parameter']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -122,8 +131,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--quick", action="store_true", help="E=8,32, 2 rounds of 20 steps (seconds; what the CI runs)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="default benchmarks/results/host_cpu/; with --quick a temporary folder (its numbers are not data)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default benchmarks/results/host_cpu/; with --quick a temporary folder (its numbers are not data)",
+    )
     args = p.parse_args(argv)
     experts = [int(e) for e in args.experts.split(",")]
     if args.quick:
@@ -131,8 +144,12 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     result = {
         "shape": f"{TOKENS_PER_EXPERT} tokens per expert, K=N={K}, float32, backend='torch'",
-        "torch": torch.__version__, "python": platform.python_version(), "rounds": args.rounds, "iters": args.iters,
-        "quick": args.quick, "us_per_step": {E: measure(E, args.rounds, args.iters) for E in experts},
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "rounds": args.rounds,
+        "iters": args.iters,
+        "quick": args.quick,
+        "us_per_step": {E: measure(E, args.rounds, args.iters) for E in experts},
     }
     if args.out is None:
         args.out = Path(tempfile.mkdtemp(prefix="host_cpu_")) if args.quick else RESULTS

@@ -13,6 +13,7 @@ at every step, as a torch MoE does (one ``cumsum``). Host time: from the first c
 of the last of 4 back-to-back steps after a synchronize, per step, median of 15 bursts.
 Writes ``DIR/host_phases_<device>.json`` and ``.md`` (default ``benchmarks/results/host_phases/``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,16 @@ def build(E, H, F, T, layout, device):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     backend = "auto" if device == "cuda" else "torch"
-    m = fd.nn.GroupedLinear(E, H, F, bias=False, backend=backend, params_dtype=dtype, device=device,
-                            single_grouped_weight=layout == "single")
+    m = fd.nn.GroupedLinear(
+        E,
+        H,
+        F,
+        bias=False,
+        backend=backend,
+        params_dtype=dtype,
+        device=device,
+        single_grouped_weight=layout == "single",
+    )
     x = torch.randn(T, H, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(T, F, device=device, dtype=dtype)
     splits = torch.full((E,), T // E, device=device, dtype=torch.int64) if device == "cuda" else [T // E] * E
@@ -119,6 +128,7 @@ def phases(m, step, device, n=200) -> dict[str, float]:
                 return fn(*a, **k)
             finally:
                 acc[label] += time.perf_counter() - t0
+
         setattr(owner, attr, staticmethod(timed) if static else timed)
         undo.append((owner, attr, f))
 
@@ -168,15 +178,24 @@ def main(argv=None):
     E, H, F, T = map(int, shape.split(","))
     m, steps = build(E, H, F, T, args.layout, args.device)
     x = torch.randn(T, H, device=args.device, dtype=m.weights()[0].dtype, requires_grad=True)
-    splits = (torch.full((E,), T // E, device=args.device, dtype=torch.int64) if args.device == "cuda"
-              else [T // E] * E)
+    splits = torch.full((E,), T // E, device=args.device, dtype=torch.int64) if args.device == "cuda" else [T // E] * E
     PROBE, PROBE_DY = (x, splits), torch.randn(T, F, device=args.device, dtype=x.dtype)
     whole = {k: host_ms(f, args.device) * 1e3 for k, f in steps.items()}
     per_phase = phases(m, steps["fd"], args.device)
-    result = {"shape": dict(E=E, H=H, F=F, T=T), "layout": args.layout, "device": args.device,
-              "torch": torch.__version__, "host_us_per_step": whole, "phases_us_per_step": per_phase}
-    lines = [f"# Host us per fwd+bwd step, {args.device}, E={E} H={H} F={F} T={T}, {args.layout} weight layout", "",
-             "| step (no timers) | host us |", "|---|---|"]
+    result = {
+        "shape": dict(E=E, H=H, F=F, T=T),
+        "layout": args.layout,
+        "device": args.device,
+        "torch": torch.__version__,
+        "host_us_per_step": whole,
+        "phases_us_per_step": per_phase,
+    }
+    lines = [
+        f"# Host us per fwd+bwd step, {args.device}, E={E} H={H} F={F} T={T}, {args.layout} weight layout",
+        "",
+        "| step (no timers) | host us |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {v:.0f} |" for k, v in whole.items()]
     lines += ["", "| phase of fd's step (inclusive, nested) | us |", "|---|---|"]
     for label, _, _, depth in PHASES:

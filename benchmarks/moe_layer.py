@@ -58,17 +58,32 @@ from functional_dw import fp8
 from functional_dw.graphs import graph_step
 
 BF16 = torch.bfloat16
-SHAPES = [(8, 2048, 2048, 8192, ""), (32, 4096, 1536, 32768, ""), (128, 4096, 1536, 65536, ""),
-          (8, 4096, 4096, 65536, ""), (128, 2048, 768, 32768, "Qwen3-MoE-like"),
-          (32, 7168, 2048, 32768, "DeepSeek-V3 8-way EP")]
+SHAPES = [
+    (8, 2048, 2048, 8192, ""),
+    (32, 4096, 1536, 32768, ""),
+    (128, 4096, 1536, 65536, ""),
+    (8, 4096, 4096, 65536, ""),
+    (128, 2048, 768, 32768, "Qwen3-MoE-like"),
+    (32, 7168, 2048, 32768, "DeepSeek-V3 8-way EP"),
+]
 QUICK = [0, 1, 4]
 SMOKE_SHAPES = [(4, 32, 48, 512, "smoke"), (8, 64, 32, 1024, "smoke")]
-FD_MODULES = {"fd": ("fd auto", {}), "fd_1w": ("fd auto, one weight", {"single_grouped_weight": True}),
-              "rowwise": ("fd rowwise", {"recipe": "rowwise"}), "fd_te": ("fd te", {"backend": "te"})}
+FD_MODULES = {
+    "fd": ("fd auto", {}),
+    "fd_1w": ("fd auto, one weight", {"single_grouped_weight": True}),
+    "rowwise": ("fd rowwise", {"recipe": "rowwise"}),
+    "fd_te": ("fd te", {"backend": "te"}),
+}
 VARIANTS = ("fd", "fd_1w", "rowwise")  # also compiled and graphed
 TE_RECIPES = {"te_bf16": None, "te_block": "Float8BlockScaling", "te_current": "Float8CurrentScaling"}
-LABELS = {"torch": "torch grouped_mm", **{k: v[0] for k, v in FD_MODULES.items()}, "te_bf16": "te bf16",
-          "te_block": "te fp8 block", "te_current": "te fp8 current", "torchao": "torchao fp8 rowwise"}
+LABELS = {
+    "torch": "torch grouped_mm",
+    **{k: v[0] for k, v in FD_MODULES.items()},
+    "te_bf16": "te bf16",
+    "te_block": "te fp8 block",
+    "te_current": "te fp8 current",
+    "torchao": "torchao fp8 rowwise",
+}
 LABELS |= {f"{k}_{how}": f"{LABELS[k]} {how}" for how in ("compiled", "graphed") for k in VARIANTS}
 CONTENDERS = list(LABELS)
 now = time.perf_counter  # the host clock (and the device's in --smoke); tests fix it
@@ -97,8 +112,10 @@ class Case:
         self.w = torch.randn(E, F, H, device=dev, dtype=BF16) * 0.02
         self.splits = [T // E] * E
         self.splits_dev = torch.zeros(E, dtype=torch.int64, device=dev)
-        self.inputs = [(torch.randn(T, H, device=dev, dtype=BF16, requires_grad=True),
-                        torch.randn(T, F, device=dev, dtype=BF16)) for _ in range(2)]
+        self.inputs = [
+            (torch.randn(T, H, device=dev, dtype=BF16, requires_grad=True), torch.randn(T, F, device=dev, dtype=BF16))
+            for _ in range(2)
+        ]
 
     def route(self, kind: str) -> list[int]:
         raw = make_splits(self.E, self.T, "balanced" if kind == "balanced" else "zipf")
@@ -141,10 +158,10 @@ class Case:
             m = self.module(key)
             return train_step(lambda x: m(x, self.splits_dev))
         if key.endswith("_compiled"):
-            cm = torch.compile(self.module(key[:-len("_compiled")]), backend="inductor" if self.cuda else "aot_eager")
+            cm = torch.compile(self.module(key[: -len("_compiled")]), backend="inductor" if self.cuda else "aot_eager")
             return train_step(lambda x: cm(x, self.splits_dev))  # compiles at its first call (the warm-up)
         if key.endswith("_graphed"):
-            return self.graphed(self.module(key[:-len("_graphed")]), warmup)
+            return self.graphed(self.module(key[: -len("_graphed")]), warmup)
         if key in TE_RECIPES:
             return self.te_step(TE_RECIPES[key])
         if key == "torchao":
@@ -159,6 +176,7 @@ class Case:
             y = m(x, self.splits_dev)
             torch.autograd.backward(y, dy)
             return y
+
         g = graph_step(body, x, dy, params=list(m.parameters()), warmup=warmup)
         return lambda inp: g()  # a replay on the graph's own x and dy: nothing copied in
 
@@ -177,6 +195,7 @@ class Case:
         def fwd(x):
             with _te_autocast(te, recipe):
                 return m(x, self.splits)
+
         return train_step(fwd)
 
     def torchao_step(self):
@@ -194,6 +213,7 @@ class Case:
         def fwd(x):
             kw = {"pad_token_groups_for_grouped_mm": self.unaligned} if padded else {}
             return f(x, w.transpose(-2, -1), self.step_offs(), out_dtype=BF16, **kw)
+
         return train_step(fwd)
 
 
@@ -204,6 +224,7 @@ def train_step(fwd):
         y = fwd(x)
         torch.autograd.backward(y, dy)
         return y
+
     return step
 
 
@@ -220,6 +241,7 @@ def device_timer(cuda: bool):
         end.record()
         end.synchronize()
         return start.elapsed_time(end)
+
     return stop
 
 
@@ -262,13 +284,16 @@ def measure(steps: dict, case: Case, repeats: int, warmup: int, res: dict) -> No
         attempt(warm, name)
     names = list(steps)
     for r in range(repeats if names else 0):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             if name in steps:
                 attempt(timed_burst, name, r)
     for name in steps:
         fields = {"ms": ms[name]} | ({} if name.endswith("_graphed") else {"host_ms": host[name]})
-        res[name] = ({k: round(statistics.median(t), 4) for k, t in fields.items()} | info[name]
-                     | {f"{k}_all": [round(x, 4) for x in t] for k, t in fields.items()})
+        res[name] = (
+            {k: round(statistics.median(t), 4) for k, t in fields.items()}
+            | info[name]
+            | {f"{k}_all": [round(x, 4) for x in t] for k, t in fields.items()}
+        )
 
 
 def run_shape(E, H, F, T, routings, only, args, dev, te):
@@ -291,10 +316,16 @@ def run_shape(E, H, F, T, routings, only, args, dev, te):
             res = dict(built)
             measure(steps, case, args.repeats, warmup, res)
             built |= {k: v for k, v in res.items() if isinstance(v, str)}  # dropped for the later routings too
-            out[kind] = {"splits": splits, "zero_experts": sum(s == 0 for s in splits),
-                         "results": {k: res[k] for k in only}}
-            print(f"E={E} H={H} F={F} T={T} {kind}:",
-                  {k: (v["ms"] if isinstance(v, dict) else v) for k, v in out[kind]["results"].items()}, flush=True)
+            out[kind] = {
+                "splits": splits,
+                "zero_experts": sum(s == 0 for s in splits),
+                "results": {k: res[k] for k in only},
+            }
+            print(
+                f"E={E} H={H} F={F} T={T} {kind}:",
+                {k: (v["ms"] if isinstance(v, dict) else v) for k, v in out[kind]["results"].items()},
+                flush=True,
+            )
     except Exception as e:  # noqa: BLE001  (the shape's inputs or reference: OOM)
         error = _why(e)
         print(f"E={E} H={H} F={F} T={T}: {error}", flush=True)
@@ -307,9 +338,13 @@ def run_shape(E, H, F, T, routings, only, args, dev, te):
 
 # --- report ------------------------------------------------------------------------------------
 
-RATIOS = [("fd auto / torch", "fd", "torch", "ms"), ("fd auto host / torch", "fd", "torch", "host_ms"),
-          ("fd one weight / torch", "fd_1w", "torch", "ms"), ("fd one weight host / torch", "fd_1w", "torch", "host_ms"),
-          ("Rowwise / fd bf16", "rowwise", "fd", "ms")]
+RATIOS = [
+    ("fd auto / torch", "fd", "torch", "ms"),
+    ("fd auto host / torch", "fd", "torch", "host_ms"),
+    ("fd one weight / torch", "fd_1w", "torch", "ms"),
+    ("fd one weight host / torch", "fd_1w", "torch", "host_ms"),
+    ("Rowwise / fd bf16", "rowwise", "fd", "ms"),
+]
 
 
 def cell(v) -> str:
@@ -336,30 +371,49 @@ def shape_name(s) -> str:
 def markdown(result) -> str:
     meta, v = result["meta"], result["meta"]["versions"]
     keys = meta["contenders"]
-    lines = [f"# One MoE expert layer, forward+backward ({meta['date']}, {meta['card']})", "",
-             *[f"`{c}`" for c in meta["commands"]], "",
-             (f"torch {v['torch']} (CUDA {v['cuda']}), TE {v['te']}, cuBLASLt {v['cublaslt']}, {meta['torchao']}. bf16 "
-              "activations and weights. Cells: ms per step (host ms per step): CUDA events around bursts of "
-              f"{meta['burst']} back-to-back steps (host: the wall time until the last step's call returns, before "
-              f"synchronizing), median of {meta['repeats']} interleaved repeats; graphed rows: ms only. Ratios: "
-              "time over time (< 1: the first is faster). Skewed routing: Zipf counts in multiples of "
-              f"{meta['align']} tokens. No optimizer step: fd rowwise quantizes its unchanged weights once, TE "
-              "quantizes them at every forward."), ""]
+    lines = [
+        f"# One MoE expert layer, forward+backward ({meta['date']}, {meta['card']})",
+        "",
+        *[f"`{c}`" for c in meta["commands"]],
+        "",
+        (
+            f"torch {v['torch']} (CUDA {v['cuda']}), TE {v['te']}, cuBLASLt {v['cublaslt']}, {meta['torchao']}. bf16 "
+            "activations and weights. Cells: ms per step (host ms per step): CUDA events around bursts of "
+            f"{meta['burst']} back-to-back steps (host: the wall time until the last step's call returns, before "
+            f"synchronizing), median of {meta['repeats']} interleaved repeats; graphed rows: ms only. Ratios: "
+            "time over time (< 1: the first is faster). Skewed routing: Zipf counts in multiples of "
+            f"{meta['align']} tokens. No optimizer step: fd rowwise quantizes its unchanged weights once, TE "
+            "quantizes them at every forward."
+        ),
+        "",
+    ]
     if meta["skipped"]:
         lines += [f"Skipped for time (--budget {meta['budget_s']} s): {', '.join(meta['skipped'])}.", ""]
     notes = {}  # (contender, reason) -> where
     for routing in meta["routings"]:
-        lines += [f"## {routing} routing", "", "| shape (E, hidden, ffn, tokens) | empty experts | "
-                  + " | ".join(LABELS[k] for k in keys) + " | " + " | ".join(r[0] for r in RATIOS) + " |",
-                  "|---|---|" + "---|" * (len(keys) + len(RATIOS))]
+        lines += [
+            f"## {routing} routing",
+            "",
+            "| shape (E, hidden, ffn, tokens) | empty experts | "
+            + " | ".join(LABELS[k] for k in keys)
+            + " | "
+            + " | ".join(r[0] for r in RATIOS)
+            + " |",
+            "|---|---|" + "---|" * (len(keys) + len(RATIOS)),
+        ]
         for s in result["shapes"]:
             row = s["routings"].get(routing)
             if row is None:
                 lines.append(f"| {shape_name(s)} | {s.get('error', 'not run')} |" + " |" * (len(keys) + len(RATIOS)))
                 continue
             res = row["results"]
-            lines.append(f"| {shape_name(s)} | {row['zero_experts']} | " + " | ".join(cell(res.get(k)) for k in keys)
-                         + " | " + " | ".join(ratio(res, a, b, f) for _, a, b, f in RATIOS) + " |")
+            lines.append(
+                f"| {shape_name(s)} | {row['zero_experts']} | "
+                + " | ".join(cell(res.get(k)) for k in keys)
+                + " | "
+                + " | ".join(ratio(res, a, b, f) for _, a, b, f in RATIOS)
+                + " |"
+            )
             for k in keys:
                 if isinstance(res.get(k), str):
                     notes.setdefault((LABELS[k], res[k]), []).append(f"{shape_name(s)} {routing}")
@@ -371,12 +425,22 @@ def markdown(result) -> str:
                 if isinstance(r, dict):
                     errs[k] = max(errs.get(k, 0.0), r["rel_err"])
     if errs:
-        lines += ["Largest relative error of the forward output against a per-expert matmul: "
-                  + ", ".join(f"{LABELS[k]} {e:.2g}" for k, e in errs.items()) + ".", ""]
+        lines += [
+            "Largest relative error of the forward output against a per-expert matmul: "
+            + ", ".join(f"{LABELS[k]} {e:.2g}" for k, e in errs.items())
+            + ".",
+            "",
+        ]
     if notes:
         rows = sum(len(s["routings"]) for s in result["shapes"])
-        lines += ["Not timed:", ""] + [f"- {k}: {why} ({'every row' if len(where) == rows else '; '.join(where)})"
-                                       for (k, why), where in notes.items()] + [""]
+        lines += (
+            ["Not timed:", ""]
+            + [
+                f"- {k}: {why} ({'every row' if len(where) == rows else '; '.join(where)})"
+                for (k, why), where in notes.items()
+            ]
+            + [""]
+        )
     lines += [f"Seconds per shape: {', '.join(f'{k} {t}' for k, t in meta['elapsed_s'].items())}."]
     return "\n".join(lines) + "\n"
 
@@ -397,17 +461,32 @@ def _versions(tex, dev) -> dict:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="all", help="all, quick (" + ", ".join(map(str, QUICK)) + ") or indices into: "
-                   + "; ".join(f"{i}: {s[:4]}" for i, s in enumerate(SHAPES)))
+    p.add_argument(
+        "--shapes",
+        default="all",
+        help="all, quick ("
+        + ", ".join(map(str, QUICK))
+        + ") or indices into: "
+        + "; ".join(f"{i}: {s[:4]}" for i, s in enumerate(SHAPES)),
+    )
     p.add_argument("--routing", default="balanced,skewed")
     p.add_argument("--repeats", type=int, default=None, help="repeats per contender (default 10; --smoke 2)")
     p.add_argument("--budget", type=float, default=360, help="seconds (0: none); default 360")
     p.add_argument("--only", default=",".join(CONTENDERS), help="contenders: " + ",".join(CONTENDERS))
-    p.add_argument("--align", type=int, default=128, help="skewed counts in multiples of this many tokens (FP8 "
-                   "GEMMs need multiples of 16; TE's grouped block scaling 128); 1: make_splits' counts as they are")
+    p.add_argument(
+        "--align",
+        type=int,
+        default=128,
+        help="skewed counts in multiples of this many tokens (FP8 "
+        "GEMMs need multiples of 16; TE's grouped block scaling 128); 1: make_splits' counts as they are",
+    )
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "moe_layer"))
-    p.add_argument("--append", action="store_true", help="add to the results.json in --out (from an earlier "
-                   "command: the 9-minute limit per GPU command); a shape measured again replaces its row")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add to the results.json in --out (from an earlier "
+        "command: the 9-minute limit per GPU command); a shape measured again replaces its row",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, measures nothing")
     args = p.parse_args(argv)
     only = [k for k in args.only.split(",") if k]
@@ -417,8 +496,13 @@ def main(argv=None):
     if set(routings) - {"balanced", "skewed"} or not routings:
         p.error("--routing: balanced and/or skewed")
     table = SMOKE_SHAPES if args.smoke else SHAPES
-    pick = (range(len(table)) if args.shapes == "all" else QUICK if args.shapes == "quick"
-            else [int(i) for i in args.shapes.split(",")])
+    pick = (
+        range(len(table))
+        if args.shapes == "all"
+        else QUICK
+        if args.shapes == "quick"
+        else [int(i) for i in args.shapes.split(",")]
+    )
     shapes = [table[i] for i in pick if i < len(table)]
     args.repeats = args.repeats or (2 if args.smoke else 10)
     dev = "cpu" if args.smoke else "cuda"
@@ -432,14 +516,27 @@ def main(argv=None):
     torch.manual_seed(0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    earlier = json.loads((out / "results.json").read_text()) if args.append and (out / "results.json").exists() else None
-    meta = {"date": datetime.date.today().isoformat(), "commands": (earlier["meta"]["commands"] if earlier else [])
-            + [" ".join(["python benchmarks/moe_layer.py", *argv])],
-            "card": torch.cuda.get_device_name() if dev == "cuda" else "CPU (--smoke)", "versions": _versions(tex, dev),
-            "torchao": ao if isinstance(ao, str) else "torchao " + getattr(sys.modules.get("torchao"), "__version__", "?"),
-            "contenders": only, "routings": routings, "repeats": args.repeats, "burst": TIMING["burst"],
-            "warmup": 1 if args.smoke else TIMING["warmup"], "align": args.align, "budget_s": args.budget,
-            "smoke": args.smoke, "skipped": [], "elapsed_s": {}}
+    earlier = (
+        json.loads((out / "results.json").read_text()) if args.append and (out / "results.json").exists() else None
+    )
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "commands": (earlier["meta"]["commands"] if earlier else [])
+        + [" ".join(["python benchmarks/moe_layer.py", *argv])],
+        "card": torch.cuda.get_device_name() if dev == "cuda" else "CPU (--smoke)",
+        "versions": _versions(tex, dev),
+        "torchao": ao if isinstance(ao, str) else "torchao " + getattr(sys.modules.get("torchao"), "__version__", "?"),
+        "contenders": only,
+        "routings": routings,
+        "repeats": args.repeats,
+        "burst": TIMING["burst"],
+        "warmup": 1 if args.smoke else TIMING["warmup"],
+        "align": args.align,
+        "budget_s": args.budget,
+        "smoke": args.smoke,
+        "skipped": [],
+        "elapsed_s": {},
+    }
     order = {r[:4]: i for i, r in enumerate(table)}
     done = [s for s in earlier["shapes"] if key4(s) not in {r[:4] for r in shapes}] if earlier else []
     if earlier:  # (a shape measured again gets its new seconds)
@@ -455,8 +552,10 @@ def main(argv=None):
         routes, error = run_shape(E, H, F, T, routings, only, args, dev, te)
         last = time.monotonic() - t
         meta["elapsed_s"][name] = round(last, 1)
-        done.append({"E": E, "hidden": H, "ffn": F, "tokens": T, "label": label, "routings": routes}
-                    | ({"error": error} if error else {}))
+        done.append(
+            {"E": E, "hidden": H, "ffn": F, "tokens": T, "label": label, "routings": routes}
+            | ({"error": error} if error else {})
+        )
         done.sort(key=lambda s: order.get(key4(s), len(order)))
         meta["elapsed_s"]["total"] = round(time.monotonic() - t0, 1)
         write(out, result)

@@ -37,7 +37,6 @@ import functional_dw as fd
 from functional_dw import distributed as fdd
 
 
-
 def streams_at_once(trace_path):
     """(ms when kernels of >= 2 streams ran at once, ms when any kernel ran, streams seen) from a
     Chrome trace torch.profiler wrote. Device copies count as kernels (NCCL with one rank copies
@@ -68,8 +67,8 @@ def job(E, T, H, Fh, iters, mode, trace_dir=None):
     dev, dt = (f"cuda:{rank}", torch.bfloat16) if gpu else ("cpu", torch.float32)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     torch.manual_seed(0)
-    f1 = [(torch.randn(Fh, H) / H**.5).to(dt).to(dev) for _ in range(E)]
-    f2 = [(torch.randn(H, Fh) / Fh**.5).to(dt).to(dev) for _ in range(E)]
+    f1 = [(torch.randn(Fh, H) / H**0.5).to(dt).to(dev) for _ in range(E)]
+    f2 = [(torch.randn(H, Fh) / Fh**0.5).to(dt).to(dev) for _ in range(E)]
     overlap = mode in ("prefetch", "overlap")
     if mode == "nocomm":
         w1, w2 = [f.requires_grad_() for f in f1], [f.requires_grad_() for f in f2]
@@ -125,15 +124,20 @@ def job(E, T, H, Fh, iters, mode, trace_dir=None):
     return statistics.median(ts), peak, host
 
 
-
 if __name__ == "__main__":
     args = sys.argv[1:]
     trace = args[args.index("--trace") + 1] if "--trace" in args else None
     W = int(args[0]) if args and args[0].isdigit() else 2
     reps = int(args[args.index("--reps") + 1]) if "--reps" in args else 3
-    modes = args[args.index("--modes") + 1].split(",") if "--modes" in args else ["nocomm", "sync", "prefetch", "overlap"]
+    modes = (
+        args[args.index("--modes") + 1].split(",") if "--modes" in args else ["nocomm", "sync", "prefetch", "overlap"]
+    )
     gpu = torch.cuda.device_count() >= W
-    shapes = [(8, 8192, 2048, 4096), (8, 2048, 2048, 4096)] if gpu else [(8, 2048, 512, 1024), (8, 512, 512, 1024), (8, 4096, 256, 512)]
+    shapes = (
+        [(8, 8192, 2048, 4096), (8, 2048, 2048, 4096)]
+        if gpu
+        else [(8, 2048, 512, 1024), (8, 512, 512, 1024), (8, 4096, 256, 512)]
+    )
     rows = []
     for E, T, H, Fh in shapes:
         res, overlaps, peaks, hosts = {}, {}, {}, {}
@@ -143,21 +147,42 @@ if __name__ == "__main__":
             peaks[mode] = out[0][1]
             hosts.setdefault(mode, []).append(max(o[2] for o in out))
             res.setdefault(mode, []).append(max(o[0] for o in out))
-        print(f"W={W} {'nccl' if gpu else 'gloo'} E={E} T/rank={T} H={H} F={Fh}: " + ", ".join(
-            f"{m} {statistics.median(v)*1e3:.1f} ms (runs {[round(t*1e3, 1) for t in v]})" for m, v in res.items()), flush=True)
+        print(
+            f"W={W} {'nccl' if gpu else 'gloo'} E={E} T/rank={T} H={H} F={Fh}: "
+            + ", ".join(
+                f"{m} {statistics.median(v) * 1e3:.1f} ms (runs {[round(t * 1e3, 1) for t in v]})"
+                for m, v in res.items()
+            ),
+            flush=True,
+        )
         for m, (both, busy, n) in overlaps.items() if gpu else ():  # (no CUDA kernels on the CPU)
-            print(f"    {m}: kernels of >= 2 streams at once {both:.2f} ms of {busy:.2f} ms with any kernel "
-                  f"(3 steps, rank 0, {n} streams)", flush=True)
-        print("    host time to issue a step (slowest rank): " + ", ".join(
-            f"{m} {statistics.median(v)*1e3:.1f} ms" for m, v in hosts.items()), flush=True)
+            print(
+                f"    {m}: kernels of >= 2 streams at once {both:.2f} ms of {busy:.2f} ms with any kernel "
+                f"(3 steps, rank 0, {n} streams)",
+                flush=True,
+            )
+        print(
+            "    host time to issue a step (slowest rank): "
+            + ", ".join(f"{m} {statistics.median(v) * 1e3:.1f} ms" for m, v in hosts.items()),
+            flush=True,
+        )
         if gpu:
             print("    peak memory (rank 0): " + ", ".join(f"{m} {v:.0f} MiB" for m, v in peaks.items()), flush=True)
-        rows.append({"W": W, "backend": "nccl" if gpu else "gloo", "E": E, "tokens_per_rank": T, "hidden": H, "ffn": Fh,
-                     "ms": {m: statistics.median(v) * 1e3 for m, v in res.items()},
-                     "streams_at_once_ms": {m: o[0] for m, o in overlaps.items()},
-                     "any_kernel_ms": {m: o[1] for m, o in overlaps.items()},
-                     "host_issue_ms": {m: statistics.median(v) * 1e3 for m, v in hosts.items()},
-                     "peak_mib": peaks if gpu else {}})
+        rows.append(
+            {
+                "W": W,
+                "backend": "nccl" if gpu else "gloo",
+                "E": E,
+                "tokens_per_rank": T,
+                "hidden": H,
+                "ffn": Fh,
+                "ms": {m: statistics.median(v) * 1e3 for m, v in res.items()},
+                "streams_at_once_ms": {m: o[0] for m, o in overlaps.items()},
+                "any_kernel_ms": {m: o[1] for m, o in overlaps.items()},
+                "host_issue_ms": {m: statistics.median(v) * 1e3 for m, v in hosts.items()},
+                "peak_mib": peaks if gpu else {},
+            }
+        )
     if trace:
         with open(os.path.join(trace, "overlap.json"), "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -14,6 +14,7 @@ When issue time exceeds the GPU's time, the step is host-bound. Shapes: launch-b
 CUDA kernels of five steps of each (count, total us); ``--trace DIR`` writes Chrome traces
 (torch.profiler, CPU and CUDA) of three steps of each.
 """
+
 import argparse
 import cProfile
 import pstats
@@ -78,6 +79,7 @@ def fp8_steps(impl, recipe, E, H, FF, T):
         with te.autocast(enabled=True, recipe=tr):
             y = tm(x, arg)
         return torch.autograd.grad(y, [x, *tm.parameters()], dy)
+
     return ours, peer
 
 
@@ -90,8 +92,9 @@ def kernel_table(step, label, n=5):
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    rows = [(e.key, e.count / n, e.self_device_time_total / n) for e in p.key_averages()
-            if e.self_device_time_total > 0]
+    rows = [
+        (e.key, e.count / n, e.self_device_time_total / n) for e in p.key_averages() if e.self_device_time_total > 0
+    ]
     rows.sort(key=lambda r: -r[2])
     print(f"--- kernels of {label}: {sum(r[1] for r in rows):.0f} per step, {sum(r[2] for r in rows):.0f} us per step")
     for name, count, us in rows[:25]:
@@ -112,8 +115,10 @@ def steps(impl, E, H, FF, T):
 
     if impl == "auto":
         offs = dev.cumsum(0).to(torch.int32)
-        return (grads(lambda x: fd.grouped_linear(x, w_ENK, dev, backend="auto"), [w_ENK]),
-                grads(lambda x: torch._grouped_mm(x, w_ENK.transpose(-2, -1), offs=offs), [w_ENK]))
+        return (
+            grads(lambda x: fd.grouped_linear(x, w_ENK, dev, backend="auto"), [w_ENK]),
+            grads(lambda x: torch._grouped_mm(x, w_ENK.transpose(-2, -1), offs=offs), [w_ENK]),
+        )
     import transformer_engine.pytorch as te
 
     if impl == "linear":
@@ -122,8 +127,10 @@ def steps(impl, E, H, FF, T):
     grouped = impl == "grouped"
     arg = dev if grouped else host
     m = te.GroupedLinear(E, H, FF, bias=False, params_dtype=BF16, device=DEV, use_grouped_tensor=grouped)
-    return (grads(lambda x: fd.grouped_linear(x, ws, arg, use_grouped_tensor=grouped, backend="te"), ws),
-            grads(lambda x: m(x, arg), list(m.parameters())))
+    return (
+        grads(lambda x: fd.grouped_linear(x, ws, arg, use_grouped_tensor=grouped, backend="te"), ws),
+        grads(lambda x: m(x, arg), list(m.parameters())),
+    )
 
 
 def main():
@@ -147,8 +154,11 @@ def main():
         ours, peer = fp8_steps(impl, args.recipe, *shape) if args.recipe else steps(impl, *shape)
         for label, step in (("fd", ours), ("peer", peer)):
             issue, wall = issue_and_wall_us(step)
-            print(f"=== {impl} {args.recipe or 'bf16'} {shape} {label:4s}: issue {issue:7.1f} us/step, wall {wall:7.1f} us/step", flush=True)
-        for label, step in ((("fd", ours), ("peer", peer)) if args.cprofile else ()):
+            print(
+                f"=== {impl} {args.recipe or 'bf16'} {shape} {label:4s}: issue {issue:7.1f} us/step, wall {wall:7.1f} us/step",
+                flush=True,
+            )
+        for label, step in (("fd", ours), ("peer", peer)) if args.cprofile else ():
             print(f"--- cProfile of {impl} {args.recipe or 'bf16'} {shape} {label}, 50 steps")
             prof = cProfile.Profile()
             prof.enable()

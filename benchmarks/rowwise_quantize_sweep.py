@@ -3,6 +3,7 @@ quantize_activation (both copies) per launch config, against a bf16 copy of the 
 (the bandwidth one read and one write get). ``python benchmarks/rowwise_quantize_sweep.py [old]
 [variants]`` (``old``: a module at benchmarks/_old_triton_rowwise.py timed alongside, if present;
 ``variants``: only the CONFIG variants in VARIANTS)."""
+
 import itertools
 import sys
 
@@ -44,8 +45,10 @@ def case(T, D, E):
 
 def run(mod, x, ends, pends, want):
     got = mod.quantize_activation(x, ends, pends, spec, rowwise=True, columnwise=True)
-    ok = all(torch.equal(getattr(got, n).float(), getattr(want, n).float())
-             for n in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"))
+    ok = all(
+        torch.equal(getattr(got, n).float(), getattr(want, n).float())
+        for n in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+    )
     return ev_time(lambda: mod.quantize_activation(x, ends, pends, spec, rowwise=True, columnwise=True)), ok
 
 
@@ -71,7 +74,9 @@ def bare(x, BT, BD, warps):
     T, D = x.shape
     row = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=x.device)
     col = torch.empty(D, T, dtype=torch.float8_e4m3fn, device=x.device)
-    return lambda: _bare_cast[(triton.cdiv(T, BT), triton.cdiv(D, BD))](x, row, col, T, D, BT=BT, BD=BD, num_warps=warps)
+    return lambda: _bare_cast[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
+        x, row, col, T, D, BT=BT, BD=BD, num_warps=warps
+    )
 
 
 def kernel_times(mod, x, ends, pends):
@@ -82,7 +87,9 @@ def kernel_times(mod, x, ends, pends):
         for _ in range(10):
             mod.quantize_activation(x, ends, pends, spec, rowwise=True, columnwise=True)
         torch.cuda.synchronize()
-    return ", ".join(f"{e.key[:40]} {e.device_time_total / 10:.0f}" for e in prof.key_averages() if e.device_time_total > 0)
+    return ", ".join(
+        f"{e.key[:40]} {e.device_time_total / 10:.0f}" for e in prof.key_averages() if e.device_time_total > 0
+    )
 
 
 def main():
@@ -90,6 +97,7 @@ def main():
     if "old" in sys.argv[1:]:
         sys.path.insert(0, "benchmarks")
         import _old_triton_rowwise as old
+
         mods.append(("old", old))
     base = dict(tr.CONFIG)
     if "variants" in sys.argv[1:]:  # only the CONFIG variants below, with each kernel's time
@@ -100,8 +108,10 @@ def main():
                 tr.CONFIG.clear()
                 tr.CONFIG.update(base, **v)
                 us, ok = run(tr, x, ends, pends, want)
-                print(f"{T}x{D} E={E} {v}: {us:.0f} us{'' if ok else ' NOT BITWISE'} | {kernel_times(tr, x, ends, pends)}",
-                      flush=True)
+                print(
+                    f"{T}x{D} E={E} {v}: {us:.0f} us{'' if ok else ' NOT BITWISE'} | {kernel_times(tr, x, ends, pends)}",
+                    flush=True,
+                )
         tr.CONFIG.clear()
         tr.CONFIG.update(base)
         return
@@ -111,12 +121,17 @@ def main():
         copy = ev_time(lambda: x.clone())
         amax = ev_time(lambda: x.abs().amax(0))
         b = min((ev_time(bare(x, *c)), c) for c in itertools.product((32, 64, 128), (64, 128), (4, 8)))
-        line = [f"copy {copy:.0f} us ({4 * T * D / copy / 1e3:.0f} GB/s)", f"torch abs+amax(0) {amax:.0f} us",
-                f"bare cast {b[0]:.0f} us ({4 * T * D / b[0] / 1e3:.0f} GB/s, BT,BD,warps={b[1]})"]
+        line = [
+            f"copy {copy:.0f} us ({4 * T * D / copy / 1e3:.0f} GB/s)",
+            f"torch abs+amax(0) {amax:.0f} us",
+            f"bare cast {b[0]:.0f} us ({4 * T * D / b[0] / 1e3:.0f} GB/s, BT,BD,warps={b[1]})",
+        ]
         for name, m in mods:
             us, ok = run(m, x, ends, pends, want)
-            line.append(f"{name} {us:.0f} us ({6 * T * D / us / 1e3:.0f} GB/s eff, {us / copy:.2f}x copy)"
-                        f"{'' if ok else ' NOT BITWISE'}")
+            line.append(
+                f"{name} {us:.0f} us ({6 * T * D / us / 1e3:.0f} GB/s eff, {us / copy:.2f}x copy)"
+                f"{'' if ok else ' NOT BITWISE'}"
+            )
         print(f"== {T}x{D} E={E}:", " | ".join(line), flush=True)
         res = []
         for c in CAST:
@@ -124,16 +139,22 @@ def main():
             tr.CONFIG.update(base, **c)
             res.append((*run(tr, x, ends, pends, want), c))
         res.sort(key=lambda r: r[0])
-        print("   cast configs, best first:", "; ".join(f"{c} {us:.0f}{'' if ok else ' NOT BITWISE'}" for us, ok, c in res[:6]),
-              flush=True)
+        print(
+            "   cast configs, best first:",
+            "; ".join(f"{c} {us:.0f}{'' if ok else ' NOT BITWISE'}" for us, ok, c in res[:6]),
+            flush=True,
+        )
         ares = []
         for a in AMAX:
             tr.CONFIG.clear()
             tr.CONFIG.update(base, **res[0][2], **a)
             ares.append((*run(tr, x, ends, pends, want), a))
         ares.sort(key=lambda r: r[0])
-        print("   amax configs (with the best cast), best first:",
-              "; ".join(f"{c} {us:.0f}{'' if ok else ' NOT BITWISE'}" for us, ok, c in ares[:4]), flush=True)
+        print(
+            "   amax configs (with the best cast), best first:",
+            "; ".join(f"{c} {us:.0f}{'' if ok else ' NOT BITWISE'}" for us, ok, c in ares[:4]),
+            flush=True,
+        )
         tr.CONFIG.clear()
         tr.CONFIG.update(base)
         print("   kernels (new, current config):", kernel_times(tr, x, ends, pends), flush=True)

@@ -8,8 +8,10 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: functional-dw demo [--help] [options]\n\n"
-              "commands:\n  demo    run the MoE expert-MLP demo on the CPU reference backend")
+        print(
+            "usage: functional-dw demo [--help] [options]\n\n"
+            "commands:\n  demo    run the MoE expert-MLP demo on the CPU reference backend"
+        )
         return 0 if argv else 2
     if argv[0] != "demo":
         print(f"functional-dw: unknown command {argv[0]!r}; try `functional-dw demo --help`", file=sys.stderr)

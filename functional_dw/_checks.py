@@ -21,8 +21,9 @@ def tensor(name: str, t: Any, ndim: int | tuple[int, ...] | None = None) -> torc
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.is_nested:  # (a strided nested tensor has layout strided, and no .shape to report)
-        raise TypeError(f"{name} must be a dense (strided) tensor, got a nested tensor; call .to_padded_tensor() "
-                        "or .unbind() first")
+        raise TypeError(
+            f"{name} must be a dense (strided) tensor, got a nested tensor; call .to_padded_tensor() or .unbind() first"
+        )
     if t.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}; call .to_dense() first")
     if t.dtype not in _FLOATS:
@@ -56,10 +57,15 @@ def flag(name: str, value: Any) -> bool:
 def fuse_flag(value: Any) -> bool:
     """``fuse_wgrad_accumulation``: a bool, and False under torch.func, whose transforms return
     gradients and cannot follow a write into ``main_grad``."""
-    if flag("fuse_wgrad_accumulation", value) and not torch.compiler.is_compiling() \
-            and torch._C._functorch.peek_interpreter_stack() is not None:
-        raise ValueError("fuse_wgrad_accumulation=True writes weight grads into main_grad in place, which "
-                         "torch.func transforms cannot follow: pass False under torch.func (the grads are returned)")
+    if (
+        flag("fuse_wgrad_accumulation", value)
+        and not torch.compiler.is_compiling()
+        and torch._C._functorch.peek_interpreter_stack() is not None
+    ):
+        raise ValueError(
+            "fuse_wgrad_accumulation=True writes weight grads into main_grad in place, which "
+            "torch.func transforms cannot follow: pass False under torch.func (the grads are returned)"
+        )
     return value
 
 
@@ -88,8 +94,12 @@ def sequence(v: Any) -> list | None:
     ``ParameterDict`` (keys, not items), tensors and strings are not sequences here."""
     if isinstance(v, (list, tuple)):
         return list(v)
-    if (isinstance(v, (torch.Tensor, str, bytes)) or hasattr(v, "keys")
-            or not hasattr(v, "__len__") or not hasattr(v, "__getitem__")):
+    if (
+        isinstance(v, (torch.Tensor, str, bytes))
+        or hasattr(v, "keys")
+        or not hasattr(v, "__len__")
+        or not hasattr(v, "__getitem__")
+    ):
         return None
     return list(v)
 
@@ -120,9 +130,12 @@ def counts(name: str, items: Sequence[Any]) -> tuple[int, ...]:
 
 def cotangent(name: str, d: Any, shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     """A bwd's incoming gradient: a dense float tensor of the output's shape, dtype and device."""
+
     def want() -> str:  # built only for an error (shapes may be symbolic under torch.compile)
-        return (f"{name} must be a [{', '.join(map(str, shape))}] {str(like.dtype).removeprefix('torch.')} "
-                "tensor (the output's shape and dtype)")
+        return (
+            f"{name} must be a [{', '.join(map(str, shape))}] {str(like.dtype).removeprefix('torch.')} "
+            "tensor (the output's shape and dtype)"
+        )
 
     if not isinstance(d, torch.Tensor):
         raise TypeError(f"{want()}, got {type(d).__name__}")

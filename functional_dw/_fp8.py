@@ -62,7 +62,18 @@ import torch
 from . import fp8
 from .fp8.state import BWD_PER_GEMM, FWD_PER_GEMM
 
-__all__ = ["Plan", "plan", "family", "with_usage", "check_dims", "check_first_order", "no_jvp", "Args", "unpack_args", "plan_key"]
+__all__ = [
+    "Plan",
+    "plan",
+    "family",
+    "with_usage",
+    "check_dims",
+    "check_first_order",
+    "no_jvp",
+    "Args",
+    "unpack_args",
+    "plan_key",
+]
 
 _ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
 FEATURE_MULTIPLE = 16  # K and N (TE: assert_dim_for_fp8_exec's last dim; cuBLASLt's FP8 leading dims)
@@ -122,8 +133,10 @@ class Plan:
     def check_kernels(cls, kernels: Any) -> None:
         """Raise unless ``kernels`` can quantize for this family."""
         if not callable(getattr(kernels, "quantize", None)) or not callable(getattr(kernels, "grouped_quantize", None)):
-            raise TypeError(f"backend {kernels!r} has no FP8 support (no quantize/grouped_quantize methods): use "
-                            "backend='torch' (the reference) or 'te'")
+            raise TypeError(
+                f"backend {kernels!r} has no FP8 support (no quantize/grouped_quantize methods): use "
+                "backend='torch' (the reference) or 'te'"
+            )
 
     @classmethod
     def check_x(cls, x: torch.Tensor) -> None:
@@ -155,8 +168,9 @@ class Plan:
         return scale[cols], amax[cols]
 
     # --- forward ---------------------------------------------------------------------------------
-    def quantize_x(self, kernels: Any, x_TK: torch.Tensor, splits: Any = None, grouped: bool = False, *,
-                   keep: bool) -> Any:
+    def quantize_x(
+        self, kernels: Any, x_TK: torch.Tensor, splits: Any = None, grouped: bool = False, *, keep: bool
+    ) -> Any:
         """x for fprop (rowwise), plus the columnwise copy wgrad reads when ``keep``. ``splits``
         None: one GEMM (``quantize``), else per expert (``grouped_quantize``)."""
         return self._quantize(kernels, "input", self.x, x_TK, splits, grouped, rowwise=True, columnwise=keep)
@@ -168,8 +182,9 @@ class Plan:
     # residual record's context, never through ``save_for_backward`` (hooks see no weight).
     # A DistributedWeight is re-materialized and re-quantized in backward instead (its hooks
     # fire as without FP8); so is a weight whose copy was not kept.
-    def quantize_weights(self, kernels: Any, w_ENK: Any, *, keep: bool = False,
-                         params: Sequence[torch.Tensor] | None = None) -> tuple[Any, Plan]:
+    def quantize_weights(
+        self, kernels: Any, w_ENK: Any, *, keep: bool = False, params: Sequence[torch.Tensor] | None = None
+    ) -> tuple[Any, Plan]:
         """Each expert's weight for fprop (rowwise), and the plan with the weight scales used
         (delayed scaling: a snapshot, so backward re-quantizes with them after a state update).
         ``keep``: also the columnwise copies dgrad reads, held on the plan by reference.
@@ -185,23 +200,35 @@ class Plan:
         weight, forward's FP8 bits."""
         raise NotImplementedError
 
-    def quantize_dy(self, kernels: Any, dy_TN: torch.Tensor, splits: Any = None, grouped: bool = False, *,
-                    dgrad: bool, wgrad: bool) -> Any:
+    def quantize_dy(
+        self, kernels: Any, dy_TN: torch.Tensor, splits: Any = None, grouped: bool = False, *, dgrad: bool, wgrad: bool
+    ) -> Any:
         """dy for dgrad (rowwise) and wgrad (columnwise), as asked; None when neither GEMM runs."""
         if not (dgrad or wgrad):
             return None
         return self._quantize(kernels, "grad_output", self.dy, dy_TN, splits, grouped, rowwise=dgrad, columnwise=wgrad)
 
-    def _quantize(self, kernels: Any, role: str, spec: fp8.TensorSpec, t: torch.Tensor, splits: Any, grouped: bool,
-                  *, rowwise: bool, columnwise: bool) -> Any:
+    def _quantize(
+        self,
+        kernels: Any,
+        role: str,
+        spec: fp8.TensorSpec,
+        t: torch.Tensor,
+        splits: Any,
+        grouped: bool,
+        *,
+        rowwise: bool,
+        columnwise: bool,
+    ) -> Any:
         """An activation (x or dy) through the kernels: one GEMM's (``splits`` None) or per expert,
         with the state's scale/amax views for ``role`` (None without delayed scaling)."""
         if splits is None:
             scale, amax = self._views(role, 0)
             return kernels.quantize(t, spec, scale=scale, amax=amax, rowwise=rowwise, columnwise=columnwise)
         scales, amaxes = self._views(role, None)
-        return kernels.grouped_quantize(t, splits, spec, scales=scales, amaxes=amaxes, rowwise=rowwise,
-                                        columnwise=columnwise, grouped=grouped)
+        return kernels.grouped_quantize(
+            t, splits, spec, scales=scales, amaxes=amaxes, rowwise=rowwise, columnwise=columnwise, grouped=grouped
+        )
 
 
 def with_usage(q: Any, *, rowwise: bool, columnwise: bool) -> Any:
@@ -222,7 +249,9 @@ def family(recipe: Any) -> type[Plan]:
     return TEPlan
 
 
-def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: Any, grouped: bool = True) -> Plan | None:
+def plan(
+    recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: Any, grouped: bool = True
+) -> Plan | None:
     """The checked plan of a call, of the recipe's family's class, or None for ``recipe=None``
     (no FP8: nothing else here runs).
 
@@ -238,19 +267,25 @@ def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: 
     refuse_compile(r)
     ops = family(r)
     if r.backward_override is not None:
-        raise ValueError(f"{type(r).__name__}(backward_override={r.backward_override!r}) is not supported: "
-                         "backward runs the FP8 GEMMs of the recipe (set backward_override=None)")
+        raise ValueError(
+            f"{type(r).__name__}(backward_override={r.backward_override!r}) is not supported: "
+            "backward runs the FP8 GEMMs of the recipe (set backward_override=None)"
+        )
     if x.dtype not in _ACTIVATIONS:
-        raise TypeError(f"FP8 ({type(r).__name__}) takes float32, bfloat16 or float16 activations (what TE "
-                        f"quantizes); x is {x.dtype}: cast x and the weights (e.g. .to(torch.bfloat16)), or "
-                        "pass recipe=None")
+        raise TypeError(
+            f"FP8 ({type(r).__name__}) takes float32, bfloat16 or float16 activations (what TE "
+            f"quantizes); x is {x.dtype}: cast x and the weights (e.g. .to(torch.bfloat16)), or "
+            "pass recipe=None"
+        )
     ops.check_kernels(kernels)
     delayed = isinstance(r, fp8.DelayedScaling)
     if delayed:
         _check_state(fp8_state, r, num_gemms, x.device)
     elif fp8_state is not None:
-        raise ValueError(f"fp8_state is delayed scaling's; {type(r).__name__} computes its scales from each "
-                         "tensor and keeps no state: pass fp8_state=None")
+        raise ValueError(
+            f"fp8_state is delayed scaling's; {type(r).__name__} computes its scales from each "
+            "tensor and keeps no state: pass fp8_state=None"
+        )
     if ops.grouped_only and not grouped:
         raise ValueError(ops.not_for_linear)
     ops.check_x(x)
@@ -261,20 +296,26 @@ def plan(recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: 
 def _check_state(state: Any, recipe: fp8.DelayedScaling, num_gemms: int, device: torch.device) -> None:
     make = f"fp8.init_state(recipe, num_gemms={num_gemms}, device={str(device)!r})"
     if state is None:
-        raise ValueError("DelayedScaling quantizes with scales from amaxes of earlier steps, kept in a state: "
-                         f"make one with {make}, pass it as fp8_state=..., and call fp8.update_state_(state, "
-                         "recipe) between steps")
+        raise ValueError(
+            "DelayedScaling quantizes with scales from amaxes of earlier steps, kept in a state: "
+            f"make one with {make}, pass it as fp8_state=..., and call fp8.update_state_(state, "
+            "recipe) between steps"
+        )
     if not isinstance(state, fp8.DelayedScalingState):
         raise TypeError(f"fp8_state must be a DelayedScalingState (made by {make}), got {type(state).__name__}")
     if state.num_gemms != num_gemms:
-        raise ValueError(f"fp8_state is for {state.num_gemms} GEMM(s) but this layer runs {num_gemms}: "
-                         f"make it with {make}")
+        raise ValueError(
+            f"fp8_state is for {state.num_gemms} GEMM(s) but this layer runs {num_gemms}: make it with {make}"
+        )
     if state.scale_fwd.device != device:
-        raise ValueError(f"fp8_state is on {state.scale_fwd.device} but x is on {device}: make it with {make} "
-                         "(or move its tensors)")
+        raise ValueError(
+            f"fp8_state is on {state.scale_fwd.device} but x is on {device}: make it with {make} (or move its tensors)"
+        )
     if state.history_len != recipe.amax_history_len:
-        raise ValueError(f"fp8_state has {state.history_len} history rows but recipe.amax_history_len is "
-                         f"{recipe.amax_history_len}: fp8.adjust_history_len(state, {recipe.amax_history_len})")
+        raise ValueError(
+            f"fp8_state has {state.history_len} history rows but recipe.amax_history_len is "
+            f"{recipe.amax_history_len}: fp8.adjust_history_len(state, {recipe.amax_history_len})"
+        )
 
 
 def check_dims(K: int, N: int, *, tokens: int | None = None, splits: Sequence[int] | None = None) -> None:
@@ -288,19 +329,25 @@ def check_dims(K: int, N: int, *, tokens: int | None = None, splits: Sequence[in
         if n % FEATURE_MULTIPLE:
             raise ValueError(f"FP8 GEMMs need {name} to be a multiple of {FEATURE_MULTIPLE}, got {n}")
     if tokens is not None and tokens % LINEAR_TOKEN_MULTIPLE:
-        raise ValueError(f"FP8 GEMMs need x's tokens (the product of its leading dims) to be a multiple of "
-                         f"{LINEAR_TOKEN_MULTIPLE} (TE's assert_dim_for_fp8_exec), got {tokens}")
+        raise ValueError(
+            f"FP8 GEMMs need x's tokens (the product of its leading dims) to be a multiple of "
+            f"{LINEAR_TOKEN_MULTIPLE} (TE's assert_dim_for_fp8_exec), got {tokens}"
+        )
     if splits is not None:
         for e, s in enumerate(splits):
             if s % GROUP_TOKEN_MULTIPLE:
-                raise ValueError(f"FP8 grouped GEMMs need each expert's tokens to be a multiple of "
-                                 f"{GROUP_TOKEN_MULTIPLE}; splits[{e}] is {s} (pad the routing: te.Fp8Padding, "
-                                 "Megatron's moe_router_padding_for_fp8)")
+                raise ValueError(
+                    f"FP8 grouped GEMMs need each expert's tokens to be a multiple of "
+                    f"{GROUP_TOKEN_MULTIPLE}; splits[{e}] is {s} (pad the routing: te.Fp8Padding, "
+                    "Megatron's moe_router_padding_for_fp8)"
+                )
 
 
-_NO_COMPILE = ("FP8 layers do not run under torch.compile yet (per-expert quantization reads host split sizes, and "
-               "the reference GEMMs on quantized operands have no custom ops): run them eager, or compile with "
-               "recipe=None")
+_NO_COMPILE = (
+    "FP8 layers do not run under torch.compile yet (per-expert quantization reads host split sizes, and "
+    "the reference GEMMs on quantized operands have no custom ops): run them eager, or compile with "
+    "recipe=None"
+)
 
 
 @functools.partial(torch.compiler.disable, reason=_NO_COMPILE)
@@ -363,8 +410,11 @@ def plan_key(args: Args | None) -> Any:
     r, state = args.recipe, args.state
     try:
         rk = r if type(r) in fp8.RECIPES else (type(r), fp8.as_recipe(r))
-        sk = None if state is None else (id(state), type(state), state.num_gemms, state.history_len,
-                                          state.scale_fwd.device)
+        sk = (
+            None
+            if state is None
+            else (id(state), type(state), state.num_gemms, state.history_len, state.scale_fwd.device)
+        )
         key = (rk, sk)
         hash(key)
     except (TypeError, ValueError, AttributeError):
@@ -379,7 +429,8 @@ def no_jvp(p: Plan | None, layer: str) -> None:
             f"{layer}: forward-mode AD (torch.func.jvp, jacfwd, hessian) is not defined for FP8 layers: "
             "quantization has no derivative, and backward's straight-through rule (dy and the weights "
             "quantized, x's saved FP8 copy) has no forward-mode counterpart. Use reverse mode "
-            "(backward, torch.func.grad/vjp/jacrev), or recipe=None")
+            "(backward, torch.func.grad/vjp/jacrev), or recipe=None"
+        )
 
 
 def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
@@ -400,7 +451,8 @@ def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tens
             f"{layer}: batched gradients through an FP8 layer (torch.autograd.grad(..., is_grads_batched=True), "
             "torch.autograd.functional.jacobian(..., vectorize=True)) are not supported: autograd's legacy "
             "batching has no rules for the quantization's ops. Loop over the cotangents, use torch.func.vmap "
-            "over torch.func.vjp, or recipe=None")
+            "over torch.func.vjp, or recipe=None"
+        )
     if not torch.is_grad_enabled():
         return
     func = torch._C._functorch
@@ -420,7 +472,8 @@ def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tens
         raise NotImplementedError(
             f"{layer}: a backward through an FP8 layer cannot be differentiated again (create_graph=True, "
             "grad of grad, jacrev of jacrev): quantization has no derivative, so second-order terms would "
-            "be silently missing. Take first-order gradients, or use recipe=None")
+            "be silently missing. Take first-order gradients, or use recipe=None"
+        )
 
 
 # The families (after Plan: they subclass it) and the recipe classes they run.
@@ -428,7 +481,9 @@ from ._fp8_rowwise import RowwisePlan  # noqa: E402
 from ._fp8_te import TEBlockPlan, TEPlan  # noqa: E402
 
 _FAMILIES: dict[type, type[Plan]] = {
-    fp8.DelayedScaling: TEPlan, fp8.Float8CurrentScaling: TEPlan, fp8.Float8BlockScaling: TEBlockPlan,
+    fp8.DelayedScaling: TEPlan,
+    fp8.Float8CurrentScaling: TEPlan,
+    fp8.Float8BlockScaling: TEBlockPlan,
     fp8.RowwiseScaling: RowwisePlan,
 }
 ROWWISE_NOT_FOR_LINEAR = RowwisePlan.not_for_linear  # (nn.Linear refuses RowwiseScaling with it)

@@ -25,8 +25,10 @@ class RowwisePlan(Plan):
     one_path = True
     compiles = True
     grouped_only = True
-    not_for_linear = ("recipe=RowwiseScaling() is functional_dw's grouped (expert) recipe; a Linear runs TE's "
-                      "recipes (Float8CurrentScaling, Float8BlockScaling, DelayedScaling)")
+    not_for_linear = (
+        "recipe=RowwiseScaling() is functional_dw's grouped (expert) recipe; a Linear runs TE's "
+        "recipes (Float8CurrentScaling, Float8BlockScaling, DelayedScaling)"
+    )
 
     @classmethod
     def backend(cls, asked: Any) -> Any:
@@ -36,15 +38,19 @@ class RowwisePlan(Plan):
     @classmethod
     def fixed_path(cls, use_grouped_tensor: bool | None) -> tuple[str, str]:
         if use_grouped_tensor is False:
-            raise ValueError("RowwiseScaling runs one grouped GEMM per product (there is no per-expert path): pass "
-                             "use_grouped_tensor=None or True")
+            raise ValueError(
+                "RowwiseScaling runs one grouped GEMM per product (there is no per-expert path): pass "
+                "use_grouped_tensor=None or True"
+            )
         return "grouped", "RowwiseScaling runs one grouped GEMM per product"
 
     @classmethod
     def check_kernels(cls, kernels: Any) -> None:
         if not callable(getattr(kernels, "quantize_group", None)):
-            raise ValueError(f"RowwiseScaling runs on torch's scaled grouped GEMM: use backend=None, 'auto' or "
-                             f"'torch', not {getattr(kernels, 'name', kernels)!r}")
+            raise ValueError(
+                f"RowwiseScaling runs on torch's scaled grouped GEMM: use backend=None, 'auto' or "
+                f"'torch', not {getattr(kernels, 'name', kernels)!r}"
+            )
         super().check_kernels(kernels)
 
     @classmethod
@@ -56,8 +62,9 @@ class RowwisePlan(Plan):
     def check_counts(self, K: int, N: int, splits: Sequence[int] | None) -> None:
         """Any counts: wgrad's operands are padded per expert on the device."""
 
-    def quantize_weights(self, kernels: Any, w_ENK: Any, *, keep: bool = False,
-                         params: Sequence[torch.Tensor] | None = None) -> tuple[Any, Plan]:
+    def quantize_weights(
+        self, kernels: Any, w_ENK: Any, *, keep: bool = False, params: Sequence[torch.Tensor] | None = None
+    ) -> tuple[Any, Plan]:
         """See :meth:`Plan.quantize_weights`: the group at once, both copies when ``keep``, and
         with ``params`` at most once per weight version (NOTE: [FP8 weights per version] in
         ``fp8/rowwise.py``)."""
@@ -75,17 +82,31 @@ class RowwisePlan(Plan):
 def _rowwise_weights(kernels: Any, w_ENK: Any, spec: fp8.TensorSpec, keep: bool, params: Any) -> Any:
     """The group's quantized weights, from the cache when current (NOTE: [FP8 weights per
     version] in ``fp8/rowwise.py``)."""
-    if params is None or torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None \
-            or not set(map(type, params)) <= _checks.PLAIN_TYPES or any(p.is_inference() for p in params):
+    if (
+        params is None
+        or torch.compiler.is_compiling()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+        or not set(map(type, params)) <= _checks.PLAIN_TYPES
+        or any(p.is_inference() for p in params)
+    ):
         return kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=keep)
     install_optimizer_hook()  # (once: NOTE: [The optimizer hook] in fp8/rowwise.py)
     # (layouts too: ``p.data = p.data.t()`` of a square weight keeps the address and the version)
-    key = (tuple(p._version for p in params), tuple(p.data_ptr() for p in params),
-           tuple((p.shape, p.stride(), p.dtype) for p in params), spec, OPTIMIZER_STEPS[0])
+    key = (
+        tuple(p._version for p in params),
+        tuple(p.data_ptr() for p in params),
+        tuple((p.shape, p.stride(), p.dtype) for p in params),
+        spec,
+        OPTIMIZER_STEPS[0],
+    )
     # (the parameters themselves: the entry's weak references, one per parameter, each the very tensor)
     hit = WEIGHT_CACHE.get(params[0])
-    if hit is not None and hit[0] == key and all(r() is p for r, p in zip(hit[1], params)) \
-            and (hit[2].columnwise_data is not None or not keep):
+    if (
+        hit is not None
+        and hit[0] == key
+        and all(r() is p for r, p in zip(hit[1], params))
+        and (hit[2].columnwise_data is not None or not keep)
+    ):
         return hit[2]
     qw = kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=True)  # both: dgrad reads the other
     WEIGHT_CACHE[params[0]] = (key, tuple(map(weakref.ref, params)), qw)

@@ -24,8 +24,9 @@ class TEPlan(Plan):
     """DelayedScaling and Float8CurrentScaling (the base's rules): each weight quantized on its
     own, with the state's per-GEMM scales under delayed scaling."""
 
-    def quantize_weights(self, kernels: Any, w_ENK: Any, *, keep: bool = False,
-                         params: Sequence[torch.Tensor] | None = None) -> tuple[list[Any], Plan]:
+    def quantize_weights(
+        self, kernels: Any, w_ENK: Any, *, keep: bool = False, params: Sequence[torch.Tensor] | None = None
+    ) -> tuple[list[Any], Plan]:
         """See :meth:`Plan.quantize_weights` (``params`` unused: nothing is cached)."""
         plan = self
         if self.state is not None:
@@ -53,17 +54,22 @@ class TEBlockPlan(TEPlan):
         bad = next(((e, s) for e, s in enumerate(splits.sizes()) if s % BLOCK_GROUPED_TOKEN_MULTIPLE), None)
         if bad is None:
             return None
-        return (f"Float8BlockScaling on the grouped path needs each expert's tokens to be a multiple of "
-                f"{BLOCK_GROUPED_TOKEN_MULTIPLE} (splits[{bad[0]}] is {bad[1]})")
+        return (
+            f"Float8BlockScaling on the grouped path needs each expert's tokens to be a multiple of "
+            f"{BLOCK_GROUPED_TOKEN_MULTIPLE} (splits[{bad[0]}] is {bad[1]})"
+        )
 
 
-def _quantize_each(kernels: Any, ts: Any, spec: fp8.TensorSpec, scales: Any, amaxes: Any, *, rowwise: bool,
-                   columnwise: bool) -> list[Any]:
+def _quantize_each(
+    kernels: Any, ts: Any, spec: fp8.TensorSpec, scales: Any, amaxes: Any, *, rowwise: bool, columnwise: bool
+) -> list[Any]:
     """Each of a group's weights quantized on its own: the kernels' ``quantize_each`` where they
     have one (checks once, one call per weight), else ``quantize`` per weight; ``scales``/
     ``amaxes`` strided ``[E]`` views (delayed scaling) or None."""
     each = getattr(kernels, "quantize_each", None)
     if each is not None:
         return each(ts, spec, scales=scales, amaxes=amaxes, rowwise=rowwise, columnwise=columnwise)
-    return [kernels.quantize(t, spec, scale=scale, amax=amax, rowwise=rowwise, columnwise=columnwise)
-            for t, (scale, amax) in zip(ts, per_expert(scales, amaxes, len(ts)))]
+    return [
+        kernels.quantize(t, spec, scale=scale, amax=amax, rowwise=rowwise, columnwise=columnwise)
+        for t, (scale, amax) in zip(ts, per_expert(scales, amaxes, len(ts)))
+    ]

@@ -32,8 +32,18 @@ def frozen(weight_grad_wanted: bool, fused: bool, params: Sequence[torch.Tensor]
     return not weight_grad_wanted or (fused and not any(p.requires_grad for p in params))
 
 
-def quantize_dy(plan: _fp8.Plan | None, layer: str, dy_TN: torch.Tensor, params: Sequence[torch.Tensor],
-                kernels: Any, *, dgrad: bool, wgrad: bool, splits: Any = None, grouped: bool = False) -> Any:
+def quantize_dy(
+    plan: _fp8.Plan | None,
+    layer: str,
+    dy_TN: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    kernels: Any,
+    *,
+    dgrad: bool,
+    wgrad: bool,
+    splits: Any = None,
+    grouped: bool = False,
+) -> Any:
     """With FP8, dy quantized for the GEMMs that run (rowwise for dgrad, columnwise for wgrad;
     per expert when ``splits`` is given), after refusing a backward that would itself be
     differentiated; None without FP8 or without GEMMs."""
@@ -45,8 +55,9 @@ def quantize_dy(plan: _fp8.Plan | None, layer: str, dy_TN: torch.Tensor, params:
     return plan.quantize_dy(kernels, dy_TN, splits, grouped, dgrad=dgrad, wgrad=wgrad)
 
 
-def dgrad_weights(params: Sequence[torch.Tensor], distributed: bool, like: Any, shapes: Sequence[tuple],
-                  name: str) -> list[torch.Tensor]:
+def dgrad_weights(
+    params: Sequence[torch.Tensor], distributed: bool, like: Any, shapes: Sequence[tuple], name: str
+) -> list[torch.Tensor]:
     """The weights dgrad reads: materialized again (a DistributedWeight gathers in backward,
     never kept from forward; plain weights are themselves) and checked against forward's shapes.
     Runs even when dx is not wanted: a DistributedWeight's collectives match across ranks."""
@@ -55,8 +66,9 @@ def dgrad_weights(params: Sequence[torch.Tensor], distributed: bool, like: Any, 
     return full
 
 
-def bias_grad(db: torch.Tensor | None, with_dbias: bool, dy_TN: torch.Tensor,
-              sums: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+def bias_grad(
+    db: torch.Tensor | None, with_dbias: bool, dy_TN: torch.Tensor, sums: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor | None:
     """The bias grad from the high-precision dy: the wgrad GEMM's fused one when it made it,
     else ``sums(dy_TN)`` (FP8 GEMMs, or no GEMM ran); None when not wanted."""
     if not with_dbias:

@@ -94,6 +94,7 @@ VmapRule = Callable[..., Any]
 
 # --- small helpers ---------------------------------------------------------------------------
 
+
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
@@ -152,8 +153,9 @@ class _FlatSpec:
                 kinds.append(_LEAF)
             elif a is None:
                 kinds.append(_NONE)
-            elif type(a) in (list, tuple) and (set(map(type, a)) <= PLAIN_TYPES
-                                               or all(isinstance(t, torch.Tensor) for t in a)):
+            elif type(a) in (list, tuple) and (
+                set(map(type, a)) <= PLAIN_TYPES or all(isinstance(t, torch.Tensor) for t in a)
+            ):
                 leaves.extend(a)
                 kinds.append((type(a), len(a)))
             else:
@@ -170,7 +172,7 @@ class _FlatSpec:
                 out.append(None)
             else:
                 cls, n = kind
-                out.append(cls(leaves[i:i + n]))
+                out.append(cls(leaves[i : i + n]))
                 i += n
         return tuple(out)
 
@@ -178,9 +180,12 @@ class _FlatSpec:
         """bwd's cotangents (a tuple shaped like the arguments) as leaves: None for a whole list
         (no cotangent for any of it), any cotangent given for an argument that was None ignored
         (nothing to differentiate); a TypeError that names the argument otherwise."""
+
         def bad(what: str) -> TypeError:
-            return TypeError(f"custom_vjp({rules.name}): bwd must return one cotangent per {_per(rules)} of fwd, "
-                             f"shaped like the arguments (None for no gradient), as a tuple; {what}")
+            return TypeError(
+                f"custom_vjp({rules.name}): bwd must return one cotangent per {_per(rules)} of fwd, "
+                f"shaped like the arguments (None for no gradient), as a tuple; {what}"
+            )
 
         if not isinstance(d, tuple):
             raise bad(f"got {type(d).__name__}")
@@ -379,13 +384,15 @@ def _flatten_cotangents(d: Any, spec: Any, rules: "_Rules") -> list:
 
 # --- one pair's rules, one call's structure -----------------------------------------------------
 
+
 class _Rules:
     """What :func:`custom_vjp` was given, and the Function classes named after the pair."""
 
     __slots__ = ("fwd", "bwd", "primal", "jvp", "vmap", "name", "nondiff", "Function", "Traced")
 
-    def __init__(self, fwd: Fwd, bwd: Bwd, primal: Any, jvp: Any, vmap: Any, name: str,
-                 nondiff: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, fwd: Fwd, bwd: Bwd, primal: Any, jvp: Any, vmap: Any, name: str, nondiff: tuple[int, ...] = ()
+    ) -> None:
         self.fwd, self.bwd, self.jvp, self.vmap, self.name, self.nondiff = fwd, bwd, jvp, vmap, name, nondiff
         self.primal = primal or (lambda *args: _pair(fwd(*args), name)[0])
         # autograd names a Function's backward node after the class when the class is created:
@@ -435,8 +442,10 @@ def _split(rules: _Rules, args: tuple) -> tuple[tuple, tuple]:
     if not rules.nondiff:
         return args, ()
     if len(args) <= rules.nondiff[-1]:
-        raise TypeError(f"custom_vjp({rules.name}): nondiff_argnums={rules.nondiff} but the call has "
-                        f"{len(args)} positional arguments")
+        raise TypeError(
+            f"custom_vjp({rules.name}): nondiff_argnums={rules.nondiff} but the call has "
+            f"{len(args)} positional arguments"
+        )
     k = rules.nondiff[0]
     if rules.nondiff == tuple(range(k, len(args))):  # the usual layout: the options come last
         diff, static = args[:k], args[k:]
@@ -445,10 +454,12 @@ def _split(rules: _Rules, args: tuple) -> tuple[tuple, tuple]:
         diff, static = tuple(a for i, a in enumerate(args) if i not in skip), tuple(args[i] for i in rules.nondiff)
     for i, v in zip(rules.nondiff, static):
         if _holds_tensor(v):
-            raise TypeError(f"custom_vjp({rules.name}): argument {i} is or holds a Tensor but nondiff_argnums="
-                            f"{rules.nondiff} names it: a nondiff argument is held by reference, "
-                            "so transforms and autograd would "
-                            "not see it. Pass tensors as differentiable arguments (bwd may return None for them)")
+            raise TypeError(
+                f"custom_vjp({rules.name}): argument {i} is or holds a Tensor but nondiff_argnums="
+                f"{rules.nondiff} names it: a nondiff argument is held by reference, "
+                "so transforms and autograd would "
+                "not see it. Pass tensors as differentiable arguments (bwd may return None for them)"
+            )
     return diff, static
 
 
@@ -483,10 +494,11 @@ def _run(rules: _Rules, args: tuple, tree: Any, function: type, gate: bool) -> A
         return rules.primal(*args)
     call = _Call(rules, in_spec, static)
     flat = function.apply(call, *in_leaves)
-    return _unflatten_out(flat[:call.n_out], call.out_spec)
+    return _unflatten_out(flat[: call.n_out], call.out_spec)
 
 
 # --- the Function --------------------------------------------------------------------------------
+
 
 class _Bridge(torch.autograd.Function):
     """The bridge as one setup_context style Function; :class:`_Rules` subclasses it per pair.
@@ -506,11 +518,14 @@ class _Bridge(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         call = inputs[0]
-        extra = output[call.n_out:]
+        extra = output[call.n_out :]
         if extra:
             ctx.mark_non_differentiable(*extra)
-        saved = [inputs[1 + i] if kind == "in" else output[i] if kind == "y" else extra[i]
-                 for kind, i in call.resolve() if kind != "ref"]
+        saved = [
+            inputs[1 + i] if kind == "in" else output[i] if kind == "y" else extra[i]
+            for kind, i in call.resolve()
+            if kind != "ref"
+        ]
         ctx.save_for_backward(*saved)
         ctx.call = call
         if (extra or _forward_ad_active()) and not torch.compiler.is_compiling():
@@ -519,10 +534,11 @@ class _Bridge(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple:
         call = ctx.call
-        grads = grads[:call.n_out]
+        grads = grads[: call.n_out]
         if call.out_meta is not None:  # grads not materialized: zeros for a missing one
-            grads = [torch.zeros(s, dtype=d, device=v) if g is None else g
-                     for g, (s, d, v) in zip(grads, call.out_meta)]
+            grads = [
+                torch.zeros(s, dtype=d, device=v) if g is None else g for g, (s, d, v) in zip(grads, call.out_meta)
+            ]
         d_out = _unflatten_out(grads, call.out_spec)
         d_args = _flatten_cotangents(call.rules.bwd(_residuals(ctx), d_out), call.in_spec, call.rules)
         needs = ctx.needs_input_grad
@@ -575,7 +591,7 @@ def _grads_as_given(ctx: Any, call: _Call, saved: list, output: tuple) -> None:
     if call.rules.jvp is not None and _forward_ad_active():
         ctx.save_for_forward(*saved)
     ctx.set_materialize_grads(False)
-    call.out_meta = [(o.shape, o.dtype, o.device) for o in output[:call.n_out]]
+    call.out_meta = [(o.shape, o.dtype, o.device) for o in output[: call.n_out]]
 
 
 def _residuals(ctx: Any) -> Any:
@@ -604,6 +620,7 @@ def _needs(ctx: Any, cls: type) -> Any:
 
 # --- the transform rules -------------------------------------------------------------------------
 
+
 def _apply_inner(rules: _Rules, args: Any) -> tuple[tuple, _Call]:
     """One call of the Function from inside a vmap rule: (all outputs, its structure)."""
     diff, static = _split(rules, args)
@@ -630,10 +647,10 @@ def _vmap_rule(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> t
     new_args, unfold = folded
     flat, inner = _apply_inner(rules, new_args)
     call.adopt(inner, functools.partial(_element_plan, call, in_leaves, dims))
-    out, out_dims = unfold(_unflatten_out(flat[:inner.n_out], inner.out_spec))
+    out, out_dims = unfold(_unflatten_out(flat[: inner.n_out], inner.out_spec))
     n_extra = len(flat) - inner.n_out
     out_leaves, dims_out = _out_leaves(out, inner.out_spec), _out_leaves(out_dims, inner.out_spec)
-    return (*out_leaves, *flat[inner.n_out:]), (*dims_out, *[None] * n_extra)
+    return (*out_leaves, *flat[inner.n_out :]), (*dims_out, *[None] * n_extra)
 
 
 def _vmap_loop(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> tuple:
@@ -662,9 +679,16 @@ def _element_plan(call: _Call, in_leaves: tuple, dims: tuple) -> tuple[list, Any
 
 # --- the bridge ----------------------------------------------------------------------------------
 
+
 def custom_vjp(
-    fwd: Fwd, bwd: Bwd, *, nondiff_argnums: tuple[int, ...] = (), primal: Callable[..., Any] | None = None,
-    jvp: Callable[..., Any] | None = None, vmap: VmapRule | None = None, name: str | None = None,
+    fwd: Fwd,
+    bwd: Bwd,
+    *,
+    nondiff_argnums: tuple[int, ...] = (),
+    primal: Callable[..., Any] | None = None,
+    jvp: Callable[..., Any] | None = None,
+    vmap: VmapRule | None = None,
+    name: str | None = None,
 ) -> Callable[..., Any]:
     """Turn a pure ``fwd``/``bwd`` pair into a differentiable callable.
 

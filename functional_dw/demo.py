@@ -105,8 +105,15 @@ def run(args: argparse.Namespace) -> dict:
     ref_grads = torch.autograd.grad(yr, [xr, *ref_params], dy)
     err = max((a.double() - b.double()).abs().max().item() for a, b in zip(grads_once, ref_grads))
     twice = max((t.grad.double() - 2 * a.double()).abs().max().item() for t, a in zip((x, *w1, *w2), grads_once))
-    return dict(hook=hook, te_bytes=hook.bytes + _weight_bytes([w1, w2]), err=err, twice=twice,
-                elapsed=elapsed, calls=w1[0].calls, splits=sizes)
+    return dict(
+        hook=hook,
+        te_bytes=hook.bytes + _weight_bytes([w1, w2]),
+        err=err,
+        twice=twice,
+        elapsed=elapsed,
+        calls=w1[0].calls,
+        splits=sizes,
+    )
 
 
 def _tokens(args: argparse.Namespace, rank: int, dtype: torch.dtype, device: torch.device):
@@ -137,7 +144,9 @@ def run_rank(args: argparse.Namespace) -> dict:
     hook = HostOffload()
     t0 = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(hook.pack, hook.unpack):
-        y = grouped_linear(F.gelu(grouped_linear(x, w1, splits, backend=args.backend)), w2, splits, backend=args.backend)
+        y = grouped_linear(
+            F.gelu(grouped_linear(x, w1, splits, backend=args.backend)), w2, splits, backend=args.backend
+        )
     y.backward(dy, retain_graph=True)
     once = [t.grad.clone() for t in (x, *w1, *w2)]
     y.backward(dy)
@@ -158,8 +167,16 @@ def run_rank(args: argparse.Namespace) -> dict:
     want = [dx] + [s[a : a + w.shape[0]] for s, a, w in zip(sums, lo, (*w1, *w2))]
     err = max((a.double() - b.double()).abs().max().item() for a, b in zip(once, want) if a.numel())
     twice = max((t.grad.double() - 2 * a.double()).abs().max().item() for t, a in zip((x, *w1, *w2), once) if a.numel())
-    return dict(err=err, twice=twice, elapsed=elapsed, packed=hook.count, kinds=hook.kinds, splits=splits.tolist(),
-                shard=tuple(w1[0].shape), collectives=dict(w1[0]._dw.stats))
+    return dict(
+        err=err,
+        twice=twice,
+        elapsed=elapsed,
+        packed=hook.count,
+        kinds=hook.kinds,
+        splits=splits.tolist(),
+        shard=tuple(w1[0].shape),
+        collectives=dict(w1[0]._dw.stats),
+    )
 
 
 def main_ranks(args: argparse.Namespace) -> int:
@@ -167,15 +184,25 @@ def main_ranks(args: argparse.Namespace) -> int:
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     results = launch(run_rank, args.ranks, args, backend=backend, timeout=120)
-    print(f"functional_dw demo: MoE expert MLP on {args.ranks} ranks ({backend}), {args.experts} experts, "
-          f"{args.tokens} tokens per rank, hidden {args.hidden}, ffn {args.ffn}, {args.dtype} on {args.device}")
-    print("weights sharded along out features (ShardedWeight); each rank: forward + 2 backwards under a host-offload hook\n")
-    print("| rank | tokens per expert | layer-1 shard | collectives (layer 1, all experts) | max grad err | 2nd bwd dev | ms |")
-    print("|------|-------------------|---------------|------------------------------------|--------------|-------------|----|")
+    print(
+        f"functional_dw demo: MoE expert MLP on {args.ranks} ranks ({backend}), {args.experts} experts, "
+        f"{args.tokens} tokens per rank, hidden {args.hidden}, ffn {args.ffn}, {args.dtype} on {args.device}"
+    )
+    print(
+        "weights sharded along out features (ShardedWeight); each rank: forward + 2 backwards under a host-offload hook\n"
+    )
+    print(
+        "| rank | tokens per expert | layer-1 shard | collectives (layer 1, all experts) | max grad err | 2nd bwd dev | ms |"
+    )
+    print(
+        "|------|-------------------|---------------|------------------------------------|--------------|-------------|----|"
+    )
     for r, res in enumerate(results):
         c = res["collectives"]
-        print(f"| {r} | {res['splits']} | {list(res['shard'])} | {c.get('all_gather', 0)} all-gathers, "
-              f"{c.get('reduce_scatter', 0)} reduce-scatters | {res['err']:.3g} | {res['twice']:.3g} | {res['elapsed'] * 1e3:.1f} |")
+        print(
+            f"| {r} | {res['splits']} | {list(res['shard'])} | {c.get('all_gather', 0)} all-gathers, "
+            f"{c.get('reduce_scatter', 0)} reduce-scatters | {res['err']:.3g} | {res['twice']:.3g} | {res['elapsed'] * 1e3:.1f} |"
+        )
     tol = {"float64": 1e-10, "float32": 1e-4}.get(args.dtype, 5e-2)
     ok = all(res["err"] <= tol and res["twice"] <= tol and res["kinds"] == {"Tensor"} for res in results)
     print("\nOK" if ok else "\nMISMATCH")
@@ -191,15 +218,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--backend", choices=["torch", "te"], default=None, help="default: te on CUDA with TE, else torch")
-    p.add_argument("--ranks", type=int, default=1,
-                   help="run on N local processes with sharded weights (gloo; NCCL with --device cuda)")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="run on N local processes with sharded weights (gloo; NCCL with --device cuda)",
+    )
     args = p.parse_args(argv)
     if args.ranks > 1:
         return main_ranks(args)
     r = run(args)
     hook = r["hook"]
-    print(f"functional_dw demo: MoE expert MLP, {args.experts} experts, {args.tokens} tokens, "
-          f"hidden {args.hidden}, ffn {args.ffn}, {args.dtype} on {args.device}")
+    print(
+        f"functional_dw demo: MoE expert MLP, {args.experts} experts, {args.tokens} tokens, "
+        f"hidden {args.hidden}, ffn {args.ffn}, {args.dtype} on {args.device}"
+    )
     print(f"token splits: {r['splits']}")
     print()
     print("| what                                   | value |")

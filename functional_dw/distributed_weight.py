@@ -49,14 +49,16 @@ def unwrap(w: Any) -> Any:
 
 def is_distributed_weight(w: Any) -> bool:
     """True for an object that declares ``is_distributed_weight``; it must be a tensor."""
-    if not torch.compiler.is_compiling() and isinstance(w, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(w):
+    if (
+        not torch.compiler.is_compiling()
+        and isinstance(w, torch.Tensor)
+        and torch._C._functorch.is_functorch_wrapped_tensor(w)
+    ):
         w = unwrap(w)
     if not getattr(w, "is_distributed_weight", False):
         return False
     if not isinstance(w, torch.Tensor):
-        raise TypeError(
-            f"weight: a DistributedWeight must be a torch.Tensor subclass, got {type(w).__name__}"
-        )
+        raise TypeError(f"weight: a DistributedWeight must be a torch.Tensor subclass, got {type(w).__name__}")
     return True
 
 
@@ -79,7 +81,11 @@ def _as_list(x: Any) -> list:
 
 
 def materialize(
-    params: Sequence[torch.Tensor], dw: bool, *, for_backward: bool, like: torch.Tensor | None = None,
+    params: Sequence[torch.Tensor],
+    dw: bool,
+    *,
+    for_backward: bool,
+    like: torch.Tensor | None = None,
     name: str = "weights",
 ) -> list[torch.Tensor]:
     """The weights the GEMMs use: ``params`` themselves, or what the DW leader gathers (one
@@ -91,7 +97,9 @@ def materialize(
     full = _as_list(full)
     what = f"{name}: materialize_group_for_{'backward' if for_backward else 'forward'}() of the DistributedWeight"
     if len(full) != len(params):
-        raise ValueError(f"{what} returned {len(full)} tensor(s) for a group of {len(params)}; it must return one per weight")
+        raise ValueError(
+            f"{what} returned {len(full)} tensor(s) for a group of {len(params)}; it must return one per weight"
+        )
     for e, w in enumerate(full):
         if not isinstance(w, torch.Tensor):
             raise TypeError(f"{what} returned a {type(w).__name__} for weight {e}; it must return tensors")
@@ -113,13 +121,19 @@ def check_materialized(full: Sequence[torch.Tensor], shapes: Sequence[tuple], wh
             pass
     for e, (w, shape) in enumerate(zip(full, shapes)):
         if not isinstance(w, torch.Tensor) or w.is_nested or tuple(w.shape) != tuple(shape):
-            got = (type(w).__name__ if not isinstance(w, torch.Tensor) else "a nested tensor" if w.is_nested
-                   else tuple(w.shape))
+            got = (
+                type(w).__name__
+                if not isinstance(w, torch.Tensor)
+                else "a nested tensor"
+                if w.is_nested
+                else tuple(w.shape)
+            )
             raise ValueError(f"{name}: {what} returned {got} for weight {e}, expected {tuple(shape)}")
 
 
-def frozen_wgrads(params: Sequence[torch.Tensor], shapes: Sequence[tuple], fused: bool, like: torch.Tensor,
-                  name: str) -> list[torch.Tensor]:
+def frozen_wgrads(
+    params: Sequence[torch.Tensor], shapes: Sequence[tuple], fused: bool, like: torch.Tensor, name: str
+) -> list[torch.Tensor]:
     """What a DW group whose weights are all frozen hands ``finalize`` (it still finalizes, once,
     as every rank does): zeros; fused, its own fp32 ``grad_buffer()``s zeroed (the dtype every
     other rank reduces; a buffer holds a gather's leftovers, which a reduce-scatter would add
@@ -152,12 +166,16 @@ def grad_targets(params: Sequence[torch.Tensor], dw: bool, shapes: Sequence[tupl
                     "weight (e.g. `w.main_grad = torch.zeros_like(w, dtype=torch.float32)`)"
                 )
             p.main_grad = buf  # TE writes it back; harmless for a plain attribute
-        if not isinstance(buf, torch.Tensor) or tuple(buf.shape) != tuple(shape):  # any strides (kernels copy if they must)
+        if not isinstance(buf, torch.Tensor) or tuple(buf.shape) != tuple(
+            shape
+        ):  # any strides (kernels copy if they must)
             got = tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__
             raise ValueError(f"{where}: main_grad/grad_buffer() must be a {tuple(shape)} tensor, got {got}")
         if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(buf) == 1:  # (2: cannot tell)
-            raise ValueError(f"{where}: main_grad/grad_buffer() has elements that share memory (e.g. an expand); "
-                             "each weight-gradient element needs its own")
+            raise ValueError(
+                f"{where}: main_grad/grad_buffer() has elements that share memory (e.g. an expand); "
+                "each weight-gradient element needs its own"
+            )
         if not buf.dtype.is_floating_point:
             raise TypeError(f"{where}: main_grad/grad_buffer() is {buf.dtype}; it must be a float tensor (float32)")
         if buf.device != p.device and not dw:
@@ -166,14 +184,26 @@ def grad_targets(params: Sequence[torch.Tensor], dw: bool, shapes: Sequence[tupl
     like = next((b for b in out if b is not None), None)
     for e, b in enumerate(out):
         if b is not None and b.dtype != like.dtype:
-            raise TypeError(f"{name}[{e}]: main_grad is {b.dtype} but another weight's is {like.dtype}: "
-                            "the weights of a group share one main_grad dtype (one wgrad GEMM writes them all)")
-    return [(torch.empty_like(like) if like is not None else p.new_empty(shape, dtype=torch.float32)) if b is None else b
-            for b, p, shape in zip(out, params, shapes)]
+            raise TypeError(
+                f"{name}[{e}]: main_grad is {b.dtype} but another weight's is {like.dtype}: "
+                "the weights of a group share one main_grad dtype (one wgrad GEMM writes them all)"
+            )
+    return [
+        (torch.empty_like(like) if like is not None else p.new_empty(shape, dtype=torch.float32)) if b is None else b
+        for b, p, shape in zip(out, params, shapes)
+    ]
 
 
-def weight_grads(params: Sequence[torch.Tensor], dw: bool, fused: bool, shapes: Sequence[tuple], frozen: bool,
-                 like: torch.Tensor, gemm: Any, name: str) -> list[Any]:
+def weight_grads(
+    params: Sequence[torch.Tensor],
+    dw: bool,
+    fused: bool,
+    shapes: Sequence[tuple],
+    frozen: bool,
+    like: torch.Tensor,
+    gemm: Any,
+    name: str,
+) -> list[Any]:
     """The wgrad epilogue both layers share: what autograd receives for ``params``.
 
     ``frozen`` (no weight grad wanted, or fused and every weight frozen): no GEMM; a
@@ -194,7 +224,9 @@ def accumulates(params: Sequence[torch.Tensor], dw: bool) -> bool:
     return not dw and not getattr(params[0], "overwrite_main_grad", False)
 
 
-def finalize(params: Sequence[torch.Tensor], dw: bool, fused: bool, wgrads: list[Any], name: str = "weights") -> list[Any]:
+def finalize(
+    params: Sequence[torch.Tensor], dw: bool, fused: bool, wgrads: list[Any], name: str = "weights"
+) -> list[Any]:
     """The grads autograd receives for ``params``.
 
     DW: whatever ``finalize_group_grads`` returns (a bare tensor for a group of one).
@@ -207,9 +239,7 @@ def finalize(params: Sequence[torch.Tensor], dw: bool, fused: bool, wgrads: list
             return [None] * len(params)
         got = _as_list(got)
         if len(got) != len(params):
-            raise ValueError(
-                f"{name}: finalize_group_grads returned {len(got)} grad(s) for {len(params)} weights"
-            )
+            raise ValueError(f"{name}: finalize_group_grads returned {len(got)} grad(s) for {len(params)} weights")
         for e, (g, p) in enumerate(zip(got, params)):
             if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape or g.device != p.device):
                 what = f"a {type(g).__name__}" if not isinstance(g, torch.Tensor) else f"{tuple(g.shape)} on {g.device}"
@@ -264,8 +294,14 @@ def check_versions(params: Sequence[torch.Tensor], recorded: tuple[int, ...], na
     for e, (p, v) in enumerate(zip(params, recorded)):
         if v is not None and p._version != v:
             where = name if len(params) == 1 else f"{name}[{e}]"
-            note = (f" ({where} and other weights share one buffer, hence one version counter: any of them "
-                    "may be the one that changed)") if _shares_storage(p, params) else ""
+            note = (
+                (
+                    f" ({where} and other weights share one buffer, hence one version counter: any of them "
+                    "may be the one that changed)"
+                )
+                if _shares_storage(p, params)
+                else ""
+            )
             raise RuntimeError(
                 f"{where} was modified in place between forward and backward (version {v} -> "
                 f"{p._version}), e.g. by an optimizer step{note}. Its gradient would be computed with the "

@@ -107,8 +107,10 @@ class GraphedStep:
                     continue
                 if not isinstance(new, torch.Tensor) or new.shape != static.shape or new.dtype != static.dtype:
                     got = f"{new.dtype}{tuple(new.shape)}" if isinstance(new, torch.Tensor) else type(new).__name__
-                    raise ValueError(f"GraphedStep: inputs[{i}] must be {static.dtype}{tuple(static.shape)} as "
-                                     f"captured (a graph has fixed shapes), got {got}")
+                    raise ValueError(
+                        f"GraphedStep: inputs[{i}] must be {static.dtype}{tuple(static.shape)} as "
+                        f"captured (a graph has fixed shapes), got {got}"
+                    )
                 with torch.no_grad():
                     static.copy_(new)
         self.replay()
@@ -134,8 +136,13 @@ class GraphedStep:
 
 
 def graph_step(
-    step: Callable[..., Any], *inputs: torch.Tensor, params: Sequence[torch.Tensor] = (),
-    grads: str = "overwrite", warmup: int = 3, pool: Any = None, check_sync: bool = True,
+    step: Callable[..., Any],
+    *inputs: torch.Tensor,
+    params: Sequence[torch.Tensor] = (),
+    grads: str = "overwrite",
+    warmup: int = 3,
+    pool: Any = None,
+    check_sync: bool = True,
 ) -> GraphedStep:
     """Capture ``step(*inputs)`` (forward and backward) in a CUDA graph; return the replayable
     :class:`GraphedStep`.
@@ -184,8 +191,9 @@ def graph_step(
     return GraphedStep(graph, tuple(inputs), outputs, captured, grads)
 
 
-def _checked_args(step: Any, inputs: Sequence[Any], params: Any, grads: Any, warmup: Any,
-                  check_sync: Any) -> tuple[list[torch.Tensor], int]:
+def _checked_args(
+    step: Any, inputs: Sequence[Any], params: Any, grads: Any, warmup: Any, check_sync: Any
+) -> tuple[list[torch.Tensor], int]:
     """graph_step's arguments checked, in order (each error says what to pass), and the machine
     (a CUDA device, not capturing already); returns the params as a list and the warm-up count."""
     if not callable(step):
@@ -217,8 +225,9 @@ def _grad_leaves(params: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> 
     return list(params) + [t for t in inputs if t.requires_grad and t.is_leaf and not any(t is p for p in params)]
 
 
-def _warm_up(step: Callable[..., Any], inputs: Sequence[torch.Tensor], leaves: list[torch.Tensor], warmup: int,
-             check_sync: bool) -> None:
+def _warm_up(
+    step: Callable[..., Any], inputs: Sequence[torch.Tensor], leaves: list[torch.Tensor], warmup: int, check_sync: bool
+) -> None:
     """Run the step ``warmup`` times eagerly on a side stream (torch's recipe), each from no
     grads; after the first, a host synchronization raises :data:`_SYNC_HINT`."""
     side = torch.cuda.Stream()
@@ -269,13 +278,16 @@ def _params_list(params: Any) -> list[torch.Tensor]:
     if isinstance(params, torch.Tensor):
         return [params]
     if isinstance(params, torch.nn.Module) or not isinstance(params, Iterable) or isinstance(params, (str, bytes)):
-        raise TypeError("graph_step: params must be a sequence of tensors (e.g. model.parameters()), "
-                        f"got {type(params).__name__}")
+        raise TypeError(
+            f"graph_step: params must be a sequence of tensors (e.g. model.parameters()), got {type(params).__name__}"
+        )
     params = list(params)
     for i, p in enumerate(params):
         if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):
-            raise TypeError(f"graph_step: params[{i}] is a (name, tensor) pair: pass model.parameters(), "
-                            "not model.named_parameters()")
+            raise TypeError(
+                f"graph_step: params[{i}] is a (name, tensor) pair: pass model.parameters(), "
+                "not model.named_parameters()"
+            )
     _check_tensors("params", params, cuda=False)
     return params
 
@@ -299,14 +311,16 @@ def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 def _own_grads(params: Sequence[torch.Tensor]) -> list:
     """A hook per parameter that hands AccumulateGrad a copy of the incoming grad when ``.grad``
     is None (NOTE: [Graphed grads alias])."""
+
     def own(p: torch.Tensor) -> Callable:
         return lambda g: g.clone() if g is not None and p.grad is None else None  # fused: no grad
 
     return [p.register_hook(own(p)) for p in params if p.requires_grad]
 
 
-def make_graphed_callables(callables: Any, sample_args: tuple, num_warmup_iters: int = 3,
-                           allow_unused_input: bool = False, pool: Any = None) -> Any:
+def make_graphed_callables(
+    callables: Any, sample_args: tuple, num_warmup_iters: int = 3, allow_unused_input: bool = False, pool: Any = None
+) -> Any:
     """``torch.cuda.make_graphed_callables`` (same arguments, same result: each module's
     forward and backward replay a graph of their own; autograd, the optimizer and everything
     else stay eager), with two fixes for the modules' parameters:
@@ -325,8 +339,9 @@ def make_graphed_callables(callables: Any, sample_args: tuple, num_warmup_iters:
     mods = callables if isinstance(callables, tuple) else (callables,)
     params = list({id(p): p for m in mods if isinstance(m, torch.nn.Module) for p in m.parameters()}.values())
     saved = _main_grads(params)
-    out = torch.cuda.make_graphed_callables(callables, sample_args, num_warmup_iters=num_warmup_iters,
-                                            allow_unused_input=allow_unused_input, pool=pool)
+    out = torch.cuda.make_graphed_callables(
+        callables, sample_args, num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input, pool=pool
+    )
     _restore(saved)
     _own_grads(params)
     return out

@@ -25,8 +25,12 @@ from .kernels.torch_ref import expert_sums
 from .residuals import any_needed, needed, residuals, saved
 
 __all__ = [
-    "GroupedLinearResiduals", "grouped_linear", "grouped_linear_fwd", "grouped_linear_bwd",
-    "grouped_linear_bwd_dgrad", "grouped_linear_bwd_wgrad",
+    "GroupedLinearResiduals",
+    "grouped_linear",
+    "grouped_linear_fwd",
+    "grouped_linear_bwd",
+    "grouped_linear_bwd_dgrad",
+    "grouped_linear_bwd_wgrad",
 ]
 
 WeightsArg = Union[Sequence[torch.Tensor], torch.Tensor]
@@ -37,6 +41,7 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 class _HostSplits(tuple):
     """Host split sizes as ONE pytree leaf (a tuple subclass is not a registered pytree node),
     so the autograd bridge does not flatten E ints on every call."""
+
 
 SplitsArg = Union[Sequence[int], torch.Tensor]
 
@@ -50,7 +55,9 @@ class GroupedLinearResiduals:
     weight_version: tuple[int, ...]
     splits: Splits
     path: str  # forward's GEMM path: "split" (per-expert GEMMs) or "grouped" (one kernel per product)
-    kernels: Kernels  # forward's kernels (the plan's, or the reference under a transform: NOTE: [Transforms without a rule])
+    kernels: (
+        Kernels  # forward's kernels (the plan's, or the reference under a transform: NOTE: [Transforms without a rule])
+    )
     plan: GroupedPlan  # the call's decisions (kernels, layout, options): by reference, shared by every call alike
     fp8: _fp8.Plan | None  # None without FP8; else how forward quantized (recipe, specs, the state by
     # reference, forward's weight scales): backward quantizes dy and the weights by it
@@ -106,8 +113,16 @@ def _check_weights(ws: Sequence[torch.Tensor], ndim: int, x: torch.Tensor) -> No
     ok = isinstance(w0, torch.Tensor) and not w0.is_nested and w0.dim() == ndim
     if ok:
         shape, dtype, device = w0.shape[-2:], x.dtype, x.device
-        ok = all(isinstance(w, torch.Tensor) and not w.is_nested and w.dim() == ndim and w.shape[-2:] == shape
-                 and w.dtype == dtype and w.device == device and w.layout == torch.strided for w in ws)
+        ok = all(
+            isinstance(w, torch.Tensor)
+            and not w.is_nested
+            and w.dim() == ndim
+            and w.shape[-2:] == shape
+            and w.dtype == dtype
+            and w.device == device
+            and w.layout == torch.strided
+            for w in ws
+        )
     if ok:
         return
     for e, w in enumerate(ws):
@@ -123,18 +138,24 @@ def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
     T = x.shape[0]
     if isinstance(splits, torch.Tensor):
         if splits.dtype not in (torch.int32, torch.int64) or splits.dim() != 1:
-            raise TypeError(f"splits tensor must be 1-D int32 or int64, got {splits.dtype} of shape {tuple(splits.shape)}")
+            raise TypeError(
+                f"splits tensor must be 1-D int32 or int64, got {splits.dtype} of shape {tuple(splits.shape)}"
+            )
         if splits.layout != torch.strided:
             raise TypeError(f"splits must be a dense tensor (or a list of ints), got layout {splits.layout}")
         if splits.device.type == "meta":
-            raise ValueError("splits is a tensor on the meta device, which holds no counts: give the splits as "
-                             "a list of ints (shape inference needs their values) or a tensor on a real device")
+            raise ValueError(
+                "splits is a tensor on the meta device, which holds no counts: give the splits as "
+                "a list of ints (shape inference needs their values) or a tensor on a real device"
+            )
         if torch.compiler.is_compiling():  # a copy: the caller may reuse its routing buffer before
             host, tensor = None, splits.clone()  # backward, which reads the counts again
         else:
             if is_fake(splits):
-                raise ValueError("splits is a fake tensor (FakeTensorMode), which holds no counts: give the "
-                                 "splits as a list of ints for shape inference")
+                raise ValueError(
+                    "splits is a fake tensor (FakeTensorMode), which holds no counts: give the "
+                    "splits as a list of ints for shape inference"
+                )
             host, tensor = (None if splits.is_cuda else tuple(splits.tolist())), splits
     else:
         items = None if isinstance(splits, (str, bytes)) else _checks.sequence(splits)
@@ -143,7 +164,9 @@ def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
         host, tensor = _checks.counts("splits", items), None
     n = len(host) if host is not None else splits.shape[0]
     if n != num_experts:
-        raise ValueError(f"splits has {n} entries but there are {num_experts} experts (weights): give one count per expert")
+        raise ValueError(
+            f"splits has {n} entries but there are {num_experts} experts (weights): give one count per expert"
+        )
     if torch.compiler.is_compiling():  # NOTE: [Splits under torch.compile]: data, never guarded on
         if tensor is None:
             tensor = torch.tensor(host, dtype=torch.int64)  # on the CPU: the split path reads it there
@@ -211,7 +234,9 @@ class GroupedPlan:
 _PLANS = PlanCache()
 
 
-def _plan(x: torch.Tensor, w_ENK: WeightsArg, stacked: bool, distributed: bool, bias: Any, opts: Options) -> GroupedPlan:
+def _plan(
+    x: torch.Tensor, w_ENK: WeightsArg, stacked: bool, distributed: bool, bias: Any, opts: Options
+) -> GroupedPlan:
     """Every decision of a call that metadata settles: the checks, the kernels, the GEMM path
     and (with a recipe) the FP8 plan. ``w_ENK``: the materialized weights."""
     _checks.tensor("x", x, ndim=2)
@@ -225,7 +250,9 @@ def _plan(x: torch.Tensor, w_ENK: WeightsArg, stacked: bool, distributed: bool, 
     E = shapes[0][0] if stacked else len(shapes)
     N, K = shapes[0][-2:]
     if E == 0:  # (a list cannot be empty: _as_params)
-        raise ValueError(f"weights is one [0, {N}, {K}] tensor: a group needs at least one expert, [E, {N}, {K}] with E >= 1")
+        raise ValueError(
+            f"weights is one [0, {N}, {K}] tensor: a group needs at least one expert, [E, {N}, {K}] with E >= 1"
+        )
     if x.shape[1] != K:
         what = " (as materialize_group_for_forward() of the DistributedWeight returned them)" if distributed else ""
         raise ValueError(f"x has {x.shape[1]} features but the weights are [{N}, {K}]{what}: x must be [T, {K}]")
@@ -240,17 +267,36 @@ def _plan(x: torch.Tensor, w_ENK: WeightsArg, stacked: bool, distributed: bool, 
     if fixed is not None:
         path, why = fixed
     else:
-        why_not = (kernels.grouped_path_unsupported(x, w_ENK) if recipe is None
-                   else kernels.grouped_path_unsupported(x, w_ENK, recipe=recipe))
+        why_not = (
+            kernels.grouped_path_unsupported(x, w_ENK)
+            if recipe is None
+            else kernels.grouped_path_unsupported(x, w_ENK, recipe=recipe)
+        )
         path, why = choose_path(why_not, use_grouped_tensor)
-    warn = f"grouped_linear: use_grouped_tensor=True but {why}; running the split path" \
-        if use_grouped_tensor and path == "split" else None
+    warn = (
+        f"grouped_linear: use_grouped_tensor=True but {why}; running the split path"
+        if use_grouped_tensor and path == "split"
+        else None
+    )
     fp8_plan = None
     if recipe is not None or fp8_state is not None:
         fp8_plan = _fp8.plan(recipe, fp8_state, E, x, kernels)
         _fp8.check_dims(K, N)
-    return GroupedPlan(kernels, path, why, warn, stacked, packed, distributed, tuple(shapes), E, N, bias_form,
-                       opts.fuse_wgrad_accumulation, fp8_plan)
+    return GroupedPlan(
+        kernels,
+        path,
+        why,
+        warn,
+        stacked,
+        packed,
+        distributed,
+        tuple(shapes),
+        E,
+        N,
+        bias_form,
+        opts.fuse_wgrad_accumulation,
+        fp8_plan,
+    )
 
 
 def _plan_key(x: Any, weights: Any, splits: Any, bias: Any, opts: Options) -> Any:
@@ -357,16 +403,24 @@ def _fprop_fp8(c: _Call, keep_x: bool, keep_w: bool) -> tuple[torch.Tensor, Any,
     the plan). Returns (y, x's copy or None, the plan with forward's weight scales)."""
     grouped, kernels, distributed = c.path == "grouped", c.kernels, c.plan.distributed
     xq = c.fp8.quantize_x(kernels, c.x_TK, c.split, grouped, keep=keep_x)
-    wq, plan = c.fp8.quantize_weights(kernels, c.w_ENK, keep=keep_w and not distributed,
-                                      params=None if distributed else c.params)
+    wq, plan = c.fp8.quantize_weights(
+        kernels, c.w_ENK, keep=keep_w and not distributed, params=None if distributed else c.params
+    )
     y = kernels.grouped_fprop(xq, wq, c.b_EN, c.split, grouped, split_accumulator=plan.acc.fprop)
     return y, (_fp8.with_usage(xq, rowwise=False, columnwise=True) if keep_x else None), plan
 
 
 def grouped_linear_fwd(
-    x: torch.Tensor, weights: WeightsArg, splits: SplitsArg, bias: Any = None, *,
-    fuse_wgrad_accumulation: bool = False, use_grouped_tensor: bool | None = None,
-    backend: str | Kernels | None = None, recipe: Any = None, fp8_state: Any = None,
+    x: torch.Tensor,
+    weights: WeightsArg,
+    splits: SplitsArg,
+    bias: Any = None,
+    *,
+    fuse_wgrad_accumulation: bool = False,
+    use_grouped_tensor: bool | None = None,
+    backend: str | Kernels | None = None,
+    recipe: Any = None,
+    fp8_state: Any = None,
 ) -> tuple[torch.Tensor, GroupedLinearResiduals]:
     """``y`` ``[T, N]`` and the residuals. x ``[T, K]``; weights E ``[N, K]`` or ``[E, N, K]``;
     ``recipe``/``fp8_state`` as for :func:`grouped_linear`."""
@@ -384,8 +438,15 @@ def _forward(c: _Call, x: torch.Tensor, keep_x: bool):
     else:
         y, x_saved, plan = _fprop_fp8(c, keep_x=keep_x, keep_w=True)
     res = GroupedLinearResiduals(
-        x_TK=x_saved, x_version=_checks.stamp(x) if plan is None else None, weights=c.params,
-        weight_version=dwp.versions(c.params), splits=c.split, path=c.path, kernels=c.kernels, plan=c.plan, fp8=plan,
+        x_TK=x_saved,
+        x_version=_checks.stamp(x) if plan is None else None,
+        weights=c.params,
+        weight_version=dwp.versions(c.params),
+        splits=c.split,
+        path=c.path,
+        kernels=c.kernels,
+        plan=c.plan,
+        fp8=plan,
     )
     return y, res
 
@@ -426,8 +487,9 @@ def _checked(res: Any, dy: Any, fn: str) -> tuple[torch.Tensor, _Route]:
     and where backward's products run."""
     dy_TN = _dy_TN(_check_res(res, fn), dy)
     dwp.check_versions(res.weights, res.weight_version, "weights")
-    return dy_TN, _Route(*route(res.kernels, res.path == "grouped", dy_TN, res.x_TK, res.weights,
-                                one_path=_one_path(res.fp8)))
+    return dy_TN, _Route(
+        *route(res.kernels, res.path == "grouped", dy_TN, res.x_TK, res.weights, one_path=_one_path(res.fp8))
+    )
 
 
 def _one_path(p: _fp8.Plan | None) -> bool:
@@ -461,8 +523,17 @@ def _frozen(res: GroupedLinearResiduals) -> bool:
 
 
 def _dy_fp8(res: GroupedLinearResiduals, dy_TN: torch.Tensor, k: _Route, dgrad: bool, wgrad: bool) -> Any:
-    return _steps.quantize_dy(res.fp8, "grouped_linear", dy_TN, res.weights, k.kernels, splits=res.splits,
-                              grouped=k.grouped, dgrad=dgrad and _wanted(res)[0], wgrad=wgrad and not _frozen(res))
+    return _steps.quantize_dy(
+        res.fp8,
+        "grouped_linear",
+        dy_TN,
+        res.weights,
+        k.kernels,
+        splits=res.splits,
+        grouped=k.grouped,
+        dgrad=dgrad and _wanted(res)[0],
+        wgrad=wgrad and not _frozen(res),
+    )
 
 
 def _dgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: _Route) -> torch.Tensor | None:
@@ -487,15 +558,25 @@ def _wgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: _Route
         out = None if out is None else out[0] if res.stacked else out
         grouped = k.grouped and wgrad_grouped(k.kernels, dy_TN, out)
         if res.fp8 is not None:  # the saved FP8 x and dy
-            dw = k.kernels.grouped_wgrad(res.x_TK, dyq, res.splits, grouped, out=out, accumulate=accumulate,
-                                         split_accumulator=res.fp8.acc.wgrad)[0]
+            dw = k.kernels.grouped_wgrad(
+                res.x_TK, dyq, res.splits, grouped, out=out, accumulate=accumulate, split_accumulator=res.fp8.acc.wgrad
+            )[0]
         else:
-            dw, db_EN = k.kernels.grouped_wgrad(_x_TK(res), dy_TN, res.splits, grouped, out=out,
-                                                accumulate=accumulate, with_dbias=with_dbias)
+            dw, db_EN = k.kernels.grouped_wgrad(
+                _x_TK(res), dy_TN, res.splits, grouped, out=out, accumulate=accumulate, with_dbias=with_dbias
+            )
         return [dw] if res.stacked else list(dw)
 
-    wgrads = dwp.weight_grads(res.weights, res.distributed, res.fuse_wgrad_accumulation, res.weight_shapes,
-                              _frozen(res), dy_TN, gemm, "weights")
+    wgrads = dwp.weight_grads(
+        res.weights,
+        res.distributed,
+        res.fuse_wgrad_accumulation,
+        res.weight_shapes,
+        _frozen(res),
+        dy_TN,
+        gemm,
+        "weights",
+    )
     db_EN = _steps.bias_grad(db_EN, with_dbias, dy_TN, lambda dy: expert_sums(dy, res.splits))
     return (wgrads[0] if res.stacked else wgrads), _bias_grads(res, db_EN)
 
@@ -530,8 +611,10 @@ def _jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
     if isinstance(tw, (list, tuple)) and all(t is None for t in tw):
         tw = None
     if tw is not None and res.distributed:
-        raise ValueError("forward-mode (jvp) tangents for a DistributedWeight are not supported: "
-                         "take the tangent with respect to x or bias, or use plain weights")
+        raise ValueError(
+            "forward-mode (jvp) tangents for a DistributedWeight are not supported: "
+            "take the tangent with respect to x or bias, or use plain weights"
+        )
     b_EN = None
     if tb is not None:
         zeros = res.x_TK.new_zeros(res.out_features)
@@ -559,22 +642,32 @@ def _vmap(batch_size: int, in_dims: tuple, x, weights, splits, bias, opts: Optio
     xb = x.movedim(x_dim, 0)
     B, T, K = xb.shape
     E = len(splits)
-    expert_T = torch.repeat_interleave(torch.arange(E, device=x.device), torch.tensor(splits, device=x.device), output_size=T)
+    expert_T = torch.repeat_interleave(
+        torch.arange(E, device=x.device), torch.tensor(splits, device=x.device), output_size=T
+    )
     keys_BT = expert_T[None, :] * B + torch.arange(B, device=x.device)[:, None]
     order = torch.argsort(keys_BT.flatten(), stable=True)
     new_args = (xb.reshape(B * T, K)[order], weights, _HostSplits(s * B for s in splits), bias, opts)
     return new_args, lambda y: (y[torch.argsort(order)].view(B, T, -1), 0)
 
 
-_grouped_linear = custom_vjp(_fwd, _bwd, nondiff_argnums=(4,), primal=_primal, jvp=_jvp, vmap=_vmap,
-                             name="grouped_linear")
+_grouped_linear = custom_vjp(
+    _fwd, _bwd, nondiff_argnums=(4,), primal=_primal, jvp=_jvp, vmap=_vmap, name="grouped_linear"
+)
 _grouped_linear_eager = torch.compiler.disable(_grouped_linear, reason=dwp.NO_COMPILE)
 
 
 def grouped_linear(
-    x: torch.Tensor, weights: WeightsArg, splits: SplitsArg, bias: Any = None, *,
-    fuse_wgrad_accumulation: bool = False, use_grouped_tensor: bool | None = None,
-    backend: str | Kernels | None = None, recipe: Any = None, fp8_state: Any = None,
+    x: torch.Tensor,
+    weights: WeightsArg,
+    splits: SplitsArg,
+    bias: Any = None,
+    *,
+    fuse_wgrad_accumulation: bool = False,
+    use_grouped_tensor: bool | None = None,
+    backend: str | Kernels | None = None,
+    recipe: Any = None,
+    fp8_state: Any = None,
 ) -> torch.Tensor:
     """Differentiable GroupedLinear (TE ``GroupedLinear`` semantics).
 

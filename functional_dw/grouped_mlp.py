@@ -47,7 +47,14 @@ from . import _checks, _fp8, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from .grouped_linear import GroupedLinearResiduals, SplitsArg, WeightsArg, grouped_linear_bwd
 from .grouped_linear import (  # fc1's and fc2's own steps
-    _check_bias, _dy_TN, _forward, _fprop, _normalized, _one_buffer, _prepare, _x_TK,
+    _check_bias,
+    _dy_TN,
+    _forward,
+    _fprop,
+    _normalized,
+    _one_buffer,
+    _prepare,
+    _x_TK,
 )
 from .kernels import Kernels, stacked
 from .kernels.activation import ACTIVATIONS, ActivationKernels, activation_kernels, glu_width
@@ -140,13 +147,16 @@ GroupedMLPResiduals.__repr__ = _describe  # type: ignore[method-assign]
 
 # --- checks ---------------------------------------------------------------------------------------
 
+
 def _experts(name: str, w: Any) -> int | None:
     """The number of experts of a weights argument (None where the layer's own checks will say
     what is wrong with it)."""
     if isinstance(w, torch.Tensor):
         if w.dim() != 3:
-            raise ValueError(f"{name} must be E [out, in] tensors or one [E, out, in] tensor, got one tensor of "
-                             f"shape {tuple(w.shape)}")
+            raise ValueError(
+                f"{name} must be E [out, in] tensors or one [E, out, in] tensor, got one tensor of "
+                f"shape {tuple(w.shape)}"
+            )
         return w.shape[0]
     ws = _checks.sequence(w)
     return None if not ws else len(ws)
@@ -166,8 +176,9 @@ def _check_options(activation: Any, save: Any) -> None:
     if not isinstance(activation, str) or activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
     if not isinstance(save, str) or save not in POLICIES:
-        raise ValueError(f"save must be one of {', '.join(map(repr, POLICIES))} (what forward keeps for backward), "
-                         f"got {save!r}")
+        raise ValueError(
+            f"save must be one of {', '.join(map(repr, POLICIES))} (what forward keeps for backward), got {save!r}"
+        )
 
 
 def _check_args(x: Any, w1: Any, w2: Any, probs: Any, activation: str) -> None:
@@ -175,31 +186,40 @@ def _check_args(x: Any, w1: Any, w2: Any, probs: Any, activation: str) -> None:
     _checks.tensor("x", x, ndim=2)
     E1, E2 = _experts("w1", w1), _experts("w2", w2)
     if E1 is not None and E2 is not None and E1 != E2:
-        raise ValueError(f"w1 has {E1} experts but w2 has {E2}: fc1 and fc2 need one weight per expert each "
-                         f"(w1: E x [{glu_width(activation)}F, H], w2: E x [H, F])")
+        raise ValueError(
+            f"w1 has {E1} experts but w2 has {E2}: fc1 and fc2 need one weight per expert each "
+            f"(w1: E x [{glu_width(activation)}F, H], w2: E x [H, F])"
+        )
     s1, s2 = _shape(w1), _shape(w2)
     if s1 is not None and s2 is not None:
         (N1, K1), (_, F) = s1, s2
         if x.shape[1] != K1:
-            raise ValueError(f"x has {x.shape[1]} features but w1 is [{N1}, {K1}] per expert: x must be [T, {K1}], "
-                             f"or w1 [{N1}, {x.shape[1]}]")
+            raise ValueError(
+                f"x has {x.shape[1]} features but w1 is [{N1}, {K1}] per expert: x must be [T, {K1}], "
+                f"or w1 [{N1}, {x.shape[1]}]"
+            )
         want = glu_width(activation) * F
         if N1 != want:
             if activation == "swiglu":
                 raise ValueError(
                     f"w1 is [{N1}, {K1}] per expert but activation='swiglu' needs 2 * F = {want} out-features "
                     f"(the gate half, then the up half; F = {F} is w2's in-features): make w1 [{want}, {K1}], or "
-                    f"use activation='gelu' or 'silu' with w1 [{F}, {K1}]")
+                    f"use activation='gelu' or 'silu' with w1 [{F}, {K1}]"
+                )
             hint = f" (a [{2 * F}, {K1}] w1 is for activation='swiglu')" if N1 == 2 * F else ""
-            raise ValueError(f"w1 is [{N1}, {K1}] per expert but activation={activation!r} needs F = {F} "
-                             f"out-features (w2's in-features): make w1 [{F}, {K1}]{hint}")
+            raise ValueError(
+                f"w1 is [{N1}, {K1}] per expert but activation={activation!r} needs F = {F} "
+                f"out-features (w2's in-features): make w1 [{F}, {K1}]{hint}"
+            )
     if probs is not None:
         _checks.tensor("probs", probs)
         T = x.shape[0]
         if probs.dim() != 1 or probs.shape[0] != T:
             fix = " (probs.reshape(-1))" if probs.numel() == T else ""
-            raise ValueError(f"probs must be [T] = [{T}], one router weight per row of x, got shape "
-                             f"{tuple(probs.shape)}: pass a 1-D tensor of {T} values{fix}")
+            raise ValueError(
+                f"probs must be [T] = [{T}], one router weight per row of x, got shape "
+                f"{tuple(probs.shape)}: pass a 1-D tensor of {T} values{fix}"
+            )
         if probs.device != x.device:
             raise ValueError(f"probs is on {probs.device} but x is on {x.device}; move them to one device")
 
@@ -211,19 +231,23 @@ def _in_layer(layer: str, fn: Any, *args: Any) -> Any:
         return fn(*args)
     except (ValueError, TypeError) as e:
         names = ("x", "w1", "bias1") if layer == "fc1" else ("h = act(fc1_out) * probs", "w2", "bias2")
-        raise type(e)(f"grouped_mlp's {layer} (its x is {names[0]}, its weights {names[1]}, its bias "
-                      f"{names[2]}): {e}") from e
+        raise type(e)(
+            f"grouped_mlp's {layer} (its x is {names[0]}, its weights {names[1]}, its bias {names[2]}): {e}"
+        ) from e
 
 
 # --- forward --------------------------------------------------------------------------------------
+
 
 def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
     """Forward; with ``keep``, also the residual record (else None)."""
     _check_options(opts.activation, opts.save)
     _check_args(x, w1, w2, probs, opts.activation)
     if opts.save == "x_only" and opts.fc1.fp8 is not None:
-        raise ValueError("save='x_only' recomputes fc1's output from x, but with FP8 fc1 keeps only x's FP8 copy: "
-                         "use save='default' or 'h' with recipe=")
+        raise ValueError(
+            "save='x_only' recomputes fc1's output from x, but with FP8 fc1 keeps only x's FP8 copy: "
+            "use save='default' or 'h' with recipe="
+        )
     weighted = probs is not None and bias2 is not None  # fc2's bias times probs, added after fc2
     c1 = _in_layer("fc1", _prepare, x, w1, splits, bias1, opts.fc1)
     act = activation_kernels(c1.plan.kernels)  # (the backend's; each call routes on its own operands)
@@ -248,9 +272,16 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
     if opts.save != "h" and h_kept:  # h is recomputed in backward: fc2's record holds it not
         r2 = dataclasses.replace(r2, x_TK=None, x_version=None)
     res = GroupedMLPResiduals(
-        fc1=r1, fc2=r2, fc1_out=None if opts.save == "x_only" else fc1_out, probs=probs,
-        activation=opts.activation, save=opts.save, act=act, probs_bias=pb,
-        bias1=bias1, h_kept=h_kept,
+        fc1=r1,
+        fc2=r2,
+        fc1_out=None if opts.save == "x_only" else fc1_out,
+        probs=probs,
+        activation=opts.activation,
+        save=opts.save,
+        act=act,
+        probs_bias=pb,
+        bias1=bias1,
+        h_kept=h_kept,
     )
     return y, res
 
@@ -265,20 +296,44 @@ def _bias_EH(pb: _ProbsBias) -> torch.Tensor:
 
 
 def grouped_mlp_fwd(
-    x: torch.Tensor, w1: WeightsArg, w2: WeightsArg, splits: SplitsArg, *, probs: torch.Tensor | None = None,
-    activation: str = "swiglu", bias1: Any = None, bias2: Any = None, save: str = "default", recipe: Any = None,
-    fp8_state: Any = None, backend: str | Kernels | None = None, fuse_wgrad_accumulation: bool = False,
+    x: torch.Tensor,
+    w1: WeightsArg,
+    w2: WeightsArg,
+    splits: SplitsArg,
+    *,
+    probs: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    bias1: Any = None,
+    bias2: Any = None,
+    save: str = "default",
+    recipe: Any = None,
+    fp8_state: Any = None,
+    backend: str | Kernels | None = None,
+    fuse_wgrad_accumulation: bool = False,
     use_grouped_tensor: bool | None = None,
 ) -> tuple[torch.Tensor, GroupedMLPResiduals]:
     """``y`` ``[T, H_out]`` and the residual record (fc1's and fc2's records nested in it).
     Arguments as for :func:`grouped_mlp`."""
-    opts, (w1, w2, splits, bias1, bias2) = _options(w1, w2, splits, bias1, bias2, activation, save,
-                                                    recipe, fp8_state, backend, fuse_wgrad_accumulation,
-                                                    use_grouped_tensor, keep_x=(True, True))
+    opts, (w1, w2, splits, bias1, bias2) = _options(
+        w1,
+        w2,
+        splits,
+        bias1,
+        bias2,
+        activation,
+        save,
+        recipe,
+        fp8_state,
+        backend,
+        fuse_wgrad_accumulation,
+        use_grouped_tensor,
+        keep_x=(True, True),
+    )
     return _run(x, w1, w2, splits, probs, bias1, bias2, opts, keep=True)
 
 
 # --- backward -------------------------------------------------------------------------------------
+
 
 def _wanted(res: GroupedMLPResiduals) -> tuple:
     """(x, w1, w2, probs, bias1, bias2): what autograd asked for, each a bool or a list of them
@@ -376,6 +431,7 @@ def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
 
 # --- the op ---------------------------------------------------------------------------------------
 
+
 def _fwd(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions):
     return _run(x, w1, w2, splits, probs, bias1, bias2, opts, keep=True)
 
@@ -395,8 +451,21 @@ _grouped_mlp = custom_vjp(_fwd, _bwd, nondiff_argnums=(7,), primal=_primal, name
 _grouped_mlp_eager = torch.compiler.disable(_grouped_mlp, reason=dwp.NO_COMPILE)
 
 
-def _options(w1, w2, splits, bias1, bias2, activation, save, recipe, fp8_state, backend, fuse, use_grouped_tensor,
-             keep_x: tuple[bool, bool]) -> tuple[MLPOptions, tuple]:
+def _options(
+    w1,
+    w2,
+    splits,
+    bias1,
+    bias2,
+    activation,
+    save,
+    recipe,
+    fp8_state,
+    backend,
+    fuse,
+    use_grouped_tensor,
+    keep_x: tuple[bool, bool],
+) -> tuple[MLPOptions, tuple]:
     """The call's options (each layer's ``plan.Options``) and its arguments normalized as the
     layers normalize theirs."""
     w1, splits, bias1 = _normalized(w1, splits, bias1)
@@ -408,20 +477,37 @@ def _options(w1, w2, splits, bias1, bias2, activation, save, recipe, fp8_state, 
         elif isinstance(fp8_state, (list, tuple)) and len(fp8_state) == 2:
             s1, s2 = fp8_state
         else:
-            raise TypeError("fp8_state must be None or a pair (fc1's state, fc2's state), each "
-                            "fp8.init_state(recipe, num_gemms=E, device=...), got "
-                            f"{type(fp8_state).__name__}")
+            raise TypeError(
+                "fp8_state must be None or a pair (fc1's state, fc2's state), each "
+                "fp8.init_state(recipe, num_gemms=E, device=...), got "
+                f"{type(fp8_state).__name__}"
+            )
         args1 = _fp8.Args(recipe, s1, keep_x=keep_x[0])
         args2 = _fp8.Args(recipe, s2, keep_x=keep_x[1])
-    opts = MLPOptions(activation, save, Options(fuse, use_grouped_tensor, backend, args1),
-                      Options(fuse, use_grouped_tensor, backend, args2))
+    opts = MLPOptions(
+        activation,
+        save,
+        Options(fuse, use_grouped_tensor, backend, args1),
+        Options(fuse, use_grouped_tensor, backend, args2),
+    )
     return opts, (w1, w2, splits, bias1, bias2)
 
 
 def grouped_mlp(
-    x: torch.Tensor, w1: WeightsArg, w2: WeightsArg, splits: SplitsArg, *, probs: torch.Tensor | None = None,
-    activation: str = "swiglu", bias1: Any = None, bias2: Any = None, save: str = "default", recipe: Any = None,
-    fp8_state: Any = None, backend: str | Kernels | None = None, fuse_wgrad_accumulation: bool = False,
+    x: torch.Tensor,
+    w1: WeightsArg,
+    w2: WeightsArg,
+    splits: SplitsArg,
+    *,
+    probs: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    bias1: Any = None,
+    bias2: Any = None,
+    save: str = "default",
+    recipe: Any = None,
+    fp8_state: Any = None,
+    backend: str | Kernels | None = None,
+    fuse_wgrad_accumulation: bool = False,
     use_grouped_tensor: bool | None = None,
 ) -> torch.Tensor:
     """Differentiable expert MLP: ``y = fc2(act(fc1(x)) * probs)`` per expert (Megatron's
@@ -453,8 +539,9 @@ def grouped_mlp(
     if recipe is not None or fp8_state is not None:
         _fp8.refuse_compile(recipe)
         keep_x = (_fp8.wgrad_possible(w1), _fp8.wgrad_possible(w2))
-    opts, (w1, w2, splits, bias1, bias2) = _options(w1, w2, splits, bias1, bias2, activation, save, recipe,
-                                                    fp8_state, backend, fuse, use_grouped_tensor, keep_x)
+    opts, (w1, w2, splits, bias1, bias2) = _options(
+        w1, w2, splits, bias1, bias2, activation, save, recipe, fp8_state, backend, fuse, use_grouped_tensor, keep_x
+    )
     if torch.compiler.is_compiling() and (dwp.any_distributed(w1) or dwp.any_distributed(w2)):
         return _grouped_mlp_eager(x, w1, w2, splits, probs, bias1, bias2, opts)
     return _grouped_mlp(x, w1, w2, splits, probs, bias1, bias2, opts)

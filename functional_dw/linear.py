@@ -104,8 +104,13 @@ def _fprop_fp8(c: _Call, keep_x: bool, keep_w: bool) -> tuple[torch.Tensor, Any,
 
 
 def linear_fwd(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-    fuse_wgrad_accumulation: bool = False, backend: str | Kernels | None = None, recipe: Any = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    fuse_wgrad_accumulation: bool = False,
+    backend: str | Kernels | None = None,
+    recipe: Any = None,
     fp8_state: Any = None,
 ) -> tuple[torch.Tensor, LinearResiduals]:
     """``y = x @ W^T + b`` and the residuals its backward needs. x ``[..., K]``, weight ``[N, K]``;
@@ -115,8 +120,14 @@ def linear_fwd(
     return _forward(c, x, weight, bias, fuse_wgrad_accumulation, keep_x=True)
 
 
-def _forward(c: _Call, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fuse_wgrad_accumulation: bool,
-             keep_x: bool):
+def _forward(
+    c: _Call,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    fuse_wgrad_accumulation: bool,
+    keep_x: bool,
+):
     """y and the residuals of a checked call; ``keep_x`` False (FP8, a frozen weight): no FP8
     copy of x is made or saved (wgrad, its only reader, never runs)."""
     if c.fp8 is None:
@@ -124,10 +135,17 @@ def _forward(c: _Call, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     else:
         y, x_saved, plan = _fprop_fp8(c, keep_x=keep_x, keep_w=True)
     res = LinearResiduals(
-        x=x_saved, x_version=_checks.stamp(x) if plan is None else None, weight=weight,
-        weight_version=dwp.versions([weight]), distributed=c.distributed, x_shape=tuple(c.x.shape),
-        out_features=c.w_NK.shape[0], has_bias=bias is not None, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        kernels=c.kernels, fp8=plan,
+        x=x_saved,
+        x_version=_checks.stamp(x) if plan is None else None,
+        weight=weight,
+        weight_version=dwp.versions([weight]),
+        distributed=c.distributed,
+        x_shape=tuple(c.x.shape),
+        out_features=c.w_NK.shape[0],
+        has_bias=bias is not None,
+        fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        kernels=c.kernels,
+        fp8=plan,
     )
     return y, res
 
@@ -189,13 +207,15 @@ def _frozen(res: LinearResiduals) -> bool:
 
 
 def _dy_fp8(res: LinearResiduals, dy_TN: torch.Tensor, k: Kernels, dgrad: bool, wgrad: bool) -> Any:
-    return _steps.quantize_dy(res.fp8, "linear", dy_TN, [res.weight], k, dgrad=dgrad and _wanted(res)[0],
-                              wgrad=wgrad and not _frozen(res))
+    return _steps.quantize_dy(
+        res.fp8, "linear", dy_TN, [res.weight], k, dgrad=dgrad and _wanted(res)[0], wgrad=wgrad and not _frozen(res)
+    )
 
 
 def _dgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: Kernels) -> torch.Tensor | None:
-    (w_NK,) = _steps.dgrad_weights([res.weight], res.distributed, _like(res),
-                                   [(res.out_features, res.x_shape[-1])], "weight")
+    (w_NK,) = _steps.dgrad_weights(
+        [res.weight], res.distributed, _like(res), [(res.out_features, res.x_shape[-1])], "weight"
+    )
     if not _wanted(res)[0]:
         return None
     if res.fp8 is not None:  # dy and the weight (quantized again) in FP8
@@ -219,8 +239,9 @@ def _wgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: Kernels) -> t
         return [dw]
 
     shape = (res.out_features, res.x_shape[-1])
-    dw = dwp.weight_grads([res.weight], res.distributed, res.fuse_wgrad_accumulation, [shape], _frozen(res), dy_TN,
-                          gemm, "weight")[0]
+    dw = dwp.weight_grads(
+        [res.weight], res.distributed, res.fuse_wgrad_accumulation, [shape], _frozen(res), dy_TN, gemm, "weight"
+    )[0]
     return dw, _steps.bias_grad(db, with_dbias, dy_TN, column_sums)
 
 
@@ -244,8 +265,10 @@ def _jvp(res: LinearResiduals, tangents: tuple) -> torch.Tensor:
     _fp8.no_jvp(res.fp8, "linear")
     tx, tw, tb = tangents[:3]
     if tw is not None and res.distributed:
-        raise ValueError("forward-mode (jvp) tangents for a DistributedWeight are not supported: "
-                         "take the tangent with respect to x or bias, or use a plain weight")
+        raise ValueError(
+            "forward-mode (jvp) tangents for a DistributedWeight are not supported: "
+            "take the tangent with respect to x or bias, or use a plain weight"
+        )
     K, N = res.x_shape[-1], res.out_features
     k = route(res.kernels, False, *(t for t in (tx, tw, tb) if t is not None))[0]
     dy = None
@@ -275,8 +298,13 @@ _linear_eager = torch.compiler.disable(_linear, reason=dwp.NO_COMPILE)
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-    fuse_wgrad_accumulation: bool = False, backend: str | Kernels | None = None, recipe: Any = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    fuse_wgrad_accumulation: bool = False,
+    backend: str | Kernels | None = None,
+    recipe: Any = None,
     fp8_state: Any = None,
 ) -> torch.Tensor:
     """Differentiable ``y = x @ weight^T + bias`` (TE ``Linear`` semantics).

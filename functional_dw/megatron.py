@@ -84,13 +84,18 @@ def _megatron() -> dict[str, Any]:
         raise ImportError(
             f"functional_dw.megatron needs megatron-core (tested with {MEGATRON_VERSION}): "
             f'pip install -e ".[megatron]" (megatron-core {MEGATRON_VERSION} needs Python >= 3.12). '
-            f"Importing it failed: {e}") from e
-    return dict(replace_prefix_for_sharding=replace_prefix_for_sharding,
-                set_expert_parameter_attributes=_set_expert_parameter_attributes,
-                ProcessGroupCollection=ProcessGroupCollection, get_cuda_rng_tracker=get_cuda_rng_tracker,
-                expert_rng_name=get_expert_parallel_rng_tracker_name,
-                make_sharded_tensors_for_checkpoint=make_sharded_tensors_for_checkpoint,
-                get_pg_rank=get_pg_rank, get_pg_size=get_pg_size)
+            f"Importing it failed: {e}"
+        ) from e
+    return dict(
+        replace_prefix_for_sharding=replace_prefix_for_sharding,
+        set_expert_parameter_attributes=_set_expert_parameter_attributes,
+        ProcessGroupCollection=ProcessGroupCollection,
+        get_cuda_rng_tracker=get_cuda_rng_tracker,
+        expert_rng_name=get_expert_parallel_rng_tracker_name,
+        make_sharded_tensors_for_checkpoint=make_sharded_tensors_for_checkpoint,
+        get_pg_rank=get_pg_rank,
+        get_pg_size=get_pg_size,
+    )
 
 
 def _refuse_unsupported(config: Any) -> None:
@@ -99,7 +104,8 @@ def _refuse_unsupported(config: Any) -> None:
         if getattr(config, flag, False):
             raise NotImplementedError(
                 f"config.{flag}=True: functional_dw.megatron's grouped linears compute the weight grads "
-                f"in backward (backward_dw() is a no-op); set config.{flag}=False or use TE's classes")
+                f"in backward (backward_dw() is a no-op); set config.{flag}=False or use TE's classes"
+            )
     if getattr(config, "fp4", None):
         raise NotImplementedError(f"config.fp4={config.fp4!r}: functional_dw runs no FP4; set config.fp4=None")
     if getattr(config, "fp8", None):
@@ -107,13 +113,18 @@ def _refuse_unsupported(config: Any) -> None:
         if recipe not in _SUPPORTED_FP8:
             raise NotImplementedError(
                 f"config.fp8_recipe={recipe!r}: functional_dw.megatron runs the {', '.join(_SUPPORTED_FP8)} "
-                "recipes (Hopper FP8); pick one of them or use TE's classes")
+                "recipes (Hopper FP8); pick one of them or use TE's classes"
+            )
         if getattr(config, "fp8_param", False):
-            raise NotImplementedError("config.fp8_param=True (FP8 primary weights): not supported by "
-                                      "functional_dw; set config.fp8_param=False")
+            raise NotImplementedError(
+                "config.fp8_param=True (FP8 primary weights): not supported by "
+                "functional_dw; set config.fp8_param=False"
+            )
     if getattr(config, "quant_recipe", None) is not None:
-        raise NotImplementedError("config.quant_recipe (per-module quantization overrides) is not supported by "
-                                  "functional_dw.megatron; set config.quant_recipe=None")
+        raise NotImplementedError(
+            "config.quant_recipe (per-module quantization overrides) is not supported by "
+            "functional_dw.megatron; set config.quant_recipe=None"
+        )
 
 
 def _device(config: Any) -> torch.device | str:
@@ -138,14 +149,29 @@ class GroupedLinear(nn.GroupedLinear):
     weights as DistributedWeights (:func:`shard_expert_weights`); None keeps plain parameters.
     """
 
-    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, parallel_mode: str | None,
-                 config: Any, init_method: Callable[[torch.Tensor], Any], bias: bool, skip_bias_add: bool,
-                 is_expert: bool = False, tp_comm_buffer_name: str | None = None, pg_collection: Any = None,
-                 name: str | None = None, weight_shard_group: Any = None) -> None:
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel_mode: str | None,
+        config: Any,
+        init_method: Callable[[torch.Tensor], Any],
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        pg_collection: Any = None,
+        name: str | None = None,
+        weight_shard_group: Any = None,
+    ) -> None:
         mc = _megatron()
         if not is_expert:
-            raise ValueError("is_expert=False: functional_dw.megatron's grouped linears serve MoE experts only "
-                             "(as TEGroupedLinear); build them through TEGroupedMLP (is_expert=True)")
+            raise ValueError(
+                "is_expert=False: functional_dw.megatron's grouped linears serve MoE experts only "
+                "(as TEGroupedLinear); build them through TEGroupedMLP (is_expert=True)"
+            )
         if parallel_mode not in ("column", "row", None):
             raise ValueError(f"parallel_mode must be 'column', 'row' or None, got {parallel_mode!r}")
         if not hasattr(config, "params_dtype"):
@@ -159,13 +185,21 @@ class GroupedLinear(nn.GroupedLinear):
         if etp > 1:
             raise ValueError(
                 f"expert tensor parallelism (expert_tensor_parallel_size={etp}) is not supported by "
-                "functional_dw.megatron; set expert_tensor_parallel_size=1 or use TE's classes")
+                "functional_dw.megatron; set expert_tensor_parallel_size=1 or use TE's classes"
+            )
         self._mc, self._pg_collection, self._tp_group = mc, pg_collection, pg_collection.expt_tp
         self._megatron_init: Callable | None = None  # set below: super().__init__'s reset draws nothing
-        super().__init__(num_gemms, input_size, output_size, bias, params_dtype=config.params_dtype,
-                         device=_device(config), fuse_wgrad_accumulation=bool(config.gradient_accumulation_fusion),
-                         single_grouped_weight=bool(getattr(config, "moe_single_grouped_weight", False)),
-                         single_grouped_bias=bool(getattr(config, "moe_single_grouped_bias", False)))
+        super().__init__(
+            num_gemms,
+            input_size,
+            output_size,
+            bias,
+            params_dtype=config.params_dtype,
+            device=_device(config),
+            fuse_wgrad_accumulation=bool(config.gradient_accumulation_fusion),
+            single_grouped_weight=bool(getattr(config, "moe_single_grouped_weight", False)),
+            single_grouped_bias=bool(getattr(config, "moe_single_grouped_bias", False)),
+        )
         self.config, self.parallel_mode, self.name = config, parallel_mode, name
         self.te_return_bias = bool(skip_bias_add and bias)  # TE's name: the biases are returned, not added
         self.delay_wgrad_compute = False
@@ -198,8 +232,9 @@ class GroupedLinear(nn.GroupedLinear):
             for b in self.biases() or []:
                 b.zero_()
 
-    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor
-                ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    def forward(
+        self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         w = self.weight if self.single_grouped_weight else self.weights()
         b = None if self.te_return_bias else (self.bias if self.single_grouped_bias else self.biases())
         recipe, state = self._fp8_begin(x)
@@ -207,10 +242,19 @@ class GroupedLinear(nn.GroupedLinear):
             raise NotImplementedError(
                 f"{self.name or type(self).__name__}: save_original_input=True under FP8 (Megatron sets it when "
                 "'expert_fc1' is in config.offload_modules or with moe_act recompute): functional_dw saves x's "
-                "quantized copy under FP8; drop 'expert_fc1' from offload_modules or run without FP8")
-        y = grouped_linear(x, w, m_splits, b, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-                           use_grouped_tensor=self.use_grouped_tensor, backend=self.backend,
-                           recipe=recipe, fp8_state=state)
+                "quantized copy under FP8; drop 'expert_fc1' from offload_modules or run without FP8"
+            )
+        y = grouped_linear(
+            x,
+            w,
+            m_splits,
+            b,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            use_grouped_tensor=self.use_grouped_tensor,
+            backend=self.backend,
+            recipe=recipe,
+            fp8_state=state,
+        )
         y = self._fp8_end(y, state)
         if self.te_return_bias:
             return y, [bias.to(x.dtype) for bias in self.biases()]
@@ -229,8 +273,9 @@ class GroupedLinear(nn.GroupedLinear):
     def backward_dw(self) -> None:
         """A no-op: the weight grads are computed in backward (``delay_wgrad_compute`` is refused)."""
 
-    def _sharded_state_dict_grouped(self, tp_axis_map: dict[str, int], prefix: str = "",
-                                    sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+    def _sharded_state_dict_grouped(
+        self, tp_axis_map: dict[str, int], prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
         """Per expert ``weight{i}``, ``bias{i}``, ``_extra_state{i or ''}`` with an expert-parallel
         axis at the global expert index: ``TEGroupedLinear._sharded_state_dict_grouped``, with
         Megatron's helpers. Every expert's ``_extra_state`` entry is the module's whole state
@@ -255,8 +300,9 @@ class GroupedLinear(nn.GroupedLinear):
                 expert_prefix, offsets = f"{offset + i}.{prefix}", sharded_offsets
             else:
                 expert_prefix, offsets = prefix, (*sharded_offsets, (len(sharded_offsets), offset + i, num_global))
-            sub = mc["make_sharded_tensors_for_checkpoint"](expert, "", tp_axis_map, offsets, tp_group=self._tp_group,
-                                                            dp_cp_group=metadata["dp_cp_group"])
+            sub = mc["make_sharded_tensors_for_checkpoint"](
+                expert, "", tp_axis_map, offsets, tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"]
+            )
             mc["replace_prefix_for_sharding"](sub, f"{i}.", expert_prefix)
             out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
             out[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
@@ -301,14 +347,37 @@ class ColumnParallelGroupedLinear(GroupedLinear):
     """In place of Megatron's ``TEColumnParallelGroupedLinear`` (``linear_fc1``): the same
     constructor (``parallel_mode`` is "column")."""
 
-    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: Any,
-                 init_method: Callable[[torch.Tensor], Any], bias: bool, skip_bias_add: bool, is_expert: bool,
-                 tp_comm_buffer_name: str | None = None, pg_collection: Any = None, name: str | None = None,
-                 weight_shard_group: Any = None) -> None:
-        super().__init__(num_gemms, input_size, output_size, parallel_mode="column", config=config,
-                         init_method=init_method, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
-                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection, name=name,
-                         weight_shard_group=weight_shard_group)
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Callable[[torch.Tensor], Any],
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name: str | None = None,
+        pg_collection: Any = None,
+        name: str | None = None,
+        weight_shard_group: Any = None,
+    ) -> None:
+        super().__init__(
+            num_gemms,
+            input_size,
+            output_size,
+            parallel_mode="column",
+            config=config,
+            init_method=init_method,
+            bias=bias,
+            skip_bias_add=skip_bias_add,
+            is_expert=is_expert,
+            tp_comm_buffer_name=tp_comm_buffer_name,
+            pg_collection=pg_collection,
+            name=name,
+            weight_shard_group=weight_shard_group,
+        )
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Each expert's weight and bias sharded along axis 0 (TE's column-parallel map)."""
@@ -320,14 +389,37 @@ class RowParallelGroupedLinear(GroupedLinear):
     """In place of Megatron's ``TERowParallelGroupedLinear`` (``linear_fc2``): the same
     constructor (``parallel_mode`` is "row")."""
 
-    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: Any,
-                 init_method: Callable[[torch.Tensor], Any], bias: bool, skip_bias_add: bool, is_expert: bool,
-                 tp_comm_buffer_name: str | None = None, pg_collection: Any = None, name: str | None = None,
-                 weight_shard_group: Any = None) -> None:
-        super().__init__(num_gemms, input_size, output_size, parallel_mode="row", config=config,
-                         init_method=init_method, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
-                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection, name=name,
-                         weight_shard_group=weight_shard_group)
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Callable[[torch.Tensor], Any],
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name: str | None = None,
+        pg_collection: Any = None,
+        name: str | None = None,
+        weight_shard_group: Any = None,
+    ) -> None:
+        super().__init__(
+            num_gemms,
+            input_size,
+            output_size,
+            parallel_mode="row",
+            config=config,
+            init_method=init_method,
+            bias=bias,
+            skip_bias_add=skip_bias_add,
+            is_expert=is_expert,
+            tp_comm_buffer_name=tp_comm_buffer_name,
+            pg_collection=pg_collection,
+            name=name,
+            weight_shard_group=weight_shard_group,
+        )
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Each expert's weight sharded along axis 1, biases replicated (TE's row-parallel map)."""
@@ -344,8 +436,10 @@ def shard_expert_weights(module: torch.nn.Module, group: Any = None) -> list[Sha
     Call it on every rank of ``group``, after the module is on its device. Returns the shards."""
     E = getattr(module, "num_gemms", None)
     if not isinstance(E, int) or getattr(module, "single_grouped_weight", False):
-        raise ValueError(f"shard_expert_weights: {type(module).__name__} needs per-expert weights weight0..weight{{E-1}} "
-                         "and num_gemms (config.moe_single_grouped_weight=False)")
+        raise ValueError(
+            f"shard_expert_weights: {type(module).__name__} needs per-expert weights weight0..weight{{E-1}} "
+            "and num_gemms (config.moe_single_grouped_weight=False)"
+        )
     names = [f"weight{i}" for i in range(E)]
     olds = [module._parameters[n] for n in names]
     if any(isinstance(w, ShardedWeight) for w in olds):

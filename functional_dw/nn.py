@@ -235,8 +235,11 @@ class _FP8:
         if d is None or "scale_fwd" not in d:
             return None
         state = fp8.state_from_extra_state(extra, self._fp8_gemms, device=self._fp8_device())
-        recipe = d["recipe"] if isinstance(d["recipe"], fp8.DelayedScaling) else fp8.DelayedScaling(
-            amax_history_len=state.history_len)
+        recipe = (
+            d["recipe"]
+            if isinstance(d["recipe"], fp8.DelayedScaling)
+            else fp8.DelayedScaling(amax_history_len=state.history_len)
+        )
         return state, recipe
 
     def set_extra_state(self, extra: Any) -> None:
@@ -253,9 +256,18 @@ class Linear(_FP8, torch.nn.Module):
     scaling's state lives in buffers and ``_extra_state``, updated lazily at the start of each
     forward after a step)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 params_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 fuse_wgrad_accumulation: bool = False, backend: str | None = None, recipe: Any = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        fuse_wgrad_accumulation: bool = False,
+        backend: str | None = None,
+        recipe: Any = None,
+    ) -> None:
         super().__init__()
         kw = dict(dtype=params_dtype, device=device)
         self.in_features, self.out_features = _size("in_features", in_features), _size("out_features", out_features)
@@ -275,8 +287,15 @@ class Linear(_FP8, torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recipe, state = self._fp8_begin(x)
-        y = linear(x, self.weight, self.bias, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-                   backend=self.backend, recipe=recipe, fp8_state=state)
+        y = linear(
+            x,
+            self.weight,
+            self.bias,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            backend=self.backend,
+            recipe=recipe,
+            fp8_state=state,
+        )
         return self._fp8_end(y, state)
 
     def extra_repr(self) -> str:
@@ -317,11 +336,22 @@ class GroupedLinear(_FP8, torch.nn.Module):
 
     single_grouped_weight = single_grouped_bias = False  # (for modules pickled before these existed)
 
-    def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
-                 params_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 fuse_wgrad_accumulation: bool = False, use_grouped_tensor: bool | None = None,
-                 backend: str | None = None, single_grouped_weight: bool = False,
-                 single_grouped_bias: bool | None = None, recipe: Any = None) -> None:
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        fuse_wgrad_accumulation: bool = False,
+        use_grouped_tensor: bool | None = None,
+        backend: str | None = None,
+        single_grouped_weight: bool = False,
+        single_grouped_bias: bool | None = None,
+        recipe: Any = None,
+    ) -> None:
         super().__init__()
         kw = dict(dtype=params_dtype, device=device)
         self.num_gemms = E = _size("num_gemms", num_gemms, least=1)
@@ -388,9 +418,17 @@ class GroupedLinear(_FP8, torch.nn.Module):
         w = self.weight if self.single_grouped_weight else self.weights()
         b = self.bias if self.single_grouped_bias else self.biases()
         recipe, state = self._fp8_begin(x)
-        y = grouped_linear(x, w, m_splits, b, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-                           use_grouped_tensor=self.use_grouped_tensor, backend=self.backend,
-                           recipe=recipe, fp8_state=state)
+        y = grouped_linear(
+            x,
+            w,
+            m_splits,
+            b,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            use_grouped_tensor=self.use_grouped_tensor,
+            backend=self.backend,
+            recipe=recipe,
+            fp8_state=state,
+        )
         return self._fp8_end(y, state)
 
     # --- NOTE: [One buffer] -------------------------------------------------------------------
@@ -427,15 +465,24 @@ class GroupedLinear(_FP8, torch.nn.Module):
         with torch.no_grad():
             for ps in self._groups():
                 p0 = ps[0]
-                if packed(ps) is not None or not p0.numel() or not all(
-                        type(p) is torch.nn.Parameter and p.shape == p0.shape and p.dtype == p0.dtype
-                        and p.device == p0.device for p in ps):
+                if (
+                    packed(ps) is not None
+                    or not p0.numel()
+                    or not all(
+                        type(p) is torch.nn.Parameter
+                        and p.shape == p0.shape
+                        and p.dtype == p0.dtype
+                        and p.device == p0.device
+                        for p in ps
+                    )
+                ):
                     continue
                 for p, v in zip(ps, torch.stack([p.detach() for p in ps]).unbind(0)):
                     p.data = v
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
         """Load either layout's keys (as TE does); copy into the shared buffer (assign=False)
         or re-tie the assigned tensors (assign=True): NOTE: [One buffer]. The other layout's
         keys that cannot be converted (an expert missing or mis-shaped, a stacked tensor of the
@@ -443,8 +490,9 @@ class GroupedLinear(_FP8, torch.nn.Module):
         that names the bad key, its shape and the expected one, strict or not (as a size
         mismatch is)."""
         error_msgs += self._remap(state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         if local_metadata.get("assign_to_params_buffers", False):
             self._tie()
 
@@ -471,8 +519,10 @@ class GroupedLinear(_FP8, torch.nn.Module):
     def extra_repr(self) -> str:
         single = ", single_grouped_weight=True" if self.single_grouped_weight else ""
         single += ", single_grouped_bias=True" if self.single_grouped_bias and not self.single_grouped_weight else ""
-        return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, bias={self.use_bias}{single}")
+        return (
+            f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.use_bias}{single}"
+        )
 
 
 class GroupedMLP(torch.nn.Module):
@@ -484,19 +534,39 @@ class GroupedMLP(torch.nn.Module):
     load unchanged. ``forward`` reads their parameters and runs the pure pair once (not two
     module calls); the other arguments are ``grouped_mlp``'s and GroupedLinear's, for both."""
 
-    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, activation: str = "swiglu",
-                 bias: bool = False, save: str = "default", params_dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, fuse_wgrad_accumulation: bool = False,
-                 use_grouped_tensor: bool | None = None, backend: str | None = None,
-                 single_grouped_weight: bool = False, single_grouped_bias: bool | None = None,
-                 recipe: Any = None) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        activation: str = "swiglu",
+        bias: bool = False,
+        save: str = "default",
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        fuse_wgrad_accumulation: bool = False,
+        use_grouped_tensor: bool | None = None,
+        backend: str | None = None,
+        single_grouped_weight: bool = False,
+        single_grouped_bias: bool | None = None,
+        recipe: Any = None,
+    ) -> None:
         super().__init__()
         _check_options(activation, save)
         self.activation, self.save = activation, save
         ffn = _size("ffn_hidden_size", ffn_hidden_size)
-        kw = dict(bias=bias, params_dtype=params_dtype, device=device, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-                  use_grouped_tensor=use_grouped_tensor, backend=backend, single_grouped_weight=single_grouped_weight,
-                  single_grouped_bias=single_grouped_bias, recipe=recipe)
+        kw = dict(
+            bias=bias,
+            params_dtype=params_dtype,
+            device=device,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            use_grouped_tensor=use_grouped_tensor,
+            backend=backend,
+            single_grouped_weight=single_grouped_weight,
+            single_grouped_bias=single_grouped_bias,
+            recipe=recipe,
+        )
         self.fc1 = GroupedLinear(num_experts, hidden_size, glu_width(activation) * ffn, **kw)
         self.fc2 = GroupedLinear(num_experts, ffn, hidden_size, **kw)
 
@@ -504,18 +574,31 @@ class GroupedMLP(torch.nn.Module):
     hidden_size = property(lambda self: self.fc1.in_features)
     ffn_hidden_size = property(lambda self: self.fc2.in_features)
 
-    def forward(self, x: torch.Tensor, splits: Sequence[int] | torch.Tensor,
-                probs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, splits: Sequence[int] | torch.Tensor, probs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         fc1, fc2 = self.fc1, self.fc2
         recipe, state1 = fc1._fp8_begin(x)
         recipe2, state2 = fc2._fp8_begin(x)
         if recipe2 != recipe:
             raise ValueError(f"GroupedMLP runs one FP8 recipe for fc1 and fc2; fc1 has {recipe!r}, fc2 {recipe2!r}")
         states = None if state1 is None and state2 is None else (state1, state2)
-        y = grouped_mlp(x, _layer_weights(fc1), _layer_weights(fc2), splits, probs=probs, bias1=_layer_bias(fc1),
-                        bias2=_layer_bias(fc2), activation=self.activation, save=self.save, recipe=recipe,
-                        fp8_state=states, backend=fc1.backend, fuse_wgrad_accumulation=fc1.fuse_wgrad_accumulation,
-                        use_grouped_tensor=fc1.use_grouped_tensor)
+        y = grouped_mlp(
+            x,
+            _layer_weights(fc1),
+            _layer_weights(fc2),
+            splits,
+            probs=probs,
+            bias1=_layer_bias(fc1),
+            bias2=_layer_bias(fc2),
+            activation=self.activation,
+            save=self.save,
+            recipe=recipe,
+            fp8_state=states,
+            backend=fc1.backend,
+            fuse_wgrad_accumulation=fc1.fuse_wgrad_accumulation,
+            use_grouped_tensor=fc1.use_grouped_tensor,
+        )
         fc1._fp8_end(y, state1)
         return fc2._fp8_end(y, state2)
 
@@ -570,11 +653,15 @@ def _layout_problem(state_dict: dict, key: str, E: int, single: bool, shape: tup
     if single and key not in state_dict and any(k in state_dict for k in each):
         bad = [f"{k} {held(k) if k in state_dict else 'is missing'}" for k in each if not fits(k, shape)]
         if bad:
-            return (f"cannot stack the per-expert {each[0]}..{each[-1]} into {key} of shape {full}: "
-                    f"{', '.join(bad)}; each expert's shape is {shape}")
+            return (
+                f"cannot stack the per-expert {each[0]}..{each[-1]} into {key} of shape {full}: "
+                f"{', '.join(bad)}; each expert's shape is {shape}"
+            )
     elif not single and key in state_dict and not any(k in state_dict for k in each) and not fits(key, full):
-        return (f"cannot split {key} into the per-expert {each[0]}..{each[-1]}: {key} {held(key)}, "
-                f"expected {full} ({E} experts of shape {shape})")
+        return (
+            f"cannot split {key} into the per-expert {each[0]}..{each[-1]}: {key} {held(key)}, "
+            f"expected {full} ({E} experts of shape {shape})"
+        )
     return None
 
 

@@ -1,5 +1,4 @@
-"""Plans: what a layer call decides from metadata alone, decided once per call signature.
-"""
+"""Plans: what a layer call decides from metadata alone, decided once per call signature."""
 
 from __future__ import annotations
 
@@ -59,8 +58,12 @@ class Options(NamedTuple):
 def eager_plain() -> bool:
     """A plain eager call: no tracing, no torch.func transform, no forward-mode AD, no dispatch
     mode (only then is a plan cached; NOTE: [Plan once, run lean])."""
-    return (not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None
-            and torch.autograd.forward_ad._current_level < 0 and not torch._C._len_torch_dispatch_stack())
+    return (
+        not torch.compiler.is_compiling()
+        and torch._C._functorch.peek_interpreter_stack() is None
+        and torch.autograd.forward_ad._current_level < 0
+        and not torch._C._len_torch_dispatch_stack()
+    )
 
 
 def tensor_key(t: torch.Tensor) -> Hashable | None:
@@ -82,8 +85,14 @@ def weights_key(ws: Any) -> Hashable | None:
         return None
     try:
         storage = ws[0].untyped_storage()  # (separate allocations may lie back to back: one buffer is one storage)
-        return (tuple(map(torch.Tensor.data_ptr, ws)), tuple(map(_SHAPE, ws)), tuple(map(torch.Tensor.stride, ws)),
-                frozenset(map(_DTYPE_DEVICE, ws)), storage.data_ptr(), storage.nbytes())
+        return (
+            tuple(map(torch.Tensor.data_ptr, ws)),
+            tuple(map(_SHAPE, ws)),
+            tuple(map(torch.Tensor.stride, ws)),
+            frozenset(map(_DTYPE_DEVICE, ws)),
+            storage.data_ptr(),
+            storage.nbytes(),
+        )
     except (RuntimeError, TypeError, NotImplementedError):
         return None
 
@@ -163,7 +172,7 @@ def route(kernels: Any, grouped: bool, *operands: Any, one_path: bool = False) -
 def _any_wrapped(operands: tuple) -> bool:
     is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     for o in operands:
-        for t in (o if isinstance(o, (list, tuple)) else (o,)):
+        for t in o if isinstance(o, (list, tuple)) else (o,):
             if isinstance(t, torch.Tensor) and is_wrapped(t):
                 return True
     return False

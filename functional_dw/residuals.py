@@ -151,8 +151,11 @@ def _fast_init(cls: type) -> None:
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
     code = cls.__init__.__code__  # (its parameters are exactly the fields: no InitVar)
-    if hasattr(cls, "__post_init__") or code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount] != tuple(names) \
-            or any(f.default_factory is not dataclasses.MISSING or not f.init or f.kw_only for f in fields):
+    if (
+        hasattr(cls, "__post_init__")
+        or code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount] != tuple(names)
+        or any(f.default_factory is not dataclasses.MISSING or not f.init or f.kw_only for f in fields)
+    ):
         return
     scope = {"_fdw_init": cls.__init__, "_fdw_compiling": torch.compiler.is_compiling}
     params = []

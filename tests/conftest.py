@@ -299,8 +299,9 @@ UNIT = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-
 TOL = UNIT  # (old name)
 
 
-def tolerance(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, *, mag=None, n: int = 256,
-              rounds: int = 1) -> torch.Tensor:
+def tolerance(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, *, mag=None, n: int = 256, rounds: int = 1
+) -> torch.Tensor:
     """The elementwise bound of NOTE: [The tolerance rule]; ``dtype`` is the inputs' dtype."""
     acc = torch.float64 if dtype == torch.float64 and actual.dtype == torch.float64 else torch.float32
     exp = expected.double()

@@ -26,8 +26,16 @@ def gen(seed: int, device="cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def randn(*shape: int, seed: int | None = 0, dtype: torch.dtype = torch.float32, scale: float = 1.0, device="cpu",
-          draw_device=None, draw_dtype: torch.dtype | None = torch.float32, grad: bool = False) -> torch.Tensor:
+def randn(
+    *shape: int,
+    seed: int | None = 0,
+    dtype: torch.dtype = torch.float32,
+    scale: float = 1.0,
+    device="cpu",
+    draw_device=None,
+    draw_dtype: torch.dtype | None = torch.float32,
+    grad: bool = False,
+) -> torch.Tensor:
     """Normal values: drawn from a generator seeded with ``seed`` (None: torch's global one) on
     ``draw_device`` (default: ``device``) in ``draw_dtype`` (None: in ``dtype`` itself; a
     float64 draw gives other values than a float32 one), times ``scale``, as ``dtype`` on
@@ -41,13 +49,21 @@ def randn(*shape: int, seed: int | None = 0, dtype: torch.dtype = torch.float32,
     return t.requires_grad_() if grad else t
 
 
-def draws(*shapes: Sequence[int], seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu", draw_device=None,
-          draw_dtype: torch.dtype | None = torch.float32) -> list[torch.Tensor]:
+def draws(
+    *shapes: Sequence[int],
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    draw_device=None,
+    draw_dtype: torch.dtype | None = torch.float32,
+) -> list[torch.Tensor]:
     """One tensor per shape, drawn one after another from one generator seeded with ``seed``
     (each as :func:`randn` draws it), e.g. ``x, dy = draws((T, K), (T, N), seed=1)``."""
     draw_device = device if draw_device is None else draw_device
     g = gen(seed, draw_device)
-    return [torch.randn(*s, generator=g, device=draw_device, dtype=draw_dtype or dtype).to(dtype).to(device) for s in shapes]
+    return [
+        torch.randn(*s, generator=g, device=draw_device, dtype=draw_dtype or dtype).to(dtype).to(device) for s in shapes
+    ]
 
 
 class GroupedInputs(NamedTuple):
@@ -57,10 +73,23 @@ class GroupedInputs(NamedTuple):
     dy: torch.Tensor | None  # [T, N]
 
 
-def grouped_inputs(splits: Sequence[int], K: int, N: int, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                   w_div: float = 1.0, bias: bool = True, dy: bool = True, experts: int | None = None,
-                   stacked: bool = False, grad: bool = False, device="cpu", draw_device=None,
-                   draw_dtype: torch.dtype | None = torch.float32) -> GroupedInputs:
+def grouped_inputs(
+    splits: Sequence[int],
+    K: int,
+    N: int,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    w_div: float = 1.0,
+    bias: bool = True,
+    dy: bool = True,
+    experts: int | None = None,
+    stacked: bool = False,
+    grad: bool = False,
+    device="cpu",
+    draw_device=None,
+    draw_dtype: torch.dtype | None = torch.float32,
+) -> GroupedInputs:
     """One grouped-linear call's inputs, drawn in this order from one generator seeded with
     ``seed``: x [T, K] (T = sum(splits)), E weights [N, K] (divided by ``w_div``), E biases [N]
     (``bias``), dy [T, N] (``dy``); E = ``experts`` (default len(splits)). Each drawn as

@@ -20,8 +20,13 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_mock(out, *flags):
-    run = subprocess.run([sys.executable, str(HERE / "support" / "bench_mock.py"), str(out), *flags], capture_output=True,
-                         text=True, timeout=600, cwd=HERE.parent)
+    run = subprocess.run(
+        [sys.executable, str(HERE / "support" / "bench_mock.py"), str(out), *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=HERE.parent,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
 
@@ -41,9 +46,18 @@ PEERS = ("te split", "te grouped", "torch._grouped_mm")
 
 def test_bench_script_writes_its_tables(results):
     out, data, md = results
-    for section in ("## GroupedLinear", "## Weight layout", "## Frozen experts", "## CUDA graphs", "## Linear",
-                    "## Host time", "## Saved-tensor hooks", "## Dense bf16 GEMMs", "## FP8: forward+backward",
-                    "## FP8: bytes through a saved-tensor pack hook"):
+    for section in (
+        "## GroupedLinear",
+        "## Weight layout",
+        "## Frozen experts",
+        "## CUDA graphs",
+        "## Linear",
+        "## Host time",
+        "## Saved-tensor hooks",
+        "## Dense bf16 GEMMs",
+        "## FP8: forward+backward",
+        "## FP8: bytes through a saved-tensor pack hook",
+    ):
         assert section in md
     e80 = [r for r in data["grouped"] if r["E"] == 80]
     assert e80 and all(r["results"]["te grouped"].startswith("raises") for r in e80), "TE's 64-expert limit is recorded"
@@ -54,7 +68,16 @@ def test_bench_script_writes_its_tables(results):
     v = data["meta"]["versions"]
     assert {"torch", "cuda", "te", "cublaslt_te", "cublaslt_loaded", "cublaslt"} <= set(v)
     assert (out / "tflops.png").stat().st_size > 0
-    assert set(data["meta"]["elapsed_s"]) >= {"host", "linear", "offload", "frozen", "graphed", "fp8", "grouped", "total"}
+    assert set(data["meta"]["elapsed_s"]) >= {
+        "host",
+        "linear",
+        "offload",
+        "frozen",
+        "graphed",
+        "fp8",
+        "grouped",
+        "total",
+    }
     assert data["meta"]["errors"] == {}, "no section failed"
 
 
@@ -90,11 +113,17 @@ def test_bench_numbers_follow_from_times_and_shapes(results):
         res = row["results"]
         ours = min(v["ms"] for n, v in res.items() if _fd(n) and isinstance(v, dict))
         peers = [res[n]["ms"] for n in PEERS if isinstance(res.get(n), dict)]
-        line = next(ln for ln in md.splitlines() if ln.startswith(f"| {row['E']} | {row['hidden']} | {row['ffn']} | "
-                                                                    f"{row['tokens']} | {row['splits']} ("))
+        line = next(
+            ln
+            for ln in md.splitlines()
+            if ln.startswith(f"| {row['E']} | {row['hidden']} | {row['ffn']} | {row['tokens']} | {row['splits']} (")
+        )
         assert f"| {ours / min(peers):.2f} |" in line, ("fd / best peer", line)
-        layout = next(ln for ln in md.splitlines() if ln.startswith(f"| {row['E']} | {row['hidden']} | {row['ffn']} | "
-                                                                      f"{row['tokens']} | {row['splits']} |"))
+        layout = next(
+            ln
+            for ln in md.splitlines()
+            if ln.startswith(f"| {row['E']} | {row['hidden']} | {row['ffn']} | {row['tokens']} | {row['splits']} |")
+        )
         for path in ("fd auto", "fd te grouped", "fd te split"):
             assert f"| {res[path + ' list']['ms'] / res[path + ' stacked']['ms']:.2f} |" in layout, (path, layout)
     assert timed >= 20, "the smoke run timed the implementations"
@@ -107,7 +136,9 @@ def test_frozen_and_graphed_rows_are_consistent(results):
     _, data, md = results
     assert data["frozen"]
     for row in data["frozen"]:
-        assert {"fd auto stacked", "fd te grouped list", "fd te split list", "te grouped", "te split"} <= set(row["results"])
+        assert {"fd auto stacked", "fd te grouped list", "fd te split list", "te grouped", "te split"} <= set(
+            row["results"]
+        )
         for name, v in row["results"].items():
             if not isinstance(v, dict):
                 continue
@@ -133,8 +164,18 @@ def test_frozen_and_graphed_rows_are_consistent(results):
 def test_host_table(results):
     _, data, md = results
     host = data["host"]
-    for name in ("fd auto", "fd te grouped", "fd te split", "fd linear (te)", "te grouped", "te split", "te.Linear",
-                 "torch._grouped_mm (autograd)", "fd auto (graph)", "te grouped (graph)"):
+    for name in (
+        "fd auto",
+        "fd te grouped",
+        "fd te split",
+        "fd linear (te)",
+        "te grouped",
+        "te split",
+        "te.Linear",
+        "torch._grouped_mm (autograd)",
+        "fd auto (graph)",
+        "te grouped (graph)",
+    ):
         v = host[name]
         assert v["issue"] > 0 and v["wall"] > 0, (name, v)
         assert f"| {name} | {v['issue']} | {v['wall']} |" in md, name
@@ -155,7 +196,13 @@ def test_only_and_budget_leave_out_what_they_say(tmp_path):
     assert "## Host time" in md and "## Frozen experts" not in md and "Skipped for time" in md
 
 
-FP8_CONFIGS = [("delayed", "split"), ("current", "split"), ("current", "grouped"), ("block", "split"), ("block", "grouped")]
+FP8_CONFIGS = [
+    ("delayed", "split"),
+    ("current", "split"),
+    ("current", "grouped"),
+    ("block", "split"),
+    ("block", "grouped"),
+]
 
 
 def test_fp8_rows_are_consistent(results):
@@ -188,7 +235,9 @@ def test_fp8_hook_bytes(results):
     for kind, path in FP8_CONFIGS:
         for who in ("fd", "te"):
             v = r[f"{who} {kind} {path}"]
-            assert 0 < v["hook_bytes"] <= 0.55 * bf16 and v["/ bf16 fd"] == pytest.approx(v["hook_bytes"] / bf16, abs=6e-4)
+            assert 0 < v["hook_bytes"] <= 0.55 * bf16 and v["/ bf16 fd"] == pytest.approx(
+                v["hook_bytes"] / bf16, abs=6e-4
+            )
             assert f"| {who} {kind} {path} | {v['hook_tensors']} | {v['hook_bytes']:,} |" in md
 
 
@@ -264,7 +313,9 @@ def test_readers_take_rows_without_a_fraction_or_a_time(results, tmp_path, peak)
     assert "| - (-) |" in line and line.endswith("| - | - | grouped / torch grouped |"), line
     layout = next(ln for ln in md.splitlines() if ln.startswith(head + " |"))
     assert layout.startswith(head + " | - | "), layout
-    assert any(ln.endswith("| - (-) | - |") for ln in md.splitlines() if ln.startswith("| 64 | 64 | 64 |")), "linear fd / te"
+    assert any(ln.endswith("| - (-) | - |") for ln in md.splitlines() if ln.startswith("| 64 | 64 | 64 |")), (
+        "linear fd / te"
+    )
     fp8_line = next(ln for ln in md.splitlines() if "| delayed | split |" in ln)
     assert "| - (-) | - | split |" in fp8_line, fp8_line
     rowwise = next(ln for ln in md.splitlines() if ln.startswith("| 2 | 128 | 128 | 256 | balanced | - (-) |"))
@@ -313,8 +364,13 @@ def _check_moe_tables(moe, data, md):
     keys = data["meta"]["contenders"]
     for routing in data["meta"]["routings"]:
         table = md.split(f"## {routing} routing")[1].split("\n\n")[1].splitlines()
-        assert table[0] == ("| shape (E, hidden, ffn, tokens) | empty experts | " + " | ".join(moe.LABELS[k] for k in keys)
-                            + " | " + " | ".join(r[0] for r in moe.RATIOS) + " |")
+        assert table[0] == (
+            "| shape (E, hidden, ffn, tokens) | empty experts | "
+            + " | ".join(moe.LABELS[k] for k in keys)
+            + " | "
+            + " | ".join(r[0] for r in moe.RATIOS)
+            + " |"
+        )
         rows = [ln for ln in table[2:] if ln.startswith("| ")]
         assert len(rows) == len(data["shapes"])
         for s, line in zip(data["shapes"], rows):
@@ -333,7 +389,7 @@ def _check_moe_tables(moe, data, md):
                 else:
                     assert v and c == ("OOM" if v == "OOM" else "n/a" if v.startswith("n/a") else "raises"), (k, v, c)
                     assert f"- {moe.LABELS[k]}: {v} (" in md, "the reason is listed"
-            ratios = line.rstrip(" |").split(" | ")[-len(moe.RATIOS):]
+            ratios = line.rstrip(" |").split(" | ")[-len(moe.RATIOS) :]
             for (_, a, b, field), got in zip(moe.RATIOS, ratios):
                 ok = isinstance(res.get(a), dict) and isinstance(res.get(b), dict)
                 assert got == (f"{res[a][field] / res[b][field]:.2f}" if ok else "-"), (a, b, field, line)
@@ -344,7 +400,9 @@ def test_moe_layer_smoke(moe_results):
     assert [(s["E"], s["hidden"], s["ffn"], s["tokens"]) for s in data["shapes"]] == [s[:4] for s in moe.SMOKE_SHAPES]
     assert data["meta"]["contenders"] == moe.CONTENDERS and data["meta"]["routings"] == ["balanced", "skewed"]
     assert {"torch", "cuda", "te", "cublaslt"} <= set(data["meta"]["versions"])
-    assert data["meta"]["commands"] == [f"python benchmarks/moe_layer.py --smoke --out {data['meta']['commands'][0].split()[-1]}"]
+    assert data["meta"]["commands"] == [
+        f"python benchmarks/moe_layer.py --smoke --out {data['meta']['commands'][0].split()[-1]}"
+    ]
     for s in data["shapes"]:
         for routing, row in s["routings"].items():
             assert sum(row["splits"]) == s["tokens"] and len(row["splits"]) == s["E"]
@@ -414,12 +472,21 @@ def _fake_te(mp, moe):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB (fake)")
         return torch._grouped_mm(A, B_t, offs=offs).to(out_dtype)
 
-    ao, proto, moe_training = (types.ModuleType(n) for n in ("torchao", "torchao.prototype", "torchao.prototype.moe_training"))
+    ao, proto, moe_training = (
+        types.ModuleType(n) for n in ("torchao", "torchao.prototype", "torchao.prototype.moe_training")
+    )
     moe_training._to_fp8_rowwise_then_scaled_grouped_mm = ao_gmm
-    for name, mod in {"transformer_engine": pkg, "transformer_engine.pytorch": te, "transformer_engine.common": common,
-                      "transformer_engine.pytorch.quantization": quant, "transformer_engine.common.recipe": recipes,
-                      "transformer_engine_torch": tex, "torchao": ao, "torchao.prototype": proto,
-                      "torchao.prototype.moe_training": moe_training}.items():
+    for name, mod in {
+        "transformer_engine": pkg,
+        "transformer_engine.pytorch": te,
+        "transformer_engine.common": common,
+        "transformer_engine.pytorch.quantization": quant,
+        "transformer_engine.common.recipe": recipes,
+        "transformer_engine_torch": tex,
+        "torchao": ao,
+        "torchao.prototype": proto,
+        "torchao.prototype.moe_training": moe_training,
+    }.items():
         mp.setitem(sys.modules, name, mod)
     mp.setattr(fd.nn, "_TE_MANAGER", [])  # (fd.nn remembers the TE it saw: not this one, after the test)
 
@@ -455,7 +522,9 @@ def test_moe_layer_with_te_torchao_and_graphs_stood_in(tmp_path):
 
 def test_moe_layer_budget_and_arguments(tmp_path):
     _, data, md = _moe_run(tmp_path, "--only", "torch,fd", "--routing", "skewed", "--budget", "1e-9")
-    assert len(data["shapes"]) == 1 and data["meta"]["skipped"] == ["{}, {}, {}, {}".format(*_moe().SMOKE_SHAPES[1][:4])]
+    assert len(data["shapes"]) == 1 and data["meta"]["skipped"] == [
+        "{}, {}, {}, {}".format(*_moe().SMOKE_SHAPES[1][:4])
+    ]
     assert list(data["shapes"][0]["routings"]) == ["skewed"] and "## balanced routing" not in md
     assert "Skipped for time" in md
     _, data, md = _moe_run(tmp_path, "--only", "torch,fd", "--routing", "skewed", "--shapes", "1", "--append")

@@ -35,7 +35,10 @@ def _leaves(x, w1, w2, b2):
 def _block(path):
     def mlp(x, w1, w2, b2):
         h = fd.grouped_linear(x, w1, SPLITS, use_grouped_tensor=path)
-        return fd.linear(fd.grouped_linear(F.gelu(h), w2, SPLITS, b2, use_grouped_tensor=path), torch.eye(H, dtype=x.dtype))
+        return fd.linear(
+            fd.grouped_linear(F.gelu(h), w2, SPLITS, b2, use_grouped_tensor=path), torch.eye(H, dtype=x.dtype)
+        )
+
     return mlp
 
 
@@ -88,8 +91,14 @@ def test_compiled_block_under_hooks_packs_no_weight(dtype, path, stacked):
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 # (dtype, use_grouped_tensor, bias): the layer runs each with a list (dynamic=None) and a tensor
 # (dynamic=True); the expert MLP covers the other two (form, dynamic) pairs of each path.
-LAYER_CASES = [(F32, False, True), (BF16, True, True), (F16, False, False), (F64, False, True),
-               (F32, True, False), (BF16, False, False)]
+LAYER_CASES = [
+    (F32, False, True),
+    (BF16, True, True),
+    (F16, False, False),
+    (F64, False, True),
+    (F32, True, False),
+    (BF16, False, False),
+]
 
 
 def _case_id(dtype, path, bias):
@@ -117,9 +126,15 @@ def test_compiled_layer_new_routing_every_step(dtype, path, bias, form, dynamic)
     _check("layer", dtype, path, bias, form, dynamic)
 
 
-@pytest.mark.parametrize("dtype,path,form,dynamic", [
-    (F32, False, "list", True), (BF16, True, "list", True), (BF16, True, "tensor", None),
-], ids=["fp32-split-list-dynTrue", "bf16-grouped-list-dynTrue", "bf16-grouped-tensor-dynNone"])
+@pytest.mark.parametrize(
+    "dtype,path,form,dynamic",
+    [
+        (F32, False, "list", True),
+        (BF16, True, "list", True),
+        (BF16, True, "tensor", None),
+    ],
+    ids=["fp32-split-list-dynTrue", "bf16-grouped-list-dynTrue", "bf16-grouped-tensor-dynNone"],
+)
 def test_compiled_expert_mlp_new_routing_every_step(dtype, path, form, dynamic):
     _check("mlp", dtype, path, True, form, dynamic)
 
@@ -157,4 +172,6 @@ def test_compile_with_grouped_fallback_has_no_graph_break(dtype):
     f = lambda x, ws: fd.grouped_linear(x, ws, FALLBACK_SPLITS, use_grouped_tensor=True)  # noqa: E731
     explained = torch._dynamo.explain(f)(x, ws)
     assert explained.graph_break_count == 0, explained.break_reasons
-    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x, ws), ref_grouped(x, ws, FALLBACK_SPLITS))
+    torch.testing.assert_close(
+        torch.compile(f, fullgraph=True, backend="aot_eager")(x, ws), ref_grouped(x, ws, FALLBACK_SPLITS)
+    )

@@ -20,7 +20,9 @@ from support.compile_cases import E, K, N, T, check_routings, make_model, max_gr
 from functional_dw.kernels import te_available
 
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
 FORMS = [("list", None), ("tensor", None), ("cpu-tensor", True), ("list", True)]
 FORM_IDS = ["list-dynNone", "tensor-dynNone", "cputensor-dynTrue", "list-dynTrue"]
 SPLIT_OPS = {f"functional_dw.ref_split_{m}.default" for m in ("fprop", "dgrad", "wgrad")}
@@ -74,10 +76,21 @@ def test_te_layer(dtype, path, bias, form, dynamic):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,path,form,dynamic,inner", [
-    (BF16, True, "list", None, "aot_eager"), (F32, False, "tensor", True, "aot_eager"),
-    (BF16, False, "tensor", None, "inductor"), (BF16, True, "cpu-tensor", None, "inductor"),
-], ids=["bf16-grouped-list-dynNone", "fp32-split-tensor-dynTrue", "bf16-split-tensor-inductor", "bf16-grouped-cputensor-inductor"])
+@pytest.mark.parametrize(
+    "dtype,path,form,dynamic,inner",
+    [
+        (BF16, True, "list", None, "aot_eager"),
+        (F32, False, "tensor", True, "aot_eager"),
+        (BF16, False, "tensor", None, "inductor"),
+        (BF16, True, "cpu-tensor", None, "inductor"),
+    ],
+    ids=[
+        "bf16-grouped-list-dynNone",
+        "fp32-split-tensor-dynTrue",
+        "bf16-split-tensor-inductor",
+        "bf16-grouped-cputensor-inductor",
+    ],
+)
 def test_te_expert_mlp(dtype, path, form, dynamic, inner):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -115,7 +128,10 @@ def test_torch_layer(dtype, path, bias, form, dynamic, device):
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("dtype,path,form,dynamic", [(BF16, True, "list", None), (F32, False, "list", True)],
-                         ids=["bf16-grouped-list-dynNone", "fp32-split-list-dynTrue"])
+@pytest.mark.parametrize(
+    "dtype,path,form,dynamic",
+    [(BF16, True, "list", None), (F32, False, "list", True)],
+    ids=["bf16-grouped-list-dynNone", "fp32-split-list-dynTrue"],
+)
 def test_torch_expert_mlp(dtype, path, form, dynamic, device):
     _run("mlp", "torch", device, dtype, path, True, form, dynamic)

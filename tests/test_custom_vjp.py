@@ -116,11 +116,14 @@ def test_non_tensor_args_pass_through_and_get_no_cotangent(junk):
     torch.testing.assert_close((x.grad, w.grad), want)
 
 
-@pytest.mark.parametrize("fwd, bwd", [
-    pytest.param(two_fwd, lambda r, d: two_bwd(r, d)[:2], id="too-few"),
-    pytest.param(two_fwd, lambda r, d: list(two_bwd(r, d)), id="list-not-tuple"),
-    pytest.param(sin_fwd, lambda r, dy: dy * torch.cos(r.x), id="bare-tensor-not-tuple"),
-])
+@pytest.mark.parametrize(
+    "fwd, bwd",
+    [
+        pytest.param(two_fwd, lambda r, d: two_bwd(r, d)[:2], id="too-few"),
+        pytest.param(two_fwd, lambda r, d: list(two_bwd(r, d)), id="list-not-tuple"),
+        pytest.param(sin_fwd, lambda r, dy: dy * torch.cos(r.x), id="bare-tensor-not-tuple"),
+    ],
+)
 def test_wrongly_structured_cotangent_raises_type_error(fwd, bwd):
     x, w = inputs()
     outs = custom_vjp(fwd, bwd)(*((x, w, 3, "t") if fwd is two_fwd else (x,)))
@@ -204,8 +207,11 @@ class NestedResiduals:
 
 
 def test_saved_field_holding_a_pytree_saves_its_tensors():
-    f = custom_vjp(lambda x: (x * 2, NestedResiduals((x, torch.cos(x)), 2)),
-                   lambda res, dy: (dy * res.k + 0 * res.pair[1],), name="nested")
+    f = custom_vjp(
+        lambda x: (x * 2, NestedResiduals((x, torch.cos(x)), 2)),
+        lambda res, dy: (dy * res.k + 0 * res.pair[1],),
+        name="nested",
+    )
     x, _ = inputs()
     with HOOKS["identity"]()() as rec:
         y = f(x)
@@ -257,8 +263,10 @@ def test_record_with_a_pytree_in_a_saved_field_still_learns_which_gradients():
 
 # --- closed-over tensors: constants for the call, the caller's tensors untouched ----------------
 
+
 def _closing_over(captured, as_output=False):
     """A pair whose fwd closes over ``captured`` (keeps it in its residuals, or returns it)."""
+
     def fwd(x):
         return (captured if as_output else x * captured), (x, captured)
 
@@ -272,8 +280,7 @@ def _closing_over(captured, as_output=False):
 @pytest.mark.parametrize("hook", sorted(HOOKS), ids=sorted(HOOKS))
 def test_a_closed_over_residual_is_a_constant_and_the_callers_tensor_is_untouched(how, hook):
     a = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    captured = {"parameter": torch.nn.Parameter(a.detach().clone()), "non-leaf": a * 2,
-                "buffer": a.detach() * 2}[how]
+    captured = {"parameter": torch.nn.Parameter(a.detach().clone()), "non-leaf": a * 2, "buffer": a.detach() * 2}[how]
     before = (captured.requires_grad, captured.grad_fn, captured.is_leaf, type(captured))
     x = torch.randn(3, dtype=torch.float64, requires_grad=True)
     with HOOKS[hook]():
@@ -313,8 +320,16 @@ def test_a_closed_over_parameter_under_torch_func_and_compile():
     assert w.requires_grad and w.is_leaf and w.grad_fn is None
 
 
-@pytest.mark.parametrize("outs", [lambda W, x: (W, W[:2]), lambda W, x: (W[:2], W), lambda W, x: (x * 1, W, W.t()),
-                                  lambda W, x: (W.view(2, 2), W.view(4))], ids=["W,W[:2]", "W[:2],W", "x,W,W.t", "views"])
+@pytest.mark.parametrize(
+    "outs",
+    [
+        lambda W, x: (W, W[:2]),
+        lambda W, x: (W[:2], W),
+        lambda W, x: (x * 1, W, W.t()),
+        lambda W, x: (W.view(2, 2), W.view(4)),
+    ],
+    ids=["W,W[:2]", "W[:2],W", "x,W,W.t", "views"],
+)
 @pytest.mark.parametrize("how", ["parameter", "non-leaf", "buffer"])
 @pytest.mark.parametrize("mode", ["eager", "vjp"])
 def test_a_closed_over_tensor_returned_with_a_view_of_it_is_untouched(outs, how, mode):
@@ -343,6 +358,7 @@ def test_outputs_sharing_storage_are_views_of_one_output_and_an_input_output_a_v
     """``(y, y[1])``: the second output is a view of the first (torch's rule among outputs that
     share storage), with y[1]'s values; an input handed back among several outputs is a view of
     the caller's tensor, not the tensor itself."""
+
     def fwd(x):
         y = x * 2
         return (y, y[1]), None
@@ -365,12 +381,15 @@ def test_function_attribute_is_the_autograd_function_the_calls_record():
 
 def test_vmap_fold_rule_of_a_pair_with_several_outputs():
     """The fold rule's unfold gets the whole output structure and gives dims shaped like it."""
+
     def fwd(x, w):
         return (x * w, x + w), (x, w)
 
     def fold(batch_size, in_dims, x, w):
-        return ((x.movedim(in_dims[0], 0).reshape(-1), w.repeat(batch_size)),
-                lambda out: ((out[0].view(batch_size, -1), out[1].view(batch_size, -1)), (0, 0)))
+        return (
+            (x.movedim(in_dims[0], 0).reshape(-1), w.repeat(batch_size)),
+            lambda out: ((out[0].view(batch_size, -1), out[1].view(batch_size, -1)), (0, 0)),
+        )
 
     f = custom_vjp(fwd, lambda r, d: (d[0] * r[1] + d[1], d[0] * r[0] + d[1]), vmap=fold, name="two_out")
     xb, w = torch.randn(3, 4), torch.randn(4)
@@ -381,11 +400,13 @@ def test_vmap_fold_rule_of_a_pair_with_several_outputs():
 def test_fwd_breaking_the_pair_contract_for_one_element_is_named_under_vmap_grad():
     """Under vmap(grad(f)) with a fold rule, fwd runs again on batch element 0 for the plan; a
     result that is not a pair there is reported with the pair's name."""
+
     def fwd(x):
         return (x * 2, (x,)) if x.dim() == 2 else x * 2
 
-    f = custom_vjp(fwd, lambda r, d: (2 * d,), vmap=lambda b, dims, x: ((x.movedim(dims[0], 0),), lambda y: (y, 0)),
-                   name="flaky")
+    f = custom_vjp(
+        fwd, lambda r, d: (2 * d,), vmap=lambda b, dims, x: ((x.movedim(dims[0], 0),), lambda y: (y, 0)), name="flaky"
+    )
     with pytest.raises(TypeError, match=r"^custom_vjp\(flaky\): fwd must return a pair \(out, residuals\)"):
         torch.func.vmap(torch.func.grad(lambda x: f(x).sum()))(torch.randn(3, 4))
 
@@ -411,6 +432,7 @@ def test_a_tensor_inside_a_nondiff_argument_is_refused():
 def test_a_cotangent_for_an_argument_that_was_none_is_ignored():
     """bwd may compute a bias grad whether or not a bias was passed: the cotangent of a None
     argument is ignored, as a pytree's None subtree has no leaves (under autograd and torch.func)."""
+
     def fwd(x, w, b):
         return x @ w.T + (0 if b is None else b), (x, w)
 
@@ -459,6 +481,7 @@ def test_a_tensor_that_escaped_a_transform_is_unwrapped(where):
 
 # --- outputs: a residual that is the output, outputs sharing storage, what fwd must return -----
 
+
 def _x(requires_grad=True):
     g = torch.Generator().manual_seed(0)
     return torch.randn(3, dtype=torch.float64, generator=g, requires_grad=requires_grad)
@@ -481,11 +504,12 @@ def test_a_residual_that_is_the_output_keeps_the_output_differentiable():
     assert y.requires_grad and y.grad_fn is not None
     (y.sum() + x.sum()).backward()
     torch.testing.assert_close(x.grad, torch.exp(x).detach() + 1)
-    g, = torch.autograd.grad(torch.autograd.grad(exp(x).sum(), x, create_graph=True)[0].sum(), x)
+    (g,) = torch.autograd.grad(torch.autograd.grad(exp(x).sum(), x, create_graph=True)[0].sum(), x)
     torch.testing.assert_close(g, torch.exp(x).detach())
     torch.testing.assert_close(torch.func.grad(lambda x: exp(x).sum())(x.detach()), torch.exp(x).detach())
-    torch.testing.assert_close(torch.func.vmap(torch.func.grad(lambda x: exp(x).sum()))(x.detach()[:, None]),
-                               torch.exp(x).detach()[:, None])
+    torch.testing.assert_close(
+        torch.func.vmap(torch.func.grad(lambda x: exp(x).sum()))(x.detach()[:, None]), torch.exp(x).detach()[:, None]
+    )
 
 
 def test_a_residual_output_changed_in_place_before_backward_raises():
@@ -558,8 +582,10 @@ def test_in_place_on_an_output_sharing_storage_is_never_silently_wrong(case):
     # a tensor of its own on y's storage: y[0].mul_(3) changed y's value but not its gradient,
     # so x.grad came out silently wrong. Now such outputs keep torch's rule: the in-place op
     # either raises or gives plain torch's gradient.
-    fwd, bwd = {"output_and_its_view": (_double_fwd, _double_bwd),
-                "two_views_of_one_buffer": (_two_views_fwd, _two_views_bwd)}[case]
+    fwd, bwd = {
+        "output_and_its_view": (_double_fwd, _double_bwd),
+        "two_views_of_one_buffer": (_two_views_fwd, _two_views_bwd),
+    }[case]
     f = fd.custom_vjp(fwd, bwd)
     x = torch.randn(2, 3, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
@@ -591,7 +617,9 @@ def test_a_lone_view_of_an_fwd_tensor_is_still_modifiable_in_place():
 def test_custom_vjp_fwd_returning_a_bare_tensor():
     f = fd.custom_vjp(lambda x: x * 2, lambda res, dy: (dy * 2,), name="double")
     x = torch.ones(3, requires_grad=True)
-    with pytest.raises(TypeError, match=r"custom_vjp\(double\): fwd must return a pair \(out, residuals\).*bare Tensor of shape \(3,\)"):
+    with pytest.raises(
+        TypeError, match=r"custom_vjp\(double\): fwd must return a pair \(out, residuals\).*bare Tensor of shape \(3,\)"
+    ):
         f(x)
     with pytest.raises(TypeError, match="fwd must return a pair"):
         torch.func.grad(lambda x: f(x).sum())(x)
@@ -676,24 +704,27 @@ def test_record_repr_states_every_field_exactly():
     ws = (torch.zeros(4, 5, dtype=torch.bfloat16), torch.zeros(4, 5, dtype=torch.bfloat16))
     mixed = [torch.zeros(1, dtype=D), torch.zeros(2, dtype=D)]
     r = Rec(x=x, ws=ws, mixed=mixed, name="n" * 59, sixty="s" * 58, empty=(), n=3)
-    assert repr(r) == "\n".join([
-        "Rec(",
-        "  [saved] x = Tensor[2, 3] float32 24 B",
-        "  [ref  ] ws = 2 x Tensor[4, 5] (by reference)",
-        "  [ref  ] mixed = 2 x Tensormixed (by reference)",
-        "  [ref  ] name = '" + "n" * 56 + "...",  # 61 characters: cut to 57 and '...'
-        "  [ref  ] sixty = '" + "s" * 58 + "'",  # 60 characters: kept whole
-        "  [ref  ] empty = ()",
-        "  [ref  ] n = 3",
-        "  [saved] gone = None",
-        ")  # 24 B through save_for_backward",
-    ])
+    assert repr(r) == "\n".join(
+        [
+            "Rec(",
+            "  [saved] x = Tensor[2, 3] float32 24 B",
+            "  [ref  ] ws = 2 x Tensor[4, 5] (by reference)",
+            "  [ref  ] mixed = 2 x Tensormixed (by reference)",
+            "  [ref  ] name = '" + "n" * 56 + "...",  # 61 characters: cut to 57 and '...'
+            "  [ref  ] sixty = '" + "s" * 58 + "'",  # 60 characters: kept whole
+            "  [ref  ] empty = ()",
+            "  [ref  ] n = 3",
+            "  [saved] gone = None",
+            ")  # 24 B through save_for_backward",
+        ]
+    )
     r = Rec(x=x, ws=ws, mixed=[mixed[0], torch.zeros(1)], name="", sixty="", empty=(), n=0, gone=torch.zeros(3))
     text = repr(r)
     assert "  [ref  ] mixed = 2 x Tensor[1] (by reference)" in text
     assert text.endswith(")  # 36 B through save_for_backward")
     assert "[ref  ] ws = 2 x Parameter[4, 5] (by reference)" in repr(
-        dataclasses.replace(r, ws=[torch.nn.Parameter(ws[0]), ws[1]]))
+        dataclasses.replace(r, ws=[torch.nn.Parameter(ws[0]), ws[1]])
+    )
 
 
 def test_record_needed_field_is_none_by_default_and_set_by_with_needs_and_unflatten():
@@ -773,6 +804,7 @@ def test_record_fast_init_calls_the_dataclass_init_under_dynamo():
 
     x = _rand(3)
     with mock.patch("torch.compiler.is_compiling", return_value=True):  # the record made and built while traced
+
         @residuals
         class Traced:
             x: torch.Tensor = saved()
@@ -804,17 +836,32 @@ def test_record_repr_of_a_list_holding_tensors_and_none():
 
 # --- the layers' bridges, built inside the tests (see above), and user pairs -------------------
 
+
 def _fresh_linear():
     """The Linear bridge exactly as linear.py builds it at import (called without FP8), its
     options the one nondiff argument."""
-    f = custom_vjp(lin_mod._fwd, lin_mod._bwd, nondiff_argnums=(3,), primal=lin_mod._primal, jvp=lin_mod._jvp,
-                   vmap=lin_mod._vmap, name="linear")
+    f = custom_vjp(
+        lin_mod._fwd,
+        lin_mod._bwd,
+        nondiff_argnums=(3,),
+        primal=lin_mod._primal,
+        jvp=lin_mod._jvp,
+        vmap=lin_mod._vmap,
+        name="linear",
+    )
     return lambda x, w, b, fuse, backend: f(x, w, b, Options(fuse, None, backend, None))
 
 
 def _fresh_grouped():
-    f = custom_vjp(gl_mod._fwd, gl_mod._bwd, nondiff_argnums=(4,), primal=gl_mod._primal, jvp=gl_mod._jvp,
-                   vmap=gl_mod._vmap, name="grouped_linear")
+    f = custom_vjp(
+        gl_mod._fwd,
+        gl_mod._bwd,
+        nondiff_argnums=(4,),
+        primal=gl_mod._primal,
+        jvp=gl_mod._jvp,
+        vmap=gl_mod._vmap,
+        name="grouped_linear",
+    )
     return lambda x, ws, bs=None, backend=None: f(x, ws, gl_mod._HostSplits(SPLITS), bs, Options(False, None, backend))
 
 
@@ -937,7 +984,9 @@ def test_fresh_grouped_bridge_everywhere():
     torch.testing.assert_close(t, t_ref)
     xb = _rand(2, T, K, seed=80)
     k = CountingKernels()
-    torch.testing.assert_close(vmap(lambda x: f(x, ws, bs, k))(xb), torch.stack([ref_grouped(v, ws, SPLITS, bs) for v in xb]))
+    torch.testing.assert_close(
+        vmap(lambda x: f(x, ws, bs, k))(xb), torch.stack([ref_grouped(v, ws, SPLITS, bs) for v in xb])
+    )
     assert k.calls == 1
     dxb = vmap(grad(lambda x: (f(x, ws, bs) * dy).sum()))(xb)
     torch.testing.assert_close(dxb, torch.stack([want[0]] * 2))
@@ -1010,6 +1059,7 @@ def test_bridge_errors_name_the_pair_and_the_problem():
 
     def named_fwd(x):
         return ([x * 2, "no"], (x,))
+
     for call in (lambda f: f(x), lambda f: grad(lambda x: f(x)[0].sum())(x.detach())):
         with pytest.raises(TypeError, match=r"^custom_vjp\(named_fwd\): fwd's output must be tensors; got "):
             call(custom_vjp(named_fwd, lambda r, d: (d[0] * 2,)))
@@ -1033,13 +1083,18 @@ def test_fold_rule_with_intermediate_residuals_is_refused_under_vmap_grad():
 
     def fold(batch_size, in_dims, x, w):
         x_dim, w_dim = in_dims
-        return ((x.movedim(x_dim, 0).reshape(-1), w.repeat(batch_size)),
-                lambda y: (y.view(batch_size, -1), 0)) if w_dim is None else None
+        return (
+            ((x.movedim(x_dim, 0).reshape(-1), w.repeat(batch_size)), lambda y: (y.view(batch_size, -1), 0))
+            if w_dim is None
+            else None
+        )
 
     f = custom_vjp(fwd, lambda r, d: (d * r[1], d * r[0]), vmap=fold, name="fold")
     xb, w = torch.randn(3, 4), torch.randn(4)
     torch.testing.assert_close(vmap(lambda x: f(x, w))(xb), xb * w)  # plain vmap never asks for the plan
-    with pytest.raises(NotImplementedError, match=r"^custom_vjp\(fold\): a vmap fold rule needs residuals that are inputs$"):
+    with pytest.raises(
+        NotImplementedError, match=r"^custom_vjp\(fold\): a vmap fold rule needs residuals that are inputs$"
+    ):
         vmap(grad(lambda x: f(x, w).sum()))(xb)
 
 
@@ -1061,7 +1116,10 @@ def test_none_for_a_whole_subtree_of_arguments():
     g(x, ws).sum().backward()
     torch.testing.assert_close(ws[1].grad, (x * ws[0]).detach())
     bad = custom_vjp(fwd, lambda res, dy: (dy, [dy]), name="short")
-    with pytest.raises(TypeError, match=r"(?s)^custom_vjp\(short\): bwd must return one cotangent per argument of fwd.*argument 1 is a list of 2 tensors, its cotangent a list of 1"):
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)^custom_vjp\(short\): bwd must return one cotangent per argument of fwd.*argument 1 is a list of 2 tensors, its cotangent a list of 1",
+    ):
         bad(x, ws).sum().backward()
 
 
@@ -1098,8 +1156,7 @@ def test_unused_output_gets_zeros_of_its_dtype_and_shape():
 
     f = custom_vjp(fwd, bwd)
     x = _rand(4, seed=1)
-    for run in (lambda: f(x.clone().requires_grad_())[0].sum().backward(),
-                lambda: grad(lambda x: f(x)[0].sum())(x)):
+    for run in (lambda: f(x.clone().requires_grad_())[0].sum().backward(), lambda: grad(lambda x: f(x)[0].sum())(x)):
         run()
         d_a, d_b = seen.pop()
         assert torch.equal(d_a, torch.ones(4))

@@ -88,7 +88,7 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 def _rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     R = -(-full.shape[0] // world)
-    return full[min(rank * R, full.shape[0]): (rank + 1) * R]
+    return full[min(rank * R, full.shape[0]) : (rank + 1) * R]
 
 
 def _check_fsdp(model: ExpertMLP, ref: ExpertMLP, rank: int) -> None:
@@ -109,8 +109,12 @@ def _check_sharded(model: ShardedMLP, seed: int, rank: int, world: int) -> None:
         torch.testing.assert_close(model.w2[e].detach(), _rows(w2[e], rank, world), rtol=0, atol=0)
     x, _ = _tokens(rank)
     y = model(x, SPLITS[rank])
-    torch.testing.assert_close(y, fd.grouped_linear(F.gelu(fd.grouped_linear(x, list(w1), SPLITS[rank])), list(w2),
-                                                    SPLITS[rank]), rtol=0, atol=0)
+    torch.testing.assert_close(
+        y,
+        fd.grouped_linear(F.gelu(fd.grouped_linear(x, list(w1), SPLITS[rank])), list(w2), SPLITS[rank]),
+        rtol=0,
+        atol=0,
+    )
     y.sum().backward()  # the loaded shards still gather and reduce-scatter
     assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
 
@@ -132,10 +136,12 @@ def _load_all(root: str, tag: str, saved_seed: int) -> dict[str, str | None]:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     out = {}
     for layout in LAYOUTS:
-        out[f"fsdp2-{layout}"] = _try(lambda: _load_fsdp(dcp, os.path.join(root, f"{tag}-{layout}"), layout,
-                                                         saved_seed, rank))
-    out["sharded-weight"] = _try(lambda: _load_sharded(dcp, os.path.join(root, f"{tag}-sharded"), saved_seed,
-                                                       rank, world))
+        out[f"fsdp2-{layout}"] = _try(
+            lambda: _load_fsdp(dcp, os.path.join(root, f"{tag}-{layout}"), layout, saved_seed, rank)
+        )
+    out["sharded-weight"] = _try(
+        lambda: _load_sharded(dcp, os.path.join(root, f"{tag}-sharded"), saved_seed, rank, world)
+    )
     return out
 
 
@@ -256,8 +262,11 @@ def _full_mis_shaped_into_sharded_weight(rows: int) -> None:
     m = _two_sharded_weights()
     for strict in (True, False):
         sd = {"a": torch.ones(rows, 4), "b": torch.ones(8, 4)}
-        _raises_alike(partial(fdd.load_full_state_dict, m, sd, strict=strict),
-                      "ValueError: load_full_state_dict", f"a: expected full shape [8, 4], given [{rows}, 4]")
+        _raises_alike(
+            partial(fdd.load_full_state_dict, m, sd, strict=strict),
+            "ValueError: load_full_state_dict",
+            f"a: expected full shape [8, 4], given [{rows}, 4]",
+        )
         assert not m.a.any() and not m.b.any(), "a weight was loaded"
 
 
@@ -265,10 +274,14 @@ def _full_keys_into_sharded_weight() -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     m = _two_sharded_weights()
     full = torch.arange(32.0).view(8, 4)
-    _raises_alike(lambda: fdd.load_full_state_dict(m, {"a": full}), 'RuntimeError: Error(s) in loading state_dict',
-                  'Missing key(s) in state_dict: "b".')
-    _raises_alike(lambda: fdd.load_full_state_dict(m, {"a": full, "b": full, "c": full}),
-                  'Unexpected key(s) in state_dict: "c".')
+    _raises_alike(
+        lambda: fdd.load_full_state_dict(m, {"a": full}),
+        "RuntimeError: Error(s) in loading state_dict",
+        'Missing key(s) in state_dict: "b".',
+    )
+    _raises_alike(
+        lambda: fdd.load_full_state_dict(m, {"a": full, "b": full, "c": full}), 'Unexpected key(s) in state_dict: "c".'
+    )
     assert not m.a.any() and not m.b.any(), "strict loaded a weight"
     out = fdd.load_full_state_dict(m, {"a": full, "c": full}, strict=False)
     assert (out.missing_keys, out.unexpected_keys) == (["b"], ["c"]), out
@@ -282,12 +295,16 @@ def _full_into_fsdp2() -> None:
     sd = saved.state_dict()
     bad = {**sd, "fc2.weight1": torch.ones(H + 1, FFN)}
     for strict in (True, False):
-        _raises_alike(partial(fdd.load_full_state_dict, m, bad, strict=strict),
-                      f"fc2.weight1: expected full shape [{H}, {FFN}], given [{H + 1}, {FFN}]")
+        _raises_alike(
+            partial(fdd.load_full_state_dict, m, bad, strict=strict),
+            f"fc2.weight1: expected full shape [{H}, {FFN}], given [{H + 1}, {FFN}]",
+        )
     missing = {k: v for k, v in sd.items() if k != "fc1.bias2"}
     _raises_alike(lambda: fdd.load_full_state_dict(m, missing), 'Missing key(s) in state_dict: "fc1.bias2".')
-    _raises_alike(lambda: fdd.load_full_state_dict(m, {**sd, "fc3.weight": sd["proj.weight"]}),
-                  'Unexpected key(s) in state_dict: "fc3.weight".')
+    _raises_alike(
+        lambda: fdd.load_full_state_dict(m, {**sd, "fc3.weight": sd["proj.weight"]}),
+        'Unexpected key(s) in state_dict: "fc3.weight".',
+    )
     _assert_params(m, before, "changed by a load that raised")
     out = fdd.load_full_state_dict(m, {**missing, "fc3.weight": sd["proj.weight"]}, strict=False)
     assert (out.missing_keys, out.unexpected_keys) == (["fc1.bias2"], ["fc3.weight"]), out
@@ -302,13 +319,17 @@ def _checkpoint_keys(root: str) -> None:
     del fewer.proj
     fewer = fdd.shard_module(fewer)
     before = _params(fewer)
-    _raises_alike(lambda: fdd.load_checkpoint(fewer, path), "RuntimeError: Error(s) in loading state_dict",
-                  'Unexpected key(s) in the checkpoint: "proj.')
+    _raises_alike(
+        lambda: fdd.load_checkpoint(fewer, path),
+        "RuntimeError: Error(s) in loading state_dict",
+        'Unexpected key(s) in the checkpoint: "proj.',
+    )
     _assert_params(fewer, before, "changed by a load that raised")
     out = fdd.load_checkpoint(fewer, path, strict=False)
     assert out.missing_keys == [] and set(out.unexpected_keys) == {"proj.weight", "proj.bias", "proj._extra_state"}
-    _assert_params(fewer, {n: p for n, p in _params(_expert_mlp("per-expert", 10)).items() if "proj" not in n},
-                   "strict=False")
+    _assert_params(
+        fewer, {n: p for n, p in _params(_expert_mlp("per-expert", 10)).items() if "proj" not in n}, "strict=False"
+    )
     _check_fp8_state(fewer, 10)
 
     more = _expert_mlp("per-expert", 11)
@@ -319,8 +340,15 @@ def _checkpoint_keys(root: str) -> None:
     _assert_params(more, before, "changed by a load that raised")
     out = fdd.load_checkpoint(more, path, strict=False)
     assert set(out.missing_keys) == {"extra.weight", "extra.bias", "extra._extra_state"} and out.unexpected_keys == []
-    _assert_params(more, {**_params(_expert_mlp("per-expert", 10)), "extra.weight": before["extra.weight"],
-                          "extra.bias": before["extra.bias"]}, "strict=False")
+    _assert_params(
+        more,
+        {
+            **_params(_expert_mlp("per-expert", 10)),
+            "extra.weight": before["extra.weight"],
+            "extra.bias": before["extra.bias"],
+        },
+        "strict=False",
+    )
 
 
 def _full_bad_extra_state() -> None:
@@ -330,12 +358,21 @@ def _full_bad_extra_state() -> None:
     m = torch.nn.Sequential(fd.nn.Linear(4, 8, backend="torch"), fd.nn.GroupedLinear(2, 8, 4, recipe=recipe))
     before, sd = _params(m), {k: torch.ones_like(v) for k, v in m.state_dict().items() if k != "1._extra_state"}
     four = fd.fp8.state_to_extra_state(fd.fp8.init_state(recipe, 4), recipe)
-    _raises_alike(lambda: fdd.load_full_state_dict(m, {**sd, "1._extra_state": four}),
-                  "ValueError: load_full_state_dict", "1._extra_state: the extra state was saved for 4 GEMM(s)")
-    _raises_alike(lambda: fdd.load_full_state_dict(m, {**sd, "1._extra_state": "garbage"}),
-                  "1._extra_state: extra state must be a uint8 tensor")
-    _raises_alike(lambda: fdd.load_full_state_dict(m, {**sd, "1._extra_state": four, "0.weight": torch.empty(
-        8, 4, device="meta")}), "0.weight: a meta tensor, which holds no values")
+    _raises_alike(
+        lambda: fdd.load_full_state_dict(m, {**sd, "1._extra_state": four}),
+        "ValueError: load_full_state_dict",
+        "1._extra_state: the extra state was saved for 4 GEMM(s)",
+    )
+    _raises_alike(
+        lambda: fdd.load_full_state_dict(m, {**sd, "1._extra_state": "garbage"}),
+        "1._extra_state: extra state must be a uint8 tensor",
+    )
+    _raises_alike(
+        lambda: fdd.load_full_state_dict(
+            m, {**sd, "1._extra_state": four, "0.weight": torch.empty(8, 4, device="meta")}
+        ),
+        "0.weight: a meta tensor, which holds no values",
+    )
     _assert_params(m, before, "changed by a load that raised")
 
 
@@ -350,12 +387,14 @@ def _full_into_tied_sharded_weight() -> None:
     assert torch.equal(m.a.detach(), _rows(full, rank, world)) and m.a is m.b
 
 
-KEY_CASES = {"full-10-rows-into-sharded-weight-of-8": partial(_full_mis_shaped_into_sharded_weight, 10),
-             "full-bad-extra-state": _full_bad_extra_state,
-             "full-into-tied-sharded-weight": _full_into_tied_sharded_weight,
-             "full-6-rows-into-sharded-weight-of-8": partial(_full_mis_shaped_into_sharded_weight, 6),
-             "full-keys-into-sharded-weight": _full_keys_into_sharded_weight,
-             "full-into-fsdp2": _full_into_fsdp2}
+KEY_CASES = {
+    "full-10-rows-into-sharded-weight-of-8": partial(_full_mis_shaped_into_sharded_weight, 10),
+    "full-bad-extra-state": _full_bad_extra_state,
+    "full-into-tied-sharded-weight": _full_into_tied_sharded_weight,
+    "full-6-rows-into-sharded-weight-of-8": partial(_full_mis_shaped_into_sharded_weight, 6),
+    "full-keys-into-sharded-weight": _full_keys_into_sharded_weight,
+    "full-into-fsdp2": _full_into_fsdp2,
+}
 
 
 # --- the launches ------------------------------------------------------------------------------
@@ -381,9 +420,14 @@ def _load_job(root: str) -> dict[str, str | None]:
 
 
 MODELS = [f"fsdp2-{layout}" for layout in LAYOUTS] + ["sharded-weight"]
-CASES = ([f"4to2-{m}" for m in MODELS] + [f"2to4-{m}" for m in MODELS]
-         + [f"te-into-fsdp2-{layout}" for layout in LAYOUTS] + ["te-into-sharded-weight"] + list(KEY_CASES)
-         + ["checkpoint-keys"])
+CASES = (
+    [f"4to2-{m}" for m in MODELS]
+    + [f"2to4-{m}" for m in MODELS]
+    + [f"te-into-fsdp2-{layout}" for layout in LAYOUTS]
+    + ["te-into-sharded-weight"]
+    + list(KEY_CASES)
+    + ["checkpoint-keys"]
+)
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +478,7 @@ def test_remap_layouts_converts_te_keys_to_each_modules_layout():
     assert torch.equal(out["a.fc1.weight"], torch.stack([te[f"fc1.weight{e}"] for e in range(E)]))
     assert torch.equal(out["a.fc2.bias"], torch.stack([te[f"fc2.bias{e}"] for e in range(E)]))
     assert out["b.fc1.weight1"] is te["fc1.weight1"] and out["a.proj.weight"] is te["proj.weight"]
-    back = fd.nn.remap_layouts(model.b, {k[len("a."):]: v for k, v in out.items() if k.startswith("a.")})
+    back = fd.nn.remap_layouts(model.b, {k[len("a.") :]: v for k, v in out.items() if k.startswith("a.")})
     assert all(torch.equal(back[k], te[k]) for k in te), "single -> per-expert"
     model.load_state_dict(out)  # strict
 
@@ -462,8 +506,11 @@ def test_full_state_dict_into_an_unsharded_model_reports_keys_it_did_not_load():
     before = {n: p.detach().clone() for n, p in m.named_parameters()}
     sd = {k: v for k, v in te_state_dict().items() if k != "proj.bias"}
     sd["fc4.weight"] = torch.zeros(1)
-    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "proj.bias".\n\tUnexpected key\(s\) '
-                                           r'in state_dict: "fc4.weight".'):
+    with pytest.raises(
+        RuntimeError,
+        match=r'Missing key\(s\) in state_dict: "proj.bias".\n\tUnexpected key\(s\) '
+        r'in state_dict: "fc4.weight".',
+    ):
         fdd.load_full_state_dict(m, sd)
     assert all(torch.equal(p, before[n]) for n, p in m.named_parameters())
     out = fdd.load_full_state_dict(m, sd, strict=False)

@@ -16,7 +16,9 @@ def test_demo_checks_gradients_and_hooks(capsys):
 def test_demo_numbers():
     import argparse
 
-    r = demo.run(argparse.Namespace(experts=4, tokens=64, hidden=16, ffn=32, dtype="float64", device="cpu", backend=None))
+    r = demo.run(
+        argparse.Namespace(experts=4, tokens=64, hidden=16, ffn=32, dtype="float64", device="cpu", backend=None)
+    )
     assert r["err"] < 1e-12 and r["twice"] < 1e-12
     assert r["hook"].kinds == {"Tensor"}
     weights = 2 * 4 * 16 * 32 * 8

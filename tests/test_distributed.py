@@ -41,13 +41,16 @@ MODES = {  # hook, backwards, fused, async (async reduce-scatter + prefetch on b
     "async-fused": (None, 2, True, True),
 }
 INDIVISIBLE = ["plain", "retain2", "fused"]  # N = 5: shards of 3, 2 (W=2) and 2, 2, 1, 0 (W=4)
-CASES = [f"{layer}-{mode}" for layer in LAYERS for mode in MODES] + [
-    f"{layer}-{mode}-N5" for layer in LAYERS[:2] for mode in INDIVISIBLE] + ["overlap", "overlap-retain2", "kept-forward"]
+CASES = (
+    [f"{layer}-{mode}" for layer in LAYERS for mode in MODES]
+    + [f"{layer}-{mode}-N5" for layer in LAYERS[:2] for mode in INDIVISIBLE]
+    + ["overlap", "overlap-retain2", "kept-forward"]
+)
 
 
 def _parse(case: str) -> dict:
     layer = next(lay for lay in LAYERS if case.startswith(lay))
-    rest = case[len(layer) + 1:]
+    rest = case[len(layer) + 1 :]
     n5 = rest.endswith("-N5")
     hook, backwards, fused, async_ = MODES[rest[:-3] if n5 else rest]
     return dict(layer=layer, hook=hook, backwards=backwards, fused=fused, async_=async_, N=5 if n5 else 8, K=K)
@@ -64,14 +67,20 @@ def _shard_rows(N: int, world: int, rank: int) -> slice:
 def _count_collectives() -> Counter:
     """Count every torch.distributed collective the code under test calls."""
     counts: Counter = Counter()
-    alias = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
-             "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
+    alias = {
+        "all_gather_single": "all_gather",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_single": "reduce_scatter",
+        "reduce_scatter_tensor": "reduce_scatter",
+    }
     for name in [*alias, "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all_single", "reduce"]:
         f = getattr(dist, name, None)
         if f is not None:
+
             def wrapped(*a, _f=f, _n=alias.get(name, name), **k):
                 counts[_n] += 1
                 return _f(*a, **k)
+
             setattr(dist, name, wrapped)
     return counts
 
@@ -143,8 +152,9 @@ def _check_case(case: str, c: dict, counts: Counter, dtype, device, backend) -> 
         else:
             grouped = c["layer"] == "grouped-grouped"
             sp = torch.tensor(splits[rank], device=device) if grouped and device != "cpu" else splits[rank]
-            y = fd.grouped_linear(x, ws, sp, bs, fuse_wgrad_accumulation=c["fused"], use_grouped_tensor=grouped,
-                                  backend=backend)
+            y = fd.grouped_linear(
+                x, ws, sp, bs, fuse_wgrad_accumulation=c["fused"], use_grouped_tensor=grouped, backend=backend
+            )
     if c["async_"]:
         fdd.prefetch_on_grad(y, ws)  # each backward's all-gather starts as backward reaches y
     B = c["backwards"]
@@ -162,7 +172,12 @@ def _check_case(case: str, c: dict, counts: Counter, dtype, device, backend) -> 
     for e, w in enumerate(ws):
         want = B * ref_dw[e][rows]
         if c["fused"]:
-            _close(w.main_grad, want + 0.25, torch.float32 if dtype != torch.bfloat16 else dtype, f"{where}: main_grad[{e}]")
+            _close(
+                w.main_grad,
+                want + 0.25,
+                torch.float32 if dtype != torch.bfloat16 else dtype,
+                f"{where}: main_grad[{e}]",
+            )
             assert w.grad_added_to_main_grad is True
             assert w.grad is None or not w.grad.any(), "fused: only zero dummies reach .grad"
         else:
@@ -174,8 +189,9 @@ def _check_case(case: str, c: dict, counts: Counter, dtype, device, backend) -> 
 
 
 def _mlp_step(x, w1, w2, splits, dy, backward_times, backend):
-    y = fd.grouped_linear(torch.nn.functional.gelu(fd.grouped_linear(x, w1, splits, backend=backend)), w2, splits,
-                          backend=backend)
+    y = fd.grouped_linear(
+        torch.nn.functional.gelu(fd.grouped_linear(x, w1, splits, backend=backend)), w2, splits, backend=backend
+    )
     for i in range(backward_times):
         y.backward(dy, retain_graph=i < backward_times - 1)
     return y.detach()

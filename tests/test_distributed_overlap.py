@@ -24,13 +24,23 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from functional_dw import distributed as fdd
-from support.rank_cases import E, F, H, assert_steps_equal, data as _data, gl as _gl, make_rank_case_tests, mlp_weights, \
-    rnd as _rnd
+from support.rank_cases import (
+    E,
+    F,
+    H,
+    assert_steps_equal,
+    data as _data,
+    gl as _gl,
+    make_rank_case_tests,
+    mlp_weights,
+    rnd as _rnd,
+)
 
 gelu = torch.nn.functional.gelu
 
 
 # --- async reduce-scatters, frozen members, a prefetch under checkpointing, finalize's shapes ------
+
 
 def _mlp(x, w1, w2, splits):
     return _gl(torch.nn.functional.gelu(_gl(x, w1, splits)), w2, splits)
@@ -113,8 +123,9 @@ def _checkpoint_prefetch_not_stale():
         w1, w2 = mlp_weights(f1, f2, overlap)
         ys = []
         for _ in range(2):
-            h = checkpoint(lambda t: torch.nn.functional.gelu(_gl(t, w1, sp)), x0.clone().requires_grad_(),
-                           use_reentrant=False)
+            h = checkpoint(
+                lambda t: torch.nn.functional.gelu(_gl(t, w1, sp)), x0.clone().requires_grad_(), use_reentrant=False
+            )
             y = _gl(h, w2, sp)
             y.backward(dy)
             ys.append(y.detach())
@@ -140,6 +151,7 @@ def _finalize_checks_grad_shapes():
 
 
 # --- failed backwards, a reentrant checkpoint, autograd.grad, fused main_grad, threads, leaks ------
+
 
 def _boom(t):
     t.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))  # every rank raises here
@@ -173,7 +185,9 @@ def _reentrant_same_group_outside_and_inside():
             _gl(h, w, sp).backward(dy)
         grads[async_] = [m.grad for m in w]
     for e, (a, b) in enumerate(zip(grads[False], grads[True])):
-        assert torch.equal(a, b), f"expert {e}: async grads differ from in-line (the outer use's reduce-scatter was dropped)"
+        assert torch.equal(a, b), (
+            f"expert {e}: async grads differ from in-line (the outer use's reduce-scatter was dropped)"
+        )
 
 
 def _train_with(between):
@@ -308,6 +322,7 @@ def _failed_backward_leaks_group():
 
 # --- nested checkpoints, backward prefetch, a per-rank freeze, prefetch chains, compile -----------
 
+
 def _nested_checkpoint_async_loses_outer_grads():
     """A group used inside a nested checkpoint (reentrant outside, either kind inside) and again
     after it, async_grad_reduce. Backward: the later use's reduce-scatter is pending in the
@@ -332,7 +347,9 @@ def _nested_checkpoint_async_loses_outer_grads():
             y.backward(_rnd(*y.shape, seed=3))
         grads[async_] = [m.grad for m in w]
     for e, (a, b) in enumerate(zip(grads[False], grads[True])):
-        assert torch.equal(a, b), f"expert {e}: async grads differ from in-line (the outer use's reduce-scatter was dropped)"
+        assert torch.equal(a, b), (
+            f"expert {e}: async grads differ from in-line (the outer use's reduce-scatter was dropped)"
+        )
 
 
 def _prefetch_on_grad_outlives_step():
@@ -394,6 +411,7 @@ def _frozen_on_one_rank_fused_mismatched_reduce_scatter():
             if len(set(every)) > 1:
                 return _Done()  # skip the mismatched collective (it would abort the rank)
             return real[name](out, inp, *args, **kwargs)
+
         return rs
 
     try:
@@ -431,8 +449,9 @@ def _chains_grow_per_failed_or_unreached_backward():
             _gl(h, w2, sp).backward(dy)
         except RuntimeError:
             pass
-        a, b = checkpoint(lambda t: (_gl(t, w1, sp), torch.tanh(2.0 * t)), x0.clone().requires_grad_(),
-                          use_reentrant=False)
+        a, b = checkpoint(
+            lambda t: (_gl(t, w1, sp), torch.tanh(2.0 * t)), x0.clone().requires_grad_(), use_reentrant=False
+        )
         b.sum().backward()  # recomputes layer 1's forward inside this backward; its backward never runs
         sizes.append(len(fdd._CHAINS))
     assert sizes[0] == sizes[-1], f"len(_CHAINS) after each step: {sizes}"
@@ -453,7 +472,7 @@ def _compile_around_sharded_weight():
     for compiled in (False, True):
         w = fdd.shard_grouped_weights(f1)
         x = x0.clone().requires_grad_()
-        f = (lambda x: _gl(x, w, sp))
+        f = lambda x: _gl(x, w, sp)
         try:
             y = (torch.compile(f, backend="eager") if compiled else f)(x)
             y.backward(torch.ones_like(y))

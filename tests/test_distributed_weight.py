@@ -39,8 +39,13 @@ def _run(layer, hook=None, backwards=1, fused=False, path=None, seed=0):
             rec.check(path, x, [m.full for m in ws] if hasattr(ws[0], "full") else ws)
     for i in range(backwards):
         y.backward(dy, retain_graph=i < backwards - 1)
-    grads = {"y": y.detach(), "dx": x.grad, "dw": [w.grad for w in ws], "db": [b.grad for b in bs[: len(ws)]],
-             "main_grad": [getattr(w, "main_grad", None) for w in ws]}
+    grads = {
+        "y": y.detach(),
+        "dx": x.grad,
+        "dw": [w.grad for w in ws],
+        "db": [b.grad for b in bs[: len(ws)]],
+        "main_grad": [getattr(w, "main_grad", None) for w in ws],
+    }
     return grads, ws, ctx
 
 

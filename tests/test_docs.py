@@ -99,8 +99,9 @@ def run(b: Block) -> subprocess.CompletedProcess | str:
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory(prefix="fdw-docs-") as cwd:
         try:
-            return subprocess.run([sys.executable, "-c", b.code], cwd=cwd, env=env, capture_output=True, text=True,
-                                  timeout=TIMEOUT_S)
+            return subprocess.run(
+                [sys.executable, "-c", b.code], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+            )
         except subprocess.TimeoutExpired as e:
             return f"timed out after {TIMEOUT_S} s; output so far:\n{e.stdout or ''}\n{e.stderr or ''}"
 
@@ -108,8 +109,11 @@ def run(b: Block) -> subprocess.CompletedProcess | str:
 @pytest.fixture(scope="module")
 def started(request):
     """Futures of the CPU blocks this session selected, all submitted at once."""
-    selected = {item.callspec.params["block"] for item in request.session.items
-                if item.module is sys.modules[__name__] and hasattr(item, "callspec") and "block" in item.callspec.params}
+    selected = {
+        item.callspec.params["block"]
+        for item in request.session.items
+        if item.module is sys.modules[__name__] and hasattr(item, "callspec") and "block" in item.callspec.params
+    }
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
     futures = {b: pool.submit(run, b) for b in BLOCKS if on_cpu(b) and b in selected}
     yield futures
@@ -122,8 +126,9 @@ def test_block_runs(block, started):
     if isinstance(result, str):
         pytest.fail(f"{block.where}: {result}", pytrace=False)
     if result.returncode != 0:
-        pytest.fail(f"{block.where} exits {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}",
-                    pytrace=False)
+        pytest.fail(
+            f"{block.where} exits {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}", pytrace=False
+        )
 
 
 def test_every_block_follows_the_convention():
@@ -132,7 +137,9 @@ def test_every_block_follows_the_convention():
     assert not bad, f"unknown words in a ```python info string (docs/testing.md lists them): {bad}"
     for path in DOCUMENTS:  # a python block with another spelling would not run, silently
         for m in FENCE.finditer(path.read_text()):
-            assert m["lang"].lower() not in ("py", "python3", "pycon"), f"{path.name}: write ```python, not ```{m['lang']}"
+            assert m["lang"].lower() not in ("py", "python3", "pycon"), (
+                f"{path.name}: write ```python, not ```{m['lang']}"
+            )
 
 
 def test_setup_commands_are_the_ci_ones():
@@ -191,7 +198,7 @@ def test_notes_are_comments_not_docstrings():
                 continue
             doc = ast.get_docstring(node, clean=False) or ""
             for m in NOTE.finditer(doc):
-                if not re.match(r"[)\],;.:]|\s+in\b", doc[m.end():]):
+                if not re.match(r"[)\],;.:]|\s+in\b", doc[m.end() :]):
                     written_out.append(f"{path.relative_to(ROOT)}: {getattr(node, 'name', 'module')}: [{m.group(1)}]")
     assert not written_out, f"NOTEs written out in docstrings (make them # comments): {written_out}"
 

@@ -19,11 +19,29 @@ import torch.utils._pytree as pytree
 from conftest import HOOKS, FakeDW, Recorder, assert_same
 from functional_dw import fp8
 from test_fp8_layers import (
-    BF16, E, K, LAYER_IDS, LAYERS, N, RECIPES, SPLITS, T, _call, _inputs, _run, _scales, _state, direct,
+    BF16,
+    E,
+    K,
+    LAYER_IDS,
+    LAYERS,
+    N,
+    RECIPES,
+    SPLITS,
+    T,
+    _call,
+    _inputs,
+    _run,
+    _scales,
+    _state,
+    direct,
 )
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+    ),
+]
 
 
 def _to(device, *ts):
@@ -41,8 +59,10 @@ def test_hooks_move_about_half_the_bytes_of_bf16_x_and_no_weight(device, name, l
     Tb = sum(BIG_SPLITS)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(Tb, K, generator=g).to(device, BF16).requires_grad_()
-    ws = [(torch.randn(N, K, generator=g) * 0.1).to(device, BF16).requires_grad_()
-          for _ in range(1 if layer == "linear" else E)]
+    ws = [
+        (torch.randn(N, K, generator=g) * 0.1).to(device, BF16).requires_grad_()
+        for _ in range(1 if layer == "linear" else E)
+    ]
     with Recorder(lambda t: t, lambda t: t) as rec:
         y = _call(layer, None, x, ws, None, recipe, _state(recipe, layer, device), splits=BIG_SPLITS)
     nbytes = sum(t.numel() * t.element_size() for t in rec.packed)

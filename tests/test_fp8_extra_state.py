@@ -104,9 +104,17 @@ def te(monkeypatch):
 def te_get_extra_state(recipe: Any, E: int, H: int, seed: int = 0, stateful: bool = True) -> torch.Tensor:
     """module/base.py: get_extra_state, with a module's fp8_meta as TE fills it."""
     g = torch.Generator().manual_seed(seed)
-    fp8_meta = {"fp8_checkpoint": True, "fp8_group": None, "recipe": recipe, "num_gemms": E,
-                "fp8_max_fwd": recipe.fp8_format.value.max_fwd, "fp8_max_bwd": recipe.fp8_format.value.max_bwd,
-                "scaling_fwd": object(), "scaling_bwd": object(), "buffer_index_and_autocast_key": [0, "k", 0, "k"]}
+    fp8_meta = {
+        "fp8_checkpoint": True,
+        "fp8_group": None,
+        "recipe": recipe,
+        "num_gemms": E,
+        "fp8_max_fwd": recipe.fp8_format.value.max_fwd,
+        "fp8_max_bwd": recipe.fp8_format.value.max_bwd,
+        "scaling_fwd": object(),
+        "scaling_bwd": object(),
+        "buffer_index_and_autocast_key": [0, "k", 0, "k"],
+    }
     state = {"recipe": recipe}
     if stateful:
         state["scale_fwd"] = torch.rand(3 * E, generator=g) + 0.5
@@ -123,8 +131,13 @@ def te_get_extra_state(recipe: Any, E: int, H: int, seed: int = 0, stateful: boo
 
 @pytest.mark.parametrize("E", [1, 3])
 def test_reads_what_te_writes(te, E):
-    recipe = te.module.DelayedScaling(margin=2, fp8_format=te.module.Format.E4M3, amax_history_len=5,
-                                      amax_compute_algo="most_recent", reduce_amax=False)
+    recipe = te.module.DelayedScaling(
+        margin=2,
+        fp8_format=te.module.Format.E4M3,
+        amax_history_len=5,
+        amax_compute_algo="most_recent",
+        reduce_amax=False,
+    )
     blob, state = te_get_extra_state(recipe, E, 5)
     with te.without():
         assert MOD not in sys.modules
@@ -133,8 +146,9 @@ def test_reads_what_te_writes(te, E):
     for key in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
         assert torch.equal(getattr(s, key), state[key])
     assert s.num_gemms == E
-    assert d["recipe"] == DelayedScaling(margin=2, fp8_format=Format.E4M3, amax_history_len=5,
-                                         amax_compute_algo="most_recent", reduce_amax=False)
+    assert d["recipe"] == DelayedScaling(
+        margin=2, fp8_format=Format.E4M3, amax_history_len=5, amax_compute_algo="most_recent", reduce_amax=False
+    )
     assert d["extra_fp8_variables"] == {"fp8_checkpoint": True, "num_gemms": E, "fp8_max_fwd": 448, "fp8_max_bwd": 448}
 
 
@@ -148,12 +162,23 @@ def test_te_reads_what_we_write(te):
     recipe = loaded["recipe"]
     assert type(recipe) is te.module.DelayedScaling and recipe.fp8_format is te.module.Format.HYBRID
     assert dataclasses.asdict(recipe) == {f.name: getattr(r, f.name) for f in dataclasses.fields(r)} | {
-        "fp8_format": te.module.Format.HYBRID}
+        "fp8_format": te.module.Format.HYBRID
+    }
     E, H = loaded["extra_fp8_variables"]["num_gemms"], recipe.amax_history_len
-    assert list(loaded) == ["recipe", "scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd",
-                            "extra_fp8_variables"]
-    assert loaded["extra_fp8_variables"] == {"fp8_checkpoint": True, "num_gemms": 2, "fp8_max_fwd": 448,
-                                             "fp8_max_bwd": 57344}
+    assert list(loaded) == [
+        "recipe",
+        "scale_fwd",
+        "amax_history_fwd",
+        "scale_bwd",
+        "amax_history_bwd",
+        "extra_fp8_variables",
+    ]
+    assert loaded["extra_fp8_variables"] == {
+        "fp8_checkpoint": True,
+        "num_gemms": 2,
+        "fp8_max_fwd": 448,
+        "fp8_max_bwd": 57344,
+    }
     scale_fwd, hist_fwd = torch.ones(3 * E), torch.zeros(H, 3 * E)  # init_fp8_meta_tensors(recipe), then copy
     scale_fwd.copy_(loaded["scale_fwd"])
     hist_fwd.copy_(loaded["amax_history_fwd"])
@@ -165,8 +190,10 @@ def test_round_trip_without_te(te):
         r = DelayedScaling(amax_history_len=3, fp8_format=Format.E4M3)
         s = record_amax(init_state(r, 4), "grad_output", torch.arange(4.0))
         back = state_from_extra_state(state_to_extra_state(s, r), 4)
-        assert all(torch.equal(getattr(back, k), getattr(s, k))
-                   for k in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"))
+        assert all(
+            torch.equal(getattr(back, k), getattr(s, k))
+            for k in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
+        )
         assert read_extra_state(state_to_extra_state(s, r))["recipe"] == r
         default = read_extra_state(state_to_extra_state(s))["recipe"]  # no recipe: defaults, the state's H
         assert default == DelayedScaling(amax_history_len=3)
@@ -187,9 +214,15 @@ def test_empty_and_stateless(te):
 
 
 def test_te1_checkpoint_without_recipe(te):
-    state = {"scale_fwd": torch.ones(3), "scale_inv_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(1024, 3),
-             "scale_bwd": torch.ones(2), "scale_inv_bwd": torch.ones(2), "amax_history_bwd": torch.zeros(1024, 2),
-             "extra_fp8_variables": {"num_gemms": 1}}
+    state = {
+        "scale_fwd": torch.ones(3),
+        "scale_inv_fwd": torch.ones(3),
+        "amax_history_fwd": torch.zeros(1024, 3),
+        "scale_bwd": torch.ones(2),
+        "scale_inv_bwd": torch.ones(2),
+        "amax_history_bwd": torch.zeros(1024, 2),
+        "extra_fp8_variables": {"num_gemms": 1},
+    }
     blob = torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
     d = read_extra_state(blob)
     assert d["recipe"] == DelayedScaling() and "scale_inv_fwd" not in d and "scale_inv_bwd" not in d
@@ -247,8 +280,11 @@ def test_argument_errors():
 
 def _decoded(extra):
     d = read_extra_state(extra)
-    return d["recipe"], d["extra_fp8_variables"], [d[k] for k in ("scale_fwd", "amax_history_fwd", "scale_bwd",
-                                                                 "amax_history_bwd")]
+    return (
+        d["recipe"],
+        d["extra_fp8_variables"],
+        [d[k] for k in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")],
+    )
 
 
 @pytest.mark.parametrize("via", ["torch.save", "save_checkpoint"])

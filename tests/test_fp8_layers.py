@@ -155,8 +155,13 @@ def _bound(ref, a_abs, b_abs, spec_a, spec_b, scale_a, scale_b, n):
     ua, ub = _U[spec_a.fp8_dtype], _U[spec_b.fp8_dtype]
     mag = a_abs @ b_abs
     eta_a, eta_b = _ETA[spec_a.fp8_dtype] / scale_a, _ETA[spec_b.fp8_dtype] / scale_b
-    return ((ua + ub + ua * ub) * mag + eta_a * b_abs.sum(0, keepdim=True) + eta_b * a_abs.sum(1, keepdim=True)
-            + n * 2.0**-24 * mag + 2.0**-8 * ref.abs())
+    return (
+        (ua + ub + ua * ub) * mag
+        + eta_a * b_abs.sum(0, keepdim=True)
+        + eta_b * a_abs.sum(1, keepdim=True)
+        + n * 2.0**-24 * mag
+        + 2.0**-8 * ref.abs()
+    )
 
 
 def _min_scale(t, spec, scale):
@@ -186,8 +191,14 @@ def test_within_the_fp8_bound_of_fp32(name, layer, path):
         if not xe.shape[0]:
             continue
         w = ws[e].double()
-        s_in, s_w, s_dy = (_min_scale(t, spec, s) for t, spec, s in
-                           ((xe.to(BF16), sx, scales[e][0]), (ws[e], sw, scales[e][1]), (dye.to(BF16), sdy, scales[e][2])))
+        s_in, s_w, s_dy = (
+            _min_scale(t, spec, s)
+            for t, spec, s in (
+                (xe.to(BF16), sx, scales[e][0]),
+                (ws[e], sw, scales[e][1]),
+                (dye.to(BF16), sdy, scales[e][2]),
+            )
+        )
         checks = [  # (what, got, fp32 reference, |A|, |B|, specs, scales, n)
             ("y", ye, xe @ w.t() + bs[e].double(), xe.abs(), w.abs().t(), sx, sw, s_in, s_w, K),
             ("dx", dxe, dye @ w, dye.abs(), w.abs(), sdy, sw, s_dy, s_w, N),
@@ -298,11 +309,13 @@ class QuantizeLog(TorchKernels):
         self.calls.append((spec.role, rowwise, columnwise, scale is not None, amax is not None, 1))
         return super().quantize(t, spec, scale=scale, amax=amax, rowwise=rowwise, columnwise=columnwise)
 
-    def grouped_quantize(self, x_TK, splits, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False,
-                         grouped=False):
+    def grouped_quantize(
+        self, x_TK, splits, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False, grouped=False
+    ):
         self.calls.append((spec.role, rowwise, columnwise, scales is not None, amaxes is not None, splits.num_experts))
-        return super().grouped_quantize(x_TK, splits, spec, scales=scales, amaxes=amaxes, rowwise=rowwise,
-                                        columnwise=columnwise, grouped=grouped)
+        return super().grouped_quantize(
+            x_TK, splits, spec, scales=scales, amaxes=amaxes, rowwise=rowwise, columnwise=columnwise, grouped=grouped
+        )
 
 
 @pytest.mark.parametrize("grads", ["all", "no-dx", "frozen-weights"])
@@ -330,11 +343,12 @@ def test_quantize_calls_follow_the_contract(name, layer, path, grads):
     y.backward(dy)
     dgrad, wgrad = grads != "no-dx", grads != "frozen-weights"
     bwd = [("grad_output", dgrad, wgrad, delayed, delayed, experts)]
-    assert log.calls[len(fwd):] == bwd
+    assert log.calls[len(fwd) :] == bwd
 
 
 def test_recipe_none_runs_todays_path(monkeypatch):
     """recipe=None never reaches the FP8 plumbing: x itself is saved and no plan is made."""
+
     def boom(*args, **kwargs):
         raise AssertionError("the FP8 plan was built without a recipe")
 
@@ -355,8 +369,9 @@ _RECIPE_KINDS = {"RowwiseScaling", "Float8BlockScaling", "DelayedScaling", "Floa
 
 def _names(tree):
     """Every identifier and attribute name used in ``tree`` (strings and comments excluded)."""
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
-        {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+    }
 
 
 def test_the_layers_never_branch_on_the_recipe_kind():
@@ -374,8 +389,12 @@ def test_the_layers_never_branch_on_the_recipe_kind():
     assert not _names(rest) & {"RowwiseScaling", "Float8BlockScaling", "scaling"}
 
 
-_FAMILY = {"delayed": ("TEPlan", fp8.DelayedScaling()), "current": ("TEPlan", fp8.Float8CurrentScaling()),
-           "block": ("TEBlockPlan", fp8.Float8BlockScaling()), "rowwise": ("RowwisePlan", fp8.RowwiseScaling())}
+_FAMILY = {
+    "delayed": ("TEPlan", fp8.DelayedScaling()),
+    "current": ("TEPlan", fp8.Float8CurrentScaling()),
+    "block": ("TEBlockPlan", fp8.Float8BlockScaling()),
+    "rowwise": ("RowwisePlan", fp8.RowwiseScaling()),
+}
 
 
 @pytest.mark.parametrize("kind", list(_FAMILY))
@@ -781,11 +800,13 @@ class GemmLog(QuantizeLog):
         super().__init__()
         self.gemms, self.activations = [], []
 
-    def grouped_quantize(self, x_TK, splits, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False,
-                         grouped=False):
+    def grouped_quantize(
+        self, x_TK, splits, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False, grouped=False
+    ):
         self.activations.append((spec.role, grouped, rowwise, columnwise))
-        return super().grouped_quantize(x_TK, splits, spec, scales=scales, amaxes=amaxes, rowwise=rowwise,
-                                        columnwise=columnwise, grouped=grouped)
+        return super().grouped_quantize(
+            x_TK, splits, spec, scales=scales, amaxes=amaxes, rowwise=rowwise, columnwise=columnwise, grouped=grouped
+        )
 
     def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped, *, split_accumulator=False):
         self.gemms.append(("fprop", grouped, split_accumulator))
@@ -827,14 +848,16 @@ def test_grouped_fp8_pure_pairs_tell_the_kernels_path_accumulation_and_dy_copies
 # --- the reference kernels' FP8 GEMMs and quantization, called directly ---------------------
 
 _ROWS = fp8.tensor_spec(RECIPES["block"], "input")  # 1x128 tiles: the two copies differ in value
-_DBIAS_MSG = ("with_dbias=True needs dy in high precision; with FP8 operands the layer sums the bias grad "
-              "from its high-precision dy itself")
+_DBIAS_MSG = (
+    "with_dbias=True needs dy in high precision; with FP8 operands the layer sums the bias grad "
+    "from its high-precision dy itself"
+)
 
 
 def _both(t):
     """Both copies, of ``t`` with every other column 2^-12 smaller: a row's tile then holds values
     that underflow, a column's tile does not, so the copies differ in value."""
-    t = t * torch.tensor([1.0, 2.0**-12]).repeat(t.shape[1])[:t.shape[1]].to(t.dtype)
+    t = t * torch.tensor([1.0, 2.0**-12]).repeat(t.shape[1])[: t.shape[1]].to(t.dtype)
     return TorchKernels().quantize(t, _ROWS, rowwise=True, columnwise=True)
 
 
@@ -883,8 +906,9 @@ def test_reference_fp8_fprop_adds_the_bias_in_fp32():
 
 
 def _splits(sizes):
-    return fd.kernels.Splits(host=tuple(sizes), tensor=None, device=torch.device("cpu"), num_tokens=sum(sizes),
-                             num_experts=len(sizes))
+    return fd.kernels.Splits(
+        host=tuple(sizes), tensor=None, device=torch.device("cpu"), num_tokens=sum(sizes), num_experts=len(sizes)
+    )
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["split", "grouped"])
@@ -1055,8 +1079,10 @@ def test_reference_grouped_fp8_wgrad_into_out_one_expert_and_missing_copies():
     dw32 = cols(dyq[0]).t() @ cols(xq[0])
     for grouped in (False, True):
         assert_same(k.grouped_wgrad(xq, dyq, _splits([32]), grouped)[0], dw32.to(BF16)[None])
-        assert_same(k.grouped_dgrad(dyq, wq, _splits([32]), grouped),
-                    (dyq[0].dequantize(columnwise=False) @ cols(wq[0])).to(BF16))
+        assert_same(
+            k.grouped_dgrad(dyq, wq, _splits([32]), grouped),
+            (dyq[0].dequantize(columnwise=False) @ cols(wq[0])).to(BF16),
+        )
         out = [_rand(N, K, seed=5)]
         k.grouped_wgrad(xq, dyq, _splits([32]), grouped, out=out)
         assert_same(out[0], dw32.to(BF16))
@@ -1075,6 +1101,7 @@ def test_reference_grouped_fp8_wgrad_into_out_one_expert_and_missing_copies():
 
 
 # --- torch.compile, activation checkpointing, frozen weights -----------------------------------
+
 
 def _ws(E=2, requires_grad=True):
     g = torch.Generator().manual_seed(1)
@@ -1097,10 +1124,13 @@ def test_compile_with_recipe_raises_clear_error(fullgraph):
     assert "do not run under torch.compile" in text  # (fullgraph: dynamo's error gives the disable reason)
 
 
-@pytest.mark.xfail(strict=True, reason="torch.utils.checkpoint's recompute re-runs the FP8 forward with the state's "
-                   "scales at backward time (not the scales forward used; TE's te.checkpoint stashes them), so a state "
-                   "update between forward and backward (nn modules apply pending updates at the next forward: "
-                   "pipelined microbatches) silently changes dW; the recompute also records amaxes again")
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch.utils.checkpoint's recompute re-runs the FP8 forward with the state's "
+    "scales at backward time (not the scales forward used; TE's te.checkpoint stashes them), so a state "
+    "update between forward and backward (nn modules apply pending updates at the next forward: "
+    "pipelined microbatches) silently changes dW; the recompute also records amaxes again",
+)
 def test_checkpoint_delayed_scaling_recompute_uses_forward_scales():
     R = fp8.DelayedScaling(amax_history_len=4)
     ws = _ws()

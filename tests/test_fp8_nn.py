@@ -21,8 +21,11 @@ from functional_dw import nn as fnn
 E, K, N = 3, 32, 16
 SPLITS = [16, 0, 32]
 T = sum(SPLITS)
-RECIPES = {"delayed": fp8.DelayedScaling(amax_history_len=4), "current": fp8.Float8CurrentScaling(),
-           "block": fp8.Float8BlockScaling()}
+RECIPES = {
+    "delayed": fp8.DelayedScaling(amax_history_len=4),
+    "current": fp8.Float8CurrentScaling(),
+    "block": fp8.Float8BlockScaling(),
+}
 STATE_BUFFERS = ["fp8_amax_history_fwd", "fp8_scale_fwd", "fp8_amax_history_bwd", "fp8_scale_bwd"]
 
 
@@ -285,7 +288,8 @@ def _to_empty(m):
 MATERIALIZE = {  # path: how it loads a state dict into a meta module
     "to_empty-load": lambda m, sd: _to_empty(m).load_state_dict(sd),
     "to_empty-load-no-extra-state": lambda m, sd: _to_empty(m).load_state_dict(  # e.g. torch.nn.Linear's keys
-        {k: v for k, v in sd.items() if k != "_extra_state"}, strict=False),
+        {k: v for k, v in sd.items() if k != "_extra_state"}, strict=False
+    ),
     "assign": lambda m, sd: m.load_state_dict(sd, assign=True),  # torch's meta-init recipe
     "assign-to_empty-first": lambda m, sd: _to_empty(m).load_state_dict(sd, assign=True),
 }

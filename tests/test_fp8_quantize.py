@@ -15,8 +15,21 @@ import torch
 import torch.utils._pytree as pytree
 
 from functional_dw.fp8 import (
-    FLT_MAX, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, QParams, QTensor, TensorSpec,
-    amax_of, compute_scale_from_amax, from_te_scale_inv, quantize, quantize_groups, te_scale_inv, tensor_spec,
+    FLT_MAX,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    QParams,
+    QTensor,
+    TensorSpec,
+    amax_of,
+    compute_scale_from_amax,
+    from_te_scale_inv,
+    quantize,
+    quantize_groups,
+    te_scale_inv,
+    tensor_spec,
 )
 from helpers import randn
 
@@ -26,6 +39,7 @@ FMT = {E4: (3, -6, 448.0), E5: (2, -14, 57344.0)}  # mantissa bits, min normal e
 
 
 # ---- the scalar reference -------------------------------------------------------------------
+
 
 def ref_scale(amax: float, fp8_max: float, pow2: bool = False, eps: float = 0.0, inf_value: float = FLT_MAX) -> float:
     a = F32(amax)
@@ -78,8 +92,7 @@ def spec(scaling: str, fp8_dtype=E4, block=None, pow2=False, eps=0.0) -> TensorS
 
 # ---- scales ---------------------------------------------------------------------------------
 
-AMAXES = [0.0, 1e-45, 1e-39, 1e-36, 1e-30, 3e-3, 0.3, 1.0, 448.0, 1000.0, 1e30, FLT_MAX,
-          float("inf"), float("nan")]
+AMAXES = [0.0, 1e-45, 1e-39, 1e-36, 1e-30, 3e-3, 0.3, 1.0, 448.0, 1000.0, 1e30, FLT_MAX, float("inf"), float("nan")]
 
 
 @pytest.mark.parametrize("fp8_max", [448.0, 57344.0])
@@ -87,7 +100,9 @@ AMAXES = [0.0, 1e-45, 1e-39, 1e-36, 1e-30, 3e-3, 0.3, 1.0, 448.0, 1000.0, 1e30, 
 @pytest.mark.parametrize("eps", [0.0, 1e-3])
 @pytest.mark.parametrize("inf_value", [FLT_MAX, float(torch.finfo(torch.bfloat16).max), 65504.0])
 def test_compute_scale_from_amax(fp8_max, pow2, eps, inf_value):
-    got = compute_scale_from_amax(torch.tensor(AMAXES), fp8_max, power_2_scale=pow2, epsilon=eps, value_for_inf=inf_value)
+    got = compute_scale_from_amax(
+        torch.tensor(AMAXES), fp8_max, power_2_scale=pow2, epsilon=eps, value_for_inf=inf_value
+    )
     want = [ref_scale(a, fp8_max, pow2, eps, inf_value) for a in AMAXES]
     assert got.dtype == torch.float32 and same(as_floats(got), want)
 
@@ -96,11 +111,12 @@ def test_scale_special_cases():
     s = compute_scale_from_amax(torch.tensor([0.0, float("inf"), float("nan"), 1e-39]), 448.0)
     assert s.tolist()[:3] == [1.0, 1.0, 1.0] and s[3].item() == FLT_MAX  # scale overflow -> FLT_MAX
     p = compute_scale_from_amax(torch.tensor([1e-39, 3.0]), 448.0, power_2_scale=True)
-    assert p.tolist() == [2.0 ** 127, 128.0]  # 448/3 = 149.3 -> 128
+    assert p.tolist() == [2.0**127, 128.0]  # 448/3 = 149.3 -> 128
     assert compute_scale_from_amax(torch.tensor([1e-5]), 448.0, epsilon=1.0).item() == 448.0  # amax floored
 
 
 # ---- per-tensor scaling ---------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fp8_dtype", [E4, E5])
@@ -151,14 +167,17 @@ def test_roundtrip_error_bound(fp8_dtype, mode):
     """|dequantize(quantize(x)) - x| <= half an FP8 step of x * s, over s (plus fp32 slack)."""
     mbits, emin, _ = FMT[fp8_dtype]
     x = randn(130, 260, seed=2) * torch.logspace(-3, 3, 260)
-    sp = {"current": spec("current", fp8_dtype), "block1": spec("block", fp8_dtype, (1, 128)),
-          "block2": spec("block", fp8_dtype, (128, 128))}[mode]
+    sp = {
+        "current": spec("current", fp8_dtype),
+        "block1": spec("block", fp8_dtype, (1, 128)),
+        "block2": spec("block", fp8_dtype, (128, 128)),
+    }[mode]
     q = quantize(x, sp, columnwise=True)
     for col in (False, True):
         s_inv = q.columnwise_scale_inv if col else q.rowwise_scale_inv
         per_elem = s_inv if sp.block is None else _expand(s_inv, sp.block, (260, 130) if col else (130, 260))
         per_elem = per_elem.t() if col and sp.block is not None else per_elem
-        bound = (x.abs() * 2.0 ** -(mbits + 1) + 2.0 ** (emin - mbits - 1) * per_elem) * (1 + 2.0 ** -20)
+        bound = (x.abs() * 2.0 ** -(mbits + 1) + 2.0 ** (emin - mbits - 1) * per_elem) * (1 + 2.0**-20)
         assert ((q.dequantize(columnwise=col) - x).abs() <= bound).all()
 
 
@@ -169,14 +188,18 @@ def _expand(s: torch.Tensor, block, shape) -> torch.Tensor:
 @pytest.mark.parametrize("make", ["current", "block1", "block2"])
 def test_pow2_scales_are_powers_of_two(make):
     x = randn(200, 300, seed=3) * torch.logspace(-4, 4, 300)
-    sp = {"current": spec("current", pow2=True), "block1": spec("block", block=(1, 128), pow2=True),
-          "block2": spec("block", block=(128, 128), pow2=True)}[make]
+    sp = {
+        "current": spec("current", pow2=True),
+        "block1": spec("block", block=(1, 128), pow2=True),
+        "block2": spec("block", block=(128, 128), pow2=True),
+    }[make]
     q = quantize(x, sp, columnwise=True)
     for s in (q.rowwise_scale_inv, q.columnwise_scale_inv):
         assert all(math.frexp(v)[0] == 0.5 for v in as_floats(s))
 
 
 # ---- block scaling against explicit tile loops ------------------------------------------------
+
 
 def ref_block(x2d: torch.Tensor, block, fp8_dtype, pow2, eps, inf_value):
     """Tile by tile: (data as floats, compact scale_inv as floats)."""
@@ -234,8 +257,15 @@ def test_block_scale_overflow_takes_the_input_dtypes_max():
     assert cur.rowwise_scale_inv.item() == float(F32(1) / F32(FLT_MAX))
 
 
-@pytest.mark.parametrize("sp", [spec("current"), spec("block", block=(1, 128)), spec("block", block=(128, 128)),
-                                spec("current", pow2=True, eps=0.1)])
+@pytest.mark.parametrize(
+    "sp",
+    [
+        spec("current"),
+        spec("block", block=(1, 128)),
+        spec("block", block=(128, 128)),
+        spec("current", pow2=True, eps=0.1),
+    ],
+)
 def test_zeros(sp):
     q = quantize(torch.zeros(3, 200), sp, columnwise=True)
     for d, s in ((q.rowwise_data, q.rowwise_scale_inv), (q.columnwise_data, q.columnwise_scale_inv)):
@@ -254,6 +284,7 @@ def test_empty(sp):
 
 
 # ---- the record ---------------------------------------------------------------------------
+
 
 def test_dequantize_shapes_dtypes_and_usage():
     x = randn(2, 3, 140, dtype=torch.bfloat16, seed=6)
@@ -283,6 +314,7 @@ def test_pytree_leaves_are_the_tensors_held():
 
 def test_te_scale_inv_layout():
     """TE's GEMM-ready shapes, as Float8BlockQuantizer.get_scale_shape computes them."""
+
     def te_shape(M, K, dim, columnwise):
         up4 = lambda n: -(-n // 4) * 4  # noqa: E731
         if dim == 2:
@@ -304,6 +336,7 @@ def test_te_scale_inv_layout():
 
 # ---- per expert ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8BlockScaling(), DelayedScaling()])
 def test_quantize_groups_is_quantize_per_expert(recipe):
     x = randn(300, 136, seed=8) * torch.tensor([1.0] * 100 + [50.0] * 150 + [0.01] * 50)[:, None]
@@ -313,7 +346,7 @@ def test_quantize_groups_is_quantize_per_expert(recipe):
     qs = quantize_groups(x, sizes, sp, scales=scales, columnwise=True)
     starts = [0, 100, 100, 250]
     for e, (q, n, s0) in enumerate(zip(qs, sizes, starts)):
-        one = quantize(x[s0:s0 + n], sp, scale=None if scales is None else scales[e], columnwise=True)
+        one = quantize(x[s0 : s0 + n], sp, scale=None if scales is None else scales[e], columnwise=True)
         for name in ("rowwise_data", "columnwise_data"):
             assert torch.equal(getattr(q, name).view(torch.uint8), getattr(one, name).view(torch.uint8))
         assert torch.equal(q.columnwise_scale_inv, one.columnwise_scale_inv)
@@ -332,10 +365,16 @@ def test_quantize_groups_specs_per_expert_and_tensor_sizes():
     assert [q.fp8_dtype for q in qs] == [E4, E5]
 
 
-@pytest.mark.parametrize("sizes,match", [
-    ([2, 3], "sum to 5 but x has 6 rows"), ([7, -1], r"sizes\[1\] must be an int >= 0"),
-    ([2.0, 4], r"sizes\[0\]"), (torch.tensor([[6]]), "1-D integer CPU tensor"), ("6", "sequence of ints"),
-])
+@pytest.mark.parametrize(
+    "sizes,match",
+    [
+        ([2, 3], "sum to 5 but x has 6 rows"),
+        ([7, -1], r"sizes\[1\] must be an int >= 0"),
+        ([2.0, 4], r"sizes\[0\]"),
+        (torch.tensor([[6]]), "1-D integer CPU tensor"),
+        ("6", "sequence of ints"),
+    ],
+)
 def test_quantize_groups_bad_sizes(sizes, match):
     with pytest.raises((ValueError, TypeError), match=match):
         quantize_groups(randn(6, 16), sizes, spec("current"))
@@ -378,7 +417,10 @@ def test_quantize_does_not_track_grad():
 def test_recipe_roles_end_to_end():
     """Each recipe's three roles quantize and come back within their format's bound."""
     x = randn(64, 256, seed=10)
-    for recipe in (Float8CurrentScaling(fp8_quant_bwd_grad=QParams(True, 0.0)), Float8BlockScaling(fp8_format=Format.HYBRID)):
+    for recipe in (
+        Float8CurrentScaling(fp8_quant_bwd_grad=QParams(True, 0.0)),
+        Float8BlockScaling(fp8_format=Format.HYBRID),
+    ):
         for role in ("input", "weight", "grad_output"):
             sp = tensor_spec(recipe, role)
             q = quantize(x, sp, rowwise=True, columnwise=True)
@@ -393,9 +435,12 @@ def test_power_of_2_rounding_under_transforms_is_the_bit_clearing():
     from functional_dw.fp8.quantize import _round_down_to_power_of_2
 
     g = torch.Generator().manual_seed(0)
-    s = torch.cat([torch.exp2(torch.empty(100_000).uniform_(-126, 127.99, generator=g)),
-                   torch.tensor([448 / torch.finfo(torch.float32).max, torch.finfo(torch.float32).max, 1.0,
-                                 1.5, 0.75, 3.0])])
+    s = torch.cat(
+        [
+            torch.exp2(torch.empty(100_000).uniform_(-126, 127.99, generator=g)),
+            torch.tensor([448 / torch.finfo(torch.float32).max, torch.finfo(torch.float32).max, 1.0, 1.5, 0.75, 3.0]),
+        ]
+    )
     plain = _round_down_to_power_of_2(s)
     batched = torch.func.vmap(_round_down_to_power_of_2)(s.view(-1, 2)).view(-1)
     assert torch.equal(plain.view(torch.int32), batched.view(torch.int32))

@@ -15,8 +15,15 @@ import torch
 
 from functional_dw import fp8
 from functional_dw.fp8 import (
-    DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MMParams, QParams, as_recipe,
-    split_accumulator, tensor_spec,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MMParams,
+    QParams,
+    as_recipe,
+    split_accumulator,
+    tensor_spec,
 )
 
 TE = "transformer_engine.common.recipe"
@@ -24,6 +31,7 @@ E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 # ---- TE's defaults (transformer_engine/common/recipe/__init__.py, TE 2.20) ------------------
+
 
 def test_format_values_are_tes():
     assert Format.E4M3.value == (448, 448) and Format.E5M2.value == (57344, 57344)
@@ -58,21 +66,34 @@ def test_block_scaling_defaults():
 def test_params_defaults():
     assert MMParams().use_split_accumulator is True
     q = QParams()
-    assert (q.power_2_scale, q.amax_epsilon, q.random_hadamard_transform, q.stochastic_rounding,
-            q.fp4_2d_quantization) == (False, 0.0, False, False, False)
+    assert (
+        q.power_2_scale,
+        q.amax_epsilon,
+        q.random_hadamard_transform,
+        q.stochastic_rounding,
+        q.fp4_2d_quantization,
+    ) == (False, 0.0, False, False, False)
 
 
 @pytest.mark.skipif(any(k.startswith("NVTE_") for k in os.environ), reason="NVTE_* set in this environment")
 def test_env_defaults_as_te_reads_them():
     """TE computes these defaults from the environment at import; so do we (a fresh interpreter)."""
-    code = ("from functional_dw.fp8 import *; c, b = Float8CurrentScaling(), Float8BlockScaling();"
-            "print(c.use_power_2_scales, c.fp8_quant_fwd_inp.power_2_scale, b.use_f32_scales,"
-            " b.fp8_quant_bwd_grad.power_2_scale, c.backward_override)")
+    code = (
+        "from functional_dw.fp8 import *; c, b = Float8CurrentScaling(), Float8BlockScaling();"
+        "print(c.use_power_2_scales, c.fp8_quant_fwd_inp.power_2_scale, b.use_f32_scales,"
+        " b.fp8_quant_bwd_grad.power_2_scale, c.backward_override)"
+    )
     root = str(Path(fp8.__file__).parents[2])  # this checkout's package, whatever the cwd
-    env = dict(os.environ, NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES="1", NVTE_FP8_BLOCK_SCALING_FP32_SCALES="1",
-               NVTE_BACKWARD_OVERRIDE="dequantized", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
-                         check=True).stdout
+    env = dict(
+        os.environ,
+        NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES="1",
+        NVTE_FP8_BLOCK_SCALING_FP32_SCALES="1",
+        NVTE_BACKWARD_OVERRIDE="dequantized",
+        PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True
+    ).stdout
     assert out.split() == ["True", "True", "True", "False", "dequantized"]
 
 
@@ -101,8 +122,11 @@ BAD = [
     (Float8CurrentScaling, dict(fp8_mha="no"), "Float8CurrentScaling.fp8_mha"),
     (Float8BlockScaling, dict(x_block_scaling_dim=3), "Float8BlockScaling.x_block_scaling_dim"),
     (Float8BlockScaling, dict(x_block_scaling_dim=2), "Float8BlockScaling.x_block_scaling_dim"),  # 2x2 with w
-    (Float8BlockScaling, dict(w_block_scaling_dim=1, grad_block_scaling_dim=2, x_block_scaling_dim=2),
-     "Float8BlockScaling.x_block_scaling_dim and Float8BlockScaling.grad_block_scaling_dim"),
+    (
+        Float8BlockScaling,
+        dict(w_block_scaling_dim=1, grad_block_scaling_dim=2, x_block_scaling_dim=2),
+        "Float8BlockScaling.x_block_scaling_dim and Float8BlockScaling.grad_block_scaling_dim",
+    ),
     (Float8BlockScaling, dict(fp8_gemm_fprop=MMParams(False)), "Float8BlockScaling.fp8_gemm_fprop"),
     (Float8BlockScaling, dict(fp8_dpa=True), "Float8BlockScaling.fp8_dpa"),
     (Float8BlockScaling, dict(fp8_format=Format.E5M2), "Float8BlockScaling.fp8_format"),
@@ -127,13 +151,16 @@ def test_callable_algos_accepted():
 
 # ---- TE's objects, without TE --------------------------------------------------------------
 
+
 class _Helper(NamedTuple):
     max_fwd: float
     max_bwd: float
 
 
-TEFormat = enum.Enum("Format", {"E2M1": _Helper(6, 6), "E4M3": _Helper(448, 448),
-                                "E5M2": _Helper(57344, 57344), "HYBRID": _Helper(448, 57344)})
+TEFormat = enum.Enum(
+    "Format",
+    {"E2M1": _Helper(6, 6), "E4M3": _Helper(448, 448), "E5M2": _Helper(57344, 57344), "HYBRID": _Helper(448, 57344)},
+)
 TEFormat.__module__ = TE
 
 
@@ -160,22 +187,40 @@ def test_as_recipe_none_and_ours():
 
 def test_as_recipe_te_delayed():
     cls = te_class("DelayedScaling", {})
-    te = te_obj(cls, margin=2, fp8_format=TEFormat.E4M3, amax_history_len=16, amax_compute_algo="most_recent",
-                scaling_factor_compute_algo=None, reduce_amax=False, fp8_dpa=False, fp8_mha=False,
-                backward_override=None, interval=1)  # an unknown attribute (TE 1.x) is ignored
-    assert as_recipe(te) == DelayedScaling(margin=2, fp8_format=Format.E4M3, amax_history_len=16,
-                                           amax_compute_algo="most_recent", reduce_amax=False)
+    te = te_obj(
+        cls,
+        margin=2,
+        fp8_format=TEFormat.E4M3,
+        amax_history_len=16,
+        amax_compute_algo="most_recent",
+        scaling_factor_compute_algo=None,
+        reduce_amax=False,
+        fp8_dpa=False,
+        fp8_mha=False,
+        backward_override=None,
+        interval=1,
+    )  # an unknown attribute (TE 1.x) is ignored
+    assert as_recipe(te) == DelayedScaling(
+        margin=2, fp8_format=Format.E4M3, amax_history_len=16, amax_compute_algo="most_recent", reduce_amax=False
+    )
 
 
 def test_as_recipe_te_current_reads_class_attributes():
     """TE's fp8_quant_* are class attributes (not in the instance dict); a user may assign them."""
-    cls = te_class("Float8CurrentScaling", {
-        "fp8_quant_fwd_inp": te_obj(TEQParams, power_2_scale=True, amax_epsilon=1e-3),
-        "fp8_quant_fwd_weight": te_obj(TEQParams), "fp8_quant_bwd_grad": te_obj(TEQParams, amax_epsilon=0.5),
-        "fp8_gemm_fprop": te_obj(TEMMParams, use_split_accumulator=False), "fp8_gemm_dgrad": te_obj(TEMMParams),
-        "fp8_gemm_wgrad": te_obj(TEMMParams)})
-    te = te_obj(cls, use_power_2_scales=False, fp8_format=TEFormat.HYBRID, fp8_dpa=False, fp8_mha=False,
-                backward_override=None)
+    cls = te_class(
+        "Float8CurrentScaling",
+        {
+            "fp8_quant_fwd_inp": te_obj(TEQParams, power_2_scale=True, amax_epsilon=1e-3),
+            "fp8_quant_fwd_weight": te_obj(TEQParams),
+            "fp8_quant_bwd_grad": te_obj(TEQParams, amax_epsilon=0.5),
+            "fp8_gemm_fprop": te_obj(TEMMParams, use_split_accumulator=False),
+            "fp8_gemm_dgrad": te_obj(TEMMParams),
+            "fp8_gemm_wgrad": te_obj(TEMMParams),
+        },
+    )
+    te = te_obj(
+        cls, use_power_2_scales=False, fp8_format=TEFormat.HYBRID, fp8_dpa=False, fp8_mha=False, backward_override=None
+    )
     r = as_recipe(te)
     assert isinstance(r, Float8CurrentScaling)
     assert r.fp8_quant_fwd_inp == QParams(True, 1e-3) and r.fp8_quant_bwd_grad == QParams(False, 0.5)
@@ -220,6 +265,7 @@ def test_as_recipe_other_objects():
 
 # ---- specs per role ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fmt,fwd,bwd", [(Format.HYBRID, E4, E5), (Format.E4M3, E4, E4)])
 def test_spec_dtypes(fmt, fwd, bwd):
     for r in (DelayedScaling(fp8_format=fmt), Float8CurrentScaling(fp8_format=fmt), Float8BlockScaling(fp8_format=fmt)):
@@ -229,12 +275,22 @@ def test_spec_dtypes(fmt, fwd, bwd):
 
 def test_spec_delayed():
     s = tensor_spec(DelayedScaling(margin=3), "weight")
-    assert (s.role, s.scaling, s.block, s.power_2_scale, s.amax_epsilon, s.margin) == ("weight", "delayed", None, False, 0.0, 3)
+    assert (s.role, s.scaling, s.block, s.power_2_scale, s.amax_epsilon, s.margin) == (
+        "weight",
+        "delayed",
+        None,
+        False,
+        0.0,
+        3,
+    )
 
 
 def test_spec_current_uses_fp8_quant_fields():
-    r = Float8CurrentScaling(fp8_quant_fwd_inp=QParams(True, 0.25), fp8_quant_fwd_weight=QParams(False, 0.5),
-                             fp8_quant_bwd_grad=QParams(True, 0.0))
+    r = Float8CurrentScaling(
+        fp8_quant_fwd_inp=QParams(True, 0.25),
+        fp8_quant_fwd_weight=QParams(False, 0.5),
+        fp8_quant_bwd_grad=QParams(True, 0.0),
+    )
     got = [(s.scaling, s.power_2_scale, s.amax_epsilon) for s in (tensor_spec(r, role) for role in fp8.ROLES)]
     assert got == [("current", True, 0.25), ("current", False, 0.5), ("current", True, 0.0)]
 
@@ -263,6 +319,9 @@ def test_spec_from_te_recipe_and_errors():
 def test_split_accumulator():
     assert split_accumulator(DelayedScaling()) == (False, True, True)  # TE's module defaults (_2X_ACC_*)
     assert split_accumulator(Float8CurrentScaling()) == (False, True, True)
-    assert split_accumulator(Float8CurrentScaling(fp8_gemm_fprop=MMParams(True), fp8_gemm_wgrad=MMParams(False))) \
-        == (True, True, False)
+    assert split_accumulator(Float8CurrentScaling(fp8_gemm_fprop=MMParams(True), fp8_gemm_wgrad=MMParams(False))) == (
+        True,
+        True,
+        False,
+    )
     assert split_accumulator(Float8BlockScaling()) == (True, True, True)

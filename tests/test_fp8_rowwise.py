@@ -36,7 +36,9 @@ R = fp8.RowwiseScaling()
 SPEC = fp8.tensor_spec(R, "input")
 E, K, N = 4, 64, 32
 SIZES = [5, 0, 40, 19]  # unaligned, with an empty expert
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
 DEVICES = ["cpu", CUDA]
 
 
@@ -87,11 +89,11 @@ def test_quantize_activation_is_the_definition():
     assert q.columnwise_data.shape == (48, rw.padded_columns(sum(SIZES), len(SIZES)))
     start = pstart = 0
     for e, n in enumerate(SIZES):
-        cd, cs = direct_rows(x[start:start + n].t()) if n else (torch.zeros(48, 0), torch.ones(48))
+        cd, cs = direct_rows(x[start : start + n].t()) if n else (torch.zeros(48, 0), torch.ones(48))
         assert torch.equal(q.columnwise_scale_inv[e], cs), e
-        assert torch.equal(q.columnwise_data[:, pstart:pstart + n].float(), cd), e
+        assert torch.equal(q.columnwise_data[:, pstart : pstart + n].float(), cd), e
         padded = -(-n // 16) * 16
-        assert not q.columnwise_data[:, pstart + n:pstart + padded].float().any(), "padding is zeros"
+        assert not q.columnwise_data[:, pstart + n : pstart + padded].float().any(), "padding is zeros"
         start, pstart = start + n, pstart + padded
 
 
@@ -382,10 +384,16 @@ def test_padded_ends_from_host_and_device_counts_agree():
     from functional_dw.kernels import rowwise as ops
 
     for sizes in ([5, 0, 40, 19], [0], [16, 17, 0, 1]):
-        host = Splits(host=tuple(sizes), tensor=None, device=torch.device("cpu"), num_tokens=sum(sizes),
-                      num_experts=len(sizes))
-        dev = Splits(host=None, tensor=torch.tensor(sizes), device=torch.device("cpu"), num_tokens=sum(sizes),
-                     num_experts=len(sizes))
+        host = Splits(
+            host=tuple(sizes), tensor=None, device=torch.device("cpu"), num_tokens=sum(sizes), num_experts=len(sizes)
+        )
+        dev = Splits(
+            host=None,
+            tensor=torch.tensor(sizes),
+            device=torch.device("cpu"),
+            num_tokens=sum(sizes),
+            num_experts=len(sizes),
+        )
         assert torch.equal(ops._ends(host)[1], ops._ends(dev)[1])
         assert ops._ends(host)[1].tolist() == list(itertools.accumulate(-(-s // 16) * 16 for s in sizes))
 
@@ -436,8 +444,11 @@ def test_every_torch_optimizer_step_refreshes_the_cached_fp8_weights(kind):
     torch.manual_seed(0)
     m = fd.nn.GroupedLinear(E, K, N, recipe=R)
     x = torch.randn(T, K)
-    opt = torch.optim.Adam(m.parameters(), lr=0.1, **{"fused": {"fused": True}, "foreach": {"foreach": True},
-                                                     "for-loop": {"foreach": False}}[kind])
+    opt = torch.optim.Adam(
+        m.parameters(),
+        lr=0.1,
+        **{"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[kind],
+    )
     for _ in range(2):
         m(x, SIZES).square().sum().backward()
         opt.step()
@@ -496,10 +507,13 @@ def test_inference_tensors_as_weights_run():
 
 
 @pytest.mark.usefixtures("empty_weight_cache")
-@pytest.mark.xfail(strict=True, reason="writes that bump no version counter (param.data.mul_, numpy views, "
-                   "custom kernels outside a torch optimizer's step) cannot be seen without reading the weight; "
-                   "the NOTE asks for fp8 clear_weight_cache() after them. Fixing it needs an explicit cache "
-                   "API (TE's is_first_microbatch) or no implicit cache")
+@pytest.mark.xfail(
+    strict=True,
+    reason="writes that bump no version counter (param.data.mul_, numpy views, "
+    "custom kernels outside a torch optimizer's step) cannot be seen without reading the weight; "
+    "the NOTE asks for fp8 clear_weight_cache() after them. Fixing it needs an explicit cache "
+    "API (TE's is_first_microbatch) or no implicit cache",
+)
 @pytest.mark.parametrize("write", ["data", "numpy"])  # (``.data = .data.t()``, also unversioned, is seen:
 def test_writes_through_data_are_not_served_a_stale_fp8_weight(write):  # the key holds layouts; its test is above)
     torch.manual_seed(0)
@@ -515,6 +529,7 @@ def test_writes_through_data_are_not_served_a_stale_fp8_weight(write):  # the ke
 
 
 # --- torch.func and autograd's batched cotangents ----------------------------------------------
+
 
 @pytest.mark.usefixtures("empty_weight_cache")
 def test_vmap_of_grad_matches_a_loop():
@@ -554,6 +569,7 @@ def test_batched_cotangents_are_refused_with_the_way_out(recipe):
 
 
 # --- error messages ----------------------------------------------------------------------------
+
 
 @pytest.mark.usefixtures("empty_weight_cache")
 def test_a_recipe_class_instead_of_an_instance_says_to_call_it():
@@ -597,19 +613,31 @@ SPEC = fp8.tensor_spec(fp8.RowwiseScaling(), "input")
 
 def _interpret(body: str) -> str:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                           os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", _INTERPRET_PRELUDE + textwrap.dedent(body)], env=env,
-                         capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _INTERPRET_PRELUDE + textwrap.dedent(body)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if "only 0-dimensional arrays can be converted to Python scalars" in out.stderr:
         # (Triton 3.6's interpreter under numpy 2.4 turns a run-time loop bound into int() of a
         # one-element array; on a GPU test_fp8_rowwise's gpu tests compare the compiled kernels
         # with the reference bit for bit)
         import numpy
         import triton
-        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run a loop with a run-time bound under "
-                    f"numpy {numpy.__version__}")
+
+        pytest.skip(
+            f"Triton {triton.__version__}'s interpreter cannot run a loop with a run-time bound under "
+            f"numpy {numpy.__version__}"
+        )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
@@ -699,5 +727,11 @@ def test_a_launch_config_whose_row_block_is_not_a_multiple_of_its_step_is_refuse
     sizes = torch.tensor([48, 16])
     spec = fd.fp8.tensor_spec(fd.fp8.RowwiseScaling(), "input")
     with pytest.raises(ValueError, match="RB .* must be a multiple of BT"):
-        tr.quantize_activation(torch.ones(64, 16, dtype=torch.bfloat16), sizes.cumsum(0).to(torch.int32),
-                               rw.padded_ends(sizes), spec, rowwise=True, columnwise=True)
+        tr.quantize_activation(
+            torch.ones(64, 16, dtype=torch.bfloat16),
+            sizes.cumsum(0).to(torch.int32),
+            rw.padded_ends(sizes),
+            spec,
+            rowwise=True,
+            columnwise=True,
+        )

@@ -12,8 +12,16 @@ import torch.utils._pytree as pytree
 
 from functional_dw.fp8 import FLT_MAX, DelayedScaling, Float8CurrentScaling, Format, quantize, tensor_spec
 from functional_dw.fp8.state import (
-    DelayedScalingState, adjust_history_len, group_scales, init_state, record_amax, record_amax_, scale_for, slot,
-    update_state, update_state_,
+    DelayedScalingState,
+    adjust_history_len,
+    group_scales,
+    init_state,
+    record_amax,
+    record_amax_,
+    scale_for,
+    slot,
+    update_state,
+    update_state_,
 )
 
 F32 = np.float32
@@ -51,7 +59,7 @@ def ref_unfused(col: list[float], scale: float, algo: str, fp8_max: float, margi
     new = col[1:] + col[:1] if len(col) > 1 else list(col)
     new[0] = 0.0
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        sf = float(F32(F32(fp8_max) / F32(amax)) / F32(2.0 ** margin))
+        sf = float(F32(F32(fp8_max) / F32(amax)) / F32(2.0**margin))
     if not amax > 0 or not math.isfinite(amax):
         sf = scale
     return new, (FLT_MAX if math.isinf(sf) else sf)
@@ -62,6 +70,7 @@ def columns(h: torch.Tensor) -> list[list[float]]:
 
 
 # ---- layout ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("E", [1, 3])
 def test_init_state_layout(E):
@@ -109,6 +118,7 @@ def test_pytree():
 
 # ---- recording ------------------------------------------------------------------------------
 
+
 def test_record_amax_maxes_into_row_0():
     s0 = init_state(DelayedScaling(amax_history_len=3), 2)
     s1 = record_amax(s0, "weight", torch.tensor([2.0]), gemm=1)
@@ -134,11 +144,17 @@ def test_quantize_then_record():
 
 # ---- the update rule, step by step ----------------------------------------------------------
 
+
 def run_steps(recipe: DelayedScaling, steps: list[tuple[list[float], list[float]]], E: int, fused):
     """Record each step's amaxes (fwd slots, bwd slots), update; compare with the loop reference."""
     state = init_state(recipe, E)
-    ref = {side: ([list(c) for c in columns(getattr(state, f"amax_history_{side}"))],
-                  getattr(state, f"scale_{side}").tolist()) for side in ("fwd", "bwd")}
+    ref = {
+        side: (
+            [list(c) for c in columns(getattr(state, f"amax_history_{side}"))],
+            getattr(state, f"scale_{side}").tolist(),
+        )
+        for side in ("fwd", "bwd")
+    }
     rule = ref_fused if fused in (None, True) else ref_unfused
     for fwd_amax, bwd_amax in steps:
         for side, amaxes in (("fwd", fwd_amax), ("bwd", bwd_amax)):

@@ -17,8 +17,27 @@ STEPS = 5
 
 
 def run(tmp_path: Path, recipe: str, *flags: str) -> tuple[int, dict]:
-    rc = fp8_train.main(["--device", "cpu", "--steps", str(STEPS), "--experts", "2", "--hidden", "32", "--ffn", "32",
-                         "--tokens", "64", "--recipe", recipe, "--out", str(tmp_path), *flags])
+    rc = fp8_train.main(
+        [
+            "--device",
+            "cpu",
+            "--steps",
+            str(STEPS),
+            "--experts",
+            "2",
+            "--hidden",
+            "32",
+            "--ffn",
+            "32",
+            "--tokens",
+            "64",
+            "--recipe",
+            recipe,
+            "--out",
+            str(tmp_path),
+            *flags,
+        ]
+    )
     return rc, json.loads((tmp_path / f"losses_{recipe}.json").read_text())
 
 

@@ -28,8 +28,19 @@ from functional_dw import distributed as fdd
 
 E, H, FFN = 3, 16, 18
 SPLITS = [[4, 0, 2], [0, 0, 6], [2, 0, 2], [0, 0, 0]]  # tokens per expert on rank r (T even)
-CASES = ["plain", "reshard-false", "raw-fully_shard", "mixed-bf16", "save_on_cpu", "offload-hook",
-         "retain-graph", "frozen-experts", "sgd-two-steps", "single-layout", "per-expert-layout-stacks"]
+CASES = [
+    "plain",
+    "reshard-false",
+    "raw-fully_shard",
+    "mixed-bf16",
+    "save_on_cpu",
+    "offload-hook",
+    "retain-graph",
+    "frozen-experts",
+    "sgd-two-steps",
+    "single-layout",
+    "per-expert-layout-stacks",
+]
 
 
 class ExpertMLP(torch.nn.Module):
@@ -143,8 +154,10 @@ def _case(case: str) -> None:
     if case == "reshard-false":
         kw = dict(reshard_after_forward=False)
     if case == "mixed-bf16":
-        dtype, kw = torch.bfloat16, dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                        reduce_dtype=torch.float32))
+        dtype, kw = (
+            torch.bfloat16,
+            dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+        )
     if case == "raw-fully_shard":
         mesh = init_device_mesh("cpu", (world,))
         for m in (model.fc1, model.fc2, model.proj, model):
@@ -179,8 +192,9 @@ def _case(case: str) -> None:
         if opt is not None:
             opt.step()
     if case == "frozen-experts":
-        assert [n for n, p in model.named_parameters() if p.grad is None] == [n for n, _ in model.fc1.named_parameters(
-            prefix="fc1")]
+        assert [n for n, p in model.named_parameters() if p.grad is None] == [
+            n for n, _ in model.fc1.named_parameters(prefix="fc1")
+        ]
     if opt is not None:
         for n, p in model.named_parameters():
             _close(p.detach().full_tensor(), final[n], f"{n} after {steps} SGD steps")

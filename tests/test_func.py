@@ -224,7 +224,9 @@ def test_pure_pairs_under_torch_func_take_wrapped_plain_weights():
         return fd.grouped_linear_fwd(x, list(w), SPLITS, bs)[0]
 
     torch.testing.assert_close(vmap(grouped)(wb), torch.stack([ref_grouped(x, list(w), SPLITS, bs) for w in wb]))
-    torch.testing.assert_close(vmap(lambda w: fd.linear_fwd(x, w)[0])(wb[:, 0]), torch.stack([x @ w.t() for w in wb[:, 0]]))
+    torch.testing.assert_close(
+        vmap(lambda w: fd.linear_fwd(x, w)[0])(wb[:, 0]), torch.stack([x @ w.t() for w in wb[:, 0]])
+    )
     _, t = jvp(lambda w: fd.linear_fwd(x, w)[0], (ws[0],), (ws[1],))
     torch.testing.assert_close(t, x @ ws[1].t())
 
@@ -242,8 +244,10 @@ def test_weight_changed_in_place_under_grad_is_named_without_a_shared_buffer_not
         fd.grouped_linear_bwd(res, dy)
         return y.sum()
 
-    want = (r"^weights\[0\] was modified in place between forward and backward \(version 0 -> 1\), e\.g\. by an "
-            r"optimizer step\. Its gradient would be computed with the new values; run backward before updating the weights\.$")
+    want = (
+        r"^weights\[0\] was modified in place between forward and backward \(version 0 -> 1\), e\.g\. by an "
+        r"optimizer step\. Its gradient would be computed with the new values; run backward before updating the weights\.$"
+    )
     with pytest.raises(RuntimeError, match=want):
         grad(f)(ws[0])
 
@@ -257,8 +261,9 @@ PATHS = [pytest.param(False, id="split"), pytest.param(True, id="grouped")]
 
 def _so_group(dtype=torch.float32, stacked=False, seed=0, requires_grad=True):
     """x, weights and biases (lists, or stacked); weights drawn / 4."""
-    return grouped_inputs(SO_SPLITS, 16, 8, seed=seed, dtype=dtype, w_div=4, dy=False, stacked=stacked,
-                          grad=requires_grad)[:3]
+    return grouped_inputs(
+        SO_SPLITS, 16, 8, seed=seed, dtype=dtype, w_div=4, dy=False, stacked=stacked, grad=requires_grad
+    )[:3]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -273,11 +278,16 @@ def test_double_backward_matches_float64(dtype, stacked, path):
         g = torch.autograd.grad(y.float().square().sum(), args, create_graph=True)
         return torch.autograd.grad(sum(t.float().sum() for t in g), args)
 
-    got = second_order(lambda *a: fd.grouped_linear(a[0], _unflat(a[1:], stacked)[0], SO_SPLITS, _unflat(a[1:], stacked)[1],
-                                                    use_grouped_tensor=path), params)
+    got = second_order(
+        lambda *a: fd.grouped_linear(
+            a[0], _unflat(a[1:], stacked)[0], SO_SPLITS, _unflat(a[1:], stacked)[1], use_grouped_tensor=path
+        ),
+        params,
+    )
     ref_args = [p.detach().double().requires_grad_() for p in params]
-    want = second_order(lambda *a: ref_grouped(a[0], *_unflat(a[1:], stacked)[:1], SO_SPLITS, _unflat(a[1:], stacked)[1]),
-                        ref_args)
+    want = second_order(
+        lambda *a: ref_grouped(a[0], *_unflat(a[1:], stacked)[:1], SO_SPLITS, _unflat(a[1:], stacked)[1]), ref_args
+    )
     for i, (a, b) in enumerate(zip(got, want)):  # a chain of GEMMs and sums, each result rounded
         assert_close(a, b, dtype, f"second-order grad {i}", rounds=8)
     y, res = fd.grouped_linear_fwd(x, ws, SO_SPLITS, bs, use_grouped_tensor=path)
@@ -331,7 +341,9 @@ _SUBSETS = [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (0, 1, 1), (1, 0, 1), (1
 def test_linear_jvp_for_every_subset_of_tangents(which):
     x = _rand(2, 3, K, seed=1)  # leading dims [2, 3]: the tangent keeps them
     w, b = _rand(N, K, seed=2), _rand(N, seed=3)
-    tans = [_rand(*t.shape, seed=10 + i) if on else torch.zeros_like(t) for i, (t, on) in enumerate(zip((x, w, b), which))]
+    tans = [
+        _rand(*t.shape, seed=10 + i) if on else torch.zeros_like(t) for i, (t, on) in enumerate(zip((x, w, b), which))
+    ]
     primals = tuple(t for t, on in zip((x, w, b), which) if on)
     tangents = tuple(t for t, on in zip(tans, which) if on)
 
@@ -340,6 +352,7 @@ def test_linear_jvp_for_every_subset_of_tangents(which):
             it = iter(ps)
             args = [next(it) if on else t for t, on in zip((x, w, b), which)]
             return fn(*args)
+
         return f
 
     if not primals:  # the rule with no tangent at all: zeros shaped like y
@@ -371,6 +384,7 @@ def test_grouped_jvp_for_every_subset_of_tangents(which, stacked):
             for i, p in zip(idx, ps):
                 args[i] = p
             return fn(*args)
+
         return f
 
     ours = call(lambda x, w, b: fd.grouped_linear(x, w, RULE_SPLITS, b))
@@ -414,8 +428,16 @@ def test_grouped_vmap_for_every_subset_of_batched_args(which):
     dims = tuple(0 if on else None for on in which)
     k = CountingKernels()
     y = vmap(lambda x, w, b: fd.grouped_linear(x, w, list(RULE_SPLITS), b, backend=k), in_dims=dims)(*batched)
-    want = torch.stack([ref_grouped(*[a[i] if on else a for a, on in zip(batched, which)][:2], RULE_SPLITS,
-                                    [a[i] if on else a for a, on in zip(batched, which)][2]) for i in range(B)])
+    want = torch.stack(
+        [
+            ref_grouped(
+                *[a[i] if on else a for a, on in zip(batched, which)][:2],
+                RULE_SPLITS,
+                [a[i] if on else a for a, on in zip(batched, which)][2],
+            )
+            for i in range(B)
+        ]
+    )
     torch.testing.assert_close(y, want)
     assert k.calls == (1 if which == (1, 0, 0) else B)
 
@@ -440,8 +462,11 @@ def test_float32_grouped_path_under_jvp_and_vmap():
     ref = lambda x, ws: ref_grouped(x, ws, RULE_SPLITS)  # noqa: E731
     torch.testing.assert_close(jvp(f, (x, ws), (tx, tws)), jvp(ref, (x, ws), (tx, tws)), **tol)
     xb = torch.stack([x, 2 * x])
-    torch.testing.assert_close(vmap(lambda ws: f(x, ws))([torch.stack([w, -w]) for w in ws]),
-                               torch.stack([ref(x, ws), ref(x, [-w for w in ws])]), **tol)
+    torch.testing.assert_close(
+        vmap(lambda ws: f(x, ws))([torch.stack([w, -w]) for w in ws]),
+        torch.stack([ref(x, ws), ref(x, [-w for w in ws])]),
+        **tol,
+    )
     g = grad(lambda x, ws: (f(x, ws) * dy).sum(), argnums=(0, 1))(x, ws)
     leaves = [t.clone().requires_grad_() for t in (x, *ws)]
     want = torch.autograd.grad(ref(leaves[0], leaves[1:]), leaves, dy)

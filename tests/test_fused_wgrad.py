@@ -28,6 +28,7 @@ _rand = functools.partial(randn, dtype=D, draw_dtype=None)  # (drawn in the give
 
 # --- frozen weights: no weight grad, the bias grad still comes ---------------------------------
 
+
 @pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
 def test_fused_all_frozen_group_without_bias_gives_no_grads(stacked):
     ws = _rand(E, N, K, seed=2) if stacked else [_rand(N, K, seed=2 + e) for e in range(E)]
@@ -87,6 +88,7 @@ def test_linear_fused_frozen_weight_gives_only_the_bias_grad(bias):
 
 
 # --- where the wgrad GEMM writes: Megatron FSDP's main grad, a DistributedWeight's buffer, out= ---
+
 
 class _FsdpParam(torch.nn.Parameter):
     """Megatron FSDP's parameter: its main grad comes from get_main_grad()."""
@@ -158,8 +160,9 @@ PATHS = [pytest.param(False, id="split"), pytest.param(True, id="grouped")]
 
 def _group(dtype=torch.float32, seed=0, requires_grad=True):
     """x, weights and biases (lists); weights drawn / 4."""
-    return grouped_inputs(GROUP_SPLITS, GROUP_K, GROUP_N, seed=seed, dtype=dtype, w_div=4, dy=False,
-                          grad=requires_grad)[:3]
+    return grouped_inputs(
+        GROUP_SPLITS, GROUP_K, GROUP_N, seed=seed, dtype=dtype, w_div=4, dy=False, grad=requires_grad
+    )[:3]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -202,8 +205,12 @@ def test_float64_main_grad_accumulates_in_float64(layer):
     if layer == "linear":
         y, used = fd.linear(x, ws[0], fuse_wgrad_accumulation=True), ws[:1]
     else:
-        y, used = fd.grouped_linear(x, ws, GROUP_SPLITS, fuse_wgrad_accumulation=True,
-                                    use_grouped_tensor=layer.endswith("grouped")), ws
+        y, used = (
+            fd.grouped_linear(
+                x, ws, GROUP_SPLITS, fuse_wgrad_accumulation=True, use_grouped_tensor=layer.endswith("grouped")
+            ),
+            ws,
+        )
     dy = torch.randn(y.shape).to(y.dtype)
     y.backward(dy)
     xs = x.detach().double().split(GROUP_SPLITS) if layer != "linear" else [x.detach().double()]
@@ -219,8 +226,11 @@ def test_integer_main_grad_is_refused(dtype, layer):
     x, ws, _ = _group()
     for w in ws:
         w.main_grad = torch.zeros(GROUP_N, GROUP_K, dtype=dtype)
-    y = fd.linear(x, ws[0], fuse_wgrad_accumulation=True) if layer == "linear" else\
-        fd.grouped_linear(x, ws, GROUP_SPLITS, fuse_wgrad_accumulation=True)
+    y = (
+        fd.linear(x, ws[0], fuse_wgrad_accumulation=True)
+        if layer == "linear"
+        else fd.grouped_linear(x, ws, GROUP_SPLITS, fuse_wgrad_accumulation=True)
+    )
     with pytest.raises(TypeError, match=r"weights?(\[0\])?: main_grad/grad_buffer\(\) is torch\.(int|bool)"):
         y.sum().backward()
     assert all(not w.main_grad.any() for w in ws)

@@ -46,15 +46,18 @@ def _step(*a):
     return None
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(step=3), TypeError, "step must be callable"),
-    (dict(inputs=(torch.ones(2), "x")), TypeError, r"inputs\[1\] must be a torch.Tensor, got str"),
-    (dict(params=[torch.ones(2), None]), TypeError, r"params\[1\] must be a torch.Tensor, got NoneType"),
-    (dict(grads="sum"), ValueError, "grads must be one of"),
-    (dict(warmup=0), ValueError, "warmup must be an int >= 1"),
-    (dict(warmup=True), ValueError, "warmup must be an int >= 1"),
-    (dict(warmup=2.0), ValueError, "warmup must be an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(step=3), TypeError, "step must be callable"),
+        (dict(inputs=(torch.ones(2), "x")), TypeError, r"inputs\[1\] must be a torch.Tensor, got str"),
+        (dict(params=[torch.ones(2), None]), TypeError, r"params\[1\] must be a torch.Tensor, got NoneType"),
+        (dict(grads="sum"), ValueError, "grads must be one of"),
+        (dict(warmup=0), ValueError, "warmup must be an int >= 1"),
+        (dict(warmup=True), ValueError, "warmup must be an int >= 1"),
+        (dict(warmup=2.0), ValueError, "warmup must be an int >= 1"),
+    ],
+)
 def test_graph_step_argument_errors(kwargs, exc, match):
     kwargs = dict(kwargs)  # the parameter's own dict outlives the session: mutmut runs pytest again in the same process
     step = kwargs.pop("step", _step)
@@ -102,11 +105,15 @@ def test_graphed_step_checks_new_inputs_and_rebound_grads():
     assert FakeGraph.replays == 2
 
 
-@pytest.mark.parametrize("params,match", [
-    (lambda m: m, r"params must be a sequence of tensors \(e\.g\. model\.parameters\(\)\), got GroupedLinear"),
-    (lambda m: None, r"params must be a sequence of tensors \(e\.g\. model\.parameters\(\)\), got NoneType"),
-    (lambda m: m.named_parameters(), r"params\[0\] is a \(name, tensor\) pair: pass model\.parameters\(\)"),
-], ids=["module", "none", "named"])
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        (lambda m: m, r"params must be a sequence of tensors \(e\.g\. model\.parameters\(\)\), got GroupedLinear"),
+        (lambda m: None, r"params must be a sequence of tensors \(e\.g\. model\.parameters\(\)\), got NoneType"),
+        (lambda m: m.named_parameters(), r"params\[0\] is a \(name, tensor\) pair: pass model\.parameters\(\)"),
+    ],
+    ids=["module", "none", "named"],
+)
 def test_graph_step_params_errors_say_what_to_pass(params, match):
     """Was: "'GroupedLinear' object is not iterable", "'NoneType' object is not iterable",
     "params[0] must be a torch.Tensor, got tuple"."""
@@ -119,8 +126,11 @@ def test_graph_step_checks_flags_and_takes_numpy_warmup():
     np = pytest.importorskip("numpy")
     with pytest.raises(TypeError, match="check_sync must be True or False"):
         fd.graphs.graph_step(_step, check_sync="no")  # was: taken as True
-    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device") if not torch.cuda.is_available() \
-            else pytest.raises(Exception):
+    with (
+        pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device")
+        if not torch.cuda.is_available()
+        else pytest.raises(Exception)
+    ):
         fd.graphs.graph_step(_step, warmup=np.int64(2))  # was: "warmup must be an int >= 1 ... np.int64(2)"
 
 

@@ -66,8 +66,12 @@ class Cfg:
         return self.name
 
 
-GROUPED = [Cfg("auto-stacked", "auto", None, True), Cfg("auto-list", "auto", None, False),
-           Cfg("te-grouped-list", "te", True, False, te="grouped"), Cfg("te-grouped-stacked", "te", True, True, te="grouped")]
+GROUPED = [
+    Cfg("auto-stacked", "auto", None, True),
+    Cfg("auto-list", "auto", None, False),
+    Cfg("te-grouped-list", "te", True, False, te="grouped"),
+    Cfg("te-grouped-stacked", "te", True, True, te="grouped"),
+]
 
 
 def need(cfg: Cfg) -> None:
@@ -77,8 +81,9 @@ def need(cfg: Cfg) -> None:
     if why is None and cfg.te == "grouped":
         from functional_dw.kernels.te import TE
 
-        why = TE.grouped_path_unsupported(torch.empty(8, H, dtype=BF16, device=DEV),
-                                          [torch.empty(FF, H, dtype=BF16, device=DEV)])
+        why = TE.grouped_path_unsupported(
+            torch.empty(8, H, dtype=BF16, device=DEV), [torch.empty(FF, H, dtype=BF16, device=DEV)]
+        )
     if why is not None and cfg.te == "grouped" and os.environ.get("FDW_EXPECT_GROUPED") == "1":
         pytest.fail(f"FDW_EXPECT_GROUPED=1 but TE's grouped-tensor path cannot run: {why}")
     if why is not None:
@@ -93,18 +98,27 @@ def make_params(cfg: Cfg, seed: int = 0) -> dict:
     raw = {"w1": randn(E, FF, H, seed=seed, scale=0.05), "w2": randn(E, H, FF, seed=seed + 1, scale=0.05)}
     if cfg.bias:
         raw |= {"b1": randn(E, FF, seed=seed + 2, scale=0.1), "b2": randn(E, H, seed=seed + 3, scale=0.1)}
-    return {k: torch.nn.Parameter(v) if cfg.stacked else [torch.nn.Parameter(t.clone()) for t in v.unbind(0)]
-            for k, v in raw.items()}
+    return {
+        k: torch.nn.Parameter(v) if cfg.stacked else [torch.nn.Parameter(t.clone()) for t in v.unbind(0)]
+        for k, v in raw.items()
+    }
 
 
 def leaves(P: dict) -> list[tuple[str, torch.Tensor]]:
-    return [(f"{k}[{i}]" if isinstance(v, list) else k, t) for k, v in P.items()
-            for i, t in enumerate(v if isinstance(v, list) else [v])]
+    return [
+        (f"{k}[{i}]" if isinstance(v, list) else k, t)
+        for k, v in P.items()
+        for i, t in enumerate(v if isinstance(v, list) else [v])
+    ]
 
 
 def clone_params(P: dict) -> dict:
-    return {k: [torch.nn.Parameter(t.detach().clone()) for t in v] if isinstance(v, list)
-            else torch.nn.Parameter(v.detach().clone()) for k, v in P.items()}
+    return {
+        k: [torch.nn.Parameter(t.detach().clone()) for t in v]
+        if isinstance(v, list)
+        else torch.nn.Parameter(v.detach().clone())
+        for k, v in P.items()
+    }
 
 
 def mlp(x, P, splits, cfg: Cfg, **kw):
@@ -116,8 +130,14 @@ def mlp(x, P, splits, cfg: Cfg, **kw):
 def check_path(cfg: Cfg, P, splits, want: str, dtype=BF16) -> None:
     """The path that will run (asked for, and possible here)."""
     with torch.no_grad():
-        _, res = fd.grouped_linear_fwd(torch.zeros(T, H, dtype=dtype, device=DEV), P["w1"], splits, P.get("b1"),
-                                       backend=cfg.backend, use_grouped_tensor=cfg.grouped)
+        _, res = fd.grouped_linear_fwd(
+            torch.zeros(T, H, dtype=dtype, device=DEV),
+            P["w1"],
+            splits,
+            P.get("b1"),
+            backend=cfg.backend,
+            use_grouped_tensor=cfg.grouped,
+        )
     assert res.path == want, (cfg, res.path, res.kernels)
 
 
@@ -131,7 +151,9 @@ def eager(cfg: Cfg, P: dict, x, splits, dy, **kw):
 
 
 def same(got, want, what, exact=True):
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{what}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+    )
     if exact:
         diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
         assert torch.equal(got, want), f"{what}: not bitwise equal to eager, max abs diff {diff}"
@@ -185,8 +207,15 @@ def test_graph_step_accumulate_mode_adds_each_replay(cfg):
     named = leaves(P)
     x, dy = randn(T, H, seed=1).requires_grad_(), randn(T, H, seed=2)
     splits = torch.tensor(SIZES, device=DEV)
-    g = graph_step(lambda x, s, dy: mlp(x, P, s, cfg).backward(dy), x, splits, dy,
-                   params=[t for _, t in named], grads="accumulate", warmup=WARMUP)
+    g = graph_step(
+        lambda x, s, dy: mlp(x, P, s, cfg).backward(dy),
+        x,
+        splits,
+        dy,
+        params=[t for _, t in named],
+        grads="accumulate",
+        warmup=WARMUP,
+    )
     assert all(torch.count_nonzero(t.grad) == 0 for _, t in named), "warm-up grads must not survive"
     Q, xs = clone_params(P), []
     for i, sizes in enumerate(ROUTINGS[:2]):
@@ -197,8 +226,12 @@ def test_graph_step_accumulate_mode_adds_each_replay(cfg):
         mlp(xr, Q, si.clone(), cfg).backward(dyi)  # eager, accumulating into Q's grads
         xs.append(xr.grad)
     torch.cuda.synchronize()
-    compare(["dx (sum)", *[n for n, _ in named]], [x.grad, *[t.grad for _, t in named]],
-            [xs[0].clone().add_(xs[1]), *[t.grad for _, t in leaves(Q)]], "after two replays")
+    compare(
+        ["dx (sum)", *[n for n, _ in named]],
+        [x.grad, *[t.grad for _, t in named]],
+        [xs[0].clone().add_(xs[1]), *[t.grad for _, t in leaves(Q)]],
+        "after two replays",
+    )
     g.zero_grad()
     xi, dyi = new_inputs(7)
     g(xi, torch.tensor(ROUTINGS[2], device=DEV), dyi)
@@ -223,9 +256,17 @@ def test_fused_main_grad_accumulates_each_replay(stacked):
         t.main_grad = torch.zeros(t.shape, dtype=torch.float32, device=DEV)
     x, dy = randn(T, H, seed=1).requires_grad_(), randn(T, H, seed=2)
     splits = torch.tensor(SIZES, device=DEV)
-    g = graph_step(lambda x, s, dy: mlp(x, P, s, cfg, fuse_wgrad_accumulation=True).backward(dy), x, splits, dy,
-                   params=[t for _, t in leaves(P)], warmup=WARMUP)
-    assert all(torch.count_nonzero(t.main_grad) == 0 for _, t in leaves(P)), "the warm-ups' main_grad additions are undone"
+    g = graph_step(
+        lambda x, s, dy: mlp(x, P, s, cfg, fuse_wgrad_accumulation=True).backward(dy),
+        x,
+        splits,
+        dy,
+        params=[t for _, t in leaves(P)],
+        warmup=WARMUP,
+    )
+    assert all(torch.count_nonzero(t.main_grad) == 0 for _, t in leaves(P)), (
+        "the warm-ups' main_grad additions are undone"
+    )
     for i, sizes in enumerate(ROUTINGS[:2]):
         xi, dyi = new_inputs(i)
         si = torch.tensor(sizes, device=DEV)
@@ -251,8 +292,11 @@ def test_fused_main_grad_on_the_torch_backend_cannot_be_captured():
 # --- host splits: the split path bakes them in; the grouped path refuses them -----------------
 
 
-@pytest.mark.parametrize("cfg", [Cfg("te-split", "te", False, False, te="te"), Cfg("torch-split", "torch", False, False, bias=False)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "cfg",
+    [Cfg("te-split", "te", False, False, te="te"), Cfg("torch-split", "torch", False, False, bias=False)],
+    ids=str,
+)
 def test_host_splits_on_the_split_path_are_baked_into_the_graph(cfg):
     need(cfg)
     P = make_params(cfg)
@@ -273,11 +317,14 @@ def test_host_splits_on_the_split_path_are_baked_into_the_graph(cfg):
             sizes[:] = ROUTINGS[1]  # the graph never reads the list again: the capture's routing replays
         g(xi, dyi)
         want = eager(cfg, P, xi, SIZES, dyi)
-        compare(["y", "dx", *[n for n, _ in named]], [g.outputs, x.grad, *[t.grad for _, t in named]], want, f"replay {i}")
+        compare(
+            ["y", "dx", *[n for n, _ in named]], [g.outputs, x.grad, *[t.grad for _, t in named]], want, f"replay {i}"
+        )
 
 
-@pytest.mark.parametrize("cfg", [Cfg("te-split", "te", False, False, te="te"), Cfg("auto-fp32-split", "auto", None, False)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "cfg", [Cfg("te-split", "te", False, False, te="te"), Cfg("auto-fp32-split", "auto", None, False)], ids=str
+)
 def test_device_splits_on_the_split_path_cannot_be_captured(cfg):
     """A CUDA splits tensor on the split path is a host sync: graph_step's warm-up says so, and
     a raw torch.cuda.graph capture gets functional_dw's error (not CUDA's)."""
@@ -333,15 +380,21 @@ def test_pinned_offload_is_captured_and_replayed(cfg):
 
     g = graph_step(step, x, splits, dy, params=[t for _, t in named], warmup=WARMUP)
     # what the layers and GELU save: x (layer 1), GELU's input, GELU's output (layer 2); no weight
-    assert [tuple(b.shape) for b in off.buffers] == [(T, H), (T, FF), (T, FF)] and all(b.is_pinned() for b in off.buffers)
+    assert [tuple(b.shape) for b in off.buffers] == [(T, H), (T, FF), (T, FF)] and all(
+        b.is_pinned() for b in off.buffers
+    )
     for i, sizes in enumerate(ROUTINGS[:2]):
         xi, dyi = new_inputs(i)
         si = torch.tensor(sizes, device=DEV)
         g(xi, si, dyi)
         torch.cuda.synchronize()
         assert torch.equal(off.buffers[0], xi.cpu()), "the replay copied this step's x to the host buffer"
-        compare(["y", "dx", *[n for n, _ in named]], [g.outputs, x.grad, *[t.grad for _, t in named]],
-                eager(cfg, P, xi, si, dyi), f"replay {i}")
+        compare(
+            ["y", "dx", *[n for n, _ in named]],
+            [g.outputs, x.grad, *[t.grad for _, t in named]],
+            eager(cfg, P, xi, si, dyi),
+            f"replay {i}",
+        )
 
 
 def test_a_host_copying_hook_fails_clearly_in_graph_step():
@@ -362,11 +415,19 @@ def test_a_host_copying_hook_fails_clearly_in_graph_step():
 def _subprocess(case: str) -> dict:
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(root / "tests" / "support" / "graphs_subprocess.py"), case], capture_output=True,
-                         text=True, timeout=300, cwd=root, env=env)
+    run = subprocess.run(
+        [sys.executable, str(root / "tests" / "support" / "graphs_subprocess.py"), case],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env=env,
+    )
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, f"{case}: no result (rc {run.returncode})\nstdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-5000:]}"
-    result = json.loads(lines[-1][len("RESULT "):])
+    assert lines, (
+        f"{case}: no result (rc {run.returncode})\nstdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-5000:]}"
+    )
+    result = json.loads(lines[-1][len("RESULT ") :])
     print(case, result)
     assert run.returncode == 0 and result["ok"], f"{case}: {result}\nstderr:\n{run.stderr[-3000:]}"
     return result
@@ -378,8 +439,12 @@ def test_save_on_cpu_with_pinned_memory_is_not_graph_safe():
     host blocks the allocator hands out again (measured in a subprocess: a failed capture may
     leave the process unfit)."""
     result = _subprocess("save_on_cpu_capture")
-    assert not result["captured"] or result.get("raised_after_capture") or result["host_blocks_handed_out_again"] \
-        or result["pinned_tensors_overwritten_by_replay"], result
+    assert (
+        not result["captured"]
+        or result.get("raised_after_capture")
+        or result["host_blocks_handed_out_again"]
+        or result["pinned_tensors_overwritten_by_replay"]
+    ), result
 
 
 # --- DistributedWeight hooks ---------------------------------------------------------------
@@ -462,8 +527,17 @@ def test_sharded_weight_nccl_collectives_are_captured():
 
 
 def _expert_mlp(cfg: Cfg, fuse: bool = False) -> ExpertMLP:
-    return ExpertMLP(E, H, FF, bias=cfg.bias, params_dtype=BF16, device=DEV, use_grouped_tensor=cfg.grouped,
-                     backend=cfg.backend, fuse_wgrad_accumulation=fuse)
+    return ExpertMLP(
+        E,
+        H,
+        FF,
+        bias=cfg.bias,
+        params_dtype=BF16,
+        device=DEV,
+        use_grouped_tensor=cfg.grouped,
+        backend=cfg.backend,
+        fuse_wgrad_accumulation=fuse,
+    )
 
 
 @pytest.mark.parametrize("cfg", [GROUPED[1], GROUPED[2]], ids=str)
@@ -498,14 +572,18 @@ def test_torch_make_graphed_callables_grads_alias_its_buffers():
     torch.manual_seed(0)
     m = _expert_mlp(cfg)
     ref = copy.deepcopy(m)
-    graphed = torch.cuda.make_graphed_callables(m, (randn(T, H, seed=1).requires_grad_(), torch.tensor(SIZES, device=DEV)))
+    graphed = torch.cuda.make_graphed_callables(
+        m, (randn(T, H, seed=1).requires_grad_(), torch.tensor(SIZES, device=DEV))
+    )
     for i in range(2):
         xi, dyi = new_inputs(i)
         si = torch.tensor(ROUTINGS[i], device=DEV)
         graphed(xi.clone().requires_grad_(), si).backward(dyi)
         ref(xi.clone().requires_grad_(), si.clone()).backward(dyi)
     w, w_ref = m.fc1.weights()[0], ref.fc1.weights()[0]
-    assert not torch.equal(w.grad, w_ref.grad), "torch's make_graphed_callables now accumulates correctly: update docs/cuda-graphs.md"
+    assert not torch.equal(w.grad, w_ref.grad), (
+        "torch's make_graphed_callables now accumulates correctly: update docs/cuda-graphs.md"
+    )
 
 
 def test_make_graphed_callables_with_fused_main_grad():
@@ -520,8 +598,9 @@ def test_make_graphed_callables_with_fused_main_grad():
     for mod in (m, ref):
         for w in (*mod.fc1.weights(), *mod.fc2.weights()):
             w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=DEV)
-    graphed = fd.graphs.make_graphed_callables(m, (randn(T, H, seed=1).requires_grad_(), torch.tensor(SIZES, device=DEV)),
-                                               allow_unused_input=True)
+    graphed = fd.graphs.make_graphed_callables(
+        m, (randn(T, H, seed=1).requires_grad_(), torch.tensor(SIZES, device=DEV)), allow_unused_input=True
+    )
     assert all(torch.count_nonzero(w.main_grad) == 0 for w in (*m.fc1.weights(), *m.fc2.weights()))
     for i, sizes in enumerate(ROUTINGS[:2]):
         xi, dyi = new_inputs(i)
@@ -529,9 +608,11 @@ def test_make_graphed_callables_with_fused_main_grad():
         graphed(xi.clone().requires_grad_(), si).backward(dyi)
         ref(xi.clone().requires_grad_(), si.clone()).backward(dyi)
     torch.cuda.synchronize()
-    for (n, a), b in zip([(f"fc1.weight{e}", w) for e, w in enumerate(m.fc1.weights())]
-                         + [(f"fc2.weight{e}", w) for e, w in enumerate(m.fc2.weights())],
-                         [*ref.fc1.weights(), *ref.fc2.weights()]):
+    for (n, a), b in zip(
+        [(f"fc1.weight{e}", w) for e, w in enumerate(m.fc1.weights())]
+        + [(f"fc2.weight{e}", w) for e, w in enumerate(m.fc2.weights())],
+        [*ref.fc1.weights(), *ref.fc2.weights()],
+    ):
         same(a.main_grad, b.main_grad, f"{n}.main_grad after 2 calls")
     for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
         if "bias" in n:

@@ -50,8 +50,8 @@ def make(activation="swiglu", dtype=torch.float32, *, probs=True, bias=False, st
     """Leaf inputs of one call: dict(x, w1, w2, probs, bias1, bias2) and a cotangent dy."""
     T_ = sum(splits)
     n1 = (2 if activation == "swiglu" else 1) * F_
-    w1 = _rand(E, n1, H, seed=seed + 1, dtype=dtype, scale=H ** -0.5)
-    w2 = _rand(E, H, F_, seed=seed + 2, dtype=dtype, scale=F_ ** -0.5)
+    w1 = _rand(E, n1, H, seed=seed + 1, dtype=dtype, scale=H**-0.5)
+    w2 = _rand(E, H, F_, seed=seed + 2, dtype=dtype, scale=F_**-0.5)
     inp = dict(
         x=_rand(T_, H, seed=seed, dtype=dtype),
         w1=w1 if stacked else list(w1.unbind(0)),
@@ -61,7 +61,7 @@ def make(activation="swiglu", dtype=torch.float32, *, probs=True, bias=False, st
         bias2=_rand(E, H, seed=seed + 5, dtype=dtype, scale=0.1) if bias else None,
     )
     for k, v in inp.items():
-        for t in (v if isinstance(v, list) else [v]):
+        for t in v if isinstance(v, list) else [v]:
             if t is not None:
                 t.requires_grad_()
     return inp, _rand(T_, H, seed=seed + 6, dtype=dtype)
@@ -80,8 +80,9 @@ def leaves(inp):
 
 
 def call(inp, splits=SPLITS, **kw):
-    return fd.grouped_mlp(inp["x"], inp["w1"], inp["w2"], splits, probs=inp["probs"], bias1=inp["bias1"],
-                          bias2=inp["bias2"], **kw)
+    return fd.grouped_mlp(
+        inp["x"], inp["w1"], inp["w2"], splits, probs=inp["probs"], bias1=inp["bias1"], bias2=inp["bias2"], **kw
+    )
 
 
 def run(inp, dy, splits=SPLITS, **kw):
@@ -100,9 +101,9 @@ def ref_mlp(x, w1, w2, splits, probs, b1, b2, act):
     """A loop over experts of plain matmuls and the activation (Megatron's TEGroupedMLP)."""
     rows, start = [], 0
     for e, n in enumerate(splits):
-        xe = x[start:start + n]
+        xe = x[start : start + n]
         z = xe @ w1[e].T + (0 if b1 is None else b1[e])
-        p = 1 if probs is None else probs[start:start + n, None]
+        p = 1 if probs is None else probs[start : start + n, None]
         h = act(z) * p
         rows.append(h @ w2[e].T + (0 if b2 is None else b2[e] * p))
         start += n
@@ -112,10 +113,18 @@ def ref_mlp(x, w1, w2, splits, probs, b1, b2, act):
 def reference(inp, dy, activation, splits=SPLITS):
     """(y, grads) in float64 from the same inputs, and their magnitudes (see the docstring)."""
     results = []
-    for f, act in ((lambda t: t.detach().double(), ACT[activation]),
-                   (lambda t: t.detach().double().abs(), SURROGATE[activation])):
-        d = {k: None if v is None else [f(t).requires_grad_() for t in v] if isinstance(v, list)
-             else f(v).requires_grad_() for k, v in inp.items()}
+    for f, act in (
+        (lambda t: t.detach().double(), ACT[activation]),
+        (lambda t: t.detach().double().abs(), SURROGATE[activation]),
+    ):
+        d = {
+            k: None
+            if v is None
+            else [f(t).requires_grad_() for t in v]
+            if isinstance(v, list)
+            else f(v).requires_grad_()
+            for k, v in inp.items()
+        }
         y = ref_mlp(d["x"], d["w1"], d["w2"], splits, d["probs"], d["bias1"], d["bias2"], act)
         grads = torch.autograd.grad(y, leaves(d), f(dy), allow_unused=True)
         results.append((y.detach(), list(grads)))
@@ -133,8 +142,10 @@ def close(actual, expected, mag, act_dtype, what=""):
     bound = UNIT[actual.dtype] * exp.abs() + ROUNDS * UNIT[act_dtype] * m + N_TERMS * UNIT[acc] * m + ROUNDS * eta
     err = (actual.double() - exp).abs()
     bad = err > bound
-    assert not bad.any(), (f"{what}: {int(bad.sum())} of {err.numel()} outside the bound; worst error "
-                           f"{(err - bound).max().item():.3g} over it ({actual.dtype}, {act_dtype} activations)")
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {err.numel()} outside the bound; worst error "
+        f"{(err - bound).max().item():.3g} over it ({actual.dtype}, {act_dtype} activations)"
+    )
 
 
 def check_against_reference(inp, dy, activation, y, grads, splits=SPLITS):
@@ -150,6 +161,7 @@ def check_against_reference(inp, dy, activation, y, grads, splits=SPLITS):
 
 # --- numerics ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("probs", [False, True], ids=["no-probs", "probs"])
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
@@ -161,8 +173,11 @@ def test_matches_float64_reference(activation, dtype, probs, bias):
     check_against_reference(inp, dy, activation, y, grads)
 
 
-@pytest.mark.parametrize("splits", [[3, 0, 5, 2], [0, 0, 10, 0], [10, 0, 0, 0], [0, 0, 0, 0]],
-                         ids=["one-empty", "one-full-middle", "one-full-first", "no-tokens"])
+@pytest.mark.parametrize(
+    "splits",
+    [[3, 0, 5, 2], [0, 0, 10, 0], [10, 0, 0, 0], [0, 0, 0, 0]],
+    ids=["one-empty", "one-full-middle", "one-full-first", "no-tokens"],
+)
 @pytest.mark.parametrize("activation", ACTS)
 def test_layouts_and_splits_give_the_same_bits(activation, splits):
     """Stacked [E, ., .] weights and a splits tensor give the list/host result bitwise; all of
@@ -185,13 +200,15 @@ def test_probs_of_another_dtype():
     inp["probs"] = inp["probs"].detach().float().requires_grad_()
     y, grads = run(inp, dy)
     assert y.dtype == torch.bfloat16 and grads[1 + 2 * E].dtype == torch.float32  # x, w1 x E, w2 x E, probs
-    check_against_reference(inp, dy, "swiglu", y, [g.to(torch.bfloat16) if g.dtype == torch.float32 else g
-                                                   for g in grads])
+    check_against_reference(
+        inp, dy, "swiglu", y, [g.to(torch.bfloat16) if g.dtype == torch.float32 else g for g in grads]
+    )
     (_, rg), (_, mg) = reference(inp, dy, "swiglu")
     close(grads[1 + 2 * E], rg[1 + 2 * E], mg[1 + 2 * E], torch.bfloat16, "dprobs in fp32")
 
 
 # --- the policies --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("probs", [False, True], ids=["no-probs", "probs"])
@@ -210,8 +227,9 @@ def test_the_pure_pair_is_the_op(save):
     """grouped_mlp_fwd/bwd directly: the op's numbers, an MLPGrads shaped like the arguments."""
     inp, dy = make("swiglu", bias=True)
     y, grads = run(inp, dy, save=save)
-    y2, res = fd.grouped_mlp_fwd(inp["x"], inp["w1"], inp["w2"], SPLITS, probs=inp["probs"], bias1=inp["bias1"],
-                                 bias2=inp["bias2"], save=save)
+    y2, res = fd.grouped_mlp_fwd(
+        inp["x"], inp["w1"], inp["w2"], SPLITS, probs=inp["probs"], bias1=inp["bias1"], bias2=inp["bias2"], save=save
+    )
     assert_same(y2, y)
     assert isinstance(res, fd.GroupedMLPResiduals) and isinstance(res.fc1, fd.GroupedLinearResiduals)
     g = fd.grouped_mlp_bwd(res, dy)
@@ -273,6 +291,7 @@ def test_bytes_saved_per_token(dtype):
 
 # --- hooks, retain_graph, torch.func, torch.compile -------------------------------------------------
 
+
 @pytest.mark.parametrize("save", POLICIES)
 def test_hooks_see_only_activations_and_change_no_bit(save, hook_name):
     inp, dy = make("swiglu", torch.bfloat16, bias=True)
@@ -314,8 +333,17 @@ def test_torch_func_grad_and_vjp_over_x_and_probs(save):
     x, p = inp["x"], inp["probs"]
 
     def f(x, p):
-        return fd.grouped_mlp(x, inp["w1"], inp["w2"], SPLITS, probs=p, bias1=inp["bias1"], bias2=inp["bias2"],
-                              save=save, use_grouped_tensor=False)
+        return fd.grouped_mlp(
+            x,
+            inp["w1"],
+            inp["w2"],
+            SPLITS,
+            probs=p,
+            bias1=inp["bias1"],
+            bias2=inp["bias2"],
+            save=save,
+            use_grouped_tensor=False,
+        )
 
     y = f(x, p)
     dx, dp = torch.autograd.grad(y, [x, p], dy)
@@ -334,7 +362,10 @@ def test_second_order(save):
     bits for every policy."""
     g = torch.Generator().manual_seed(5)
     x, p = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.rand(6, generator=g, dtype=torch.float64)
-    w1, w2 = torch.randn(3, 4, 4, generator=g, dtype=torch.float64), torch.randn(3, 4, 2, generator=g, dtype=torch.float64)
+    w1, w2 = (
+        torch.randn(3, 4, 4, generator=g, dtype=torch.float64),
+        torch.randn(3, 4, 2, generator=g, dtype=torch.float64),
+    )
     b2 = torch.randn(3, 4, generator=g, dtype=torch.float64)
     for t in (x, p, w1, w2, b2):
         t.requires_grad_()
@@ -377,6 +408,7 @@ def test_torch_compile_aot_eager_equals_eager(save):
 
 # --- which gradients, DistributedWeight, main_grad, the seam -----------------------------------------
 
+
 def test_only_the_gemms_asked_for_run():
     inp, dy = make("swiglu", probs=False)
     for t in leaves(inp):
@@ -395,7 +427,7 @@ def test_only_the_gemms_asked_for_run():
     y = call(inp, backend=rec)
     dw2 = torch.autograd.grad(y, inp["w2"], dy)
     assert rec.gemms() == ["wgrad"]  # fc2's wgrad alone: nothing of fc1's backward
-    assert_same(list(dw2), run(inp2, dy)[1][1 + E:1 + 2 * E])
+    assert_same(list(dw2), run(inp2, dy)[1][1 + E : 1 + 2 * E])
 
 
 @pytest.mark.parametrize("save", POLICIES)
@@ -413,10 +445,14 @@ def test_distributed_weights(save):
     assert_same(y, call(plain))
     y.backward(dy)
     assert all(not isinstance(t, FakeDW) and t.shape[0] == T for t in rec.packed)
-    assert [tuple(w.grad.shape) for w in w1] == [(F_, H)] * E and [tuple(w.grad.shape) for w in w2] == [(H // 2, F_)] * E
+    assert [tuple(w.grad.shape) for w in w1] == [(F_, H)] * E and [tuple(w.grad.shape) for w in w2] == [
+        (H // 2, F_)
+    ] * E
     assert w1[0].calls == {"forward": 2 if save == "x_only" else 1, "backward": 1, "finalize": 1}
     assert w2[0].calls == {"forward": 1, "backward": 1, "finalize": 1}
-    ref = dict(inp, w1=FakeDW.group_of([w.detach() for w in inp["w1"]]), w2=FakeDW.group_of([w.detach() for w in inp["w2"]]))
+    ref = dict(
+        inp, w1=FakeDW.group_of([w.detach() for w in inp["w1"]]), w2=FakeDW.group_of([w.detach() for w in inp["w2"]])
+    )
     call(ref).backward(dy)
     assert_same([w.grad for w in w1 + w2], [w.grad for w in ref["w1"] + ref["w2"]])
 
@@ -428,7 +464,7 @@ def test_fused_main_grad():
         w.main_grad = torch.zeros_like(w, dtype=torch.float32)
     y = call(inp, activation="gelu", fuse_wgrad_accumulation=True)
     y.backward(dy)
-    assert_same([w.main_grad for w in inp["w1"] + inp["w2"]], grads[1:1 + 2 * E])
+    assert_same([w.main_grad for w in inp["w1"] + inp["w2"]], grads[1 : 1 + 2 * E])
 
 
 class FusedActivation(TorchKernels):
@@ -520,12 +556,14 @@ def test_fp8_policies_and_the_layers_chain(recipe):
     h = act_mod.act_fwd(fc1, inp["probs"], "swiglu")
     y3, _ = fd.grouped_linear_fwd(h, inp["w2"], FP8_SPLITS, recipe=r, fp8_state=s2)
     assert_same(y3, y.detach())
-    _, res = fd.grouped_mlp_fwd(inp["x"], inp["w1"], inp["w2"], FP8_SPLITS, probs=inp["probs"], recipe=r,
-                                fp8_state=states(), save="h")
+    _, res = fd.grouped_mlp_fwd(
+        inp["x"], inp["w1"], inp["w2"], FP8_SPLITS, probs=inp["probs"], recipe=r, fp8_state=states(), save="h"
+    )
     assert "FP8(" in repr(res) and not any(t is inp["x"] for t in fd.saved_activations(res))  # x's FP8 copy only
 
 
 # --- errors ---------------------------------------------------------------------------------------------
+
 
 def _err(exc, match, **changes):
     inp, _ = make("swiglu")
@@ -537,38 +575,70 @@ def _err(exc, match, **changes):
 
 def test_errors_name_the_argument_and_the_fix():
     w1_wrong = [torch.randn(F_, H) for _ in range(E)]  # [F, H]: what GELU takes, not SwiGLU
-    _err(ValueError, r"w1 is \[16, 32\] per expert but activation='swiglu' needs 2 \* F = 32 out-features.*"
-         r"make w1 \[32, 32\]", w1=w1_wrong)
-    _err(ValueError, r"w1 is \[32, 32\] per expert but activation='gelu' needs F = 16 out-features.*"
-         r"make w1 \[16, 32\] \(a \[32, 32\] w1 is for activation='swiglu'\)", activation="gelu")
-    _err(ValueError, r"w1 has 4 experts but w2 has 3: fc1 and fc2 need one weight per expert",
-         w2=[torch.randn(H, F_) for _ in range(3)])
+    _err(
+        ValueError,
+        r"w1 is \[16, 32\] per expert but activation='swiglu' needs 2 \* F = 32 out-features.*"
+        r"make w1 \[32, 32\]",
+        w1=w1_wrong,
+    )
+    _err(
+        ValueError,
+        r"w1 is \[32, 32\] per expert but activation='gelu' needs F = 16 out-features.*"
+        r"make w1 \[16, 32\] \(a \[32, 32\] w1 is for activation='swiglu'\)",
+        activation="gelu",
+    )
+    _err(
+        ValueError,
+        r"w1 has 4 experts but w2 has 3: fc1 and fc2 need one weight per expert",
+        w2=[torch.randn(H, F_) for _ in range(3)],
+    )
     _err(ValueError, r"activation must be one of 'swiglu', 'gelu', 'silu', got 'relu'", activation="relu")
     _err(ValueError, r"save must be one of 'default', 'h', 'x_only'", save="all")
-    _err(ValueError, r"probs must be \[T\] = \[10\], one router weight per row of x, got shape \(10, 1\).*"
-         r"probs.reshape\(-1\)", probs=torch.rand(T, 1))
+    _err(
+        ValueError,
+        r"probs must be \[T\] = \[10\], one router weight per row of x, got shape \(10, 1\).*"
+        r"probs.reshape\(-1\)",
+        probs=torch.rand(T, 1),
+    )
     _err(ValueError, r"probs must be \[T\] = \[10\].*got shape \(9,\)", probs=torch.rand(9))
     _err(TypeError, r"probs must be float32, bfloat16, float16 or float64", probs=torch.ones(T, dtype=torch.int64))
-    _err(ValueError, r"x has 32 features but w1 is \[32, 16\] per expert",
-         w1=[torch.randn(2 * F_, F_) for _ in range(E)])
-    _err(ValueError, r"save='x_only' recomputes fc1's output from x, but with FP8",
-         save="x_only", recipe=fp8.Float8CurrentScaling())
-    _err(TypeError, r"fp8_state must be None or a pair \(fc1's state, fc2's state\)",
-         recipe=fp8.DelayedScaling(), fp8_state=fp8.init_state(fp8.DelayedScaling(), num_gemms=E))
-    _err(ValueError, r"grouped_mlp's fc2 \(its x is h = act\(fc1_out\) \* probs, its weights w2, its bias bias2\): "
-         r"bias must be None, a sequence of 4", bias2=[torch.randn(H) for _ in range(3)])
+    _err(
+        ValueError, r"x has 32 features but w1 is \[32, 16\] per expert", w1=[torch.randn(2 * F_, F_) for _ in range(E)]
+    )
+    _err(
+        ValueError,
+        r"save='x_only' recomputes fc1's output from x, but with FP8",
+        save="x_only",
+        recipe=fp8.Float8CurrentScaling(),
+    )
+    _err(
+        TypeError,
+        r"fp8_state must be None or a pair \(fc1's state, fc2's state\)",
+        recipe=fp8.DelayedScaling(),
+        fp8_state=fp8.init_state(fp8.DelayedScaling(), num_gemms=E),
+    )
+    _err(
+        ValueError,
+        r"grouped_mlp's fc2 \(its x is h = act\(fc1_out\) \* probs, its weights w2, its bias bias2\): "
+        r"bias must be None, a sequence of 4",
+        bias2=[torch.randn(H) for _ in range(3)],
+    )
     with pytest.raises(TypeError, match="grouped_mlp_bwd takes the GroupedMLPResiduals that grouped_mlp_fwd returned"):
         fd.grouped_mlp_bwd(object(), torch.zeros(T, H))
 
 
 # --- nn.GroupedMLP ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("single", [False, True], ids=["per-expert", "single-grouped-weight"])
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_module_loads_two_grouped_linear_state_dicts(activation, single):
     n1 = (2 if activation == "swiglu" else 1) * F_
     fc1, fc2 = fd.nn.GroupedLinear(E, H, n1, bias=True), fd.nn.GroupedLinear(E, F_, H, bias=True)
-    sd = {**{f"fc1.{k}": v for k, v in fc1.state_dict().items()}, **{f"fc2.{k}": v for k, v in fc2.state_dict().items()}}
+    sd = {
+        **{f"fc1.{k}": v for k, v in fc1.state_dict().items()},
+        **{f"fc2.{k}": v for k, v in fc2.state_dict().items()},
+    }
     assert "fc1.weight0" in sd and f"fc2.weight{E - 1}" in sd
     m = fd.nn.GroupedMLP(E, H, F_, activation=activation, bias=True, single_grouped_weight=single)
     m.load_state_dict(sd)  # strict: the keys of two GroupedLinears, in either layout
@@ -615,5 +685,8 @@ def test_fp8_bytes_saved_per_token(save):
         by[t.dtype] = by.get(t.dtype, 0) + t.numel() * t.element_size()
     T_, nonempty = sum(FP8_SPLITS), sum(1 for s in FP8_SPLITS if s)
     h_copy = F_ * T_ if save == "h" else 0
-    assert by == {torch.float8_e4m3fn: H * T_ + h_copy, torch.float32: 4 * E * (2 if save == "h" else 1),
-                  torch.bfloat16: 2 * F_ * 2 * T_}, (by, nonempty)
+    assert by == {
+        torch.float8_e4m3fn: H * T_ + h_copy,
+        torch.float32: 4 * E * (2 if save == "h" else 1),
+        torch.bfloat16: 2 * F_ * 2 * T_,
+    }, (by, nonempty)

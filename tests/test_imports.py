@@ -16,8 +16,9 @@ FP8 = ROOT / "functional_dw" / "fp8"
 
 
 def _run(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(ROOT)], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), str(ROOT)], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
@@ -53,7 +54,9 @@ def test_no_fp8_module_imports_the_kernels():
     for path in sorted(FP8.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom):
-                names = [f"{'.' * node.level}{node.module or ''}"] + [f"{node.module or ''}.{a.name}" for a in node.names]
+                names = [f"{'.' * node.level}{node.module or ''}"] + [
+                    f"{node.module or ''}.{a.name}" for a in node.names
+                ]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             else:

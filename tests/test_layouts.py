@@ -45,10 +45,21 @@ from helpers import grouped_inputs, ref_grouped
 ref_mod = importlib.import_module("functional_dw.kernels.torch_ref")
 
 PROFILES = {
-    "ci": dict(examples={"grouped": 40, "linear": 20}, deadline=None, derandomize=True, database=None,
-               suppress_health_check=[HealthCheck.too_slow], print_blob=True),
-    "long": dict(examples={"grouped": 1000, "linear": 1000}, deadline=None, derandomize=False,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True),
+    "ci": dict(
+        examples={"grouped": 40, "linear": 20},
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+        print_blob=True,
+    ),
+    "long": dict(
+        examples={"grouped": 1000, "linear": 1000},
+        deadline=None,
+        derandomize=False,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        print_blob=True,
+    ),
 }
 PROFILE = PROFILES[os.environ.get("HYPOTHESIS_PROFILE", "ci")]
 
@@ -79,9 +90,11 @@ def layouts(draw, ndim: int, expand: bool = False):
         return None
     kind = draw(st.sampled_from(["strided", "strided", "odd_unit"] + (["expand_row", "expand_all"] if expand else [])))
     return dict(
-        kind=kind, order=draw(st.permutations(range(ndim))),
+        kind=kind,
+        order=draw(st.permutations(range(ndim))),
         pads=draw(st.lists(st.sampled_from([0, 0, 1, 3, 5]), min_size=ndim, max_size=ndim)),
-        offset=draw(st.integers(0, 5)), unit_stride=draw(st.integers(1, 7)),
+        offset=draw(st.integers(0, 5)),
+        unit_stride=draw(st.integers(1, 7)),
     )
 
 
@@ -150,10 +163,21 @@ def grouped_cases(draw):
     bias = draw(st.sampled_from([None, "list", "stacked"]))
     fused = draw(st.booleans())
     return dict(
-        E=E, K=K, N=N, dtype=dtype, splits=splits, stacked=stacked, bias=bias, fused=fused,
-        path=draw(st.sampled_from([None, True, False])), seed=draw(st.integers(0, 2**16)),
-        x=draw(layouts(2)), dy=draw(layouts(2, expand=True)), w=draw(layouts(3 if stacked else 2)),
-        b=draw(layouts(2 if bias == "stacked" else 1)), mg=draw(layouts(3 if stacked else 2)) if fused else None,
+        E=E,
+        K=K,
+        N=N,
+        dtype=dtype,
+        splits=splits,
+        stacked=stacked,
+        bias=bias,
+        fused=fused,
+        path=draw(st.sampled_from([None, True, False])),
+        seed=draw(st.integers(0, 2**16)),
+        x=draw(layouts(2)),
+        dy=draw(layouts(2, expand=True)),
+        w=draw(layouts(3 if stacked else 2)),
+        b=draw(layouts(2 if bias == "stacked" else 1)),
+        mg=draw(layouts(3 if stacked else 2)) if fused else None,
         hook=draw(layouts(2)),
     )
 
@@ -192,8 +216,15 @@ def _grouped_run(case: dict, layout: bool):
         warnings.simplefilter("ignore")  # the fallback warning (unaligned K, fp64)
         with hook:
             rec = PathRecorder()
-            y = fd.grouped_linear(x, weights, case["splits"], bias, fuse_wgrad_accumulation=case["fused"],
-                                  use_grouped_tensor=case["path"], backend=rec)
+            y = fd.grouped_linear(
+                x,
+                weights,
+                case["splits"],
+                bias,
+                fuse_wgrad_accumulation=case["fused"],
+                use_grouped_tensor=case["path"],
+                backend=rec,
+            )
     y.backward(dy)
     rec.check(case["path"], x, weights)
     assert hook.unpacked == 1
@@ -216,10 +247,19 @@ def linear_cases(draw):
     nd = len(lead) + 1
     fused = draw(st.booleans())
     return dict(
-        lead=lead, K=draw(st.sampled_from([1, 8, 13])), N=draw(st.sampled_from([1, 8, 13])),
-        dtype=draw(st.sampled_from(DTYPES)), bias=draw(st.booleans()), fused=fused,
-        seed=draw(st.integers(0, 2**16)), x=draw(layouts(nd)), dy=draw(layouts(nd, expand=True)),
-        w=draw(layouts(2)), b=draw(layouts(1)), mg=draw(layouts(2)) if fused else None, hook=draw(layouts(nd)),
+        lead=lead,
+        K=draw(st.sampled_from([1, 8, 13])),
+        N=draw(st.sampled_from([1, 8, 13])),
+        dtype=draw(st.sampled_from(DTYPES)),
+        bias=draw(st.booleans()),
+        fused=fused,
+        seed=draw(st.integers(0, 2**16)),
+        x=draw(layouts(nd)),
+        dy=draw(layouts(nd, expand=True)),
+        w=draw(layouts(2)),
+        b=draw(layouts(1)),
+        mg=draw(layouts(2)) if fused else None,
+        hook=draw(layouts(nd)),
     )
 
 
@@ -288,10 +328,14 @@ def test_hook_returning_transposed_copy_on_grouped_path(form):
         y = fd.grouped_linear(x, ws, [3, 0, 7])
     y.backward(torch.ones_like(y))
     x2 = x.detach().clone().requires_grad_()
-    ws2 = w.detach().clone().requires_grad_() if form == "stacked" else [t.detach().clone().requires_grad_() for t in ws]
+    ws2 = (
+        w.detach().clone().requires_grad_() if form == "stacked" else [t.detach().clone().requires_grad_() for t in ws]
+    )
     _grouped(x2, ws2, [3, 0, 7])
     assert_same(x.grad, x2.grad)
-    assert_same(w.grad if form == "stacked" else [t.grad for t in ws], ws2.grad if form == "stacked" else [t.grad for t in ws2])
+    assert_same(
+        w.grad if form == "stacked" else [t.grad for t in ws], ws2.grad if form == "stacked" else [t.grad for t in ws2]
+    )
 
 
 @pytest.mark.parametrize("view", ["slice", "transposed"])
@@ -337,7 +381,9 @@ def test_fused_wgrad_into_transposed_main_grad(layer, path):
         ws, ref = ws[:1], ref[:1]
     else:
         rec = PathRecorder()
-        fd.grouped_linear(x, ws, [2, 4], fuse_wgrad_accumulation=True, use_grouped_tensor=path, backend=rec).sum().backward()
+        fd.grouped_linear(
+            x, ws, [2, 4], fuse_wgrad_accumulation=True, use_grouped_tensor=path, backend=rec
+        ).sum().backward()
         rec.check(path, x, ws)
         for e, xe in enumerate(x.split([2, 4])):
             ref[e] += torch.ones(xe.shape[0], 16).t() @ xe
@@ -375,8 +421,11 @@ def test_second_order_through_a_non_contiguous_x(layer, path):
     """The x term of d(dW)/dx survives when forward had to copy x (found by an adversarial pass)."""
     x, ws, _ = _group(torch.float64)
     xt = x.detach().t().contiguous().t().requires_grad_()
-    f = (lambda x, w: fd.linear(x, w[0])) if layer == "linear" else \
-        (lambda x, w: fd.grouped_linear(x, w, SPLITS, use_grouped_tensor=path))
+    f = (
+        (lambda x, w: fd.linear(x, w[0]))
+        if layer == "linear"
+        else (lambda x, w: fd.grouped_linear(x, w, SPLITS, use_grouped_tensor=path))
+    )
     ref = (lambda x, w: x @ w[0].T) if layer == "linear" else (lambda x, w: ref_grouped(x, w, SPLITS))
     params = [xt, ws[0]] if layer == "linear" else [xt, *ws]
     out = []
@@ -438,13 +487,19 @@ _LAYOUTS = [  # (device, dtype, size, stride, storage offset, kept)
 ]
 
 
-@pytest.mark.parametrize("case", _LAYOUTS, ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}-off{c[4]}-{'kept' if c[5] else 'copied'}")
+@pytest.mark.parametrize(
+    "case", _LAYOUTS, ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}-off{c[4]}-{'kept' if c[5] else 'copied'}"
+)
 def test_grouped_mm_operands_copied_only_when_they_must(case):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device, dtype, size, stride, offset, kept = case
     with FakeTensorMode() if device == "cuda" else torch.device("cpu"):  # CUDA: fake tensors
-        base = torch.arange(200, dtype=torch.float32).to(dtype) if device == "cpu" else torch.empty(200, dtype=dtype, device="cuda")
+        base = (
+            torch.arange(200, dtype=torch.float32).to(dtype)
+            if device == "cpu"
+            else torch.empty(200, dtype=dtype, device="cuda")
+        )
         t = base.as_strided(size, stride, offset)
         out = ref_mod._mm_ready(t)
         assert (out is t) == kept

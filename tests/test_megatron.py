@@ -37,6 +37,7 @@ def test_imports_and_refuses_clearly_without_megatron():
 
 # --- with megatron-core ----------------------------------------------------------------------
 
+
 def _import_megatron():
     try:
         with warnings.catch_warnings():
@@ -44,7 +45,9 @@ def _import_megatron():
             from megatron.core.transformer.moe.experts import TEGroupedMLP  # noqa: F401
         return None
     except Exception as e:  # ImportError, or an incompatible version failing at import
-        return f"megatron-core is not importable ({type(e).__name__}: {e}); pip install -e '.[megatron]' (Python >= 3.12)"
+        return (
+            f"megatron-core is not importable ({type(e).__name__}: {e}); pip install -e '.[megatron]' (Python >= 3.12)"
+        )
 
 
 _SKIP = _import_megatron()
@@ -73,9 +76,19 @@ def mpu():
 def _config(**kw):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    base = dict(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=E, moe_ffn_hidden_size=FFN,
-                use_cpu_initialization=True, add_bias_linear=True, bias_dropout_fusion=False,
-                gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False)
+    base = dict(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=1,
+        num_moe_experts=E,
+        moe_ffn_hidden_size=FFN,
+        use_cpu_initialization=True,
+        add_bias_linear=True,
+        bias_dropout_fusion=False,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=False,
+    )
     base.update(kw)
     return TransformerConfig(**base)
 
@@ -96,7 +109,7 @@ def _by_hand(mlp, x, probs, splits):
     f1, f2 = mlp.linear_fc1, mlp.linear_fc2
     outs, start = [], 0
     for e, n in enumerate(splits):
-        xe, pe = x[start:start + n].double(), probs[start:start + n, None].double()
+        xe, pe = x[start : start + n].double(), probs[start : start + n, None].double()
         h = xe @ getattr(f1, f"weight{e}").double().T + getattr(f1, f"bias{e}").double()
         gate, lin = h.chunk(2, dim=-1)
         a = F.silu(gate) * lin * pe
@@ -123,10 +136,10 @@ def test_te_grouped_mlp_forward_backward_match_by_hand(mpu):
     xr = x.detach().clone().requires_grad_(True)
     params = dict(mlp.named_parameters())
     ref_params = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
-    ref_mlp = SimpleNamespace(linear_fc1=SimpleNamespace(**{n.split(".")[1]: p for n, p in ref_params.items()
-                                                          if n.startswith("linear_fc1")}),
-                              linear_fc2=SimpleNamespace(**{n.split(".")[1]: p for n, p in ref_params.items()
-                                                          if n.startswith("linear_fc2")}))
+    ref_mlp = SimpleNamespace(
+        linear_fc1=SimpleNamespace(**{n.split(".")[1]: p for n, p in ref_params.items() if n.startswith("linear_fc1")}),
+        linear_fc2=SimpleNamespace(**{n.split(".")[1]: p for n, p in ref_params.items() if n.startswith("linear_fc2")}),
+    )
     ref = _by_hand(ref_mlp, xr, probs, SPLITS)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
     dy = torch.randn_like(out)
@@ -180,7 +193,7 @@ def test_skip_bias_add_returns_the_per_expert_biases(mpu):
         assert b.dtype == torch.bfloat16 and torch.equal(b, getattr(fc2, f"bias{e}"))
     start = 0
     for e, n in enumerate(SPLITS):  # the bias is not added
-        torch.testing.assert_close(out[start:start + n], x[start:start + n] @ getattr(fc2, f"weight{e}").T)
+        torch.testing.assert_close(out[start : start + n], x[start : start + n] @ getattr(fc2, f"weight{e}").T)
         start += n
     with torch.no_grad():
         fc1.bias0.fill_(1.0)
@@ -215,13 +228,14 @@ def test_parameters_init_attributes_and_state_dict(mpu):
     keys = list(mlp.state_dict())
     for m in ("linear_fc1", "linear_fc2"):
         assert [k for k in keys if k.startswith(m)] == [
-            *(k for e in range(E) for k in (f"{m}.weight{e}", f"{m}.bias{e}")), f"{m}._extra_state"]
+            *(k for e in range(E) for k in (f"{m}.weight{e}", f"{m}.bias{e}")),
+            f"{m}._extra_state",
+        ]
     other = _mlp(_config(params_dtype=torch.bfloat16))
     sd = mlp.state_dict()
     sd.update({f"linear_fc1._extra_state{e}": sd["linear_fc1._extra_state"] for e in range(1, E)})  # dist-ckpt keys
     other.load_state_dict(sd)
     assert all(torch.equal(a, b) for a, b in zip(other.parameters(), mlp.parameters()))
-
 
 
 def _param_attributes(module):
@@ -237,6 +251,7 @@ def test_megatron_attributes_survive_new_parameter_objects(mpu, monkeypatch, how
     grad norm ``tensor_model_parallel``) stay on the parameters when torch makes new parameter
     objects: meta -> CPU by ``to_empty`` (Megatron's meta-device init), ``.to()`` with
     swap_tensors on, ``load_state_dict(assign=True)``."""
+
     def config(**kw):
         c = _config(**kw)
         c.moe_single_grouped_weight = c.moe_single_grouped_bias = single  # (after __post_init__'s TE check)
@@ -264,6 +279,7 @@ def test_megatron_attributes_survive_new_parameter_objects(mpu, monkeypatch, how
     assert _param_attributes(mlp) == want
     x, probs = _inputs(3)
     mlp(x.to(next(mlp.parameters()).dtype), torch.tensor(SPLITS), probs)[0].sum().backward()  # still runs
+
 
 @needs_megatron
 def test_sharded_state_dict_maps_each_expert(mpu):
@@ -332,11 +348,14 @@ class _Group:
 
 
 @needs_megatron
-@pytest.mark.parametrize("setting, error, match", [
-    (dict(delay_wgrad_compute=True), NotImplementedError, "config.delay_wgrad_compute"),
-    (dict(fp8="hybrid", fp8_recipe="mxfp8"), NotImplementedError, "config.fp8_recipe='mxfp8'"),
-    (dict(fp8="hybrid", fp8_recipe="delayed", fp8_param=True), NotImplementedError, "config.fp8_param"),
-])
+@pytest.mark.parametrize(
+    "setting, error, match",
+    [
+        (dict(delay_wgrad_compute=True), NotImplementedError, "config.delay_wgrad_compute"),
+        (dict(fp8="hybrid", fp8_recipe="mxfp8"), NotImplementedError, "config.fp8_recipe='mxfp8'"),
+        (dict(fp8="hybrid", fp8_recipe="delayed", fp8_param=True), NotImplementedError, "config.fp8_param"),
+    ],
+)
 def test_unsupported_settings_refused_at_construction(mpu, setting, error, match):
     from functional_dw.megatron import ColumnParallelGroupedLinear
 
@@ -344,8 +363,9 @@ def test_unsupported_settings_refused_at_construction(mpu, setting, error, match
     for k, v in setting.items():  # set after __post_init__, which would check them against TE
         setattr(config, k, v)
     with pytest.raises(error, match=match):
-        ColumnParallelGroupedLinear(E, H, FFN, config=config, init_method=torch.nn.init.zeros_, bias=True,
-                                    skip_bias_add=False, is_expert=True)
+        ColumnParallelGroupedLinear(
+            E, H, FFN, config=config, init_method=torch.nn.init.zeros_, bias=True, skip_bias_add=False, is_expert=True
+        )
 
 
 @needs_megatron
@@ -362,7 +382,6 @@ def test_expert_tensor_parallelism_and_non_experts_refused(mpu):
         GroupedLinear(E, H, FFN, parallel_mode="duplicated", is_expert=True, **kw)
 
 
-
 @needs_megatron
 def test_hostile_constructor_arguments_and_forward_inputs(mpu):
     """Bad arguments raise ValueError/TypeError naming them (m_splits is the functional API's
@@ -370,10 +389,12 @@ def test_hostile_constructor_arguments_and_forward_inputs(mpu):
     from functional_dw.megatron import ColumnParallelGroupedLinear
 
     kw = dict(config=_config(), init_method=torch.nn.init.normal_, bias=True, skip_bias_add=False, is_expert=True)
-    for bad, error, match in [(dict(num_gemms=0), ValueError, "num_gemms must be an int >= 1, got 0"),
-                              (dict(num_gemms=2.0), TypeError, "num_gemms must be an int"),
-                              (dict(config=None), TypeError, "config must be Megatron's TransformerConfig"),
-                              (dict(init_method=None), TypeError, "init_method must be callable")]:
+    for bad, error, match in [
+        (dict(num_gemms=0), ValueError, "num_gemms must be an int >= 1, got 0"),
+        (dict(num_gemms=2.0), TypeError, "num_gemms must be an int"),
+        (dict(config=None), TypeError, "config must be Megatron's TransformerConfig"),
+        (dict(init_method=None), TypeError, "init_method must be callable"),
+    ]:
         with pytest.raises(error, match=match):
             ColumnParallelGroupedLinear(**{"num_gemms": E, "input_size": H, "output_size": FFN, **kw, **bad})
     fc1 = ColumnParallelGroupedLinear(E, H, FFN, **kw)
@@ -398,6 +419,7 @@ def test_hostile_constructor_arguments_and_forward_inputs(mpu):
     with pytest.raises(TypeError, match="x must be float32, bfloat16, float16 or float64, got torch.int64"):
         fc1(x.long(), SPLITS)
 
+
 @needs_megatron
 def test_fp8_follows_the_te_autocast_megatron_enters(mpu):
     """config.fp8 with a supported recipe: the layer takes the recipe from TE's autocast
@@ -406,13 +428,13 @@ def test_fp8_follows_the_te_autocast_megatron_enters(mpu):
 
     config = _config()
     config.fp8, config.fp8_recipe = "hybrid", "tensorwise"
-    fc1 = ColumnParallelGroupedLinear(E, H, FFN, config=config, init_method=torch.nn.init.normal_, bias=False,
-                                      skip_bias_add=False, is_expert=True)
+    fc1 = ColumnParallelGroupedLinear(
+        E, H, FFN, config=config, init_method=torch.nn.init.normal_, bias=False, skip_bias_add=False, is_expert=True
+    )
     assert fc1.recipe is None
     x = torch.randn(sum(SPLITS), H)
     y, _ = fc1(x, SPLITS)
     torch.testing.assert_close(y[:3], x[:3] @ fc1.weight0.T)
-
 
 
 @needs_megatron
@@ -435,6 +457,7 @@ def test_fp8_extra_state_round_trip_in_a_megatron_process(mpu):
     except pickle.UnpicklingError as e:
         pytest.fail(str(e))
     assert torch.equal(fc1.fp8_state.scale_fwd, state.scale_fwd) and fc1._fp8_recipe == recipe
+
 
 @pytest.fixture
 def cuda_faked_offloading(monkeypatch):
@@ -471,11 +494,17 @@ def cuda_faked_offloading(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
     monkeypatch.setattr(te_ext, "cpu_offload", SimpleNamespace(CPUOffloadEnabled=False), raising=False)
     handler = fgo.ChunkOffloadHandler
-    monkeypatch.setattr(handler, "_can_manage_tensor_for_offload",
-                        staticmethod(lambda t: not isinstance(t, torch.nn.Parameter) and t.device.type == "cpu"))
+    monkeypatch.setattr(
+        handler,
+        "_can_manage_tensor_for_offload",
+        staticmethod(lambda t: not isinstance(t, torch.nn.Parameter) and t.device.type == "cpu"),
+    )
     offload = handler.offload
-    monkeypatch.setattr(handler, "offload", lambda self, src, pin_memory=True, use_cpu_pool=True:
-                        offload(self, src, pin_memory=False, use_cpu_pool=False))
+    monkeypatch.setattr(
+        handler,
+        "offload",
+        lambda self, src, pin_memory=True, use_cpu_pool=True: offload(self, src, pin_memory=False, use_cpu_pool=False),
+    )
     yield
     fgo.PipelineOffloadManager.OFFLOAD_MGR = None  # (made with the fake streams)
 

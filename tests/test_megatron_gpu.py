@@ -73,6 +73,7 @@ from support.megatron_steps import H, T, check_ours, differences, record, run_st
 
 # --- one rank, in this process ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def mpu():
     """One NCCL rank (a file rendezvous in a temporary folder) and
@@ -85,8 +86,9 @@ def mpu():
 
     torch.cuda.set_device(0)
     store = os.path.join(tempfile.mkdtemp(), "store")  # (a file rendezvous: no port to race for)
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))
+    dist.init_process_group(
+        "nccl", init_method=f"file://{store}", rank=0, world_size=1, device_id=torch.device("cuda", 0)
+    )
     ps.initialize_model_parallel(1, 1)
     yield
     ps.destroy_model_parallel()
@@ -116,14 +118,22 @@ def test_te_classes_fail_or_differ(mpu):
                 want = ours["main_grads"][it][n]
                 if not torch.allclose(g, want, rtol=2e-2, atol=1e-2 * want.abs().max().item()):
                     differs.append(f"step {it} {n}.main_grad vs functional_dw: max |diff| {(g - want).abs().max():.3g}")
-    record("te_vs_ours", {
-        "TE with offloading": te_off["error"] or (f"ran; differs: {differs[:5]}" if differs else "ran, same results"),
-        "TE without offloading": te_plain["error"] or "ran",
-        "functional_dw with offloading": _cached("fd", True, True)["error"] or "ran",
-        "TE traceback": te_off.get("traceback"), "TE run": summary(te_off), "TE run without offloading": summary(te_plain)})
+    record(
+        "te_vs_ours",
+        {
+            "TE with offloading": te_off["error"]
+            or (f"ran; differs: {differs[:5]}" if differs else "ran, same results"),
+            "TE without offloading": te_plain["error"] or "ran",
+            "functional_dw with offloading": _cached("fd", True, True)["error"] or "ran",
+            "TE traceback": te_off.get("traceback"),
+            "TE run": summary(te_off),
+            "TE run without offloading": summary(te_plain),
+        },
+    )
     assert te_off["error"] or differs, (
         "TE's TEColumnParallelGroupedLinear/TERowParallelGroupedLinear ran under Megatron's offloading with "
-        f"ShardedWeight experts and gave the same gradients: the original failure did not reproduce. {summary(te_off)}")
+        f"ShardedWeight experts and gave the same gradients: the original failure did not reproduce. {summary(te_off)}"
+    )
 
 
 def test_ours_bitwise_equal_with_and_without_offloading(mpu):
@@ -142,11 +152,15 @@ def test_bytes_offloaded_per_step(mpu):
     for kind in ("te", "fd"):
         for shard in (False, True):
             r = _cached(kind, True, shard)
-            table[f"{'TE' if kind == 'te' else 'functional_dw'}, {'ShardedWeight' if shard else 'plain'} weights"] = dict(
-                warm_up_step_bytes=r["offloaded_bytes_per_step"][0],
-                steady_state_step_bytes=r["offloaded_bytes_per_step"][-1] if r["error"] is None else None,
-                megatron_summary_bytes=r.get("megatron_summary_bytes"),
-                weights_through_hooks=len(r["weights_through_hooks"]), error=r["error"])
+            table[f"{'TE' if kind == 'te' else 'functional_dw'}, {'ShardedWeight' if shard else 'plain'} weights"] = (
+                dict(
+                    warm_up_step_bytes=r["offloaded_bytes_per_step"][0],
+                    steady_state_step_bytes=r["offloaded_bytes_per_step"][-1] if r["error"] is None else None,
+                    megatron_summary_bytes=r.get("megatron_summary_bytes"),
+                    weights_through_hooks=len(r["weights_through_hooks"]),
+                    error=r["error"],
+                )
+            )
     record("offloaded_bytes_per_step", table)
     ours = table["functional_dw, ShardedWeight weights"]
     assert ours["error"] is None and ours["steady_state_step_bytes"] > 0, ours
@@ -156,6 +170,7 @@ def test_bytes_offloaded_per_step(mpu):
 
 
 # --- two ranks (spawned, NCCL) -----------------------------------------------------------------
+
 
 def _two_rank_job() -> dict:
     from megatron.core import parallel_state as ps

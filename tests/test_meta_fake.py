@@ -30,8 +30,9 @@ def _cpu_path(dtype, path) -> str:
     """The path the real CPU run records."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, res = fd.grouped_linear_fwd(torch.randn(T, K, dtype=dtype), torch.randn(E, N, K, dtype=dtype), SPLITS,
-                                       use_grouped_tensor=path)
+        _, res = fd.grouped_linear_fwd(
+            torch.randn(T, K, dtype=dtype), torch.randn(E, N, K, dtype=dtype), SPLITS, use_grouped_tensor=path
+        )
     return res.path
 
 

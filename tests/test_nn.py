@@ -24,8 +24,12 @@ def te_linear_state_dict(bias=True):  # te.Linear(K, N, bias=bias).state_dict()
 
 
 def te_grouped_state_dict(bias=True):  # ... and te.GroupedLinear(E, K, N, bias=bias).state_dict()
-    params = {k: v for e in range(E) for k, v in [(f"weight{e}", torch.randn(N, K)), (f"bias{e}", torch.randn(N))]
-              if bias or k.startswith("weight")}
+    params = {
+        k: v
+        for e in range(E)
+        for k, v in [(f"weight{e}", torch.randn(N, K)), (f"bias{e}", torch.randn(N))]
+        if bias or k.startswith("weight")
+    }
     return {**params, "_extra_state": NO_FP8}
 
 
@@ -107,8 +111,11 @@ def test_grouped_forward_and_grads(use_grouped_tensor):
     dy = torch.randn(T, N)
     y = m(x, torch.tensor(SPLITS))
     params = [*m.weights(), *m.biases()]
-    assert_close(y, ref_grouped(x.double(), [p.double() for p in params[:E]], SPLITS,
-                                [p.double() for p in params[E:]]), torch.float32)
+    assert_close(
+        y,
+        ref_grouped(x.double(), [p.double() for p in params[:E]], SPLITS, [p.double() for p in params[E:]]),
+        torch.float32,
+    )
     (y * dy).sum().backward()
     want = _reference_grads(params, lambda p: (ref_grouped(x.double(), p[:E], SPLITS, p[E:]) * dy.double()).sum())
     for name, p, g in zip([f"weight{e}" for e in range(E)] + [f"bias{e}" for e in range(E)], params, want):
@@ -149,8 +156,7 @@ def test_output_made_by_a_reshape_inside_forward_can_be_modified_in_place():
     y += r
     F.relu(y, inplace=True)
     (y * dy).sum().backward()
-    want = _reference_grads([x, m.weight, m.bias],
-                            lambda p: (F.relu(F.linear(*p) + r.double()) * dy.double()).sum())
+    want = _reference_grads([x, m.weight, m.bias], lambda p: (F.relu(F.linear(*p) + r.double()) * dy.double()).sum())
     for name, p, g in zip(["x", "weight", "bias"], [x, m.weight, m.bias], want):
         assert_close(p.grad, g, torch.float32, name)
 
@@ -185,11 +191,13 @@ def test_compiled_output_made_by_a_reshape_can_be_modified_in_place():
     y = torch.compile(step, fullgraph=True)(x)
     y.sum().backward()
     assert_close(y, F.linear(x.double(), m.weight.double(), m.bias.double()) + r.double(), torch.float32)
-    assert_close(m.weight.grad, _reference_grads([m.weight], lambda p: F.linear(x.double(), p[0]).sum())[0],
-                 torch.float32)
+    assert_close(
+        m.weight.grad, _reference_grads([m.weight], lambda p: F.linear(x.double(), p[0]).sum())[0], torch.float32
+    )
 
 
 # --- sizes: zero in_features, numpy ints, as torch.nn takes them -------------------------------
+
 
 def test_zero_in_features_like_torch():
     lin = fdw.nn.Linear(0, 4)
@@ -203,4 +211,8 @@ def test_zero_in_features_like_torch():
 
 def test_nn_sizes_take_numpy_ints_like_torch():
     lin, grp = fdw.nn.Linear(np.int64(16), np.int32(8)), fdw.nn.GroupedLinear(np.int64(4), 16, np.int64(8))
-    assert lin.weight.shape == (8, 16) and type(grp.num_gemms) is int and grp(torch.randn(6, 16), [2, 0, 3, 1]).shape == (6, 8)
+    assert (
+        lin.weight.shape == (8, 16)
+        and type(grp.num_gemms) is int
+        and grp(torch.randn(6, 16), [2, 0, 3, 1]).shape == (6, 8)
+    )

@@ -30,7 +30,10 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
-        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}},
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(ROOT)}},
     )
     try:
         client.execute()

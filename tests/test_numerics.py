@@ -27,8 +27,9 @@ def _grads(y, inputs, dy):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("path", PATHS, ids=["split", "grouped", "auto"])
-@pytest.mark.parametrize("splits", [[5, 0, 11, 3], [0, 0, 0, 0], [19, 0, 0, 0], [1, 2, 3, 4]],
-                         ids=["uneven", "T=0", "one-expert", "small"])
+@pytest.mark.parametrize(
+    "splits", [[5, 0, 11, 3], [0, 0, 0, 0], [19, 0, 0, 0], [1, 2, 3, 4]], ids=["uneven", "T=0", "one-expert", "small"]
+)
 def test_grouped_matches_float64_and_F_linear(dtype, path, splits):
     x, ws, bs, dy = _make(4, 16, 8, splits, dtype)
     with warnings.catch_warnings():
@@ -78,7 +79,12 @@ def test_path_is_recorded_and_auto_picks_a_supported_one():
 def test_splits_forms_agree(splits_kind, path):
     sizes = [4, 0, 6]
     x, ws, bs, dy = _make(3, 16, 8, sizes, torch.float32)
-    conv = {"list": list, "tuple": tuple, "int64": lambda s: torch.tensor(s), "int32": lambda s: torch.tensor(s, dtype=torch.int32)}
+    conv = {
+        "list": list,
+        "tuple": tuple,
+        "int64": lambda s: torch.tensor(s),
+        "int32": lambda s: torch.tensor(s, dtype=torch.int32),
+    }
     y = fd.grouped_linear(x, ws, conv[splits_kind](sizes), bs, use_grouped_tensor=path)
     assert_same(y, fd.grouped_linear(x, ws, sizes, bs, use_grouped_tensor=path))
 
@@ -123,7 +129,9 @@ def test_split_backward_combines_to_bwd(path):
     dx, dws, dbs = fd.grouped_linear_bwd(res, dy)
     assert_same(fd.grouped_linear_bwd_dgrad(res, dy), dx)
     assert_same(list(fd.grouped_linear_bwd_wgrad(res, dy)), [dws, dbs])
-    assert_same([dx, dws, dbs], list(_grads(fd.grouped_linear(x, ws, sizes, bs, use_grouped_tensor=path), [x], dy)) + [dws, dbs])
+    assert_same(
+        [dx, dws, dbs], list(_grads(fd.grouped_linear(x, ws, sizes, bs, use_grouped_tensor=path), [x], dy)) + [dws, dbs]
+    )
     y1, r1 = fd.linear_fwd(x, ws[0], bs[0])
     full = fd.linear_bwd(r1, y1)
     assert_same(list(full), [fd.linear_bwd_dgrad(r1, y1), *fd.linear_bwd_wgrad(r1, y1)])
@@ -159,6 +167,7 @@ def test_device_only_splits_are_made_memory_safe():
 
 
 # --- bias grads: the layer's dtype, fp32 accuracy ----------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_bias_grads_keep_the_layer_dtype_and_fp32_accuracy(dtype):

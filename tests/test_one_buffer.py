@@ -117,8 +117,11 @@ def test_packed_non_tensor_in_the_tail_is_not_a_buffer_under_grad_mode_too():
             assert packed([buf[0], 7]) is None
 
 
-@pytest.mark.xfail(strict=True, reason="packed() does not look at the negative bit (private torch._neg_view; "
-                   "a per-tensor is_neg() costs ~35 us at 128 experts on the hot path)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="packed() does not look at the negative bit (private torch._neg_view; "
+    "a per-tensor is_neg() costs ~35 us at 128 experts on the hot path)",
+)
 def test_packed_refuses_a_negative_view():
     buf = torch.randn(2, 4)
     with torch.no_grad():
@@ -131,8 +134,9 @@ def test_packed_refuses_a_negative_view():
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 def test_module_parameters_are_views_of_one_buffer(bias):
     m = _module(bias=bias)
-    assert [n for n, _ in m.named_parameters()] == [f"{k}{e}" for e in range(E) for k in ("weight", "bias")
-                                                   if bias or k == "weight"]
+    assert [n for n, _ in m.named_parameters()] == [
+        f"{k}{e}" for e in range(E) for k in ("weight", "bias") if bias or k == "weight"
+    ]
     assert _is_one_buffer(m.weights())
     assert all(p.is_leaf and p.requires_grad and isinstance(p, torch.nn.Parameter) for p in m.parameters())
     assert not bias or _is_one_buffer(m.biases())
@@ -152,11 +156,14 @@ def test_no_weight_copies_in_forward_and_backward(path, bias, dtype):
     assert ("_grouped_mm" in {op for op, _ in ops.ops}) == PATHS[path]
     assert _is_one_buffer([w.grad for w in m.weights()])
     params = [*m.weights(), *(m.biases() or [])]
-    (ry, rgrads), (my, mgrads) = reference(
-        lambda x, *p: ref_grouped(x, p[:E], SPLITS, p[E:] or None), [x, *params], dy)
+    (ry, rgrads), (my, mgrads) = reference(lambda x, *p: ref_grouped(x, p[:E], SPLITS, p[E:] or None), [x, *params], dy)
     assert_close(y, ry, dtype, "y", mag=my.abs().max(), rounds=2 if bias and dtype != torch.float32 else 1)
-    for what, got, want, mag in zip(["dx", *(f"w{e}" for e in range(E)), *(f"b{e}" for e in range(E))],
-                                    [x.grad, *(p.grad for p in params)], rgrads, mgrads):
+    for what, got, want, mag in zip(
+        ["dx", *(f"w{e}" for e in range(E)), *(f"b{e}" for e in range(E))],
+        [x.grad, *(p.grad for p in params)],
+        rgrads,
+        mgrads,
+    ):
         assert_close(got, want, dtype, what, mag=mag.abs().max())
 
 
@@ -174,8 +181,10 @@ def test_separate_weights_are_stacked_once_per_pass(path):
         y.backward(dy)
     want = [(E, N, K)] * 2 if PATHS[path] else []
     assert sorted(ops.named("stack")) == sorted(want + [(E, N)])  # (and the biases, once in forward)
-    assert_same([y, x.grad, *(w.grad for w in ws), *(b.grad for b in bs)],
-                [y0, x0.grad, *(w.grad for w in m.weights()), *(b.grad for b in m.biases())])
+    assert_same(
+        [y, x.grad, *(w.grad for w in ws), *(b.grad for b in bs)],
+        [y0, x0.grad, *(w.grad for w in m.weights()), *(b.grad for b in m.biases())],
+    )
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -226,6 +235,7 @@ def test_in_place_change_of_one_expert_says_the_experts_share_a_version_counter(
 def test_second_order_gradients_through_the_module_layout(path):
     """Where autograd records the GEMMs (create_graph), the weights are stacked, not viewed:
     the second-order grads equal those of separately made weights."""
+
     def second_order(ws):
         x = torch.randn(T, K, generator=torch.Generator().manual_seed(3), requires_grad=True)
         y = fd.grouped_linear(x, ws, SPLITS, use_grouped_tensor=PATHS[path], backend="torch")
@@ -244,7 +254,11 @@ def test_second_order_gradients_through_the_module_layout(path):
 
 def _te_state_dict(dtype=torch.float32):  # te.GroupedLinear(E, K, N).state_dict(): E separate tensors
     g = torch.Generator().manual_seed(7)
-    sd = {k: torch.randn(*s, generator=g).to(dtype) for e in range(E) for k, s in [(f"weight{e}", (N, K)), (f"bias{e}", (N,))]}
+    sd = {
+        k: torch.randn(*s, generator=g).to(dtype)
+        for e in range(E)
+        for k, s in [(f"weight{e}", (N, K)), (f"bias{e}", (N,))]
+    }
     return {**sd, "_extra_state": torch.empty(0, dtype=torch.uint8)}
 
 
@@ -380,8 +394,10 @@ def test_single_grouped_weight_matches_the_per_expert_layout_bitwise(path, dtype
         xs, _, ys = _run(single, dtype)
     x, _, y = _run(each, dtype)
     assert not ops.copies(N * K) and not ops.named("stack")
-    assert_same([ys, xs.grad, single.weight.grad, single.bias.grad],
-                [y, x.grad, torch.stack([w.grad for w in each.weights()]), torch.stack([b.grad for b in each.biases()])])
+    assert_same(
+        [ys, xs.grad, single.weight.grad, single.bias.grad],
+        [y, x.grad, torch.stack([w.grad for w in each.weights()]), torch.stack([b.grad for b in each.biases()])],
+    )
 
 
 def test_bad_layout_flags_are_refused():
@@ -455,8 +471,11 @@ def _fsdp2_case(case: str) -> None:
     lazy.to_empty(device="cpu")
     lazy.reset_parameters()
     full = {n: p.full_tensor() for n, p in lazy.named_parameters()}
-    want = {"weight": (E, N, K), "bias": (E, N)} if single else {
-        k: s for e in range(E) for k, s in [(f"weight{e}", (N, K)), (f"bias{e}", (N,))]}
+    want = (
+        {"weight": (E, N, K), "bias": (E, N)}
+        if single
+        else {k: s for e in range(E) for k, s in [(f"weight{e}", (N, K)), (f"bias{e}", (N,))]}
+    )
     assert {n: tuple(v.shape) for n, v in full.items()} == want
     assert all(0 < v.abs().max() <= K**-0.5 for v in full.values())
     w = full["weight"] if single else [full[f"weight{e}"] for e in range(E)]

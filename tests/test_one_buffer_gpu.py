@@ -54,7 +54,9 @@ def _skip_unless_runs(backend: str, grouped: bool) -> None:
 
 
 def _module(backend, grouped, experts, **kw):
-    return grouped_module(experts, K, N, params_dtype=BF16, device=DEV, use_grouped_tensor=grouped, backend=backend, **kw)
+    return grouped_module(
+        experts, K, N, params_dtype=BF16, device=DEV, use_grouped_tensor=grouped, backend=backend, **kw
+    )
 
 
 def _splits(sizes, grouped):
@@ -96,13 +98,17 @@ def test_module_layout_runs_without_weight_copies(backend, grouped, experts):
         y, dx = _step(m, x, splits, dy)
         torch.cuda.synchronize()
     # no weight-sized stack or copy (TE's split path returns per-expert bias grads: stacked, E x N)
-    assert (experts, N, K) not in ops.named("stack") and not ops.weight_copies(N, K), (ops.named("stack"), ops.weight_copies(N, K))
+    assert (experts, N, K) not in ops.named("stack") and not ops.weight_copies(N, K), (
+        ops.named("stack"),
+        ops.weight_copies(N, K),
+    )
     assert _is_one_buffer([w.grad for w in m.weights()])
     ws = [torch.nn.Parameter(w.detach().clone()) for w in m.weights()]
     bs = [torch.nn.Parameter(b.detach().clone()) for b in m.biases()]
     with CopyCounter() as control:
-        ys, dxs = _step(lambda x, s: fd.grouped_linear(x, ws, s, bs, use_grouped_tensor=grouped, backend=backend),
-                        x, splits, dy)
+        ys, dxs = _step(
+            lambda x, s: fd.grouped_linear(x, ws, s, bs, use_grouped_tensor=grouped, backend=backend), x, splits, dy
+        )
     stacks = control.named("stack")
     assert stacks.count((experts, N, K)) == (2 if grouped and (backend == "auto" or experts > 64) else 0), stacks
     assert_same([y, dx, *(w.grad for w in m.weights())], [ys, dxs, *(w.grad for w in ws)])
@@ -151,10 +157,14 @@ def test_single_grouped_weight_on_gpu(backend, grouped, experts):
     with CopyCounter() as ops:
         y, dx = _step(m, x, splits, dy)
     # no weight-sized stack or copy (TE's split path returns per-expert bias grads: stacked, E x N)
-    assert (experts, N, K) not in ops.named("stack") and not ops.weight_copies(N, K), (ops.named("stack"), ops.weight_copies(N, K))
+    assert (experts, N, K) not in ops.named("stack") and not ops.weight_copies(N, K), (
+        ops.named("stack"),
+        ops.weight_copies(N, K),
+    )
     W, B = m.weight.detach(), m.bias.detach()
     (ry, (rdx, rw, rb)), (my, (mdx, mw, mb)) = reference(
-        lambda x, w, b: ref_grouped(x, w.unbind(0), sizes, b.unbind(0)), [x, W, B], dy)
+        lambda x, w, b: ref_grouped(x, w.unbind(0), sizes, b.unbind(0)), [x, W, B], dy
+    )
     assert_close(y, ry, BF16, "y", mag=my.abs().max(), rounds=2)
     assert_close(dx, rdx, BF16, "dx", mag=mdx.abs().max())
     assert_close(m.weight.grad, rw, BF16, "dw", mag=mw.abs().max())

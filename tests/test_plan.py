@@ -136,6 +136,7 @@ def recording(n: int = N):
             if not torch.compiler.is_compiling():
                 rec.gemm(kind, "split")
             return f(self, *args, **kwargs)
+
         return run
 
     def told(name: str, kind: str):
@@ -151,6 +152,7 @@ def recording(n: int = N):
             out = f(self, *args, **kwargs)
             rec.calls.append(KernelCall(kind, "grouped" if grouped else "split", tuple(rec.ran[start:])))
             return out
+
         return run
 
     def rowwise(name: str):  # RowwiseScaling: one grouped GEMM per product (torch_ref calls rowwise_ops.<name>)
@@ -160,6 +162,7 @@ def recording(n: int = N):
             if not torch.compiler.is_compiling():
                 rec.gemm(name, "grouped")
             return f(*args, **kwargs)
+
         return run
 
     def spy(name: str, keep):
@@ -170,6 +173,7 @@ def recording(n: int = N):
             if not torch.compiler.is_compiling():
                 keep(out)
             return out
+
         return run
 
     with contextlib.ExitStack() as stack:
@@ -181,7 +185,9 @@ def recording(n: int = N):
             patch(rowwise_ops, kind, rowwise(kind))
         patch(gl, "_prepare", spy("_prepare", rec.prepared.append))
         patch(gl, "_forward", spy("_forward", lambda out: rec.res.append(out[1])))
-        patch(gl, "_checked", spy("_checked", lambda out: rec.bwd_routes.append("grouped" if out[1].grouped else "split")))
+        patch(
+            gl, "_checked", spy("_checked", lambda out: rec.bwd_routes.append("grouped" if out[1].grouped else "split"))
+        )
         _ACTIVE.append(rec)
         try:
             yield rec
@@ -270,6 +276,7 @@ RULES = {
     "create_graph": ("plan", "plan"),  # first-order products as planned (autograd differentiates them)
 }
 
+
 def _grid():
     for recipe in RECIPES:
         for asked in (None, False, True):
@@ -279,8 +286,7 @@ def _grid():
                 for mode in MODES:
                     if recipe != "none" and mode in NO_FP8_MODES:
                         continue
-                    yield pytest.param(recipe, asked, layout, mode,
-                                       id=f"{recipe}-{'ugt' + str(asked)}-{layout}-{mode}")
+                    yield pytest.param(recipe, asked, layout, mode, id=f"{recipe}-{'ugt' + str(asked)}-{layout}-{mode}")
 
 
 def _run_mode(mode: str, f, x, ws, dy):
@@ -341,6 +347,7 @@ def test_kernels_run_the_planned_path(recipe, asked, layout, mode):
 
     def f(x, ws):
         return fd.grouped_linear(x, ws, SPLITS, **kw)
+
     f.kw = kw
 
     with recording() as rec:
@@ -436,8 +443,11 @@ COMPILE_CASES = [  # (recipe, dtype, asked, the path the compiled graph runs, la
 ]
 
 
-@pytest.mark.parametrize("recipe,dtype,asked,want,layout", COMPILE_CASES,
-                         ids=[f"{r}-{str(d)[6:]}-ugt{a}-{lay}" for r, d, a, _, lay in COMPILE_CASES])
+@pytest.mark.parametrize(
+    "recipe,dtype,asked,want,layout",
+    COMPILE_CASES,
+    ids=[f"{r}-{str(d)[6:]}-ugt{a}-{lay}" for r, d, a, _, lay in COMPILE_CASES],
+)
 def test_compiled_graph_runs_the_planned_path(recipe, dtype, asked, want, layout):
     torch._dynamo.reset()
     x, ws = _x(dtype).requires_grad_(), _weights(layout, dtype)
@@ -500,7 +510,7 @@ def _check(x, ws, splits=FULL, bias=None, **kw):
     parts = [x, *_as_list(ws), *(_as_list(bias) if bias is not None else [])]
     want = dict(zip(map(id, parts), want_g))
     if isinstance(ws, torch.Tensor):  # the stacked weight's grad: the experts' stacked
-        want[id(ws)] = torch.stack(want_g[1:1 + E])
+        want[id(ws)] = torch.stack(want_g[1 : 1 + E])
         parts = [x, ws, *(_as_list(bias) if bias is not None else [])]
     if isinstance(bias, torch.Tensor):
         want[id(bias)] = torch.stack(want_g[-E:])
@@ -549,7 +559,9 @@ def test_a_training_loop_with_a_bias_or_fp8_makes_one_plan(case):
     """(At 4b929f4 a call with a bias and no recipe, or a recipe and no bias, was never cached:
     the key's None test was inverted; fixed in a8cc187.)"""
     m = _module(torch.float32, bias=True)
-    bias = {"bias_list": m.biases(), "bias_stacked": torch.zeros(E, N), "fp8_no_bias": None, "fp8_bias": m.biases()}[case]
+    bias = {"bias_list": m.biases(), "bias_stacked": torch.zeros(E, N), "fp8_no_bias": None, "fp8_bias": m.biases()}[
+        case
+    ]
     recipe = fp8.Float8CurrentScaling() if case.startswith("fp8") else None
     for step in range(3):
         y = fd.grouped_linear(_x(torch.float32, seed=step).requires_grad_(), m.weights(), FULL, bias, recipe=recipe)
@@ -616,8 +628,14 @@ def test_te_recipe_class_attributes_are_in_the_key():
         setattr(cls, f"fp8_quant_{role}", obj(qcls, power_2_scale=False, amax_epsilon=0.0))
     for gemm, acc in (("fprop", False), ("dgrad", True), ("wgrad", True)):
         setattr(cls, f"fp8_gemm_{gemm}", obj(mcls, use_split_accumulator=acc))
-    r = obj(cls, use_power_2_scales=False, fp8_format=fp8.Format.HYBRID, fp8_dpa=False, fp8_mha=False,
-            backward_override=None)
+    r = obj(
+        cls,
+        use_power_2_scales=False,
+        fp8_format=fp8.Format.HYBRID,
+        fp8_dpa=False,
+        fp8_mha=False,
+        backward_override=None,
+    )
     x = _x(torch.float32) * 1e-3
     ws = _weights("list", torch.float32, requires_grad=False)
     before = fd.grouped_linear(x, ws, FULL, recipe=r)
@@ -689,7 +707,7 @@ def test_requires_grad_toggled_reaches_every_expert(layout):
     x = _x(torch.float32)
     _check(x, ws)  # the primal: nothing requires grad
     _check(x.requires_grad_(), ws)  # only x
-    for w in ([ws] if isinstance(ws, torch.Tensor) else ws):
+    for w in [ws] if isinstance(ws, torch.Tensor) else ws:
         w.requires_grad_(True)
     res = _check(x.detach(), ws)  # only the weights
     assert res.needs[1] is True or all(res.needs[1])
@@ -771,8 +789,9 @@ BAD_CALLS = {
     "fewer_weights": lambda x, ws: fd.grouped_linear(x, ws[:2], SPLITS),
     "backend": lambda x, ws: fd.grouped_linear(x, ws, SPLITS, backend="nope"),
     "fp8_tokens": lambda x, ws: fd.grouped_linear(x, ws, (8, 8, 32), B_LIST, recipe=fp8.Float8CurrentScaling()),
-    "fp8_rowwise_split": lambda x, ws: fd.grouped_linear(x, ws, SPLITS, B_LIST, recipe=fp8.RowwiseScaling(),
-                                                         use_grouped_tensor=False),
+    "fp8_rowwise_split": lambda x, ws: fd.grouped_linear(
+        x, ws, SPLITS, B_LIST, recipe=fp8.RowwiseScaling(), use_grouped_tensor=False
+    ),
 }
 
 
@@ -805,6 +824,7 @@ def test_bad_calls_raise_the_same_after_a_cached_success(bad):
 # address kept the key, the cached plan skipped the shape checks and read the group as one
 # [E, N, K] view with stale strides; fixed in a8cc187). And what the key still does not hold.
 
+
 @pytest.mark.parametrize("which", [0, 1, E - 1])
 def test_weight_narrowed_in_place_still_raises(which):
     x = _x(torch.float32)
@@ -819,10 +839,13 @@ def test_weight_narrowed_in_place_still_raises(which):
     assert _error(fd.grouped_linear, x, ws, FULL) == fresh
 
 
-@pytest.mark.parametrize("recipe", [
-    None,
-    "current",
-])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        None,
+        "current",
+    ],
+)
 def test_middle_bias_narrowed_in_place_still_raises(recipe):
     m = _module(torch.float32, bias=True)
     x, kw = _x(torch.float32), {"recipe": RECIPES[recipe] if recipe else None}
@@ -909,33 +932,40 @@ def _unplain_calls():
 
     def dual():
         import torch.autograd.forward_ad as fwAD
+
         with fwAD.dual_level():
             return f(fwAD.make_dual(x, torch.ones_like(x)), ws)
+
     yield "forward_ad", dual
 
     def fake():
         from torch._subclasses.fake_tensor import FakeTensorMode
+
         with FakeTensorMode() as mode:
             y = f(mode.from_tensor(x), [mode.from_tensor(w) for w in ws])
         assert y.shape == (T, N)
+
     yield "fake_tensor_mode", fake
 
     def distributed():
         group = FakeDW.group_of([w.detach() for w in ws])
         assert f(x, group).shape == (T, N)
+
     yield "distributed_weight", distributed
 
     def compiled():
         torch._dynamo.reset()
         xb, wb = x.bfloat16().requires_grad_(), [w.bfloat16().requires_grad_() for w in ws]
         torch.compile(f, backend="aot_eager")(xb, wb).sum().backward()
+
     yield "compile", compiled
 
     yield "plain", lambda: f(x, ws)  # (the control: a plain call is cached)
 
 
-@pytest.mark.parametrize("name", [
-    n for n, _ in _unplain_calls() if n not in ("plain", "grad", "vjp", "jacrev", "vmap", "vmap_grad")])
+@pytest.mark.parametrize(
+    "name", [n for n, _ in _unplain_calls() if n not in ("plain", "grad", "vjp", "jacrev", "vmap", "vmap_grad")]
+)
 def test_nothing_is_cached_under_transforms_compile_or_modes(name):
     calls = dict(_unplain_calls())
     calls[name]()
@@ -1100,7 +1130,7 @@ def test_nondiff_under_vmap_gets_none_in_dims():
     IN_DIMS.clear()
     y = torch.func.vmap(lambda x: end(x, w, opts))(xs)
     torch.testing.assert_close(y, 2 * xs * w)
-    (batch, dims, seen), = IN_DIMS
+    ((batch, dims, seen),) = IN_DIMS
     assert batch == 3 and dims == (0, None, None) and seen is opts
     # the middle position: no vmap rule, one call per element; the nondiff args unbatched, by reference
     SEEN.clear()
@@ -1119,8 +1149,7 @@ def test_nondiff_vmap_rule_folds_with_the_nondiff_args():
     def fold(batch_size, in_dims, x, w, opts):
         seen.append(in_dims)
         assert in_dims[2] is None and opts.scale == 2.0
-        return (x.movedim(in_dims[0], 0).reshape(-1), w.repeat(batch_size), opts), \
-            lambda y: (y.view(batch_size, -1), 0)
+        return (x.movedim(in_dims[0], 0).reshape(-1), w.repeat(batch_size), opts), lambda y: (y.view(batch_size, -1), 0)
 
     f = custom_vjp(_scaled_fwd, _scaled_bwd, nondiff_argnums=(2,), vmap=fold)
     x, w = _xw()
@@ -1132,7 +1161,10 @@ def test_nondiff_vmap_rule_folds_with_the_nondiff_args():
 def test_nondiff_bwd_returning_a_cotangent_for_it_is_refused():
     f = custom_vjp(_scaled_fwd, lambda res, dy: (*_scaled_bwd(res, dy), None), nondiff_argnums=(2,), name="padded")
     x, w = (t.requires_grad_() for t in _xw())
-    with pytest.raises(TypeError, match=r"custom_vjp\(padded\): bwd must return one cotangent per differentiable argument \(nondiff_argnums=\(2,\) excluded\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"custom_vjp\(padded\): bwd must return one cotangent per differentiable argument \(nondiff_argnums=\(2,\) excluded\)",
+    ):
         f(x, w, Opts(1.0)).sum().backward()
 
 
@@ -1152,11 +1184,14 @@ def test_nondiff_jvp_rule_gets_tangents_of_the_diff_args_only():
     assert seen == [2]
 
 
-@pytest.mark.parametrize("argnums,error,match", [
-    ((-1,), TypeError, "nondiff_argnums must be non-negative ints"),
-    ((True,), TypeError, "nondiff_argnums must be non-negative ints"),
-    ((1.0,), TypeError, "nondiff_argnums must be non-negative ints"),
-])
+@pytest.mark.parametrize(
+    "argnums,error,match",
+    [
+        ((-1,), TypeError, "nondiff_argnums must be non-negative ints"),
+        ((True,), TypeError, "nondiff_argnums must be non-negative ints"),
+        ((1.0,), TypeError, "nondiff_argnums must be non-negative ints"),
+    ],
+)
 def test_nondiff_argnums_refused_at_definition(argnums, error, match):
     with pytest.raises(error, match=match):
         custom_vjp(_scaled_fwd, _scaled_bwd, nondiff_argnums=argnums)
@@ -1195,7 +1230,9 @@ def test_path_decides_whether_grouped_mm_runs(path):
     assert res.path == ("grouped" if path else "split")
     assert len(calls) == (3 if path else 0)  # fprop, dgrad, wgrad
     torch.testing.assert_close(y, ref_grouped(x, ws, GMM_SPLITS), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dx, torch.cat([d @ w for d, w in zip(dy.split(list(GMM_SPLITS)), ws)]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        dx, torch.cat([d @ w for d, w in zip(dy.split(list(GMM_SPLITS)), ws)]), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_torch_kernels_name_themselves():
@@ -1205,8 +1242,11 @@ def test_torch_kernels_name_themselves():
 def test_grouped_path_fallback_warning_says_why(monkeypatch):
     monkeypatch.setattr(ref_mod, "_PATH_VERDICTS", {})  # a verdict cached by an earlier test would hide the message
     x, ws = _rand(GMM_T, 0, dtype=torch.float32), [_rand(GMM_N, 0, dtype=torch.float32) for _ in range(GMM_E)]
-    with pytest.warns(UserWarning, match=r"^grouped_linear: use_grouped_tensor=True but grouped_mm takes no zero-size "
-                                         r"features; running the split path$"):
+    with pytest.warns(
+        UserWarning,
+        match=r"^grouped_linear: use_grouped_tensor=True but grouped_mm takes no zero-size "
+        r"features; running the split path$",
+    ):
         y = fd.grouped_linear(x, ws, list(GMM_SPLITS), use_grouped_tensor=True)
     assert torch.equal(y, torch.zeros(GMM_T, GMM_N))
 

@@ -52,12 +52,19 @@ from conftest import BWD_SCALE, FWD_SCALE, HOOKS, FakeDW, assert_close, assert_s
 
 PROFILES = {
     "ci": dict(
-        examples={"grouped": 24, "linear": 8}, deadline=timedelta(seconds=2), derandomize=False,
-        database=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True,
+        examples={"grouped": 24, "linear": 8},
+        deadline=timedelta(seconds=2),
+        derandomize=False,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+        print_blob=True,
     ),
     "long": dict(
-        examples={"grouped": 400, "linear": 400}, deadline=None, derandomize=False,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True,
+        examples={"grouped": 400, "linear": 400},
+        deadline=None,
+        derandomize=False,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        print_blob=True,
     ),
 }
 
@@ -149,11 +156,26 @@ def grouped_cases(draw, hook: str | None) -> GroupedCase:
     x_grad = draw(st.booleans()) or (frozen and bias is None)  # something must need a grad
     x_contiguous, dy_form = draw(st.booleans()), draw(DY_FORMS)
     return GroupedCase(
-        E=E, K=K, N=N, dtype=dtype, splits=splits, splits_form=draw(st.sampled_from(["list", "tuple", "int64", "int32", "device"])),
-        weights_form=weights_form, dw=dw, bias=bias, fused=fused,
-        grad_added=plain_fused and draw(st.booleans()), overwrite=plain_fused and draw(st.booleans()),
-        frozen=frozen, hook=hook, backwards=1 if hook == "megatron_offload" else draw(st.integers(1, 2)),
-        path=path, x_grad=x_grad, x_contiguous=x_contiguous, params_contiguous=draw(st.booleans()), dy_form=dy_form,
+        E=E,
+        K=K,
+        N=N,
+        dtype=dtype,
+        splits=splits,
+        splits_form=draw(st.sampled_from(["list", "tuple", "int64", "int32", "device"])),
+        weights_form=weights_form,
+        dw=dw,
+        bias=bias,
+        fused=fused,
+        grad_added=plain_fused and draw(st.booleans()),
+        overwrite=plain_fused and draw(st.booleans()),
+        frozen=frozen,
+        hook=hook,
+        backwards=1 if hook == "megatron_offload" else draw(st.integers(1, 2)),
+        path=path,
+        x_grad=x_grad,
+        x_contiguous=x_contiguous,
+        params_contiguous=draw(st.booleans()),
+        dy_form=dy_form,
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -185,12 +207,22 @@ def linear_cases(draw, hook: str | None) -> LinearCase:
     K, N = draw(features())
     dw, fused = draw(st.booleans()), draw(st.booleans())
     return LinearCase(
-        lead=tuple(draw(st.lists(st.integers(0, 6), max_size=3))), K=K, N=N,
-        dtype=dtype, bias=draw(st.booleans()), dw=dw, fused=fused,
-        grad_added=fused and not dw and draw(st.booleans()), overwrite=fused and not dw and draw(st.booleans()),
-        hook=hook, backwards=1 if hook == "megatron_offload" else draw(st.integers(1, 2)),
-        x_grad=draw(st.booleans()), x_contiguous=draw(st.booleans()), params_contiguous=draw(st.booleans()),
-        dy_form=draw(DY_FORMS), seed=draw(st.integers(0, 2**31 - 1)),
+        lead=tuple(draw(st.lists(st.integers(0, 6), max_size=3))),
+        K=K,
+        N=N,
+        dtype=dtype,
+        bias=draw(st.booleans()),
+        dw=dw,
+        fused=fused,
+        grad_added=fused and not dw and draw(st.booleans()),
+        overwrite=fused and not dw and draw(st.booleans()),
+        hook=hook,
+        backwards=1 if hook == "megatron_offload" else draw(st.integers(1, 2)),
+        x_grad=draw(st.booleans()),
+        x_contiguous=draw(st.booleans()),
+        params_contiguous=draw(st.booleans()),
+        dy_form=draw(DY_FORMS),
+        seed=draw(st.integers(0, 2**31 - 1)),
     )
 
 
@@ -292,7 +324,9 @@ def _backward(y: torch.Tensor, dy: torch.Tensor, n: int) -> None:
 
 def _results(y: torch.Tensor, leaves: Leaves, fused: bool) -> dict:
     return {
-        "y": y.detach(), "dx": leaves.x.grad, "dw": [p.grad for p in leaves.params],
+        "y": y.detach(),
+        "dx": leaves.x.grad,
+        "dw": [p.grad for p in leaves.params],
         "main_grad": [p.main_grad for p in leaves.params] if fused else [],
         "db": [b.grad for b in leaves.bias],
         "calls": dict(leaves.params[0].calls) if fd.is_distributed_weight(leaves.params[0]) else None,
@@ -345,8 +379,9 @@ def _summed(actual, one, mag, n, dtype, what, init=None):
     assert_close(actual, want, dtype, what, mag=m, rounds=max(n, 1))
 
 
-def _check_weights(case, leaves: Leaves, got: dict, dW_full: list[torch.Tensor], inp: Inputs, stacked: bool,
-                   dW_mag: list[torch.Tensor]) -> None:
+def _check_weights(
+    case, leaves: Leaves, got: dict, dW_full: list[torch.Tensor], inp: Inputs, stacked: bool, dW_mag: list[torch.Tensor]
+) -> None:
     """Weight grads / main_grad against float64 per-expert ``dW_e = dy_e^T x_e`` (full shape);
     ``dW_mag`` the same on absolute values. main_grad is fp32: held to fp32 accuracy."""
     n, dtype = case.backwards, case.dtype
@@ -388,8 +423,13 @@ def _check_weights(case, leaves: Leaves, got: dict, dW_full: list[torch.Tensor],
 
 def _grouped_supported(dtype: torch.dtype, K: int, N: int) -> bool:
     size = torch.tensor([], dtype=dtype).element_size()
-    return (dtype in (torch.float32, torch.bfloat16, torch.float16) and K > 0 and N > 0
-            and (K * size) % 16 == 0 and (N * size) % 16 == 0)
+    return (
+        dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and K > 0
+        and N > 0
+        and (K * size) % 16 == 0
+        and (N * size) % 16 == 0
+    )
 
 
 # --- grouped_linear ----------------------------------------------------------------------
@@ -418,10 +458,14 @@ def _one_thread_warmed_up():
     torch.set_num_threads(threads)
 
 
-
 def _splits_arg(case: GroupedCase):
-    return {"list": list, "tuple": tuple, "int64": torch.tensor, "device": torch.tensor,
-            "int32": lambda s: torch.tensor(s, dtype=torch.int32)}[case.splits_form](list(case.splits))
+    return {
+        "list": list,
+        "tuple": tuple,
+        "int64": torch.tensor,
+        "device": torch.tensor,
+        "int32": lambda s: torch.tensor(s, dtype=torch.int32),
+    }[case.splits_form](list(case.splits))
 
 
 @contextlib.contextmanager
@@ -447,9 +491,20 @@ def _run_grouped(case: GroupedCase, inp: Inputs, hook: str | None):
     weights = leaves.params[0] if stacked else list(leaves.params)
     bias = None if case.bias is None else (leaves.bias[0] if case.bias == "stacked" else list(leaves.bias))
     with _device_like_splits(case):
-        return _run(lambda: fd.grouped_linear(leaves.x, weights, _splits_arg(case), bias,
-                                              fuse_wgrad_accumulation=case.fused, use_grouped_tensor=case.path),
-                    case, inp, leaves, hook)
+        return _run(
+            lambda: fd.grouped_linear(
+                leaves.x,
+                weights,
+                _splits_arg(case),
+                bias,
+                fuse_wgrad_accumulation=case.fused,
+                use_grouped_tensor=case.path,
+            ),
+            case,
+            inp,
+            leaves,
+            hook,
+        )
 
 
 def _run(call, case, inp: Inputs, leaves, hook: str | None):
@@ -494,6 +549,7 @@ def test_grouped_linear_matches_reference_and_unhooked_run(hook, data):
     w_fwd = [FWD_SCALE * f for f in fulls] if case.dw else fulls
     w_bwd = [BWD_SCALE * f for f in fulls] if case.dw else fulls
     b64 = [b.double() for b in inp.biases] if case.bias else [None] * E
+
     def per_expert(x64, dy64, w_fwd, w_bwd, b64):
         xs, dys = x64.split(list(case.splits)), dy64.split(list(case.splits))
         y64 = torch.cat([F.linear(xe, w_fwd[e], b64[e]) for e, xe in enumerate(xs)])
@@ -531,8 +587,15 @@ def test_grouped_linear_matches_reference_and_unhooked_run(hook, data):
 
 def _run_linear(case: LinearCase, inp: Inputs, hook: str | None):
     leaves = _leaves(case, inp, bias_form="list" if case.bias else None)
-    return _run(lambda: fd.linear(leaves.x, leaves.params[0], leaves.bias[0] if case.bias else None,
-                                  fuse_wgrad_accumulation=case.fused), case, inp, leaves, hook)
+    return _run(
+        lambda: fd.linear(
+            leaves.x, leaves.params[0], leaves.bias[0] if case.bias else None, fuse_wgrad_accumulation=case.fused
+        ),
+        case,
+        inp,
+        leaves,
+        hook,
+    )
 
 
 @pytest.mark.parametrize("hook", HOOK_NAMES, ids=str)

@@ -23,6 +23,7 @@ def _data(dtype=torch.float32, seed=0):
 
 # --- the splits cache ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("first", [torch.int32, torch.int64])
 def test_device_splits_cache_one_entry_per_dtype(first):
     """A device-only splits record (host unknown, as for CUDA splits or under torch.compile):
@@ -41,7 +42,9 @@ def test_device_splits_are_clamped_not_trusted():
     sp = Splits(host=None, tensor=torch.tensor([4, -2, 9, 1]), device=torch.device("cpu"), num_tokens=T, num_experts=E)
     assert sp.ends(torch.int64).tolist() == [4, 4, 10, 10]  # negatives as 0, running sum capped at T
     assert sp.ends(torch.int32).tolist() == [4, 4, 10, 10]
-    short = Splits(host=None, tensor=torch.tensor([2, 0, 3, 1]), device=torch.device("cpu"), num_tokens=T, num_experts=E)
+    short = Splits(
+        host=None, tensor=torch.tensor([2, 0, 3, 1]), device=torch.device("cpu"), num_tokens=T, num_experts=E
+    )
     assert short.ends(torch.int32).tolist() == [2, 2, 5, 10]  # the last expert takes the rows left over
     assert short.on_device().tolist() == [2, 0, 3, 5]
 
@@ -66,8 +69,9 @@ def test_compiled_split_path_reads_forwards_routing_in_backward():
     """The caller may reuse its splits buffer before backward (found by the probe)."""
     torch._dynamo.reset()
     w = torch.randn(E, N, K, requires_grad=True)
-    f = torch.compile(lambda x, s: fd.grouped_linear(x, w, s, use_grouped_tensor=False), backend="aot_eager",
-                      fullgraph=True)
+    f = torch.compile(
+        lambda x, s: fd.grouped_linear(x, w, s, use_grouped_tensor=False), backend="aot_eager", fullgraph=True
+    )
     x = torch.randn(T, K, requires_grad=True)
     s = torch.tensor(SPLITS)
     y = f(x, s)
@@ -79,6 +83,7 @@ def test_compiled_split_path_reads_forwards_routing_in_backward():
 
 
 # --- jvp through a DistributedWeight: forward's gather ---------------------------------------
+
 
 @pytest.mark.parametrize("layer", ["linear", "grouped"])
 def test_jvp_uses_the_forward_gather(layer):
@@ -103,6 +108,7 @@ def test_jvp_uses_the_forward_gather(layer):
 
 # --- the path a module asks for reaches the kernels ----------------------------------------
 
+
 @pytest.mark.parametrize("use_grouped_tensor, want", [(False, False), (True, True), (None, True)])
 def test_module_passes_use_grouped_tensor_through(use_grouped_tensor, want):
     rec = PathRecorder()
@@ -115,6 +121,7 @@ def test_module_passes_use_grouped_tensor_through(use_grouped_tensor, want):
 
 
 # --- a DW's grad buffer: the fused wgrad GEMM overwrites it -------------------------------
+
 
 @pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])
 @pytest.mark.parametrize("layer", ["linear", "grouped"])
@@ -140,7 +147,9 @@ def test_fused_dw_grad_buffer_is_overwritten(layer, path):
 
 # --- fp32 accumulators are held to fp32 ------------------------------------------------------
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -160,8 +169,9 @@ def test_bf16_layer_fp32_main_grad_and_bias_sums_at_fp32_accuracy(path, device):
     for p in params:
         p.main_grad = torch.zeros(N, K, device=device)
     bias = torch.zeros(E, N, dtype=torch.bfloat16, device=device, requires_grad=True)
-    y = fd.grouped_linear(x, params, splits, bias, fuse_wgrad_accumulation=True, use_grouped_tensor=path,
-                          backend="torch")
+    y = fd.grouped_linear(
+        x, params, splits, bias, fuse_wgrad_accumulation=True, use_grouped_tensor=path, backend="torch"
+    )
     y.backward(dy)
     x64, dy64 = x.double(), dy.double()
     for p, xe, de in zip(params, x64.split(splits), dy64.split(splits)):
@@ -186,13 +196,17 @@ def test_bf16_linear_fp32_main_grad_at_fp32_accuracy():
 
 # --- no GEMM for a gradient nobody needs ----------------------------------------------------
 
+
 @pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])
-@pytest.mark.parametrize("x_grad, w_grad, b_grad, want", [
-    (True, True, True, ["dgrad", "wgrad"]),
-    (False, True, True, ["wgrad"]),  # an input that needs no grad: no dgrad
-    (True, False, True, ["dgrad"]),  # frozen experts: no wgrad (the bias grad is a column sum)
-    (True, False, False, ["dgrad"]),
-])
+@pytest.mark.parametrize(
+    "x_grad, w_grad, b_grad, want",
+    [
+        (True, True, True, ["dgrad", "wgrad"]),
+        (False, True, True, ["wgrad"]),  # an input that needs no grad: no dgrad
+        (True, False, True, ["dgrad"]),  # frozen experts: no wgrad (the bias grad is a column sum)
+        (True, False, False, ["dgrad"]),
+    ],
+)
 def test_grouped_backward_runs_only_the_gemms_needed(path, x_grad, w_grad, b_grad, want):
     x, ws, dy = _data()
     x.requires_grad_(x_grad)
@@ -312,8 +326,11 @@ def test_a_frozen_fused_dw_finalizes_zeros_not_its_stale_buffer(layer):
     for m in group:
         m.requires_grad_(False)
     x = torch.randn(T, K, requires_grad=True)
-    y = fd.linear(x, group[0], fuse_wgrad_accumulation=True) if layer == "linear" else \
-        fd.grouped_linear(x, group, SPLITS, fuse_wgrad_accumulation=True)
+    y = (
+        fd.linear(x, group[0], fuse_wgrad_accumulation=True)
+        if layer == "linear"
+        else fd.grouped_linear(x, group, SPLITS, fuse_wgrad_accumulation=True)
+    )
     y.sum().backward()
     assert x.grad is not None
     for m in group:

@@ -113,8 +113,9 @@ class GroupedMLP:
 
     def forward(self, x, splits, path):
         h = fd.grouped_linear(x, self.w1, splits, self.b1, use_grouped_tensor=path, backend="torch")
-        y = fd.grouped_linear(F.gelu(h), self.w2, splits, fuse_wgrad_accumulation=True, use_grouped_tensor=path,
-                              backend="torch")
+        y = fd.grouped_linear(
+            F.gelu(h), self.w2, splits, fuse_wgrad_accumulation=True, use_grouped_tensor=path, backend="torch"
+        )
         return fd.linear(y, self.w3, self.b3, backend="torch").pow(2).mean()
 
     @torch.no_grad()
@@ -186,8 +187,14 @@ def soak(iterations: int) -> dict:
     finally:
         torch.set_num_threads(threads)
     leader = model.w1[0]
-    return {"base": base, "samples": samples, "losses": losses, "calls": leader.calls, "packed": hook.packed,
-            "total": WARMUP + iterations}
+    return {
+        "base": base,
+        "samples": samples,
+        "losses": losses,
+        "calls": leader.calls,
+        "packed": hook.packed,
+        "total": WARMUP + iterations,
+    }
 
 
 def check(result: dict) -> None:
@@ -197,14 +204,18 @@ def check(result: dict) -> None:
     objects = [s["objects"] for s in samples]
     device = [s["device"] for s in samples]
     mb = 2**-20
-    print(f"\nsoak: {n - WARMUP} iterations after {WARMUP} warm-up; RSS {base['rss'] * mb:.1f} MB -> "
-          f"{rss[-1] * mb:.1f} MB (max {max(rss) * mb:.1f}); live tensors {base['tensors']} -> {tensors[-1]} "
-          f"(range {min(tensors)}..{max(tensors)}); gc objects {base['objects']} -> {objects[-1]} (range "
-          f"{min(objects)}..{max(objects)}); device {base['device']} -> {device[-1]} B; "
-          f"{result['packed']} tensors offloaded; loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}\n"
-          f"RSS at checkpoints (MB): {' '.join(f'{r * mb:.1f}' for r in rss)}")
+    print(
+        f"\nsoak: {n - WARMUP} iterations after {WARMUP} warm-up; RSS {base['rss'] * mb:.1f} MB -> "
+        f"{rss[-1] * mb:.1f} MB (max {max(rss) * mb:.1f}); live tensors {base['tensors']} -> {tensors[-1]} "
+        f"(range {min(tensors)}..{max(tensors)}); gc objects {base['objects']} -> {objects[-1]} (range "
+        f"{min(objects)}..{max(objects)}); device {base['device']} -> {device[-1]} B; "
+        f"{result['packed']} tensors offloaded; loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}\n"
+        f"RSS at checkpoints (MB): {' '.join(f'{r * mb:.1f}' for r in rss)}"
+    )
     assert max(rss) - base["rss"] < RSS_GROWTH_BOUND, f"host RSS grew by {(max(rss) - base['rss']) * mb:.1f} MB"
-    assert all(abs(t - base["tensors"]) <= TENSOR_SLACK for t in tensors), f"live tensors {base['tensors']} -> {tensors}"
+    assert all(abs(t - base["tensors"]) <= TENSOR_SLACK for t in tensors), (
+        f"live tensors {base['tensors']} -> {tensors}"
+    )
     assert all(abs(o - base["objects"]) <= OBJECT_SLACK for o in objects), f"gc objects {base['objects']} -> {objects}"
     assert max(device) - base["device"] <= DEVICE_GROWTH_BOUND, f"device memory {base['device']} -> {device}"
     assert all(v == v and abs(v) != float("inf") for v in result["losses"]), "loss went non-finite"

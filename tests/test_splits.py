@@ -30,6 +30,7 @@ def _group(dtype=torch.float32, seed=0, requires_grad=True):
 
 # --- forms: any sequence of weights and biases, numpy splits -----------------------------------
 
+
 @pytest.mark.parametrize("path", PATHS)
 def test_parameter_lists_and_numpy_splits(path):
     x, ws, bs = _group()
@@ -49,9 +50,15 @@ def test_parameter_lists_and_numpy_splits(path):
 
 # --- device counts near int64's limit; huge host counts ----------------------------------------
 
-@pytest.mark.parametrize("sizes,T,ends", [([2**62, 2**62, 5], 10, [10, 10, 10]),
-                                          ([3, 2**63 - 1, 2**63 - 1, 1], 9, [3, 9, 9, 9]),
-                                          ([-(2**63), 2**62, 2**62], 4, [0, 4, 4])])
+
+@pytest.mark.parametrize(
+    "sizes,T,ends",
+    [
+        ([2**62, 2**62, 5], 10, [10, 10, 10]),
+        ([3, 2**63 - 1, 2**63 - 1, 1], 9, [3, 9, 9, 9]),
+        ([-(2**63), 2**62, 2**62], 4, [0, 4, 4]),
+    ],
+)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_device_counts_near_int64s_limit_do_not_wrap(sizes, T, ends, compiled):
     # the running sum of counts such as 2**62 + 2**62 wrapped negative, the clamp kept it, and
@@ -75,6 +82,7 @@ def test_huge_host_readable_counts_are_refused_with_their_sum():
 
 
 # --- under a trace: a tensor, never host ints --------------------------------------------------
+
 
 def test_splits_in_a_traced_graph_are_a_tensor_never_host_ints():
     x = randn(5, 8, dtype=torch.float64, draw_dtype=None)

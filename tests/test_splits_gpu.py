@@ -15,8 +15,16 @@ import functional_dw as fd  # noqa: E402
 from functional_dw.kernels import Splits  # noqa: E402
 from functional_dw.kernels.triton_splits import triton  # noqa: E402
 
-CASES = [([5, -3, 9, 4], 10), ([3, 0, 7], 10), ([0] * 5, 0), (list(range(-3, 40)), 100), ([2**31 - 1, 5], 7),
-         ([1] * 1000, 1000), ([2, 3], 10), ([4, -1, 0], 9)]
+CASES = [
+    ([5, -3, 9, 4], 10),
+    ([3, 0, 7], 10),
+    ([0] * 5, 0),
+    (list(range(-3, 40)), 100),
+    ([2**31 - 1, 5], 7),
+    ([1] * 1000, 1000),
+    ([2, 3], 10),
+    ([4, -1, 0], 9),
+]
 
 
 def expected(sizes, T):
@@ -37,8 +45,13 @@ def expected(sizes, T):
 def test_device_splits_are_clamped_in_one_launch(sizes, T, dtype):
     if triton is None:
         pytest.skip("Triton is not installed: the torch ops run (tested on the CPU)")
-    s = Splits(host=None, tensor=torch.tensor(sizes, dtype=dtype, device="cuda"), device=torch.device("cuda"),
-               num_tokens=T, num_experts=len(sizes))
+    s = Splits(
+        host=None,
+        tensor=torch.tensor(sizes, dtype=dtype, device="cuda"),
+        device=torch.device("cuda"),
+        num_tokens=T,
+        num_experts=len(sizes),
+    )
     counts, ends = expected(sizes, T)
     assert s.on_device().dtype == torch.int64 and s.on_device().tolist() == counts
     assert s.ends(torch.int32).tolist() == ends
@@ -50,8 +63,13 @@ def test_device_splits_are_clamped_in_one_launch(sizes, T, dtype):
 def test_device_counts_near_int64s_limit_do_not_wrap_in_the_triton_launch(sizes, T):
     if triton is None:
         pytest.skip("Triton is not installed")
-    s = Splits(host=None, tensor=torch.tensor(sizes, dtype=torch.int64, device="cuda"), device=torch.device("cuda"),
-               num_tokens=T, num_experts=len(sizes))
+    s = Splits(
+        host=None,
+        tensor=torch.tensor(sizes, dtype=torch.int64, device="cuda"),
+        device=torch.device("cuda"),
+        num_tokens=T,
+        num_experts=len(sizes),
+    )
     counts, ends = expected(sizes, T)
     assert s.on_device().tolist() == counts and s.ends(torch.int32).tolist() == ends
     assert s._cache.get("fused") is not None, "the Triton path ran"

@@ -23,8 +23,13 @@ def spec(scaling, role="input"):
 
 
 def splits(sizes, device_only=False):
-    return Splits(host=None if device_only else tuple(sizes), tensor=torch.tensor(sizes) if device_only else None,
-                  device=torch.device("cpu"), num_tokens=sum(sizes), num_experts=len(sizes))
+    return Splits(
+        host=None if device_only else tuple(sizes),
+        tensor=torch.tensor(sizes) if device_only else None,
+        device=torch.device("cpu"),
+        num_tokens=sum(sizes),
+        num_experts=len(sizes),
+    )
 
 
 def t(rows, cols, dtype=torch.bfloat16):
@@ -40,12 +45,15 @@ def scale_args(scaling, E=None):
 # --- devices ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("env,scaling,match", [
-    (((8, 0), 131000, (12, 9)), "current", "compute capability 8.9 or higher"),
-    (((8, 9), 120000, (12, 9)), "delayed", "Ada needs cuBLASLt >= 12.1.3"),
-    (((8, 9), 131000, (12, 9)), "block", "Float8BlockScaling needs compute capability 9.0"),
-    (((9, 0), 131000, (12, 8)), "block", "CUDA >= 12.9"),
-])
+@pytest.mark.parametrize(
+    "env,scaling,match",
+    [
+        (((8, 0), 131000, (12, 9)), "current", "compute capability 8.9 or higher"),
+        (((8, 9), 120000, (12, 9)), "delayed", "Ada needs cuBLASLt >= 12.1.3"),
+        (((8, 9), 131000, (12, 9)), "block", "Float8BlockScaling needs compute capability 9.0"),
+        (((9, 0), 131000, (12, 8)), "block", "CUDA >= 12.9"),
+    ],
+)
 def test_device_problems(env, scaling, match):
     assert match in device_problem(scaling, env)
     with pytest.raises(ValueError, match=match):
@@ -61,14 +69,17 @@ def test_hopper_runs_every_recipe(scaling):
 # --- the grouped-tensor path (TE's is_module_grouped_tensor_path_supported) -------------------
 
 
-@pytest.mark.parametrize("recipe,env,E,match", [
-    (fp8.DelayedScaling(), H200, 4, "no delayed-scaling kernels"),
-    (fp8.Float8CurrentScaling(), ((9, 0), 130400, (12, 9)), 4, "cuBLASLt >= 13.5.0"),
-    (fp8.Float8BlockScaling(), ((9, 0), 130500, (12, 9)), 4, "cuBLASLt >= 13.6.0"),
-    (fp8.Float8BlockScaling(), ((10, 0), 131000, (12, 9)), 4, "Hopper only"),
-    (fp8.Float8CurrentScaling(backward_override="dequantized"), H200, 4, "backward_override"),
-    (fp8.Float8CurrentScaling(), H200, 65, "at most 64"),
-])
+@pytest.mark.parametrize(
+    "recipe,env,E,match",
+    [
+        (fp8.DelayedScaling(), H200, 4, "no delayed-scaling kernels"),
+        (fp8.Float8CurrentScaling(), ((9, 0), 130400, (12, 9)), 4, "cuBLASLt >= 13.5.0"),
+        (fp8.Float8BlockScaling(), ((9, 0), 130500, (12, 9)), 4, "cuBLASLt >= 13.6.0"),
+        (fp8.Float8BlockScaling(), ((10, 0), 131000, (12, 9)), 4, "Hopper only"),
+        (fp8.Float8CurrentScaling(backward_override="dequantized"), H200, 4, "backward_override"),
+        (fp8.Float8CurrentScaling(), H200, 65, "at most 64"),
+    ],
+)
 def test_grouped_path_problems(recipe, env, E, match):
     assert match in grouped_path_problem(recipe, env, E)
 
@@ -103,8 +114,9 @@ def test_split_path_counts(scaling):
     sizes = [16, 0, 32, 48]
     check_quantize(t(96, 64), spec(scaling), *scale_args(scaling, 4), True, True, H200, (splits(sizes), False))
     with pytest.raises(ValueError, match=r"splits\[1\] is 8, but an FP8 wgrad .* multiple of 16"):
-        check_quantize(t(88, 64), spec(scaling), *scale_args(scaling, 4), True, True, H200,
-                       (splits([16, 8, 32, 32]), False))
+        check_quantize(
+            t(88, 64), spec(scaling), *scale_args(scaling, 4), True, True, H200, (splits([16, 8, 32, 32]), False)
+        )
 
 
 def test_block_rowwise_counts_multiple_of_8():
@@ -123,10 +135,13 @@ def test_grouped_block_scaling_needs_128_rows_per_expert():
 
 def test_grouped_path_refuses_delayed_and_fp32():
     with pytest.raises(ValueError, match="no delayed-scaling kernels"):
-        check_quantize(t(32, 64), spec("delayed"), *scale_args("delayed", 2), True, True, H200, (splits([16, 16]), True))
+        check_quantize(
+            t(32, 64), spec("delayed"), *scale_args("delayed", 2), True, True, H200, (splits([16, 16]), True)
+        )
     with pytest.raises(TypeError, match="bfloat16 or float16"):
-        check_quantize(t(32, 64, torch.float32), spec("current"), None, None, True, True, H200,
-                       (splits([16, 16]), True))
+        check_quantize(
+            t(32, 64, torch.float32), spec("current"), None, None, True, True, H200, (splits([16, 16]), True)
+        )
     check_quantize(t(32, 64, torch.float32), spec("current"), None, None, True, True, H200, (splits([16, 16]), False))
 
 
@@ -145,7 +160,9 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="delayed scaling only"):
         check_quantize(t(32, 64), spec("block"), torch.ones(()), None, True, False, H200)
     with pytest.raises(ValueError, match="scales must have 3 entries"):
-        check_quantize(t(48, 64), spec("delayed"), torch.ones(2), None, True, False, H200, (splits([16, 16, 16]), False))
+        check_quantize(
+            t(48, 64), spec("delayed"), torch.ones(2), None, True, False, H200, (splits([16, 16, 16]), False)
+        )
 
 
 @pytest.mark.skipif(te_available(), reason="TE is installed: tests/test_te_fp8_gpu.py covers it")

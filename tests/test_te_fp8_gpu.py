@@ -48,8 +48,12 @@ K = N = 256
 NAMES = ["delayed", "current", "block"]
 # a zero-token expert in each; multiples of 16 (the FP8 wgrad's leading dimension), of 128 for
 # block scaling (TE's grouped block-scaling quantize needs them; the split path uses the same)
-SIZES = {("16", 4): [32, 0, 96, 128], ("16", 8): [16, 48, 0, 80, 32, 0, 64, 16],
-         ("128", 4): [128, 0, 256, 128], ("128", 8): [128, 0, 128, 256, 0, 128, 128, 128]}
+SIZES = {
+    ("16", 4): [32, 0, 96, 128],
+    ("16", 8): [16, 48, 0, 80, 32, 0, 64, 16],
+    ("128", 4): [128, 0, 256, 128],
+    ("128", 8): [128, 0, 128, 256, 0, 128, 128, 128],
+}
 
 
 def sizes_for(name: str, E: int) -> list[int]:
@@ -57,8 +61,11 @@ def sizes_for(name: str, E: int) -> list[int]:
 
 
 def te_recipe(name: str):
-    return {"delayed": te_recipes.DelayedScaling, "current": te_recipes.Float8CurrentScaling,
-            "block": te_recipes.Float8BlockScaling}[name]()
+    return {
+        "delayed": te_recipes.DelayedScaling,
+        "current": te_recipes.Float8CurrentScaling,
+        "block": te_recipes.Float8BlockScaling,
+    }[name]()
 
 
 def autocast(recipe):
@@ -101,9 +108,13 @@ def splits_arg(sizes, grouped: bool):
 
 def splits_record(sizes, grouped: bool) -> Splits:
     """What the layer builds: host counts on the split path, a CUDA tensor on the grouped one."""
-    return Splits(host=None if grouped else tuple(sizes),
-                  tensor=torch.tensor(sizes, dtype=torch.int64, device=DEV) if grouped else None,
-                  device=torch.device(DEV), num_tokens=sum(sizes), num_experts=len(sizes))
+    return Splits(
+        host=None if grouped else tuple(sizes),
+        tensor=torch.tensor(sizes, dtype=torch.int64, device=DEV) if grouped else None,
+        device=torch.device(DEV),
+        num_tokens=sum(sizes),
+        num_experts=len(sizes),
+    )
 
 
 class Check:
@@ -128,9 +139,12 @@ class Check:
         diff = (got.double() - want.double()).abs().nan_to_num(float("inf"))
         ne = (got != want) & ~(got.isnan() & want.isnan())
         i = int(ne.flatten().nonzero()[0]) if ne.any() else 0
-        self._add(False, f"{what}: {int(ne.sum())} of {got.numel()} differ, max |diff| {diff.max().item():.4g} "
-                         f"(|want| max {want.double().abs().max().item():.4g}); first at {i}: "
-                         f"got {got.flatten()[i].item()!r}, want {want.flatten()[i].item()!r}")
+        self._add(
+            False,
+            f"{what}: {int(ne.sum())} of {got.numel()} differ, max |diff| {diff.max().item():.4g} "
+            f"(|want| max {want.double().abs().max().item():.4g}); first at {i}: "
+            f"got {got.flatten()[i].item()!r}, want {want.flatten()[i].item()!r}",
+        )
 
     def within(self, got, want, bound, what: str) -> None:
         """|got - want| <= bound, elementwise (bound: a tensor like want, or a number)."""
@@ -141,8 +155,10 @@ class Check:
         text = f"{what}: max |diff| {err.max().item() if err.numel() else 0:.4g}, max diff/bound {ratio:.3g}"
         if over.any():
             i = int((err - bound).flatten().argmax())
-            text += (f"; {int(over.sum())} of {err.numel()} outside, worst at {i}: got {got.flatten()[i].item()!r}, "
-                     f"want {want.flatten()[i].item()!r}, bound {bound.flatten()[i].item():.3g}")
+            text += (
+                f"; {int(over.sum())} of {err.numel()} outside, worst at {i}: got {got.flatten()[i].item()!r}, "
+                f"want {want.flatten()[i].item()!r}, bound {bound.flatten()[i].item():.3g}"
+            )
         self._add(not over.any(), text)
 
     def done(self) -> None:
@@ -169,7 +185,9 @@ def amax_view(state, role: str, e: int | None = None) -> torch.Tensor:
     """Row 0 of the amax history at GEMM e's ``role`` (a 0-d view), or all E of them (strided)."""
     side, col = fp8.slot(role, 0 if e is None else e, state.num_gemms)
     row = getattr(state, f"amax_history_{side}")[0]
-    return row[col] if e is not None else row[col::fp8.state.FWD_PER_GEMM if side == "fwd" else fp8.state.BWD_PER_GEMM]
+    return (
+        row[col] if e is not None else row[col :: fp8.state.FWD_PER_GEMM if side == "fwd" else fp8.state.BWD_PER_GEMM]
+    )
 
 
 def q_args(state, role: str, e: int | None = None, *, record: bool = True) -> dict:
@@ -194,21 +212,39 @@ def kernels_grouped_step(recipe, state, x, ws, b_EN, sizes, dy, grouped, main_gr
     w_scales = None if state is None else fp8.group_scales(state, "weight").clone()  # forward's, for backward
     if state is not None:
         fp8.update_state_(state, recipe, which="fwd")  # TE: at autocast exit
-    dyq = TE.grouped_quantize(dy, splits, sdy, rowwise=True, columnwise=True, grouped=grouped, with_dbias=True,
-                              **q_args(state, "grad_output"))
-    wb = [TE.quantize(w, sw, rowwise=False, columnwise=True,  # re-quantized, nothing recorded
-                      **({} if state is None else {"scale": w_scales[e]})) for e, w in enumerate(ws)]
+    dyq = TE.grouped_quantize(
+        dy, splits, sdy, rowwise=True, columnwise=True, grouped=grouped, with_dbias=True, **q_args(state, "grad_output")
+    )
+    wb = [
+        TE.quantize(
+            w,
+            sw,
+            rowwise=False,
+            columnwise=True,  # re-quantized, nothing recorded
+            **({} if state is None else {"scale": w_scales[e]}),
+        )
+        for e, w in enumerate(ws)
+    ]
     dx = TE.grouped_dgrad(dyq, wb, splits, grouped, split_accumulator=acc.dgrad)
-    dw, db = TE.grouped_wgrad(saved, dyq, splits, grouped, out=main_grads, accumulate=main_grads is not None,
-                              with_dbias=True, split_accumulator=acc.wgrad)
+    dw, db = TE.grouped_wgrad(
+        saved,
+        dyq,
+        splits,
+        grouped,
+        out=main_grads,
+        accumulate=main_grads is not None,
+        with_dbias=True,
+        split_accumulator=acc.wgrad,
+    )
     if state is not None:
         fp8.update_state_(state, recipe, which="bwd")  # TE: after the first module's backward
     return {"y": y, "dx": dx, "dw": list(dw), "db": list(db)}
 
 
 def te_grouped_module(E, grouped, fused, dtype=BF16, seed=0):
-    m = te.GroupedLinear(E, K, N, bias=True, params_dtype=dtype, device=DEV, use_grouped_tensor=grouped,
-                         fuse_wgrad_accumulation=fused)
+    m = te.GroupedLinear(
+        E, K, N, bias=True, params_dtype=dtype, device=DEV, use_grouped_tensor=grouped, fuse_wgrad_accumulation=fused
+    )
     with torch.no_grad():
         for e in range(E):
             getattr(m, f"weight{e}").copy_(randn(N, K, dtype=dtype, scale=0.05, seed=seed + e))
@@ -229,8 +265,12 @@ def te_grouped_step(m, recipe, x, sizes, dy, grouped, fused):
         y = m(xt, splits_arg(sizes, grouped))
     y.backward(dy)
     ws, bs = params(m, "weight"), params(m, "bias")
-    out = {"y": y.detach(), "dx": xt.grad, "dw": [(w.main_grad if fused else w.grad).clone() for w in ws],
-           "db": [b.grad.clone() for b in bs]}
+    out = {
+        "y": y.detach(),
+        "dx": xt.grad,
+        "dw": [(w.main_grad if fused else w.grad).clone() for w in ws],
+        "db": [b.grad.clone() for b in bs],
+    }
     for p in ws + bs:
         p.grad = None
     return out
@@ -241,8 +281,11 @@ def compare_grouped(c: Check, got, want, sizes, grouped, fused, step, atomic_db:
     c.equal(got["dx"], want["dx"], f"step {step} dx")
     for e, (a, b) in enumerate(zip(got["dw"], want["dw"])):
         if grouped and not fused and sizes[e] == 0:  # TE's own is torch.empty there if the GEMM skips K=0
-            c._add(bool(torch.count_nonzero(a) == 0), f"step {step} dw[{e}] (0 tokens): ours all zeros "
-                   f"({int(torch.count_nonzero(a))} nonzero); TE's has {int(torch.count_nonzero(b))} nonzero")
+            c._add(
+                bool(torch.count_nonzero(a) == 0),
+                f"step {step} dw[{e}] (0 tokens): ours all zeros "
+                f"({int(torch.count_nonzero(a))} nonzero); TE's has {int(torch.count_nonzero(b))} nonzero",
+            )
         else:
             c.equal(a, b, f"step {step} {'main_grad' if fused else 'dw'}[{e}]")
     for e, (a, b) in enumerate(zip(got["db"], want["db"])):
@@ -270,8 +313,10 @@ def test_kernels_match_te_grouped_linear(name, grouped, fused, E):
     b_EN = torch.stack([b.detach().clone() for b in params(m, "bias")])
     main_grads = [torch.zeros(N, K, dtype=torch.float32, device=DEV) for _ in range(E)] if fused else None
     state = fp8.init_state(recipe, E, device=DEV) if name == "delayed" else None
-    c = Check(f"kernels vs te.GroupedLinear: {name}, {'grouped' if grouped else 'split'}, "
-              f"{'fused main_grad' if fused else 'plain'}, E={E}, splits={sizes}")
+    c = Check(
+        f"kernels vs te.GroupedLinear: {name}, {'grouped' if grouped else 'split'}, "
+        f"{'fused main_grad' if fused else 'plain'}, E={E}, splits={sizes}"
+    )
     for step in range(3 if state is not None else 1):
         x, dy = randn(T, K, seed=10 + step), randn(T, N, seed=20 + step)
         want = te_grouped_step(m, tr, x, sizes, dy, grouped, fused)
@@ -303,8 +348,10 @@ def test_saved_fp8_x_survives_a_trip_through_host_memory(name, grouped):
     leaves, spec = pytree.tree_flatten(saved)
     back = pytree.tree_unflatten([t.cpu().to(DEV) for t in leaves], spec)
     dyq = TE.grouped_quantize(randn(T, N, seed=2), splits, sdy, rowwise=True, columnwise=True, grouped=grouped)
-    c = Check(f"FP8 residual through host memory: {name}, {'grouped' if grouped else 'split'}: {len(leaves)} leaves "
-              f"{sorted({str(t.dtype) for t in leaves})}, {sum(t.numel() * t.element_size() for t in leaves)} bytes")
+    c = Check(
+        f"FP8 residual through host memory: {name}, {'grouped' if grouped else 'split'}: {len(leaves)} leaves "
+        f"{sorted({str(t.dtype) for t in leaves})}, {sum(t.numel() * t.element_size() for t in leaves)} bytes"
+    )
     acc = fp8.split_accumulator(recipe).wgrad  # block scaling: cuBLAS has no fast-accumulation kernel
     dw_a, _ = TE.grouped_wgrad(saved, dyq, splits, grouped, split_accumulator=acc)
     dw_b, _ = TE.grouped_wgrad(back, dyq, splits, grouped, split_accumulator=acc)
@@ -312,7 +359,9 @@ def test_saved_fp8_x_survives_a_trip_through_host_memory(name, grouped):
         if sizes[e]:
             c.equal(dw_b[e], dw_a[e], f"dw[{e}]")
     kinds = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2, torch.float32, torch.int64)
-    c._add(all(t.dtype in kinds for t in leaves), "leaves are FP8 bytes, fp32 scales (and amaxes), int64 splits/offsets")
+    c._add(
+        all(t.dtype in kinds for t in leaves), "leaves are FP8 bytes, fp32 scales (and amaxes), int64 splits/offsets"
+    )
     with pytest.raises(ValueError, match="holds no rowwise data"):
         saved.with_usage(rowwise=True, columnwise=True)
     c.done()
@@ -331,8 +380,9 @@ def kernels_linear_step(recipe, state, x, w, b, dy, main_grad):
     dyq = TE.quantize(dy, sdy, rowwise=True, columnwise=True, with_dbias=True, **q_args(state, "grad_output", 0))
     wb = TE.quantize(w, sw, rowwise=False, columnwise=True, **({} if state is None else {"scale": w_scale}))
     dx = TE.dgrad(dyq, wb, split_accumulator=acc.dgrad)
-    dw, db = TE.wgrad(saved, dyq, out=main_grad, accumulate=main_grad is not None, with_dbias=True,
-                      split_accumulator=acc.wgrad)
+    dw, db = TE.wgrad(
+        saved, dyq, out=main_grad, accumulate=main_grad is not None, with_dbias=True, split_accumulator=acc.wgrad
+    )
     if state is not None:
         fp8.update_state_(state, recipe, which="bwd")
     return {"y": y, "dx": dx, "dw": dw.clone(), "db": db}
@@ -353,8 +403,12 @@ def te_linear_step(lin, recipe, x, dy, fused):
     with autocast(recipe):
         y = lin(xt)
     y.backward(dy)
-    out = {"y": y.detach(), "dx": xt.grad, "dw": (lin.weight.main_grad if fused else lin.weight.grad).clone(),
-           "db": lin.bias.grad.clone()}
+    out = {
+        "y": y.detach(),
+        "dx": xt.grad,
+        "dw": (lin.weight.main_grad if fused else lin.weight.grad).clone(),
+        "db": lin.bias.grad.clone(),
+    }
     lin.weight.grad = lin.bias.grad = None
     return out
 
@@ -410,10 +464,16 @@ def test_emulated_quantization_matches_te_bits(name, role):
         rows, cols = x.shape
         c.equal(_bits(r.rowwise_data), _bits(st._rowwise_data), "rowwise data")
         c.equal(_bits(r.columnwise_data), _bits(st._columnwise_data), "columnwise data")
-        c.equal(r.rowwise_scale_inv, fp8.from_te_scale_inv(st._rowwise_scale_inv, rows, cols, spec.block),
-                "rowwise scale_inv")
-        c.equal(r.columnwise_scale_inv, fp8.from_te_scale_inv(st._columnwise_scale_inv, cols, rows, spec.block),
-                "columnwise scale_inv")
+        c.equal(
+            r.rowwise_scale_inv,
+            fp8.from_te_scale_inv(st._rowwise_scale_inv, rows, cols, spec.block),
+            "rowwise scale_inv",
+        )
+        c.equal(
+            r.columnwise_scale_inv,
+            fp8.from_te_scale_inv(st._columnwise_scale_inv, cols, rows, spec.block),
+            "columnwise scale_inv",
+        )
     else:
         c.equal(_bits(r.rowwise_data), _bits(st._data), "data")
         c.equal(_bits(r.columnwise_data), _bits(st._transpose), "transpose")
@@ -427,8 +487,10 @@ def test_emulated_quantization_matches_te_bits(name, role):
 
 
 def _layers_take_fp8() -> bool:
-    return all("recipe" in inspect.signature(f).parameters and "fp8_state" in inspect.signature(f).parameters
-               for f in (fd.linear, fd.grouped_linear))
+    return all(
+        "recipe" in inspect.signature(f).parameters and "fp8_state" in inspect.signature(f).parameters
+        for f in (fd.linear, fd.grouped_linear)
+    )
 
 
 layers = pytest.mark.skipif(not _layers_take_fp8(), reason="the layers do not take recipe=/fp8_state= yet")
@@ -487,15 +549,28 @@ def layer_grouped_step(recipe, state, x, ws, bs, sizes, dy, grouped, fused, back
     xx = x.clone().requires_grad_()
     ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if hooks else contextlib.nullcontext()
     with ctx:
-        y = fd.grouped_linear(xx, ws, splits_arg(sizes, grouped), bs, recipe=recipe, fp8_state=state, backend=backend,
-                              use_grouped_tensor=grouped, fuse_wgrad_accumulation=fused)
+        y = fd.grouped_linear(
+            xx,
+            ws,
+            splits_arg(sizes, grouped),
+            bs,
+            recipe=recipe,
+            fp8_state=state,
+            backend=backend,
+            use_grouped_tensor=grouped,
+            fuse_wgrad_accumulation=fused,
+        )
     if state is not None:
         fp8.update_state_(state, recipe, which="fwd")
     y.backward(dy)
     if state is not None:
         fp8.update_state_(state, recipe, which="bwd")
-    out = {"y": y.detach(), "dx": xx.grad, "dw": [(w.main_grad if fused else w.grad).clone() for w in ws],
-           "db": [b.grad.clone() for b in bs]}
+    out = {
+        "y": y.detach(),
+        "dx": xx.grad,
+        "dw": [(w.main_grad if fused else w.grad).clone() for w in ws],
+        "db": [b.grad.clone() for b in bs],
+    }
     for p in (*ws, *bs):
         p.grad = None
     return out
@@ -505,8 +580,16 @@ def check_path(recipe, x, ws, bs, sizes, grouped, backend):
     """The path the layer takes (under no_grad, with a throwaway state: forward records amaxes)."""
     state = fp8.init_state(recipe, len(ws), device=DEV) if isinstance(recipe, fp8.DelayedScaling) else None
     with torch.no_grad():
-        _, res = fd.grouped_linear_fwd(x, ws, splits_arg(sizes, grouped), bs, recipe=recipe, fp8_state=state,
-                                       backend=backend, use_grouped_tensor=grouped)
+        _, res = fd.grouped_linear_fwd(
+            x,
+            ws,
+            splits_arg(sizes, grouped),
+            bs,
+            recipe=recipe,
+            fp8_state=state,
+            backend=backend,
+            use_grouped_tensor=grouped,
+        )
     assert res.path == ("grouped" if grouped else "split"), (res.path, grouped)
 
 
@@ -529,8 +612,10 @@ def test_grouped_linear_with_distributed_weight_under_save_on_cpu_equals_te(name
     bs = [torch.nn.Parameter(b.detach().clone()) for b in params(m, "bias")]
     check_path(recipe, randn(T, K, seed=9), [w.detach().clone() for w in ws], bs, sizes, grouped, "te")
     state = fp8.init_state(recipe, E, device=DEV) if name == "delayed" else None
-    c = Check(f"fd.grouped_linear(DW, save_on_cpu) vs te.GroupedLinear: {name}, "
-              f"{'grouped' if grouped else 'split'}, {'fused' if fused else 'plain'}, splits={sizes}")
+    c = Check(
+        f"fd.grouped_linear(DW, save_on_cpu) vs te.GroupedLinear: {name}, "
+        f"{'grouped' if grouped else 'split'}, {'fused' if fused else 'plain'}, splits={sizes}"
+    )
     for step in range(3 if state is not None else 1):
         x, dy = randn(T, K, seed=60 + step), randn(T, N, seed=70 + step)
         want = te_grouped_step(m, tr, x, sizes, dy, grouped, fused)
@@ -539,8 +624,10 @@ def test_grouped_linear_with_distributed_weight_under_save_on_cpu_equals_te(name
         if state is not None:
             check_state(c, state, m, step)
     steps = 3 if state is not None else 1
-    c._add(ws[0].calls == Counter(forward=steps, backward=steps, finalize=steps),
-           f"DW calls {dict(ws[0].calls)} over {steps} step(s) (a gather per forward and per backward, a finalize)")
+    c._add(
+        ws[0].calls == Counter(forward=steps, backward=steps, finalize=steps),
+        f"DW calls {dict(ws[0].calls)} over {steps} step(s) (a gather per forward and per backward, a finalize)",
+    )
     c.done()
 
 
@@ -628,17 +715,29 @@ def test_emulation_is_close_to_te(name, grouped):
         mag_y = torch.cat([xe @ w.t() for xe, w in zip(xs, wa)]) * 1.25
         mag_dx = torch.cat([de @ w for de, w in zip(dys, wa)]) * 1.25
         rounds_y = 2 if grouped else 1
-        c.within(got["y"], want["y"], rounds_y * _ulp(BF16) * want["y"].double().abs() + delta[acc.fprop] * mag_y,
-                 f"step {step} y")
-        c.within(got["dx"], want["dx"], _ulp(BF16) * want["dx"].double().abs() + delta[acc.dgrad] * mag_dx,
-                 f"step {step} dx")
+        c.within(
+            got["y"],
+            want["y"],
+            rounds_y * _ulp(BF16) * want["y"].double().abs() + delta[acc.fprop] * mag_y,
+            f"step {step} y",
+        )
+        c.within(
+            got["dx"], want["dx"], _ulp(BF16) * want["dx"].double().abs() + delta[acc.dgrad] * mag_dx, f"step {step} dx"
+        )
         for e in range(E):
             mag_dw = dys[e].t() @ xs[e] * 1.25
-            c.within(got["dw"][e], want["dw"][e],
-                     _ulp(torch.float32) * want["dw"][e].double().abs() + delta[acc.wgrad] * mag_dw,
-                     f"step {step} main_grad[{e}] (cumulative)")
-            c.within(got["db"][e], want["db"][e],
-                     _ulp(BF16) * want["db"][e].double().abs() + 2.0**-16 * dys[e].sum(0), f"step {step} db[{e}]")
+            c.within(
+                got["dw"][e],
+                want["dw"][e],
+                _ulp(torch.float32) * want["dw"][e].double().abs() + delta[acc.wgrad] * mag_dw,
+                f"step {step} main_grad[{e}] (cumulative)",
+            )
+            c.within(
+                got["db"][e],
+                want["db"][e],
+                _ulp(BF16) * want["db"][e].double().abs() + 2.0**-16 * dys[e].sum(0),
+                f"step {step} db[{e}]",
+            )
         if state is not None:
             check_state(c, state, m, step)
     c.done()

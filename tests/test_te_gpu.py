@@ -61,8 +61,16 @@ def splits_arg(sizes, grouped: bool):
 
 
 def te_grouped(dtype=BF16, grouped=False, bias=True, fuse=False, experts=E, seed=0):
-    m = te.GroupedLinear(experts, K, N, bias=bias, params_dtype=dtype, device=DEV,
-                         use_grouped_tensor=grouped, fuse_wgrad_accumulation=fuse)
+    m = te.GroupedLinear(
+        experts,
+        K,
+        N,
+        bias=bias,
+        params_dtype=dtype,
+        device=DEV,
+        use_grouped_tensor=grouped,
+        fuse_wgrad_accumulation=fuse,
+    )
     with torch.no_grad():
         for e in range(experts):
             getattr(m, f"weight{e}").copy_(randn(N, K, dtype=dtype, scale=0.05, seed=seed + e))
@@ -83,8 +91,12 @@ def run_te_grouped(m, x, splits, dy):
     x = x.detach().clone().requires_grad_()
     y = m(x, splits)
     y.backward(dy)
-    return {"y": y.detach(), "dx": x.grad, "dw": [w.grad for w in te_params(m, "weight")],
-            "db": [b.grad for b in te_params(m, "bias")] if m.use_bias else None}
+    return {
+        "y": y.detach(),
+        "dx": x.grad,
+        "dw": [w.grad for w in te_params(m, "weight")],
+        "db": [b.grad for b in te_params(m, "bias")] if m.use_bias else None,
+    }
 
 
 def run_fd_grouped(x, ws, bs, splits, dy, grouped, **kw):
@@ -94,8 +106,12 @@ def run_fd_grouped(x, ws, bs, splits, dy, grouped, **kw):
     x = x.detach().clone().requires_grad_()
     y = fd.grouped_linear(x, ws, splits, bs, use_grouped_tensor=grouped, backend="te", **kw)
     y.backward(dy)
-    return {"y": y.detach(), "dx": x.grad, "dw": [w.grad for w in ws] if not kw.get("fuse_wgrad_accumulation") else None,
-            "db": None if bs is None else [b.grad for b in bs]}
+    return {
+        "y": y.detach(),
+        "dx": x.grad,
+        "dw": [w.grad for w in ws] if not kw.get("fuse_wgrad_accumulation") else None,
+        "db": None if bs is None else [b.grad for b in bs],
+    }
 
 
 def equal(a, b, what):
@@ -124,8 +140,12 @@ def ref_grouped_f64(x, ws, bs, sizes, dy):
     """float64 y, dx, dw (list), db (list) for one grouped linear."""
     x, dy = x.double(), dy.double()
     xs, dys = x.split(list(sizes)), dy.split(list(sizes))
-    y = torch.cat([xe @ w.double().t() + (0 if bs is None else b.double()) for xe, w, b in
-                   zip(xs, ws, bs if bs is not None else [None] * len(ws))])
+    y = torch.cat(
+        [
+            xe @ w.double().t() + (0 if bs is None else b.double())
+            for xe, w, b in zip(xs, ws, bs if bs is not None else [None] * len(ws))
+        ]
+    )
     dx = torch.cat([d @ w.double() for d, w in zip(dys, ws)])
     dw = [d.t() @ xe for d, xe in zip(dys, xs)]
     db = [d.sum(0) for d in dys]
@@ -520,8 +540,9 @@ def _run(x, ws, bs, dy, sizes, path, fuse=False, main_grads=None):
     for p, mg in zip(params, main_grads or []):
         p.main_grad = mg
     splits = torch.tensor(sizes, device=DEV) if path else list(sizes)
-    y, res = fd.grouped_linear_fwd(x, params, splits, biases, use_grouped_tensor=path, backend="te",
-                                   fuse_wgrad_accumulation=fuse)
+    y, res = fd.grouped_linear_fwd(
+        x, params, splits, biases, use_grouped_tensor=path, backend="te", fuse_wgrad_accumulation=fuse
+    )
     assert res.path == ("grouped" if path else "split") and res.kernels.name == "te"
     dx, dws, dbs = fd.grouped_linear_bwd(res, dy)
     return y, dx, dws, dbs
@@ -603,8 +624,9 @@ def test_te_inference_weights(path):
         y = fd.grouped_linear(x, ws, splits, bs, use_grouped_tensor=path, backend="te")
         ym = mod(x, splits)
     with torch.no_grad():
-        y2 = fd.grouped_linear(x.clone(), [w.clone() for w in ws], splits, [b.clone() for b in bs],
-                               use_grouped_tensor=path, backend="te")
+        y2 = fd.grouped_linear(
+            x.clone(), [w.clone() for w in ws], splits, [b.clone() for b in bs], use_grouped_tensor=path, backend="te"
+        )
     assert_same(y, y2)
     assert ym.shape == (T, N) and ym.grad_fn is None
 

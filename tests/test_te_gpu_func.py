@@ -41,6 +41,7 @@ def _mlp(path):
     def mlp(x, w1, w2, b1):
         h = fd.grouped_linear(x, w1, SPLITS, b1, use_grouped_tensor=path, backend="te")
         return fd.grouped_linear(F.gelu(h), w2, SPLITS, use_grouped_tensor=path, backend="te")
+
     return mlp
 
 
@@ -81,12 +82,16 @@ def test_opcheck_real_te_ops():
         (ops.te_grouped_fprop.default, (x, w1, b1, sizes, False)),
         (ops.te_grouped_dgrad.default, (dy, w1, sizes_dev, False)),
         (ops.te_grouped_wgrad.default, (x, dy, sizes, False, True)),
-        (ops.te_grouped_wgrad_into.default, ([torch.zeros(N, K, device="cuda") for _ in range(E)], x, dy,
-                                             sizes, False, True, False)),
+        (
+            ops.te_grouped_wgrad_into.default,
+            ([torch.zeros(N, K, device="cuda") for _ in range(E)], x, dy, sizes, False, True, False),
+        ),
     ]
     if not fd.kernels.get_kernels("te", x).grouped_path_unsupported(x, w1):
-        checks += [(ops.te_grouped_fprop.default, (x, w1, b1, sizes_dev, True)),
-                   (ops.te_grouped_dgrad.default, (dy, w1, sizes, True))]
+        checks += [
+            (ops.te_grouped_fprop.default, (x, w1, b1, sizes_dev, True)),
+            (ops.te_grouped_dgrad.default, (dy, w1, sizes, True)),
+        ]
     for op, args in checks:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
@@ -107,8 +112,9 @@ def test_func_grad_and_vmap_on_te(path):
     torch.testing.assert_close(y, loop)
     per_example = torch.func.vmap(torch.func.grad(f), in_dims=(None, 0))(w1, xb)
     for e in range(E):
-        torch.testing.assert_close(per_example[e], torch.stack([torch.func.grad(f)(w1, xe)[e] for xe in xb]),
-                                   rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(
+            per_example[e], torch.stack([torch.func.grad(f)(w1, xe)[e] for xe in xb]), rtol=2e-2, atol=2e-2
+        )
 
 
 def test_jvp_on_te():
@@ -116,5 +122,8 @@ def test_jvp_on_te():
     tx, tw, _, tb = _data(seed=1)
     f = lambda x, ws, b: fd.grouped_linear(x, ws, SPLITS, b, backend="te")
     _, t_out = torch.func.jvp(f, (x, w1, b1), (tx, tw, tb))
-    want = fd.grouped_linear(tx, w1, SPLITS, tb, backend="te").float() + fd.grouped_linear(x, tw, SPLITS, backend="te").float()
+    want = (
+        fd.grouped_linear(tx, w1, SPLITS, tb, backend="te").float()
+        + fd.grouped_linear(x, tw, SPLITS, backend="te").float()
+    )
     torch.testing.assert_close(t_out.float(), want, rtol=2e-2, atol=2e-2)

@@ -35,16 +35,23 @@ def _cases():
     ws, w3, b2 = [r(N, K) for _ in range(E)], r(E, N, K), r(E, N)
     sizes = torch.tensor([2, 0, 5])  # the splits as the ops take them: one int tensor
     return [
-        ("te_fprop", (x, w, b)), ("te_fprop", (x, w, None)), ("te_dgrad", (dy, w)),
-        ("te_wgrad", (x, dy, True)), ("te_wgrad", (x, dy, False)),
+        ("te_fprop", (x, w, b)),
+        ("te_fprop", (x, w, None)),
+        ("te_dgrad", (dy, w)),
+        ("te_wgrad", (x, dy, True)),
+        ("te_wgrad", (x, dy, False)),
         ("te_wgrad_into", (torch.zeros(N, K), x, dy, True, True)),
-        ("te_grouped_fprop", (x, ws, b2, sizes, False)), ("te_grouped_fprop", (x, [w3], None, sizes, True)),
-        ("te_grouped_dgrad", (dy, ws, sizes, False)), ("te_grouped_dgrad", (dy, [w3], sizes, True)),
+        ("te_grouped_fprop", (x, ws, b2, sizes, False)),
+        ("te_grouped_fprop", (x, [w3], None, sizes, True)),
+        ("te_grouped_dgrad", (dy, ws, sizes, False)),
+        ("te_grouped_dgrad", (dy, [w3], sizes, True)),
         ("te_grouped_wgrad", (x, dy, sizes, True, True)),
         ("te_grouped_wgrad_into", ([torch.zeros(N, K) for _ in range(E)], x, dy, sizes, False, True, True)),
         ("te_grouped_wgrad_into", ([torch.zeros(E, N, K)], x, dy, sizes, True, False, False)),
-        ("ref_split_fprop", (x, ws, b2, sizes)), ("ref_split_fprop", (x, [w3], None, sizes)),
-        ("ref_split_dgrad", (dy, ws, sizes)), ("ref_split_wgrad", (x, dy, sizes)),
+        ("ref_split_fprop", (x, ws, b2, sizes)),
+        ("ref_split_fprop", (x, [w3], None, sizes)),
+        ("ref_split_dgrad", (dy, ws, sizes)),
+        ("ref_split_wgrad", (x, dy, sizes)),
     ]
 
 
@@ -66,8 +73,11 @@ def test_traced_kernels_match_reference(ops):
     torch.testing.assert_close(db, db_r)
 
 
-@pytest.mark.parametrize("dtype,path,form,dynamic", [(torch.bfloat16, True, "list", None), (torch.float32, False, "tensor", True)],
-                         ids=["bf16-grouped-list-dynNone", "fp32-split-tensor-dynTrue"])
+@pytest.mark.parametrize(
+    "dtype,path,form,dynamic",
+    [(torch.bfloat16, True, "list", None), (torch.float32, False, "tensor", True)],
+    ids=["bf16-grouped-list-dynNone", "fp32-split-tensor-dynTrue"],
+)
 def test_traced_kernels_compile_once_for_every_routing(ops, dtype, path, form, dynamic):
     """The TE ops' plumbing under torch.compile (splits tensor, Splits.in_op, fake shapes with
     symbolic sizes), with the reference standing in for TE: one graph for ten routings (two for

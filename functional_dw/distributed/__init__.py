@@ -38,11 +38,28 @@ from .checkpoint import checkpoint_state_dict, load_checkpoint, load_full_state_
 from .fsdp2 import shard_module
 from .launcher import launch
 from .sharded import (
-    ShardedWeight, prefetch_for_backward, prefetch_on_grad, set_prefetch_order, shard_grouped_weights, shard_weight,
+    ShardedWeight,
+    prefetch_for_backward,
+    prefetch_on_grad,
+    set_prefetch_order,
+    shard_grouped_weights,
+    shard_weight,
     wait_for_grads,
 )
 from .sharded import _CHAINS, _PENDING  # noqa: F401  (the prefetch and async bookkeeping, read by tests)
 
-__all__ = ["ShardedWeight", "shard_grouped_weights", "shard_weight", "set_prefetch_order",
-           "prefetch_for_backward", "prefetch_on_grad", "wait_for_grads", "launch", "shard_module", "checkpoint_state_dict",
-           "save_checkpoint", "load_checkpoint", "load_full_state_dict"]
+__all__ = [
+    "ShardedWeight",
+    "shard_grouped_weights",
+    "shard_weight",
+    "set_prefetch_order",
+    "prefetch_for_backward",
+    "prefetch_on_grad",
+    "wait_for_grads",
+    "launch",
+    "shard_module",
+    "checkpoint_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+    "load_full_state_dict",
+]

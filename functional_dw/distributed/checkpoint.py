@@ -26,8 +26,9 @@ def _as_dtensor(w: ShardedWeight) -> torch.Tensor:
 
     g = w._dw
     mesh = DeviceMesh.from_group(g.pg or dist.group.WORLD, w.device.type)
-    return DTensor.from_local(w.detach(), mesh, [Shard(0)], run_check=False,
-                              shape=torch.Size((g.N, g.K)), stride=(g.K, 1))
+    return DTensor.from_local(
+        w.detach(), mesh, [Shard(0)], run_check=False, shape=torch.Size((g.N, g.K)), stride=(g.K, 1)
+    )
 
 
 def checkpoint_state_dict(model: torch.nn.Module) -> dict[str, Any]:
@@ -81,8 +82,9 @@ def load_checkpoint(model: torch.nn.Module, checkpoint_id: str | os.PathLike, *,
         # DCP's planner raises on keys the checkpoint lacks but ignores the ones the model
         # lacks: both are checked against the checkpoint's metadata (the same on every rank)
         def create_local_plan(self) -> Any:
-            self.incompatible = _incompatible_keys(model, self.state_dict, self.metadata.state_dict_metadata, strict,
-                                                   "the checkpoint")
+            self.incompatible = _incompatible_keys(
+                model, self.state_dict, self.metadata.state_dict_metadata, strict, "the checkpoint"
+            )
             return super().create_local_plan()
 
     sd = checkpoint_state_dict(model)
@@ -94,8 +96,9 @@ def load_checkpoint(model: torch.nn.Module, checkpoint_id: str | os.PathLike, *,
     return planner.incompatible
 
 
-def _incompatible_keys(model: torch.nn.Module, have: Iterable[str], given: Iterable[str], strict: bool,
-                       where: str = "state_dict") -> Any:
+def _incompatible_keys(
+    model: torch.nn.Module, have: Iterable[str], given: Iterable[str], strict: bool, where: str = "state_dict"
+) -> Any:
     """The keys of ``have`` (the model's) not ``given`` and the other way round, as
     ``load_state_dict``'s ``_IncompatibleKeys``; with ``strict``, any raises its RuntimeError."""
     from torch.nn.modules.module import _IncompatibleKeys
@@ -156,8 +159,9 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, Any], *, 
                 except (TypeError, ValueError) as e:
                     bad.append(f"{key}: {e}")
     if bad:
-        raise ValueError("load_full_state_dict: entries that do not fit the model (nothing was loaded):\n  "
-                         + "\n  ".join(bad))
+        raise ValueError(
+            "load_full_state_dict: entries that do not fit the model (nothing was loaded):\n  " + "\n  ".join(bad)
+        )
     for name, p in model.named_parameters(remove_duplicate=False):  # (a tied weight: under each name)
         if isinstance(p, ShardedWeight) and name in sd:
             g, start = p._dw, min(p._dw.rank * p._dw.R, p._dw.N)

@@ -29,8 +29,10 @@ def shard_module(model: torch.nn.Module, mesh: Any = None, **fsdp_kwargs: Any) -
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: shard_module takes a torch.nn.Module, got {type(model).__name__}")
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("shard_module needs a process group: call torch.distributed.init_process_group "
-                           "first (torchrun, or functional_dw.distributed.launch)")
+        raise RuntimeError(
+            "shard_module needs a process group: call torch.distributed.init_process_group "
+            "first (torchrun, or functional_dw.distributed.launch)"
+        )
     if mesh is None:
         device = next((p.device.type for p in model.parameters()), "cpu")
         mesh = init_device_mesh(device, (dist.get_world_size(),))

@@ -21,7 +21,9 @@ import torch.utils._pytree as pytree
 __all__ = ["launch"]
 
 
-def _worker(rank: int, world: int, backend: str, store: str, timeout: float, queue: Any, fn: Callable, args: tuple) -> None:
+def _worker(
+    rank: int, world: int, backend: str, store: str, timeout: float, queue: Any, fn: Callable, args: tuple
+) -> None:
     loopback = next((n for _, n in socket.if_nameindex() if n.startswith("lo")), "lo")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # NOTE: loopback only, never a real NIC
     os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
@@ -39,8 +41,14 @@ def _worker(rank: int, world: int, backend: str, store: str, timeout: float, que
         device["pg_options"] = opts
     # NOTE: the rendezvous is a file in launch()'s temporary folder, not a TCP port: no race
     # for a "free" port between concurrent launches (pytest-xdist, two suites on one machine)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout), **device)
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+        **device,
+    )
     try:
         result = fn(*args)
         result = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), result)
@@ -53,8 +61,14 @@ def _worker(rank: int, world: int, backend: str, store: str, timeout: float, que
         dist.destroy_process_group()
 
 
-def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None,
-           timeout: float = 60.0, deadline: float | None = None) -> list:
+def launch(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout: float = 60.0,
+    deadline: float | None = None,
+) -> list:
     """Run ``fn(*args)`` on ``world_size`` local processes (spawned), each inside an initialized
     default process group (rendezvous: a file in a temporary folder, so concurrent launches
     never race for a port; gloo and NCCL talk over loopback); return the ranks' return values, by rank.
@@ -71,11 +85,17 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
         return _launch(fn, world_size, args, backend, os.path.join(tmp, "store"), timeout, deadline)
 
 
-def _launch(fn: Callable, world_size: int, args: tuple, backend: str, store: str, timeout: float,
-            deadline: float | None) -> list:
+def _launch(
+    fn: Callable, world_size: int, args: tuple, backend: str, store: str, timeout: float, deadline: float | None
+) -> list:
     queue = mp.get_context("spawn").SimpleQueue()
-    ctx = mp.start_processes(_worker, args=(world_size, backend, store, timeout, queue, fn, args),
-                             nprocs=world_size, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _worker,
+        args=(world_size, backend, store, timeout, queue, fn, args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
     results: dict[int, Any] = {}
     errors: list[tuple[int, str]] = []
 
@@ -98,7 +118,8 @@ def _launch(fn: Callable, world_size: int, args: tuple, backend: str, store: str
             first, tb = errors[0]
             others = ", ".join(str(r) for r, _ in errors[1:]) or "none"
             raise mp.ProcessRaisedException(
-                f"\n\n-- rank {first} failed first (then ranks: {others}):\n{tb}", first, ctx.processes[first].pid) from exc
+                f"\n\n-- rank {first} failed first (then ranks: {others}):\n{tb}", first, ctx.processes[first].pid
+            ) from exc
         drain()
         if done:
             break

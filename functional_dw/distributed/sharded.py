@@ -25,8 +25,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShardedWeight", "shard_grouped_weights", "shard_weight", "set_prefetch_order", "prefetch_for_backward",
-           "prefetch_on_grad", "wait_for_grads"]
+__all__ = [
+    "ShardedWeight",
+    "shard_grouped_weights",
+    "shard_weight",
+    "set_prefetch_order",
+    "prefetch_for_backward",
+    "prefetch_on_grad",
+    "wait_for_grads",
+]
 
 
 def _collective(new: str, old: str) -> Callable:
@@ -70,7 +77,8 @@ class _Gathered:
         self.versions, self.kept, self.event = g.versions(), False, None
         self.chain: tuple | None = None  # (chain, n): issued by set_prefetch_order at that materialize
         self.work = _collective("all_gather_single", "all_gather_into_tensor")(
-            out.view(-1), slab.view(-1), group=g.pg, async_op=True)  # 1-D: what every backend takes
+            out.view(-1), slab.view(-1), group=g.pg, async_op=True
+        )  # 1-D: what every backend takes
         self.slab, self.out, self.full = slab, out, None
         if out.is_cuda and g.E > 1 and not torch.cuda.is_current_stream_capturing():
             # unpack on the side stream as soon as the gather lands (in a CUDA graph capture:
@@ -162,7 +170,9 @@ class _Group:
             # thread; a failed one's end callback never ran)
             _forget_chains(lambda c: c[0] == chain[0] and c[1] != -1)
         r = self.ready  # a forward takes only its chain's prefetch; a backward also kept and explicit ones
-        if r is not None and (r.chain != (chain, n - 1) if phase == "forward" else r.chain not in (None, (chain, n - 1))):
+        if r is not None and (
+            r.chain != (chain, n - 1) if phase == "forward" else r.chain not in (None, (chain, n - 1))
+        ):
             self.ready = None
         self.prefetch()
         ready, self.ready = self.ready, None
@@ -183,7 +193,8 @@ class _Group:
         out = flat.new_empty(self.E, self.R, self.K)
         self.stats["reduce_scatter"] += 1
         work = _collective("reduce_scatter_single", "reduce_scatter_tensor")(
-            out.view(-1), flat.view(-1), op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
+            out.view(-1), flat.view(-1), op=dist.ReduceOp.SUM, group=self.pg, async_op=True
+        )
         if not self.async_grads:
             work.wait()
             return self.deliver(out, fused)
@@ -244,9 +255,13 @@ class _Group:
 
     def drop_pending(self, which: Callable[[int], bool]) -> None:
         for p in [p for p in self.pending if which(p[0])]:
-            warnings.warn(f"functional_dw.distributed: a reduce-scatter of an earlier backward of {self.members[0]!r}'s "
-                          "group was never delivered (that backward raised, or runs in another thread, which "
-                          "async_grad_reduce does not support): its grads are dropped", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"functional_dw.distributed: a reduce-scatter of an earlier backward of {self.members[0]!r}'s "
+                "group was never delivered (that backward raised, or runs in another thread, which "
+                "async_grad_reduce does not support): its grads are dropped",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             p[1].wait()  # (its buffers are freed after the collective)
             refs = [r for r in _PENDING.get(p[0], []) if r() is not None and r() is not self]
             if refs:
@@ -316,8 +331,10 @@ class ShardedWeight(torch.nn.Parameter):
     def __repr__(self) -> str:
         g = self._dw
         start = min(g.rank * g.R, g.N)
-        return (f"ShardedWeight(expert {self._dw_index} of {g.E}, rank {g.rank}/{g.world}, "
-                f"rows {start}:{start + g.rows} of [{g.N}, {g.K}], {self.dtype})")
+        return (
+            f"ShardedWeight(expert {self._dw_index} of {g.E}, rank {g.rank}/{g.world}, "
+            f"rows {start}:{start + g.rows} of [{g.N}, {g.K}], {self.dtype})"
+        )
 
     def materialize_group_for_forward(self) -> list[torch.Tensor]:
         return self._dw.materialize("forward")
@@ -352,11 +369,21 @@ class ShardedWeight(torch.nn.Parameter):
             ok = False
         if not ok:
             for e, w in enumerate(wgrads):
-                if not (isinstance(w, torch.Tensor) and w.shape == (g.N, g.K) and w.dtype == w0.dtype
-                        and w.device == w0.device):
-                    got = f"a {w.dtype} {tuple(w.shape)} tensor on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__
-                    raise ValueError(f"finalize_group_grads: grads[{e}] is {got}; each must be the full weight's grad, "
-                                     f"[{g.N}, {g.K}], all of one dtype and device as grads[0]")
+                if not (
+                    isinstance(w, torch.Tensor)
+                    and w.shape == (g.N, g.K)
+                    and w.dtype == w0.dtype
+                    and w.device == w0.device
+                ):
+                    got = (
+                        f"a {w.dtype} {tuple(w.shape)} tensor on {w.device}"
+                        if isinstance(w, torch.Tensor)
+                        else type(w).__name__
+                    )
+                    raise ValueError(
+                        f"finalize_group_grads: grads[{e}] is {got}; each must be the full weight's grad, "
+                        f"[{g.N}, {g.K}], all of one dtype and device as grads[0]"
+                    )
         # NOTE: fused is recognised by grad_buffer() having been called since the last finalize
         # (the layer calls it only with fuse_wgrad_accumulation); the fp32 buffer is reduced in
         # fp32. Unfused grads are reduced in their own dtype (bf16 stays bf16, as in TE/FSDP).
@@ -374,8 +401,12 @@ class ShardedWeight(torch.nn.Parameter):
 
 
 def shard_grouped_weights(
-    weights: Sequence[torch.Tensor] | torch.Tensor, group: Any = None, *,
-    requires_grad: bool = True, async_grad_reduce: bool = False, reshard_after_forward: bool = True,
+    weights: Sequence[torch.Tensor] | torch.Tensor,
+    group: Any = None,
+    *,
+    requires_grad: bool = True,
+    async_grad_reduce: bool = False,
+    reshard_after_forward: bool = True,
 ) -> list[ShardedWeight]:
     """This rank's shards of E full ``[N, K]`` weights (a list, or one ``[E, N, K]`` tensor):
     pass the result as grouped_linear's ``weights``; ``weights[0]`` leads the group.
@@ -400,17 +431,22 @@ def shard_grouped_weights(
         raise ValueError("weights: give one or more [out, in] tensors, or one [E, out, in] tensor")
     for e, w in enumerate(fulls):
         if w.shape != fulls[0].shape or w.dtype != fulls[0].dtype or w.device != fulls[0].device:
-            raise ValueError(f"weights[{e}] is {w.dtype}{tuple(w.shape)} on {w.device}; every expert must match "
-                             f"weights[0] ({fulls[0].dtype}{tuple(fulls[0].shape)} on {fulls[0].device})")
+            raise ValueError(
+                f"weights[{e}] is {w.dtype}{tuple(w.shape)} on {w.device}; every expert must match "
+                f"weights[0] ({fulls[0].dtype}{tuple(fulls[0].shape)} on {fulls[0].device})"
+            )
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("shard_grouped_weights needs a process group: call "
-                           "torch.distributed.init_process_group first (or use functional_dw.distributed.launch)")
+        raise RuntimeError(
+            "shard_grouped_weights needs a process group: call "
+            "torch.distributed.init_process_group first (or use functional_dw.distributed.launch)"
+        )
     # NOTE: out features that do not divide by the world size are padded (zero rows in the
     # collective buffers only); the parameters hold exactly this rank's rows, maybe none.
     g = _Group(fulls, group, async_grad_reduce, reshard_after_forward)
     start = g.rank * g.R
-    g.members = [ShardedWeight(w.detach()[start : start + g.rows].clone(), g, e, requires_grad)
-                 for e, w in enumerate(fulls)]
+    g.members = [
+        ShardedWeight(w.detach()[start : start + g.rows].clone(), g, e, requires_grad) for e, w in enumerate(fulls)
+    ]
     return list(g.members)
 
 

@@ -107,7 +107,8 @@ class _SafeUnpickler(pickle.Unpickler):
             return _stand_in(name)
         raise pickle.UnpicklingError(
             f"refusing to unpickle {module}.{name}: an FP8 extra state holds only tensors and "
-            f"{_RECIPE_MODULE} objects (functional_dw.fp8 never runs other code from a checkpoint)")
+            f"{_RECIPE_MODULE} objects (functional_dw.fp8 never runs other code from a checkpoint)"
+        )
 
 
 _SAFE_PICKLE = types.ModuleType("functional_dw_fp8_safe_pickle")  # a pickle_module for torch.load
@@ -136,8 +137,10 @@ def read_extra_state(extra: Any) -> Optional[dict]:
         if extra.numel() == 0:  # no state (also a meta-built module's entry)
             return None
         if extra.is_meta:
-            raise ValueError("the extra state is a meta tensor, which holds no FP8 state: load one saved from a "
-                             "module on a real device")
+            raise ValueError(
+                "the extra state is a meta tensor, which holds no FP8 state: load one saved from a "
+                "module on a real device"
+            )
         data = _tensor_bytes(extra)
         obj = _SafeUnpickler(io.BytesIO(data)).load() if data else None
     elif isinstance(extra, (bytes, bytearray, memoryview)):
@@ -177,14 +180,21 @@ def state_from_extra_state(extra: Any, num_gemms: int, *, device: Any = None) ->
     saved_E = d.get("extra_fp8_variables", {}).get("num_gemms")
     n_fwd = d["scale_fwd"].numel()
     if (saved_E is not None and saved_E != num_gemms) or n_fwd != FWD_PER_GEMM * num_gemms:
-        raise ValueError(f"the extra state was saved for {saved_E if saved_E is not None else n_fwd / FWD_PER_GEMM:g} "
-                         f"GEMM(s) ({n_fwd} forward scales, {FWD_PER_GEMM} per GEMM), not num_gemms={num_gemms}")
+        raise ValueError(
+            f"the extra state was saved for {saved_E if saved_E is not None else n_fwd / FWD_PER_GEMM:g} "
+            f"GEMM(s) ({n_fwd} forward scales, {FWD_PER_GEMM} per GEMM), not num_gemms={num_gemms}"
+        )
     t = {k: d[k].to(device=device or "cpu", dtype=torch.float32) for k in _STATE_KEYS}
     return DelayedScalingState(t["amax_history_fwd"], t["scale_fwd"], t["amax_history_bwd"], t["scale_bwd"], num_gemms)
 
 
-_TE_NAMES = {DelayedScaling: "DelayedScaling", Format: "Format", _FormatHelper: "_FormatHelper",
-             MMParams: "MMParams", QParams: "QParams"}
+_TE_NAMES = {
+    DelayedScaling: "DelayedScaling",
+    Format: "Format",
+    _FormatHelper: "_FormatHelper",
+    MMParams: "MMParams",
+    QParams: "QParams",
+}
 
 
 class _TEPickler(pickle._Pickler):  # the Python pickler: its save_global can be overridden
@@ -218,9 +228,12 @@ def state_to_extra_state(state: DelayedScalingState, recipe: Any = None) -> torc
     payload = {"recipe": r}
     for key in _STATE_KEYS:
         payload[key] = getattr(state, key).detach().to("cpu", copy=True)
-    payload["extra_fp8_variables"] = {"fp8_checkpoint": True, "num_gemms": state.num_gemms,
-                                      "fp8_max_fwd": r.fp8_format.value.max_fwd,
-                                      "fp8_max_bwd": r.fp8_format.value.max_bwd}
+    payload["extra_fp8_variables"] = {
+        "fp8_checkpoint": True,
+        "num_gemms": state.num_gemms,
+        "fp8_max_fwd": r.fp8_format.value.max_fwd,
+        "fp8_max_bwd": r.fp8_format.value.max_bwd,
+    }
     buf = io.BytesIO()
     _TEPickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(payload)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)

@@ -76,22 +76,31 @@ class QTensor:
     def with_usage(self, *, rowwise: bool, columnwise: bool) -> "QTensor":
         """This tensor with only the copies asked for (and no ``amax``), e.g. x after forward:
         ``q.with_usage(rowwise=False, columnwise=True)``. A copy it lacks cannot be made."""
-        for name, want, have in (("rowwise", rowwise, self.has_rowwise), ("columnwise", columnwise, self.has_columnwise)):
+        for name, want, have in (
+            ("rowwise", rowwise, self.has_rowwise),
+            ("columnwise", columnwise, self.has_columnwise),
+        ):
             if want and not have:
                 raise ValueError(f"this QTensor holds no {name} data; quantize with {name}=True")
         return dataclasses.replace(
-            self, rowwise_data=self.rowwise_data if rowwise else None,
+            self,
+            rowwise_data=self.rowwise_data if rowwise else None,
             rowwise_scale_inv=self.rowwise_scale_inv if rowwise else None,
             columnwise_data=self.columnwise_data if columnwise else None,
-            columnwise_scale_inv=self.columnwise_scale_inv if columnwise else None, amax=None)
+            columnwise_scale_inv=self.columnwise_scale_inv if columnwise else None,
+            amax=None,
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32, *, columnwise: Optional[bool] = None) -> torch.Tensor:
         """The tensor back in ``dtype`` (default fp32), of the source's shape: payload times
         inverse scale, in fp32, per element (TE's dequantize). From the rowwise copy unless
         ``columnwise=True`` or there is none."""
         use_col = (not self.has_rowwise) if columnwise is None else columnwise
-        data, scale_inv = ((self.columnwise_data, self.columnwise_scale_inv) if use_col
-                           else (self.rowwise_data, self.rowwise_scale_inv))
+        data, scale_inv = (
+            (self.columnwise_data, self.columnwise_scale_inv)
+            if use_col
+            else (self.rowwise_data, self.rowwise_scale_inv)
+        )
         if data is None:
             raise ValueError(f"this QTensor holds no {'columnwise' if use_col else 'rowwise'} data")
         M = math.prod(self.shape[:-1])
@@ -105,7 +114,9 @@ class QTensor:
         kind = "per-tensor" if self.block is None else f"{self.block[0]}x{self.block[1]} blocks"
         parts = [n for n in ("rowwise", "columnwise") if getattr(self, f"{n}_data") is not None]
         fp8 = str(self.fp8_dtype).removeprefix("torch.")
-        return f"QTensor({list(self.shape)}, {str(self.dtype).removeprefix('torch.')} -> {fp8}, {kind}, {'+'.join(parts)})"
+        return (
+            f"QTensor({list(self.shape)}, {str(self.dtype).removeprefix('torch.')} -> {fp8}, {kind}, {'+'.join(parts)})"
+        )
 
 
 def apply_scale_inv(data: torch.Tensor, scale_inv: torch.Tensor, block: Optional[tuple[int, int]]) -> torch.Tensor:

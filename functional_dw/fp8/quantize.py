@@ -41,7 +41,11 @@ _EXPONENT_BITS = -8388608  # 0xFF800000 as int32: sign and exponent of an fp32
 
 
 def compute_scale_from_amax(
-    amax: torch.Tensor, fp8_max: float, *, power_2_scale: bool = False, epsilon: float = 0.0,
+    amax: torch.Tensor,
+    fp8_max: float,
+    *,
+    power_2_scale: bool = False,
+    epsilon: float = 0.0,
     value_for_inf: float = FLT_MAX,
 ) -> torch.Tensor:
     """TE's ``compute_scale_from_amax``, elementwise in fp32.
@@ -95,8 +99,13 @@ def _block_quantize(x: torch.Tensor, spec: TensorSpec, value_for_inf: float) -> 
     br, bc = spec.block  # type: ignore[misc]
     nR, nC = -(-R // br), -(-C // bc)
     tiles = F.pad(x, (0, nC * bc - C, 0, nR * br - R)).view(nR, br, nC, bc)  # zero padding: amax unchanged
-    scale = compute_scale_from_amax(amax_of(tiles, dim=(1, 3)), spec.fp8_max, power_2_scale=spec.power_2_scale,
-                                    epsilon=spec.amax_epsilon, value_for_inf=value_for_inf)
+    scale = compute_scale_from_amax(
+        amax_of(tiles, dim=(1, 3)),
+        spec.fp8_max,
+        power_2_scale=spec.power_2_scale,
+        epsilon=spec.amax_epsilon,
+        value_for_inf=value_for_inf,
+    )
     data = _cast(tiles * scale.view(nR, 1, nC, 1), spec).view(nR * br, nC * bc)[:R, :C].contiguous()
     if br == 1:  # 1x128 kernel: `CType scale_inv = 1.0 / scale;` divides in double
         scale_inv = (1.0 / scale.to(torch.float64)).to(torch.float32)
@@ -116,8 +125,12 @@ def _check_input(t: Any, name: str) -> torch.Tensor:
 
 
 def quantize(
-    t: torch.Tensor, spec: TensorSpec, *, scale: Union[torch.Tensor, float, None] = None,
-    rowwise: bool = True, columnwise: bool = False,
+    t: torch.Tensor,
+    spec: TensorSpec,
+    *,
+    scale: Union[torch.Tensor, float, None] = None,
+    rowwise: bool = True,
+    columnwise: bool = False,
 ) -> QTensor:
     """Quantize ``t`` as ``spec`` says, into a :class:`QTensor` with the copies asked for.
 
@@ -136,20 +149,33 @@ def quantize(
     if not (rowwise or columnwise):
         raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
     if spec.scaling == "rowwise":
-        raise ValueError("RowwiseScaling quantizes a whole group (its columnwise scales span each expert's tokens): "
-                         "use functional_dw.fp8.rowwise.quantize_activation / quantize_weight")
+        raise ValueError(
+            "RowwiseScaling quantizes a whole group (its columnwise scales span each expert's tokens): "
+            "use functional_dw.fp8.rowwise.quantize_activation / quantize_weight"
+        )
     if (spec.scaling == "delayed") != (scale is not None):
-        raise ValueError("delayed scaling quantizes with the state's scale: pass scale=" if scale is None else
-                         f"scale= is for delayed scaling only; {spec.scaling} scaling computes its own")
+        raise ValueError(
+            "delayed scaling quantizes with the state's scale: pass scale="
+            if scale is None
+            else f"scale= is for delayed scaling only; {spec.scaling} scaling computes its own"
+        )
     shape = tuple(t.shape)
     x = t.detach().reshape(math.prod(shape[:-1]), shape[-1]).to(torch.float32)
     col_shape = (shape[-1], *shape[:-1])
     if spec.scaling == "block":
         row = _block_quantize(x, spec, torch.finfo(t.dtype).max) if rowwise else (None, None)
         col = _block_quantize(x.t(), spec, torch.finfo(t.dtype).max) if columnwise else (None, None)
-        return QTensor(row[0] if row[0] is None else row[0].reshape(shape), row[1],
-                       col[0] if col[0] is None else col[0].reshape(col_shape), col[1], None,
-                       shape, t.dtype, spec.fp8_dtype, spec.block)
+        return QTensor(
+            row[0] if row[0] is None else row[0].reshape(shape),
+            row[1],
+            col[0] if col[0] is None else col[0].reshape(col_shape),
+            col[1],
+            None,
+            shape,
+            t.dtype,
+            spec.fp8_dtype,
+            spec.block,
+        )
     amax = amax_of(x).reshape(1)
     if spec.scaling == "current":
         s = compute_scale_from_amax(amax, spec.fp8_max, power_2_scale=spec.power_2_scale, epsilon=spec.amax_epsilon)
@@ -157,16 +183,26 @@ def quantize(
         s = torch.as_tensor(scale, dtype=torch.float32, device=t.device).reshape(1)
     data = _cast(x * s, spec)
     scale_inv = torch.reciprocal(s)  # __frcp_rn
-    return QTensor(data.reshape(shape) if rowwise else None, scale_inv if rowwise else None,
-                   data.t().contiguous().reshape(col_shape) if columnwise else None,
-                   scale_inv if columnwise else None, amax, shape, t.dtype, spec.fp8_dtype, None)
+    return QTensor(
+        data.reshape(shape) if rowwise else None,
+        scale_inv if rowwise else None,
+        data.t().contiguous().reshape(col_shape) if columnwise else None,
+        scale_inv if columnwise else None,
+        amax,
+        shape,
+        t.dtype,
+        spec.fp8_dtype,
+        None,
+    )
 
 
 def _sizes(sizes: Any, total: int) -> list[int]:
     if isinstance(sizes, torch.Tensor):
         if sizes.dim() != 1 or sizes.is_floating_point() or sizes.is_complex() or sizes.device.type != "cpu":
-            raise ValueError(f"sizes must be host split sizes: a list of ints or a 1-D integer CPU tensor, got "
-                             f"a {sizes.dim()}-D {sizes.dtype} tensor on {sizes.device}")
+            raise ValueError(
+                f"sizes must be host split sizes: a list of ints or a 1-D integer CPU tensor, got "
+                f"a {sizes.dim()}-D {sizes.dtype} tensor on {sizes.device}"
+            )
         sizes = sizes.tolist()
     if not isinstance(sizes, Sequence) or isinstance(sizes, (str, bytes)):
         raise TypeError(f"sizes must be a sequence of ints, got {type(sizes).__name__}")
@@ -181,8 +217,13 @@ def _sizes(sizes: Any, total: int) -> list[int]:
 
 
 def quantize_groups(
-    x: torch.Tensor, sizes: Any, spec: Union[TensorSpec, Sequence[TensorSpec]], *,
-    scales: Union[torch.Tensor, Sequence[Any], None] = None, rowwise: bool = True, columnwise: bool = False,
+    x: torch.Tensor,
+    sizes: Any,
+    spec: Union[TensorSpec, Sequence[TensorSpec]],
+    *,
+    scales: Union[torch.Tensor, Sequence[Any], None] = None,
+    rowwise: bool = True,
+    columnwise: bool = False,
 ) -> list[QTensor]:
     """Quantize each expert's rows of ``x [T, K]`` on its own, as TE's ``split_quantize`` does
     with one quantizer per expert (each its own amax and scale; 1x128 columnwise tiles start at
@@ -209,6 +250,6 @@ def quantize_groups(
             raise ValueError(f"scales must have {E} entries (one per expert), got {len(per)}")
     out, start = [], 0
     for n, s, sc in zip(counts, specs, per):
-        out.append(quantize(x[start:start + n], s, scale=sc, rowwise=rowwise, columnwise=columnwise))
+        out.append(quantize(x[start : start + n], s, scale=sc, rowwise=rowwise, columnwise=columnwise))
         start += n
     return out

@@ -23,8 +23,17 @@ from enum import Enum
 from typing import Any, NamedTuple, Optional, Union
 
 __all__ = [
-    "Format", "MMParams", "QParams", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
-    "RowwiseScaling", "Recipe", "as_recipe", "HOPPER_RECIPES", "RECIPES",
+    "Format",
+    "MMParams",
+    "QParams",
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "Float8BlockScaling",
+    "RowwiseScaling",
+    "Recipe",
+    "as_recipe",
+    "HOPPER_RECIPES",
+    "RECIPES",
 ]
 
 
@@ -92,15 +101,21 @@ def _typed(owner: str, field: str, value: Any, cls: type) -> None:
 def _fp8_format(owner: str, value: Any) -> None:
     _typed(owner, "fp8_format", value, Format)
     if value in (Format.E5M2, Format.E2M1):
-        raise ValueError(f"{owner}.fp8_format must be Format.E4M3 or Format.HYBRID, got {value} "
-                         "(TE: pure E5M2 training is not supported; E2M1 is FP4)")
+        raise ValueError(
+            f"{owner}.fp8_format must be Format.E4M3 or Format.HYBRID, got {value} "
+            "(TE: pure E5M2 training is not supported; E2M1 is FP4)"
+        )
 
 
 def _backward_override(owner: str, value: Any, only_none: bool = False) -> None:
     allowed = (None,) if only_none else _BACKWARD_OVERRIDES
     if value not in allowed or not (value is None or isinstance(value, str)):
-        raise _fail(owner, "backward_override", " or ".join(repr(a) for a in allowed)
-                    + " (default from NVTE_BACKWARD_OVERRIDE)", value)
+        raise _fail(
+            owner,
+            "backward_override",
+            " or ".join(repr(a) for a in allowed) + " (default from NVTE_BACKWARD_OVERRIDE)",
+            value,
+        )
 
 
 def _frozen(cls: type) -> type:
@@ -231,16 +246,21 @@ class Float8BlockScaling:
                 raise _fail(me, name, "1 (1x128 tiles) or 2 (128x128 tiles)", value)
         for a, b in ((0, 1), (0, 2), (1, 2)):  # TE: "2D by 2D block gemm not supported"
             if getattr(self, dims[a]) == 2 and getattr(self, dims[b]) == 2:
-                raise ValueError(f"{me}.{dims[a]} and {me}.{dims[b]} are both 2: a GEMM of two "
-                                 "128x128-tiled operands is not supported (TE)")
+                raise ValueError(
+                    f"{me}.{dims[a]} and {me}.{dims[b]} are both 2: a GEMM of two "
+                    "128x128-tiled operands is not supported (TE)"
+                )
         for gemm in ("fprop", "dgrad", "wgrad"):
             if not getattr(self, f"fp8_gemm_{gemm}").use_split_accumulator:
-                raise ValueError(f"{me}.fp8_gemm_{gemm}.use_split_accumulator must be True "
-                                 "(TE: split accumulator required for block scaling)")
+                raise ValueError(
+                    f"{me}.fp8_gemm_{gemm}.use_split_accumulator must be True "
+                    "(TE: split accumulator required for block scaling)"
+                )
         for name in ("fp8_dpa", "fp8_mha"):
             if getattr(self, name):
-                raise ValueError(f"{me}.{name} must be False (TE: FP8 attention is not supported "
-                                 "with Float8BlockScaling)")
+                raise ValueError(
+                    f"{me}.{name} must be False (TE: FP8 attention is not supported with Float8BlockScaling)"
+                )
 
 
 @_frozen
@@ -281,8 +301,10 @@ class RowwiseScaling:
         me = "RowwiseScaling"
         _typed(me, "fp8_format", self.fp8_format, Format)
         if self.fp8_format != Format.E4M3:
-            raise ValueError(f"{me}.fp8_format must be Format.E4M3, got {self.fp8_format} (torch's scaled grouped "
-                             "GEMM takes E4M3 operands only on Hopper)")
+            raise ValueError(
+                f"{me}.fp8_format must be Format.E4M3, got {self.fp8_format} (torch's scaled grouped "
+                "GEMM takes E4M3 operands only on Hopper)"
+            )
         _bool(me, "power_2_scale", self.power_2_scale)
         eps = self.amax_epsilon
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
@@ -309,8 +331,10 @@ RECIPES = (*HOPPER_RECIPES, RowwiseScaling)
 _OURS = {c.__name__: c for c in HOPPER_RECIPES}
 _TE_MODULE = "transformer_engine.common.recipe"
 _NOT_ON_HOPPER = ("MXFP8BlockScaling", "NVFP4BlockScaling")
-_SUPPORTED = ("functional_dw.fp8 runs the recipes TE runs on Hopper (sm_90): DelayedScaling, "
-              "Float8CurrentScaling, Float8BlockScaling")
+_SUPPORTED = (
+    "functional_dw.fp8 runs the recipes TE runs on Hopper (sm_90): DelayedScaling, "
+    "Float8CurrentScaling, Float8BlockScaling"
+)
 
 
 def _te_class(obj: Any) -> type | None:
@@ -328,18 +352,23 @@ def as_recipe(obj: Any) -> Recipe | None:
     saying what runs on Hopper; anything else raises ``TypeError``."""
     if obj is None or isinstance(obj, RECIPES):
         return obj
-    if isinstance(obj, type) and (issubclass(obj, RECIPES) or any(
-            getattr(c, "__module__", "").startswith(_TE_MODULE) for c in obj.__mro__)):
+    if isinstance(obj, type) and (
+        issubclass(obj, RECIPES) or any(getattr(c, "__module__", "").startswith(_TE_MODULE) for c in obj.__mro__)
+    ):
         raise TypeError(f"recipe must be a recipe instance, got the class {obj.__name__}: pass {obj.__name__}()")
     te_cls = _te_class(obj)
     if te_cls is None:
-        raise TypeError(f"expected an FP8 recipe ({', '.join(_OURS)}; ours or Transformer Engine's; or "
-                        f"functional_dw's RowwiseScaling) or None, got {type(obj).__module__}."
-                        f"{type(obj).__qualname__}: {obj!r:.200}")
+        raise TypeError(
+            f"expected an FP8 recipe ({', '.join(_OURS)}; ours or Transformer Engine's; or "
+            f"functional_dw's RowwiseScaling) or None, got {type(obj).__module__}."
+            f"{type(obj).__qualname__}: {obj!r:.200}"
+        )
     name = te_cls.__name__
     if name in _NOT_ON_HOPPER:
-        raise ValueError(f"{name} is not supported: {_SUPPORTED}. MXFP8BlockScaling and "
-                         "NVFP4BlockScaling need compute capability 10.0 or higher (Blackwell).")
+        raise ValueError(
+            f"{name} is not supported: {_SUPPORTED}. MXFP8BlockScaling and "
+            "NVFP4BlockScaling need compute capability 10.0 or higher (Blackwell)."
+        )
     if name not in _OURS:
         what = "a custom recipe (quantizer factories)" if name == "CustomRecipe" else f"TE's {name}"
         raise ValueError(f"{what} is not supported: {_SUPPORTED}.")

@@ -43,9 +43,21 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .quantize import amax_of, compute_scale_from_amax
 from .spec import TensorSpec
 
-__all__ = ["PAD", "RowwiseActivation", "RowwiseWeight", "WEIGHT_CACHE", "OPTIMIZER_STEPS", "clear_weight_cache",
-           "install_optimizer_hook", "remove_optimizer_hook", "padded_columns", "padded_ends", "quantize_activation",
-           "quantize_weight", "scale_of"]
+__all__ = [
+    "PAD",
+    "RowwiseActivation",
+    "RowwiseWeight",
+    "WEIGHT_CACHE",
+    "OPTIMIZER_STEPS",
+    "clear_weight_cache",
+    "install_optimizer_hook",
+    "remove_optimizer_hook",
+    "padded_columns",
+    "padded_ends",
+    "quantize_activation",
+    "quantize_weight",
+    "scale_of",
+]
 
 
 # NOTE: [Padded token columns] wgrad's grouped GEMM sums over each expert's tokens, and torch's
@@ -124,10 +136,12 @@ def _with_usage(q: Any, rowwise: bool, columnwise: bool) -> Any:
         if want and getattr(q, f"{name}_data") is None:
             raise ValueError(f"this {type(q).__name__} holds no {name} data; quantize with {name}=True")
     return dataclasses.replace(
-        q, rowwise_data=q.rowwise_data if rowwise else None,
+        q,
+        rowwise_data=q.rowwise_data if rowwise else None,
         rowwise_scale_inv=q.rowwise_scale_inv if rowwise else None,
         columnwise_data=q.columnwise_data if columnwise else None,
-        columnwise_scale_inv=q.columnwise_scale_inv if columnwise else None)
+        columnwise_scale_inv=q.columnwise_scale_inv if columnwise else None,
+    )
 
 
 _TENSORS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
@@ -135,6 +149,7 @@ _TENSORS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_
 
 def _register(cls: type) -> None:
     """A pytree node whose leaves are the tensors it holds (no None leaves)."""
+
     def flatten(q):
         present = tuple(n for n in _TENSORS if getattr(q, n) is not None)
         return [getattr(q, n) for n in present], (present, q.shape, q.dtype)
@@ -156,8 +171,15 @@ _register(RowwiseActivation)
 _register(RowwiseWeight)
 
 
-def quantize_activation(t_TD: torch.Tensor, ends_E: torch.Tensor, pends_E: torch.Tensor, spec: TensorSpec, *,
-                        rowwise: bool, columnwise: bool) -> RowwiseActivation:
+def quantize_activation(
+    t_TD: torch.Tensor,
+    ends_E: torch.Tensor,
+    pends_E: torch.Tensor,
+    spec: TensorSpec,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+) -> RowwiseActivation:
     """x or dy ``[T, D]`` of a group whose expert ``e`` holds rows ``ends[e-1]:ends[e]`` (int
     ``[E]``, on t's device, ending at T) into a :class:`RowwiseActivation`; ``pends``: the padded
     ends (:func:`padded_ends`). No host sync."""
@@ -180,8 +202,9 @@ def quantize_activation(t_TD: torch.Tensor, ends_E: torch.Tensor, pends_E: torch
     return RowwiseActivation(row_data, row_sinv, col_data, col_sinv, (T, D), t_TD.dtype)
 
 
-def quantize_weight(w_ENK: torch.Tensor, spec: TensorSpec, *, rowwise: bool = True,
-                    columnwise: bool = True) -> RowwiseWeight:
+def quantize_weight(
+    w_ENK: torch.Tensor, spec: TensorSpec, *, rowwise: bool = True, columnwise: bool = True
+) -> RowwiseWeight:
     """A group's weights ``[E, N, K]`` into a :class:`RowwiseWeight` (see the module table)."""
     row_data = row_sinv = col_data = col_sinv = None
     if rowwise:

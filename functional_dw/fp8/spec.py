@@ -28,7 +28,14 @@ from typing import Any, Literal, NamedTuple, Optional
 import torch
 
 from .recipe import (
-    DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, QParams, Recipe, RowwiseScaling, as_recipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    QParams,
+    Recipe,
+    RowwiseScaling,
+    as_recipe,
 )
 
 __all__ = ["ROLES", "FP8_MAX", "TensorSpec", "SplitAccumulator", "tensor_spec", "split_accumulator"]
@@ -62,13 +69,18 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         if self.fp8_dtype not in FP8_MAX:
-            raise ValueError(f"TensorSpec.fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.fp8_dtype}")
+            raise ValueError(
+                f"TensorSpec.fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.fp8_dtype}"
+            )
         if self.scaling not in ("delayed", "current", "block", "rowwise"):
-            raise ValueError(f"TensorSpec.scaling must be 'delayed', 'current', 'block' or 'rowwise', got "
-                             f"{self.scaling!r}")
+            raise ValueError(
+                f"TensorSpec.scaling must be 'delayed', 'current', 'block' or 'rowwise', got {self.scaling!r}"
+            )
         if (self.scaling == "block") != (self.block is not None) or self.block not in (None, *_BLOCKS.values()):
-            raise ValueError(f"TensorSpec.block must be (1, 128) or (128, 128) with block scaling and None "
-                             f"otherwise, got {self.block!r} with {self.scaling!r} scaling")
+            raise ValueError(
+                f"TensorSpec.block must be (1, 128) or (128, 128) with block scaling and None "
+                f"otherwise, got {self.block!r} with {self.scaling!r} scaling"
+            )
 
     @property
     def fp8_max(self) -> float:
@@ -115,16 +127,21 @@ def tensor_spec(recipe: Any, role: str) -> TensorSpec:
     if isinstance(r, DelayedScaling):
         return TensorSpec(role, "delayed", dtype, margin=r.margin)
     if isinstance(r, RowwiseScaling):
-        return TensorSpec(role, "rowwise", torch.float8_e4m3fn, power_2_scale=r.power_2_scale,
-                          amax_epsilon=float(r.amax_epsilon))
-    q: QParams = {"input": r.fp8_quant_fwd_inp, "weight": r.fp8_quant_fwd_weight,
-                  "grad_output": r.fp8_quant_bwd_grad}[role]
+        return TensorSpec(
+            role, "rowwise", torch.float8_e4m3fn, power_2_scale=r.power_2_scale, amax_epsilon=float(r.amax_epsilon)
+        )
+    q: QParams = {"input": r.fp8_quant_fwd_inp, "weight": r.fp8_quant_fwd_weight, "grad_output": r.fp8_quant_bwd_grad}[
+        role
+    ]
     if isinstance(r, Float8CurrentScaling):
         return TensorSpec(role, "current", dtype, power_2_scale=q.power_2_scale, amax_epsilon=float(q.amax_epsilon))
     assert isinstance(r, Float8BlockScaling)
-    dim = {"input": r.x_block_scaling_dim, "weight": r.w_block_scaling_dim, "grad_output": r.grad_block_scaling_dim}[role]
-    return TensorSpec(role, "block", dtype, block=_BLOCKS[dim], power_2_scale=q.power_2_scale,
-                      amax_epsilon=float(q.amax_epsilon))
+    dim = {"input": r.x_block_scaling_dim, "weight": r.w_block_scaling_dim, "grad_output": r.grad_block_scaling_dim}[
+        role
+    ]
+    return TensorSpec(
+        role, "block", dtype, block=_BLOCKS[dim], power_2_scale=q.power_2_scale, amax_epsilon=float(q.amax_epsilon)
+    )
 
 
 def split_accumulator(recipe: Any) -> SplitAccumulator:
@@ -134,5 +151,8 @@ def split_accumulator(recipe: Any) -> SplitAccumulator:
     r = _checked(recipe)
     if isinstance(r, DelayedScaling):
         return SplitAccumulator(False, True, True)
-    return SplitAccumulator(r.fp8_gemm_fprop.use_split_accumulator, r.fp8_gemm_dgrad.use_split_accumulator,
-                            r.fp8_gemm_wgrad.use_split_accumulator)
+    return SplitAccumulator(
+        r.fp8_gemm_fprop.use_split_accumulator,
+        r.fp8_gemm_dgrad.use_split_accumulator,
+        r.fp8_gemm_wgrad.use_split_accumulator,
+    )

@@ -34,8 +34,18 @@ from .recipe import DelayedScaling, as_recipe
 from .spec import tensor_spec
 
 __all__ = [
-    "DelayedScalingState", "init_state", "slot", "scale_for", "group_scales", "record_amax", "record_amax_",
-    "update_state", "update_state_", "adjust_history_len", "FWD_PER_GEMM", "BWD_PER_GEMM",
+    "DelayedScalingState",
+    "init_state",
+    "slot",
+    "scale_for",
+    "group_scales",
+    "record_amax",
+    "record_amax_",
+    "update_state",
+    "update_state_",
+    "adjust_history_len",
+    "FWD_PER_GEMM",
+    "BWD_PER_GEMM",
 ]
 
 
@@ -89,8 +99,13 @@ __all__ = [
 #   package's recipe.
 
 FWD_PER_GEMM, BWD_PER_GEMM = 3, 2
-_SLOTS = {"input": ("fwd", 0), "weight": ("fwd", 1), "output": ("fwd", 2),
-          "grad_output": ("bwd", 0), "grad_input": ("bwd", 1)}
+_SLOTS = {
+    "input": ("fwd", 0),
+    "weight": ("fwd", 1),
+    "output": ("fwd", 2),
+    "grad_output": ("bwd", 0),
+    "grad_input": ("bwd", 1),
+}
 _TENSORS = ("amax_history_fwd", "scale_fwd", "amax_history_bwd", "scale_bwd")
 
 
@@ -110,13 +125,19 @@ class DelayedScalingState:
         if isinstance(E, bool) or not isinstance(E, int) or E < 1:
             raise ValueError(f"num_gemms must be an int >= 1, got {E!r}")
         H = self.amax_history_fwd.shape[0] if self.amax_history_fwd.dim() == 2 else -1
-        for name, shape in (("amax_history_fwd", (H, 3 * E)), ("scale_fwd", (3 * E,)),
-                            ("amax_history_bwd", (H, 2 * E)), ("scale_bwd", (2 * E,))):
+        for name, shape in (
+            ("amax_history_fwd", (H, 3 * E)),
+            ("scale_fwd", (3 * E,)),
+            ("amax_history_bwd", (H, 2 * E)),
+            ("scale_bwd", (2 * E,)),
+        ):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape or H < 1:
                 got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name} must be float32 of shape {shape} for num_gemms={E} "
-                                 f"(H >= 1 history rows, shared by both directions), got {got}")
+                raise ValueError(
+                    f"{name} must be float32 of shape {shape} for num_gemms={E} "
+                    f"(H >= 1 history rows, shared by both directions), got {got}"
+                )
 
     @property
     def history_len(self) -> int:
@@ -137,8 +158,10 @@ pytree.register_pytree_node(
 def _delayed(recipe: Any) -> DelayedScaling:
     r = as_recipe(recipe)
     if not isinstance(r, DelayedScaling):
-        raise ValueError(f"delayed-scaling state needs a DelayedScaling recipe, got {type(r).__name__}: "
-                         "current and block scaling keep no state")
+        raise ValueError(
+            f"delayed-scaling state needs a DelayedScaling recipe, got {type(r).__name__}: "
+            "current and block scaling keep no state"
+        )
     return r
 
 
@@ -149,8 +172,13 @@ def init_state(recipe: Any, num_gemms: int = 1, device: Any = None) -> DelayedSc
         raise ValueError(f"num_gemms must be an int >= 1, got {num_gemms!r}")
     H, E = r.amax_history_len, num_gemms
     f32 = dict(dtype=torch.float32, device=device)
-    return DelayedScalingState(torch.zeros(H, 3 * E, **f32), torch.ones(3 * E, **f32),
-                               torch.zeros(H, 2 * E, **f32), torch.ones(2 * E, **f32), E)
+    return DelayedScalingState(
+        torch.zeros(H, 3 * E, **f32),
+        torch.ones(3 * E, **f32),
+        torch.zeros(H, 2 * E, **f32),
+        torch.ones(2 * E, **f32),
+        E,
+    )
 
 
 def slot(role: str, gemm: int = 0, num_gemms: Optional[int] = None) -> tuple[str, int]:
@@ -190,8 +218,9 @@ def _amax_row(state: DelayedScalingState, role: str, amax: Any, gemm: Optional[i
         n = 1
     a = torch.as_tensor(amax, dtype=torch.float32, device=state.scale_fwd.device).reshape(-1)
     if a.numel() != n:
-        raise ValueError(f"amax must have {n} value(s) ({'one per GEMM' if gemm is None else f'GEMM {gemm}'}), "
-                         f"got {a.numel()}")
+        raise ValueError(
+            f"amax must have {n} value(s) ({'one per GEMM' if gemm is None else f'GEMM {gemm}'}), got {a.numel()}"
+        )
     return side, cols, a if gemm is None else a[0]
 
 
@@ -206,7 +235,9 @@ def record_amax(state: DelayedScalingState, role: str, amax: Any, *, gemm: Optio
     return dataclasses.replace(state, **{name: hist})
 
 
-def record_amax_(state: DelayedScalingState, role: str, amax: Any, *, gemm: Optional[int] = None) -> DelayedScalingState:
+def record_amax_(
+    state: DelayedScalingState, role: str, amax: Any, *, gemm: Optional[int] = None
+) -> DelayedScalingState:
     """:func:`record_amax` in place (for modules holding a state); returns ``state``."""
     side, cols, a = _amax_row(state, role, amax, gemm)
     row = getattr(state, f"amax_history_{side}")[0]
@@ -217,6 +248,7 @@ def record_amax_(state: DelayedScalingState, role: str, amax: Any, *, gemm: Opti
 def _reduce_row0(hist: torch.Tensor, group: Any) -> torch.Tensor:
     """Row 0 max-reduced over ``group`` (TE: ``reduce_tensor_across_group_op_max``)."""
     import torch.distributed as dist
+
     row = hist[0].clone()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group=group) > 1:
         dist.all_reduce(row, op=dist.ReduceOp.MAX, group=group)
@@ -243,7 +275,9 @@ def _fused_update(hist: torch.Tensor, scale: torch.Tensor, algo: str, fp8_max: f
     amax = _nanmax0(window) if algo == "max" else last
     amax = torch.where(go, amax, torch.zeros_like(amax))
     two = torch.tensor(2.0, dtype=torch.float32)
-    scaled_max = (torch.tensor(fp8_max, dtype=torch.float32) * two.pow(-float(margin))).to(hist.device)  # host float math
+    scaled_max = (torch.tensor(fp8_max, dtype=torch.float32) * two.pow(-float(margin))).to(
+        hist.device
+    )  # host float math
     new_scale = torch.where(torch.isfinite(amax) & (amax > 0), scaled_max / amax, scale)
     new_scale = torch.where(torch.isinf(new_scale), torch.full_like(new_scale, FLT_MAX), new_scale)
     return new_hist, new_scale
@@ -262,33 +296,43 @@ def _unfused_update(hist: torch.Tensor, scale: torch.Tensor, fp8_max: float, r: 
     new_hist[0] = 0.0
     if r.scaling_factor_compute_algo is not None:
         return new_hist, r.scaling_factor_compute_algo(amax, scale.clone(), fp8_max, r)
-    sf = (torch.full_like(amax, fp8_max) / amax) / (2 ** r.margin)  # _default_sf_compute (see the NOTE)
+    sf = (torch.full_like(amax, fp8_max) / amax) / (2**r.margin)  # _default_sf_compute (see the NOTE)
     sf = torch.where(amax > 0.0, sf, scale)
     sf = torch.where(torch.isfinite(amax), sf, scale)
     sf = torch.where(torch.isinf(sf), torch.full_like(sf, FLT_MAX), sf)
     return new_hist, sf
 
 
-def _update_args(state: DelayedScalingState, recipe: Any, which: str, fused: Optional[bool]) -> tuple[DelayedScaling, bool]:
+def _update_args(
+    state: DelayedScalingState, recipe: Any, which: str, fused: Optional[bool]
+) -> tuple[DelayedScaling, bool]:
     """The checked recipe, and whether TE's fused rule applies (see :func:`update_state`)."""
     r = _delayed(recipe)
     if which not in ("fwd", "bwd", "both"):
         raise ValueError(f"which must be 'fwd', 'bwd' or 'both', got {which!r}")
     if state.history_len != r.amax_history_len:
-        raise ValueError(f"the state has {state.history_len} history rows but recipe.amax_history_len is "
-                         f"{r.amax_history_len}: resize it with adjust_history_len(state, {r.amax_history_len})")
+        raise ValueError(
+            f"the state has {state.history_len} history rows but recipe.amax_history_len is "
+            f"{r.amax_history_len}: resize it with adjust_history_len(state, {r.amax_history_len})"
+        )
     wants_python = callable(r.amax_compute_algo) or callable(r.scaling_factor_compute_algo)
     if fused is None:
         fused = not (wants_python or bool(int(os.getenv("NVTE_UNFUSED_FP8_UPDATE", "0"))))
     elif fused and wants_python:
-        raise ValueError("fused=True runs TE's kernel, which takes amax_compute_algo 'max' or 'most_recent' "
-                         "and no scaling_factor_compute_algo: leave fused=None for callables")
+        raise ValueError(
+            "fused=True runs TE's kernel, which takes amax_compute_algo 'max' or 'most_recent' "
+            "and no scaling_factor_compute_algo: leave fused=None for callables"
+        )
     return r, fused
 
 
 def update_state(
-    state: DelayedScalingState, recipe: Any, *, which: Literal["fwd", "bwd", "both"] = "both",
-    group: Any = None, fused: Optional[bool] = None,
+    state: DelayedScalingState,
+    recipe: Any,
+    *,
+    which: Literal["fwd", "bwd", "both"] = "both",
+    group: Any = None,
+    fused: Optional[bool] = None,
 ) -> DelayedScalingState:
     """The state after TE's amax-and-scale update (a new record; ``state`` is not changed).
 
@@ -303,11 +347,10 @@ def update_state(
     return _updated(state, r, which, group, fused)
 
 
-def _updated(state: DelayedScalingState, r: DelayedScaling, which: str, group: Any,
-             fused: bool) -> DelayedScalingState:
+def _updated(state: DelayedScalingState, r: DelayedScaling, which: str, group: Any, fused: bool) -> DelayedScalingState:
     """:func:`update_state` after its checks (:func:`_update_args`)."""
     new = {}
-    for side in (("fwd", "bwd") if which == "both" else (which,)):
+    for side in ("fwd", "bwd") if which == "both" else (which,):
         hist, scale = getattr(state, f"amax_history_{side}"), getattr(state, f"scale_{side}")
         if group is not None and r.reduce_amax:
             hist = torch.cat([_reduce_row0(hist, group)[None], hist[1:]])
@@ -320,8 +363,14 @@ def _updated(state: DelayedScalingState, r: DelayedScaling, which: str, group: A
     return dataclasses.replace(state, **new)
 
 
-def update_state_(state: DelayedScalingState, recipe: Any, *, which: Literal["fwd", "bwd", "both"] = "both",
-                  group: Any = None, fused: Optional[bool] = None) -> DelayedScalingState:
+def update_state_(
+    state: DelayedScalingState,
+    recipe: Any,
+    *,
+    which: Literal["fwd", "bwd", "both"] = "both",
+    group: Any = None,
+    fused: Optional[bool] = None,
+) -> DelayedScalingState:
     """:func:`update_state` in place: the state's own tensors take the new values (what a
     module holding a state calls); returns ``state``."""
     r, fused = _update_args(state, recipe, which, fused)
@@ -363,7 +412,7 @@ def _te_update_(state: DelayedScalingState, r: DelayedScaling, which: str = "bot
     if update_delayed_ is None:
         return False
     with torch.no_grad():
-        for side in (("fwd", "bwd") if which == "both" else (which,)):
+        for side in ("fwd", "bwd") if which == "both" else (which,):
             hist, scale = getattr(state, f"amax_history_{side}"), getattr(state, f"scale_{side}")
             last = _reduce_row0(hist, group) if group is not None and r.reduce_amax else hist[0].clone()
             dtype = tensor_spec(r, "input" if side == "fwd" else "grad_output").fp8_dtype
@@ -383,5 +432,6 @@ def adjust_history_len(state: DelayedScalingState, length: int) -> DelayedScalin
             return h[:length].clone()
         return torch.cat([h, h.new_zeros(length - h.shape[0], h.shape[1])])
 
-    return dataclasses.replace(state, amax_history_fwd=fit(state.amax_history_fwd),
-                               amax_history_bwd=fit(state.amax_history_bwd))
+    return dataclasses.replace(
+        state, amax_history_fwd=fit(state.amax_history_fwd), amax_history_bwd=fit(state.amax_history_bwd)
+    )

@@ -29,5 +29,17 @@ from .splits import Splits, _to_device, check_sizes  # noqa: F401  (_to_device: 
 
 _fp8_state.set_fused_kernel(te_update_delayed)
 
-__all__ = ["Kernels", "Splits", "Weights", "as_one_buffer", "check_sizes", "get_kernels", "out_in", "packed", "per_expert",
-           "stacked", "te_available", "te_update_delayed"]
+__all__ = [
+    "Kernels",
+    "Splits",
+    "Weights",
+    "as_one_buffer",
+    "check_sizes",
+    "get_kernels",
+    "out_in",
+    "packed",
+    "per_expert",
+    "stacked",
+    "te_available",
+    "te_update_delayed",
+]

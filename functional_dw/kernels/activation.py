@@ -47,8 +47,18 @@ import torch.nn.functional as F
 from . import Splits
 from .torch_ref import _row_expert
 
-__all__ = ["ACTIVATIONS", "ActivationKernels", "TorchActivation", "REFERENCE", "activation_kernels",
-           "act_fwd", "act_bwd", "probs_bias_fwd", "probs_bias_bwd", "glu_width"]
+__all__ = [
+    "ACTIVATIONS",
+    "ActivationKernels",
+    "TorchActivation",
+    "REFERENCE",
+    "activation_kernels",
+    "act_fwd",
+    "act_bwd",
+    "probs_bias_fwd",
+    "probs_bias_bwd",
+    "glu_width",
+]
 
 ACTIVATIONS = ("swiglu", "gelu", "silu")
 _GATED = frozenset({"swiglu"})
@@ -65,11 +75,21 @@ class ActivationKernels(Protocol):
     """What ``grouped_mlp`` calls between its two GEMMs (see the module docstring)."""
 
     def act_fwd(self, fc1_out: torch.Tensor, probs: torch.Tensor | None, activation: str) -> torch.Tensor: ...
-    def act_bwd(self, fc1_out: torch.Tensor, probs: torch.Tensor | None, dh: torch.Tensor, activation: str, *,
-                dprobs_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-    def probs_bias_fwd(self, y: torch.Tensor, b_EH: torch.Tensor, probs: torch.Tensor, splits: Splits) -> torch.Tensor: ...
-    def probs_bias_bwd(self, dy: torch.Tensor, b_EH: torch.Tensor, probs: torch.Tensor,
-                       splits: Splits) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def act_bwd(
+        self,
+        fc1_out: torch.Tensor,
+        probs: torch.Tensor | None,
+        dh: torch.Tensor,
+        activation: str,
+        *,
+        dprobs_in: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def probs_bias_fwd(
+        self, y: torch.Tensor, b_EH: torch.Tensor, probs: torch.Tensor, splits: Splits
+    ) -> torch.Tensor: ...
+    def probs_bias_bwd(
+        self, dy: torch.Tensor, b_EH: torch.Tensor, probs: torch.Tensor, splits: Splits
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -110,8 +130,15 @@ class TorchActivation:
             a = a * probs.to(acc)[:, None]
         return a.to(fc1_out.dtype)
 
-    def act_bwd(self, fc1_out: torch.Tensor, probs: torch.Tensor | None, dh: torch.Tensor, activation: str, *,
-                dprobs_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def act_bwd(
+        self,
+        fc1_out: torch.Tensor,
+        probs: torch.Tensor | None,
+        dh: torch.Tensor,
+        activation: str,
+        *,
+        dprobs_in: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         acc = _acc(fc1_out.dtype)
         z, g = fc1_out.to(acc), dh.to(acc)
         dprobs = None
@@ -135,14 +162,17 @@ class TorchActivation:
         acc, rows = _acc(y.dtype), _row_expert(splits)
         return (y.to(acc) + b_EH.to(acc)[rows] * probs.to(acc)[:, None]).to(y.dtype)
 
-    def probs_bias_bwd(self, dy: torch.Tensor, b_EH: torch.Tensor, probs: torch.Tensor,
-                       splits: Splits) -> tuple[torch.Tensor, torch.Tensor]:
+    def probs_bias_bwd(
+        self, dy: torch.Tensor, b_EH: torch.Tensor, probs: torch.Tensor, splits: Splits
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(db ``[E, H]`` in the bias's dtype, dprobs ``[T]`` in the compute dtype: a partial
         that :meth:`act_bwd` adds before its one rounding)."""
         acc, rows = _acc(dy.dtype), _row_expert(splits)
         dy32, b32 = dy.to(acc), b_EH.to(acc)
         weighted = dy32 * probs.to(acc)[:, None]
-        db = torch.zeros(b_EH.shape, dtype=acc, device=dy.device).index_add(0, rows, weighted)  # (out of place: vmap-safe)
+        db = torch.zeros(b_EH.shape, dtype=acc, device=dy.device).index_add(
+            0, rows, weighted
+        )  # (out of place: vmap-safe)
         return db.to(b_EH.dtype), (dy32 * b32[rows]).sum(-1)
 
 
@@ -174,8 +204,14 @@ def act_fwd(fc1_out: torch.Tensor, probs: torch.Tensor | None, activation: str) 
     return REFERENCE.act_fwd(fc1_out, probs, activation)
 
 
-def act_bwd(fc1_out: torch.Tensor, probs: torch.Tensor | None, dh: torch.Tensor, activation: str, *,
-            dprobs_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def act_bwd(
+    fc1_out: torch.Tensor,
+    probs: torch.Tensor | None,
+    dh: torch.Tensor,
+    activation: str,
+    *,
+    dprobs_in: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The reference :meth:`TorchActivation.act_bwd`."""
     return REFERENCE.act_bwd(fc1_out, probs, dh, activation, dprobs_in=dprobs_in)
 
@@ -185,7 +221,8 @@ def probs_bias_fwd(y: torch.Tensor, b_EH: torch.Tensor, probs: torch.Tensor, spl
     return REFERENCE.probs_bias_fwd(y, b_EH, probs, splits)
 
 
-def probs_bias_bwd(dy: torch.Tensor, b_EH: torch.Tensor, probs: torch.Tensor,
-                   splits: Splits) -> tuple[torch.Tensor, torch.Tensor]:
+def probs_bias_bwd(
+    dy: torch.Tensor, b_EH: torch.Tensor, probs: torch.Tensor, splits: Splits
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference :meth:`TorchActivation.probs_bias_bwd`."""
     return REFERENCE.probs_bias_bwd(dy, b_EH, probs, splits)

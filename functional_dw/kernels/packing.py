@@ -59,7 +59,8 @@ def packed(ts: Sequence[torch.Tensor], layout_only: bool = False) -> torch.Tenso
     if not layout_only and torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, ts)):
         return None  # (``layout_only``: the layout alone, for a plan; the caller decides per call)
     if torch._C._functorch.peek_interpreter_stack() is not None and any(
-            torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts):
+        torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts
+    ):
         return None
     step, dtype = t0.numel() * t0.element_size(), t0.dtype
     try:

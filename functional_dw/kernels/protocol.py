@@ -60,12 +60,19 @@ class Kernels(Protocol):
 
     name: str
 
-    def fprop(self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, *,
-              split_accumulator: bool = False) -> torch.Tensor: ...
+    def fprop(
+        self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, *, split_accumulator: bool = False
+    ) -> torch.Tensor: ...
     def dgrad(self, dy_TN: torch.Tensor, w_NK: torch.Tensor, *, split_accumulator: bool = False) -> torch.Tensor: ...
     def wgrad(
-        self, x_TK: torch.Tensor, dy_TN: torch.Tensor, *, out: torch.Tensor | None = None,
-        accumulate: bool = False, with_dbias: bool = False, split_accumulator: bool = False,
+        self,
+        x_TK: torch.Tensor,
+        dy_TN: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        accumulate: bool = False,
+        with_dbias: bool = False,
+        split_accumulator: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def grouped_path_unsupported(self, x_TK: torch.Tensor, w_ENK: Weights, recipe=None) -> str | None:
@@ -74,20 +81,51 @@ class Kernels(Protocol):
         ...
 
     def grouped_fprop(
-        self, x_TK: torch.Tensor, w_ENK: Weights, b_EN: torch.Tensor | None, splits: Splits, grouped: bool, *,
+        self,
+        x_TK: torch.Tensor,
+        w_ENK: Weights,
+        b_EN: torch.Tensor | None,
+        splits: Splits,
+        grouped: bool,
+        *,
         split_accumulator: bool = False,
     ) -> torch.Tensor: ...
-    def grouped_dgrad(self, dy_TN: torch.Tensor, w_ENK: Weights, splits: Splits, grouped: bool, *,
-                      split_accumulator: bool = False) -> torch.Tensor: ...
+    def grouped_dgrad(
+        self, dy_TN: torch.Tensor, w_ENK: Weights, splits: Splits, grouped: bool, *, split_accumulator: bool = False
+    ) -> torch.Tensor: ...
     def grouped_wgrad(
-        self, x_TK: torch.Tensor, dy_TN: torch.Tensor, splits: Splits, grouped: bool, *,
-        out: Weights | None = None, accumulate: bool = False, with_dbias: bool = False,
+        self,
+        x_TK: torch.Tensor,
+        dy_TN: torch.Tensor,
+        splits: Splits,
+        grouped: bool,
+        *,
+        out: Weights | None = None,
+        accumulate: bool = False,
+        with_dbias: bool = False,
         split_accumulator: bool = False,
     ) -> tuple[Weights, torch.Tensor | None]: ...
 
     # FP8 (NOTE: [FP8 operands]); a backend without them runs no FP8 layer
-    def quantize(self, t: torch.Tensor, spec: Any, *, scale: torch.Tensor | None = None,
-                 amax: torch.Tensor | None = None, rowwise: bool = True, columnwise: bool = False) -> Any: ...
-    def grouped_quantize(self, x_TK: torch.Tensor, splits: Splits, spec: Any, *, scales: Any = None,
-                         amaxes: Any = None, rowwise: bool = True, columnwise: bool = False,
-                         grouped: bool = False) -> Any: ...
+    def quantize(
+        self,
+        t: torch.Tensor,
+        spec: Any,
+        *,
+        scale: torch.Tensor | None = None,
+        amax: torch.Tensor | None = None,
+        rowwise: bool = True,
+        columnwise: bool = False,
+    ) -> Any: ...
+    def grouped_quantize(
+        self,
+        x_TK: torch.Tensor,
+        splits: Splits,
+        spec: Any,
+        *,
+        scales: Any = None,
+        amaxes: Any = None,
+        rowwise: bool = True,
+        columnwise: bool = False,
+        grouped: bool = False,
+    ) -> Any: ...

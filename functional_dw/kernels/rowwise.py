@@ -37,8 +37,13 @@ def fast(t: torch.Tensor) -> bool:
     """Whether the CUDA kernels run on ``t``: an sm_90 GPU with Triton and torch's scaled grouped
     GEMM, and a plain tensor (a torch.func transform's wrapper has no memory Triton can read: the
     emulation runs under transforms)."""
-    return (t.is_cuda and triton_rowwise.available(t) and hasattr(torch, "_scaled_grouped_mm") and _sm90(t.device)
-            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+    return (
+        t.is_cuda
+        and triton_rowwise.available(t)
+        and hasattr(torch, "_scaled_grouped_mm")
+        and _sm90(t.device)
+        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+    )
 
 
 def check_device(x: torch.Tensor) -> None:
@@ -46,28 +51,35 @@ def check_device(x: torch.Tensor) -> None:
     if not x.is_cuda or torch.compiler.is_compiling():  # (compiled: the ops' own checks at run time)
         return
     if not fast(x):
-        raise ValueError(f"RowwiseScaling on CUDA runs torch's rowwise-scaled grouped GEMM and Triton kernels, which "
-                         f"need an sm_90 (Hopper) GPU, Triton and torch._scaled_grouped_mm; x is on {x.device}. Use "
-                         "TE's recipes (Float8CurrentScaling, Float8BlockScaling), or the CPU emulation")
+        raise ValueError(
+            f"RowwiseScaling on CUDA runs torch's rowwise-scaled grouped GEMM and Triton kernels, which "
+            f"need an sm_90 (Hopper) GPU, Triton and torch._scaled_grouped_mm; x is on {x.device}. Use "
+            "TE's recipes (Float8CurrentScaling, Float8BlockScaling), or the CPU emulation"
+        )
     if x.dtype != torch.bfloat16:
-        raise TypeError(f"RowwiseScaling on CUDA takes bfloat16 activations (torch's scaled grouped GEMM writes "
-                        f"bfloat16), x is {x.dtype}: cast x and the weights to bfloat16")
+        raise TypeError(
+            f"RowwiseScaling on CUDA takes bfloat16 activations (torch's scaled grouped GEMM writes "
+            f"bfloat16), x is {x.dtype}: cast x and the weights to bfloat16"
+        )
 
 
 def _ends(splits: Splits) -> tuple[torch.Tensor, torch.Tensor]:
     """(int32 ends, int32 padded ends) of the token groups, on the device, cached on the record
     (host counts: summed on the host, one copy; device counts: on the device, no sync)."""
+
     def padded() -> torch.Tensor:
         if splits.host is not None:
-            return _to_device(itertools.accumulate(-(-s // ref.PAD) * ref.PAD for s in splits.host), torch.int32,
-                              splits.device)
+            return _to_device(
+                itertools.accumulate(-(-s // ref.PAD) * ref.PAD for s in splits.host), torch.int32, splits.device
+            )
         return ref.padded_ends(splits.on_device())
 
     return splits.ends(torch.int32), splits.cached("rowwise_pends", padded)
 
 
-def quantize_activation(t_TD: torch.Tensor, splits: Splits, spec: Any, *, rowwise: bool,
-                        columnwise: bool) -> RowwiseActivation:
+def quantize_activation(
+    t_TD: torch.Tensor, splits: Splits, spec: Any, *, rowwise: bool, columnwise: bool
+) -> RowwiseActivation:
     """x or dy ``[T, D]`` per the recipe: the copies asked for."""
     ends, pends = _ends(splits)
     if torch.compiler.is_compiling():
@@ -94,8 +106,9 @@ def quantize_weight(w_ENK: Weights, spec: Any, *, rowwise: bool, columnwise: boo
 
 
 def _gmm(a, b, scale_a, scale_b, offs, split_accumulator: bool) -> torch.Tensor:
-    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
-                                    use_fast_accum=not split_accumulator)
+    return torch._scaled_grouped_mm(
+        a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=not split_accumulator
+    )
 
 
 def _per_expert(a32: torch.Tensor, b32_E: torch.Tensor, splits: Splits, transpose: bool) -> torch.Tensor:
@@ -112,21 +125,39 @@ def _row_bias(b_EN: torch.Tensor, splits: Splits) -> torch.Tensor:
     return b_EN[_row_expert(splits)]
 
 
-def fprop(xq: RowwiseActivation, wq: RowwiseWeight, b_EN: torch.Tensor | None, splits: Splits, *,
-          split_accumulator: bool) -> torch.Tensor:
+def fprop(
+    xq: RowwiseActivation, wq: RowwiseWeight, b_EN: torch.Tensor | None, splits: Splits, *, split_accumulator: bool
+) -> torch.Tensor:
     """``y_e = x_e W_e^T + b_e`` from x's and W's rowwise copies."""
     if torch.compiler.is_compiling():
         # the bias goes into the op: it is added where eager adds it (to the fp32 product on
         # the emulation, rounded once), not to the op's rounded output
-        return rowwise_gemm("fprop", xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv,
-                            splits.tensor, splits.num_tokens, xq.dtype, split_accumulator, b_EN)
+        return rowwise_gemm(
+            "fprop",
+            xq.rowwise_data,
+            xq.rowwise_scale_inv,
+            wq.rowwise_data,
+            wq.rowwise_scale_inv,
+            splits.tensor,
+            splits.num_tokens,
+            xq.dtype,
+            split_accumulator,
+            b_EN,
+        )
     x, w = xq.rowwise_data, wq.rowwise_data
     if fast(x):
-        y = _gmm(x, w.transpose(-2, -1), xq.rowwise_scale_inv, wq.rowwise_scale_inv, splits.ends(torch.int32),
-                 split_accumulator)
+        y = _gmm(
+            x,
+            w.transpose(-2, -1),
+            xq.rowwise_scale_inv,
+            wq.rowwise_scale_inv,
+            splits.ends(torch.int32),
+            split_accumulator,
+        )
         return y if b_EN is None else y.add_(_row_bias(b_EN, splits))
-    y32 = _per_expert(x.float() * xq.rowwise_scale_inv[:, None], w.float() * wq.rowwise_scale_inv[..., None], splits,
-                      transpose=True)
+    y32 = _per_expert(
+        x.float() * xq.rowwise_scale_inv[:, None], w.float() * wq.rowwise_scale_inv[..., None], splits, transpose=True
+    )
     if b_EN is not None:
         y32 = y32 + _row_bias(b_EN.float(), splits)
     return y32.to(xq.dtype)
@@ -135,29 +166,70 @@ def fprop(xq: RowwiseActivation, wq: RowwiseWeight, b_EN: torch.Tensor | None, s
 def dgrad(dyq: RowwiseActivation, wq: RowwiseWeight, splits: Splits, *, split_accumulator: bool) -> torch.Tensor:
     """``dx_e = dy_e W_e`` from dy's rowwise and W's columnwise copies."""
     if torch.compiler.is_compiling():
-        return rowwise_gemm("dgrad", dyq.rowwise_data, dyq.rowwise_scale_inv, wq.columnwise_data,
-                            wq.columnwise_scale_inv, splits.tensor, splits.num_tokens, dyq.dtype, split_accumulator)
+        return rowwise_gemm(
+            "dgrad",
+            dyq.rowwise_data,
+            dyq.rowwise_scale_inv,
+            wq.columnwise_data,
+            wq.columnwise_scale_inv,
+            splits.tensor,
+            splits.num_tokens,
+            dyq.dtype,
+            split_accumulator,
+        )
     dy, wt = dyq.rowwise_data, wq.columnwise_data  # wt: [E, K, N]
     if fast(dy):
-        return _gmm(dy, wt.transpose(-2, -1), dyq.rowwise_scale_inv, wq.columnwise_scale_inv,
-                    splits.ends(torch.int32), split_accumulator)
-    dx32 = _per_expert(dy.float() * dyq.rowwise_scale_inv[:, None], wt.float() * wq.columnwise_scale_inv[..., None],
-                       splits, transpose=True)
+        return _gmm(
+            dy,
+            wt.transpose(-2, -1),
+            dyq.rowwise_scale_inv,
+            wq.columnwise_scale_inv,
+            splits.ends(torch.int32),
+            split_accumulator,
+        )
+    dx32 = _per_expert(
+        dy.float() * dyq.rowwise_scale_inv[:, None],
+        wt.float() * wq.columnwise_scale_inv[..., None],
+        splits,
+        transpose=True,
+    )
     return dx32.to(dyq.dtype)
 
 
-def wgrad(xq: RowwiseActivation, dyq: RowwiseActivation, splits: Splits, *, out: Weights | None, accumulate: bool,
-          split_accumulator: bool) -> Weights:
+def wgrad(
+    xq: RowwiseActivation,
+    dyq: RowwiseActivation,
+    splits: Splits,
+    *,
+    out: Weights | None,
+    accumulate: bool,
+    split_accumulator: bool,
+) -> Weights:
     """``dW_e = dy_e^T x_e`` from both columnwise copies: a fresh ``[E, N, K]`` in the
     activations' dtype, or written (added when ``accumulate``) into ``out``."""
     if torch.compiler.is_compiling():
-        dw = rowwise_gemm("wgrad", xq.columnwise_data, xq.columnwise_scale_inv, dyq.columnwise_data,
-                          dyq.columnwise_scale_inv, splits.tensor, splits.num_tokens, xq.dtype, split_accumulator)
+        dw = rowwise_gemm(
+            "wgrad",
+            xq.columnwise_data,
+            xq.columnwise_scale_inv,
+            dyq.columnwise_data,
+            dyq.columnwise_scale_inv,
+            splits.tensor,
+            splits.num_tokens,
+            xq.dtype,
+            split_accumulator,
+        )
         return _written(dw, out, accumulate)
     ends, pends = _ends(splits)
     if fast(xq.columnwise_data):
-        dw = _gmm(dyq.columnwise_data, xq.columnwise_data.t(), dyq.columnwise_scale_inv.reshape(-1),
-                  xq.columnwise_scale_inv.reshape(-1), pends, split_accumulator)
+        dw = _gmm(
+            dyq.columnwise_data,
+            xq.columnwise_data.t(),
+            dyq.columnwise_scale_inv.reshape(-1),
+            xq.columnwise_scale_inv.reshape(-1),
+            pends,
+            split_accumulator,
+        )
     else:
         x32 = ref.dequantize_columns(xq, ends, pends)
         dy32 = ref.dequantize_columns(dyq, ends, pends)
@@ -188,9 +260,15 @@ def _written(dw: torch.Tensor, out: Weights | None, accumulate: bool) -> Weights
 
 
 @torch.library.custom_op("functional_dw::rowwise_quantize", mutates_args=())
-def rowwise_quantize(t: torch.Tensor, ends: torch.Tensor, pends: torch.Tensor, power_2_scale: bool,
-                     amax_epsilon: float, rowwise: bool, columnwise: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def rowwise_quantize(
+    t: torch.Tensor,
+    ends: torch.Tensor,
+    pends: torch.Tensor,
+    power_2_scale: bool,
+    amax_epsilon: float,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rowwise data, its inverse scales, columnwise data, its inverse scales); a copy not asked
     for is an empty tensor."""
     spec = _spec(power_2_scale, amax_epsilon)
@@ -215,8 +293,10 @@ def _as_tensors(q: Any, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _empties(like: torch.Tensor, shapes: Any, rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, ...]:
     """The fake outputs: the four tensors' shapes, an empty one for a copy not asked for."""
-    return tuple(like.new_empty(shape if keep else (0,), dtype=d)
-                 for shape, keep, d in zip(shapes, (rowwise, rowwise, columnwise, columnwise), _DTYPES))
+    return tuple(
+        like.new_empty(shape if keep else (0,), dtype=d)
+        for shape, keep, d in zip(shapes, (rowwise, rowwise, columnwise, columnwise), _DTYPES)
+    )
 
 
 def _present(tensors: Any, rowwise: bool, columnwise: bool) -> tuple[Any, ...]:
@@ -225,10 +305,13 @@ def _present(tensors: Any, rowwise: bool, columnwise: bool) -> tuple[Any, ...]:
 
 
 @torch.library.custom_op("functional_dw::rowwise_quantize_weight", mutates_args=())
-def rowwise_quantize_weight(w: torch.Tensor, power_2_scale: bool, amax_epsilon: float, rowwise: bool,
-                            columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def rowwise_quantize_weight(
+    w: torch.Tensor, power_2_scale: bool, amax_epsilon: float, rowwise: bool, columnwise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_weight` of ``[E, N, K]`` as tensors (a copy not asked for: empty)."""
-    return _as_tensors(quantize_weight(w, _spec(power_2_scale, amax_epsilon), rowwise=rowwise, columnwise=columnwise), w)
+    return _as_tensors(
+        quantize_weight(w, _spec(power_2_scale, amax_epsilon), rowwise=rowwise, columnwise=columnwise), w
+    )
 
 
 @rowwise_quantize_weight.register_fake
@@ -244,9 +327,18 @@ def _spec(power_2_scale: bool, amax_epsilon: float) -> Any:
 
 
 @torch.library.custom_op("functional_dw::rowwise_gemm", mutates_args=())
-def rowwise_gemm(kind: str, a: torch.Tensor, a_sinv: torch.Tensor, b: torch.Tensor, b_sinv: torch.Tensor,
-                 splits: torch.Tensor, num_tokens: int, dtype: torch.dtype, split_accumulator: bool,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+def rowwise_gemm(
+    kind: str,
+    a: torch.Tensor,
+    a_sinv: torch.Tensor,
+    b: torch.Tensor,
+    b_sinv: torch.Tensor,
+    splits: torch.Tensor,
+    num_tokens: int,
+    dtype: torch.dtype,
+    split_accumulator: bool,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One of the three products on the copies :func:`fprop`, :func:`dgrad`, :func:`wgrad` read
     (``a``, ``b``: x/W, dy/W, x/dy), the splits as a tensor (read at run time); ``bias`` [E, N]
     for fprop only."""
@@ -259,8 +351,13 @@ def rowwise_gemm(kind: str, a: torch.Tensor, a_sinv: torch.Tensor, b: torch.Tens
         return wgrad(xq, dyq, sp, out=None, accumulate=False, split_accumulator=split_accumulator)
     q = RowwiseActivation(a, a_sinv, None, None, tuple(a.shape), dtype)
     if kind == "fprop":
-        return fprop(q, RowwiseWeight(b, b_sinv, None, None, tuple(b.shape), dtype), bias, sp,
-                     split_accumulator=split_accumulator)
+        return fprop(
+            q,
+            RowwiseWeight(b, b_sinv, None, None, tuple(b.shape), dtype),
+            bias,
+            sp,
+            split_accumulator=split_accumulator,
+        )
     w = RowwiseWeight(None, None, b, b_sinv, (b.shape[0], b.shape[2], b.shape[1]), dtype)
     return dgrad(q, w, sp, split_accumulator=split_accumulator)
 

@@ -53,12 +53,25 @@ class Splits:
     num_experts: int
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    def __init__(self, host: tuple[int, ...] | None, tensor: torch.Tensor | None, device: torch.device,
-                 num_tokens: int, num_experts: int, _cache: dict | None = None) -> None:
+    def __init__(
+        self,
+        host: tuple[int, ...] | None,
+        tensor: torch.Tensor | None,
+        device: torch.device,
+        num_tokens: int,
+        num_experts: int,
+        _cache: dict | None = None,
+    ) -> None:
         # one dict update: a frozen dataclass's own __init__ sets each field through object.__setattr__
         # (``_cache`` as dataclasses.replace passes it: the record's, shared as before)
-        fields = dict(host=host, tensor=tensor, device=device, num_tokens=num_tokens, num_experts=num_experts,
-                      _cache={} if _cache is None else _cache)
+        fields = dict(
+            host=host,
+            tensor=tensor,
+            device=device,
+            num_tokens=num_tokens,
+            num_experts=num_experts,
+            _cache={} if _cache is None else _cache,
+        )
         if torch.compiler.is_compiling():  # torch 2.11's dynamo cannot trace a __dict__ write (2.13's can)
             for name, value in fields.items():
                 object.__setattr__(self, name, value)
@@ -75,6 +88,7 @@ class Splits:
 
     def on_device(self) -> torch.Tensor:
         """int64 ``[E]`` counts on the activations' device, made memory-safe (see :meth:`ends`)."""
+
         def make() -> torch.Tensor:
             if self.host is not None:
                 return _to_device(self.host, torch.int64, self.device)
@@ -100,6 +114,7 @@ class Splits:
 
         Counts known only on the device are clamped to be memory-safe: bad splits give wrong rows,
         never a crash (NOTE: [Device splits are clamped]). Host counts are copied once."""
+
         def make() -> torch.Tensor:
             if self.host is not None:
                 return _to_device(itertools.accumulate(self.host), dtype, self.device)
@@ -125,7 +140,9 @@ class Splits:
             return None
         from .triton_splits import clamp_splits
 
-        return self.cached("fused", lambda: clamp_splits(self.tensor.to(self.device, non_blocking=True), self.num_tokens))
+        return self.cached(
+            "fused", lambda: clamp_splits(self.tensor.to(self.device, non_blocking=True), self.num_tokens)
+        )
 
     @classmethod
     def in_op(cls, sizes: torch.Tensor, x: torch.Tensor, num_experts: int, grouped: bool) -> "Splits":

@@ -25,7 +25,10 @@ import transformer_engine.pytorch  # noqa: F401  (loads libtransformer_engine be
 import transformer_engine_torch as tex
 from transformer_engine.pytorch.cpp_extensions import gemm as te_gemm
 from transformer_engine.pytorch.cpp_extensions.gemm import (
-    general_gemm, general_grouped_gemm, general_grouped_gemm_for_grouped_tensor, get_cublas_workspace,
+    general_gemm,
+    general_grouped_gemm,
+    general_grouped_gemm_for_grouped_tensor,
+    get_cublas_workspace,
 )
 from transformer_engine.pytorch.module.base import _2X_ACC_DGRAD, _2X_ACC_FPROP, _2X_ACC_WGRAD
 from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage
@@ -84,26 +87,40 @@ def _uniform(data: torch.Tensor, E: int, shape: tuple[int, int]) -> GroupedTenso
     """E same-shape members packed in ``data`` (contiguous; wrapped, not copied)."""
     rows, cols = shape
     return GroupedTensorStorage(
-        shape=(E * rows, cols), dtype=data.dtype, num_tensors=E, shapes=[tuple(shape)] * E,
-        quantizer=None, data=data.reshape(-1),
+        shape=(E * rows, cols),
+        dtype=data.dtype,
+        num_tensors=E,
+        shapes=[tuple(shape)] * E,
+        quantizer=None,
+        data=data.reshape(-1),
     )
 
 
 def _rows(data_TC: torch.Tensor, sizes_E: torch.Tensor, offs_E1: torch.Tensor) -> GroupedTensorStorage:
     """Token rows split by expert: what ``_GroupedLinear._make_grouped_tensor`` builds."""
     return GroupedTensorStorage(
-        shape=tuple(data_TC.shape), dtype=data_TC.dtype, num_tensors=sizes_E.shape[0], quantizer=None,
-        data=data_TC.reshape(-1), first_dims=sizes_E, tensor_offsets=offs_E1,
+        shape=tuple(data_TC.shape),
+        dtype=data_TC.dtype,
+        num_tensors=sizes_E.shape[0],
+        quantizer=None,
+        data=data_TC.reshape(-1),
+        first_dims=sizes_E,
+        tensor_offsets=offs_E1,
     )
 
 
 def _offsets(splits: Splits, K: int, N: int) -> tuple[torch.Tensor, ...]:
     """(sizes_E, rows_E1, elems_K_E1, elems_N_E1): int64, on the device, one kernel, no sync;
     cached on the Splits record so forward and backward compute them once."""
+
     def make() -> tuple[torch.Tensor, ...]:
         sizes_E, offs = tex.splits_to_offsets_multi(
-            splits.on_device().contiguous(), splits.device, strides=[1, K, N],
-            include_leading_zero=[True, True, True], dtypes=[torch.int64] * 3, bulk_allocate=True,
+            splits.on_device().contiguous(),
+            splits.device,
+            strides=[1, K, N],
+            include_leading_zero=[True, True, True],
+            dtypes=[torch.int64] * 3,
+            bulk_allocate=True,
         )
         return (sizes_E, *offs)
 
@@ -128,8 +145,10 @@ def _check_out(out) -> None:
     """TE's GEMMs write float32, bfloat16 or float16: refuse another main_grad dtype up front."""
     dt = (out if isinstance(out, torch.Tensor) else out[0]).dtype
     if dt not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"main_grad is {dt}, but backend='te' writes float32/bfloat16/float16 weight grads: "
-                        "use a float32 main_grad, or backend='torch' (which accumulates in main_grad's dtype)")
+        raise TypeError(
+            f"main_grad is {dt}, but backend='te' writes float32/bfloat16/float16 weight grads: "
+            "use a float32 main_grad, or backend='torch' (which accumulates in main_grad's dtype)"
+        )
 
 
 def _wrapped(*operands) -> bool:
@@ -159,8 +178,10 @@ def _unbatched(method):
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         if _wrapped(*args, *kwargs.values()):
-            raise RuntimeError(f"functional_dw internal error: a torch.func wrapper reached TE's {method.__name__}; "
-                               "the layer should have routed it to the reference kernels (plan.route)")
+            raise RuntimeError(
+                f"functional_dw internal error: a torch.func wrapper reached TE's {method.__name__}; "
+                "the layer should have routed it to the reference kernels (plan.route)"
+            )
         if _in_create_graph_backward() and _requires_grad(*args, *kwargs.values()):
             raise RuntimeError(
                 "functional_dw: differentiating through TE's GEMMs (a backward with create_graph=True, "
@@ -226,27 +247,51 @@ class TEKernels:
 
     # --- FP8 (te_fp8): TE's quantization; GEMM methods given its storages run te_fp8's calls ---
     def quantize(self, t, spec, *, scale=None, amax=None, rowwise=True, columnwise=False, with_dbias=False):
-        return te_fp8.quantize(t, spec, scale=scale, amax=amax, rowwise=rowwise, columnwise=columnwise,
-                               with_dbias=with_dbias)
+        return te_fp8.quantize(
+            t, spec, scale=scale, amax=amax, rowwise=rowwise, columnwise=columnwise, with_dbias=with_dbias
+        )
 
     def quantize_each(self, ts, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False):
         return te_fp8.quantize_each(ts, spec, scales=scales, amaxes=amaxes, rowwise=rowwise, columnwise=columnwise)
 
-    def grouped_quantize(self, x_TK, splits, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False,
-                         grouped=False, with_dbias=False):
-        return te_fp8.grouped_quantize(x_TK, splits, spec, scales=scales, amaxes=amaxes, rowwise=rowwise,
-                                       columnwise=columnwise, grouped=grouped, with_dbias=with_dbias)
+    def grouped_quantize(
+        self,
+        x_TK,
+        splits,
+        spec,
+        *,
+        scales=None,
+        amaxes=None,
+        rowwise=True,
+        columnwise=False,
+        grouped=False,
+        with_dbias=False,
+    ):
+        return te_fp8.grouped_quantize(
+            x_TK,
+            splits,
+            spec,
+            scales=scales,
+            amaxes=amaxes,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            grouped=grouped,
+            with_dbias=with_dbias,
+        )
 
     # --- one GEMM (te.Linear) -------------------------------------------------------------
     @_unbatched
-    def fprop(self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, *,
-              split_accumulator: bool = False) -> torch.Tensor:
+    def fprop(
+        self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, *, split_accumulator: bool = False
+    ) -> torch.Tensor:
         if te_fp8.is_fp8(x_TK) or te_fp8.is_fp8(w_NK):
             te_fp8.check_operands("fprop", x_TK, w_NK)
             return te_fp8.fprop(self, x_TK, w_NK, b_N, split_accumulator)
         self.prepare(x_TK.device)
         b_N = None if b_N is None else b_N.contiguous()
-        y_TN, *_ = general_gemm(w_NK.contiguous(), x_TK, out_dtype=x_TK.dtype, bias=b_N, use_split_accumulator=_2X_ACC_FPROP)
+        y_TN, *_ = general_gemm(
+            w_NK.contiguous(), x_TK, out_dtype=x_TK.dtype, bias=b_N, use_split_accumulator=_2X_ACC_FPROP
+        )
         return y_TN
 
     @_unbatched
@@ -256,7 +301,12 @@ class TEKernels:
             return te_fp8.dgrad(self, dy_TN, w_NK, split_accumulator)
         self.prepare(dy_TN.device)
         dx_TK, *_ = general_gemm(
-            w_NK.contiguous(), dy_TN, out_dtype=dy_TN.dtype, layout="NN", grad=True, use_split_accumulator=_2X_ACC_DGRAD,
+            w_NK.contiguous(),
+            dy_TN,
+            out_dtype=dy_TN.dtype,
+            layout="NN",
+            grad=True,
+            use_split_accumulator=_2X_ACC_DGRAD,
         )
         return dx_TK
 
@@ -273,9 +323,15 @@ class TEKernels:
         accumulate = accumulate and out is not None
         dense = None if out is None else _dense_out(out, accumulate)  # a strided main_grad: via a copy
         dw_NK, db_N, *_ = general_gemm(
-            x_TK, dy_TN, out_dtype=x_TK.dtype if out is None else out.dtype, layout="NT", grad=True,
-            out=dense, accumulate=accumulate,
-            bias=dy_TN.new_empty(dy_TN.shape[-1]) if with_dbias else None, use_split_accumulator=_2X_ACC_WGRAD,
+            x_TK,
+            dy_TN,
+            out_dtype=x_TK.dtype if out is None else out.dtype,
+            layout="NT",
+            grad=True,
+            out=dense,
+            accumulate=accumulate,
+            bias=dy_TN.new_empty(dy_TN.shape[-1]) if with_dbias else None,
+            use_split_accumulator=_2X_ACC_WGRAD,
         )
         if out is not None:
             _copy_back([out], [dense])
@@ -322,8 +378,11 @@ class TEKernels:
             # (y + b in fp32, rounded once): a row->expert gather on the device, no sync.
             te_bias = b_EN is not None and E <= _MAX_LIST
             general_grouped_gemm_for_grouped_tensor(
-                self._weights(w_ENK), _rows(x_TK, sizes_E, offs_K), _rows(y_TN, sizes_E, offs_N),
-                layout="TN", bias=_uniform(_stacked(b_EN), E, (1, N)) if te_bias else None,
+                self._weights(w_ENK),
+                _rows(x_TK, sizes_E, offs_K),
+                _rows(y_TN, sizes_E, offs_N),
+                layout="TN",
+                bias=_uniform(_stacked(b_EN), E, (1, N)) if te_bias else None,
                 use_split_accumulator=_2X_ACC_FPROP,
             )
             if b_EN is not None and not te_bias:
@@ -332,8 +391,15 @@ class TEKernels:
         self.prepare(x_TK.device, E)
         sizes = _host_sizes(splits)
         general_grouped_gemm(
-            _dense_list(w_ENK), list(x_TK.split(sizes)), [y_TN], [None] * E, x_TK.dtype, single_output=True,
-            m_splits=sizes, bias=None if b_EN is None else list(b_EN.contiguous()), use_bias=b_EN is not None,
+            _dense_list(w_ENK),
+            list(x_TK.split(sizes)),
+            [y_TN],
+            [None] * E,
+            x_TK.dtype,
+            single_output=True,
+            m_splits=sizes,
+            bias=None if b_EN is None else list(b_EN.contiguous()),
+            use_bias=b_EN is not None,
             use_split_accumulator=_2X_ACC_FPROP,
         )
         return y_TN
@@ -349,21 +415,33 @@ class TEKernels:
             self.prepare(dy_TN.device, E, grouped=True)
             sizes_E, _, offs_K, offs_N = _offsets(splits, K, N)
             general_grouped_gemm_for_grouped_tensor(
-                self._weights(w_ENK), _rows(dy_TN, sizes_E, offs_N), _rows(dx_TK, sizes_E, offs_K),
-                layout="NN", use_split_accumulator=_2X_ACC_DGRAD,
+                self._weights(w_ENK),
+                _rows(dy_TN, sizes_E, offs_N),
+                _rows(dx_TK, sizes_E, offs_K),
+                layout="NN",
+                use_split_accumulator=_2X_ACC_DGRAD,
             )
             return dx_TK
         self.prepare(dy_TN.device, E)
         sizes = _host_sizes(splits)
         general_grouped_gemm(
-            _dense_list(w_ENK), list(dy_TN.split(sizes)), [dx_TK], [None] * E, dy_TN.dtype, single_output=True,
-            layout="NN", m_splits=sizes, grad=True, use_split_accumulator=_2X_ACC_DGRAD,
+            _dense_list(w_ENK),
+            list(dy_TN.split(sizes)),
+            [dx_TK],
+            [None] * E,
+            dy_TN.dtype,
+            single_output=True,
+            layout="NN",
+            m_splits=sizes,
+            grad=True,
+            use_split_accumulator=_2X_ACC_DGRAD,
         )
         return dx_TK
 
     @_unbatched
-    def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False,
-                      split_accumulator=False):
+    def grouped_wgrad(
+        self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False, split_accumulator=False
+    ):
         if te_fp8.is_fp8(x_TK) or te_fp8.is_fp8(dy_TN):
             te_fp8.check_operands("grouped_wgrad", x_TK, dy_TN)
             return te_fp8.grouped_wgrad(self, x_TK, dy_TN, splits, out, accumulate, with_dbias, split_accumulator)
@@ -378,7 +456,9 @@ class TEKernels:
         dw = out if out is not None else x_TK.new_empty(E, N, K)
         if isinstance(dw, torch.Tensor):  # a strided [E, N, K] main_grad: through a dense copy
             dense = _dense_out(dw, accumulate)
-            db = self._grouped_wgrad(x_TK, dy_TN, splits, grouped, dense, accumulate, with_dbias, stacked=out is not None)
+            db = self._grouped_wgrad(
+                x_TK, dy_TN, splits, grouped, dense, accumulate, with_dbias, stacked=out is not None
+            )
             _copy_back([dw], [dense])
             return dw, db
         dense = [_dense_out(t, accumulate) for t in dw]  # strided main_grads: through dense copies
@@ -397,8 +477,16 @@ class TEKernels:
             self.prepare(x_TK.device, E)
             sizes = _host_sizes(splits)
             _, db_E, _ = general_grouped_gemm(
-                list(x_TK.split(sizes)), list(dy_TN.split(sizes)), targets, [None] * E, x_TK.dtype,
-                layout="NT", grad=True, m_splits=sizes, use_bias=with_dbias, accumulate=accumulate,
+                list(x_TK.split(sizes)),
+                list(dy_TN.split(sizes)),
+                targets,
+                [None] * E,
+                x_TK.dtype,
+                layout="NT",
+                grad=True,
+                m_splits=sizes,
+                use_bias=with_dbias,
+                accumulate=accumulate,
                 use_split_accumulator=_2X_ACC_WGRAD,
             )  # bias grads come in the output dtype (fp32 into main_grad); empty experts get zeros
             return torch.stack(db_E).to(dy_TN.dtype) if with_dbias else None
@@ -409,8 +497,12 @@ class TEKernels:
         # NOTE: fp32 main_grad from bf16/fp16 inputs is supported by the grouped kernel (outputs
         # may be bf16, fp16 or fp32); accumulate=True makes TE pass beta = 1 (D += dy^T x).
         general_grouped_gemm_for_grouped_tensor(
-            _rows(x_TK, sizes_E, offs_K), _rows(dy_TN, sizes_E, offs_N), D, layout="NT",
-            accumulate=accumulate and scratch is None, use_split_accumulator=_2X_ACC_WGRAD,
+            _rows(x_TK, sizes_E, offs_K),
+            _rows(dy_TN, sizes_E, offs_N),
+            D,
+            layout="NT",
+            accumulate=accumulate and scratch is None,
+            use_split_accumulator=_2X_ACC_WGRAD,
         )
         if scratch is not None:
             for t, s in zip(targets, scratch):

@@ -20,7 +20,9 @@ import torch.utils._pytree as pytree
 import transformer_engine.pytorch  # noqa: F401  (loads libtransformer_engine before the extension)
 import transformer_engine_torch as tex
 from transformer_engine.pytorch.cpp_extensions.gemm import (
-    general_gemm, general_grouped_gemm, general_grouped_gemm_for_grouped_tensor,
+    general_gemm,
+    general_grouped_gemm,
+    general_grouped_gemm_for_grouped_tensor,
 )
 from transformer_engine.pytorch.tensor import Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer
 from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import Float8BlockwiseQTensorStorage
@@ -45,18 +47,25 @@ __all__ = ["TEQ", "TEQGroup", "quantizer", "quantize", "quantize_each", "grouped
 
 _TE_FP8 = {torch.float8_e4m3fn: tex.DType.kFloat8E4M3, torch.float8_e5m2: tex.DType.kFloat8E5M2}
 # (rowwise names, columnwise names) of each storage's get_metadata() (= its constructor's kwargs)
-_USAGE = {Float8TensorStorage: (("data",), ("data_transpose",)),
-          Float8BlockwiseQTensorStorage: (("rowwise_data", "rowwise_scale_inv"), ("columnwise_data", "columnwise_scale_inv")),
-          GroupedTensorStorage: (("data", "scale_inv"), ("columnwise_data", "columnwise_scale_inv"))}
+_USAGE = {
+    Float8TensorStorage: (("data",), ("data_transpose",)),
+    Float8BlockwiseQTensorStorage: (("rowwise_data", "rowwise_scale_inv"), ("columnwise_data", "columnwise_scale_inv")),
+    GroupedTensorStorage: (("data", "scale_inv"), ("columnwise_data", "columnwise_scale_inv")),
+}
 # The per-expert storages' instance attributes: (rowwise ones, columnwise ones, shared tensors).
 # NOTE: [Storages by attribute] Per expert and per step, rebuilding a storage through its
 # constructor (get_metadata, **kwargs, a quantizer copy) cost more host time than the GEMM
 # launches at E=32; these two classes are plain attribute bags (no __slots__, no __init__), so
 # a copy of the instance dict with some tensors set to None is the same storage, built in a
 # microsecond. (The grouped storage, one per call, keeps the constructor.)
-_ATTRS = {Float8TensorStorage: (("_data",), ("_transpose",), ("_scale_inv",)),
-          Float8BlockwiseQTensorStorage: (("_rowwise_data", "_rowwise_scale_inv"),
-                                          ("_columnwise_data", "_columnwise_scale_inv"), ())}
+_ATTRS = {
+    Float8TensorStorage: (("_data",), ("_transpose",), ("_scale_inv",)),
+    Float8BlockwiseQTensorStorage: (
+        ("_rowwise_data", "_rowwise_scale_inv"),
+        ("_columnwise_data", "_columnwise_scale_inv"),
+        (),
+    ),
+}
 
 
 def _fields(st: Any) -> dict:
@@ -78,12 +87,33 @@ def _rebuilt(cls: type, d: dict) -> Any:
 def _meta(st: Any) -> dict:
     """Constructor kwargs that rebuild ``st`` (its tensors and everything else)."""
     if isinstance(st, GroupedTensorStorage):  # what GroupedTensorStorage.copy() passes
-        names = ("num_tensors", "quantizer", "columnwise_data", "scale_inv", "columnwise_scale_inv", "amax",
-                 "columnwise_amax", "scale", "first_dims", "last_dims", "tensor_offsets", "offsets",
-                 "scale_inv_offsets", "columnwise_scale_inv_offsets", "row_scaled_nvfp4", "nvfp4_use_4over6",
-                 "nvfp4_e4m3_max")
-        return dict(shape=st.logical_shape, dtype=st.fake_dtype, shapes=st.tensor_shapes, data=st.rowwise_data,
-                    with_gemm_swizzled_scales=st._with_gemm_swizzled_scales, **{n: getattr(st, n) for n in names})
+        names = (
+            "num_tensors",
+            "quantizer",
+            "columnwise_data",
+            "scale_inv",
+            "columnwise_scale_inv",
+            "amax",
+            "columnwise_amax",
+            "scale",
+            "first_dims",
+            "last_dims",
+            "tensor_offsets",
+            "offsets",
+            "scale_inv_offsets",
+            "columnwise_scale_inv_offsets",
+            "row_scaled_nvfp4",
+            "nvfp4_use_4over6",
+            "nvfp4_e4m3_max",
+        )
+        return dict(
+            shape=st.logical_shape,
+            dtype=st.fake_dtype,
+            shapes=st.tensor_shapes,
+            data=st.rowwise_data,
+            with_gemm_swizzled_scales=st._with_gemm_swizzled_scales,
+            **{n: getattr(st, n) for n in names},
+        )
     meta = st.get_metadata()
     if isinstance(st, Float8TensorStorage) and st._transpose_invalid:
         meta["data_transpose"] = None  # a stale transpose is no columnwise copy
@@ -130,8 +160,10 @@ class _Q:
         if self.dbias is not None:
             return self.dbias
         if self._redo is None:
-            raise ValueError("with_dbias=True needs dy's bias grad, but this FP8 tensor was not quantized from a "
-                             "'grad_output' spec: quantize dy with with_dbias=True")
+            raise ValueError(
+                "with_dbias=True needs dy's bias grad, but this FP8 tensor was not quantized from a "
+                "'grad_output' spec: quantize dy with with_dbias=True"
+            )
         return self._redo().dbias
 
 
@@ -181,8 +213,14 @@ class TEQGroup(_Q):
 def _flatten(q: _Q):
     """Leaves: the storage's tensors (a TEQGroup: its parts), then dbias if any."""
     children, ctx = _split_meta(q.storage) if isinstance(q, TEQ) else (list(q.parts), None)
-    return children + ([q.dbias] if q.dbias is not None else []), (ctx, len(children), q.shape, q.dtype,
-                                                                   q.dbias is not None, q._redo)
+    return children + ([q.dbias] if q.dbias is not None else []), (
+        ctx,
+        len(children),
+        q.shape,
+        q.dtype,
+        q.dbias is not None,
+        q._redo,
+    )
 
 
 def _unflatten(cls: type):
@@ -202,8 +240,15 @@ pytree.register_pytree_node(TEQGroup, _flatten, _unflatten(TEQGroup))
 # --- quantizers and quantization -----------------------------------------------------------
 
 
-def quantizer(spec: fp8.TensorSpec, device: torch.device, *, scale: torch.Tensor | None = None,
-              amax: torch.Tensor | None = None, rowwise: bool = True, columnwise: bool = False) -> Any:
+def quantizer(
+    spec: fp8.TensorSpec,
+    device: torch.device,
+    *,
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> Any:
     """TE's quantizer for ``spec``, as TE's modules build and configure it. Delayed scaling:
     ``Float8Quantizer(scale, amax.reshape(1), dtype)`` over views into the caller's state
     (``DelayedScalingRecipeState.make_quantizers``); ``amax=None`` records into a scratch.
@@ -214,8 +259,15 @@ def quantizer(spec: fp8.TensorSpec, device: torch.device, *, scale: torch.Tensor
     return _delayed_quantizer(spec, device, scale, amax, rowwise, columnwise)
 
 
-def _quantizer(spec: fp8.TensorSpec, device: torch.device, *, scale: torch.Tensor | None = None,
-               amax: torch.Tensor | None = None, rowwise: bool = True, columnwise: bool = False) -> Any:
+def _quantizer(
+    spec: fp8.TensorSpec,
+    device: torch.device,
+    *,
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> Any:
     """:func:`quantizer` for this module's quantizations, reused as a TE module reuses its
     quantizers: current and block scaling's made once per (spec, device, usage) (they hold
     settings only; each storage made copies it); delayed scaling's once per pair of state slots
@@ -223,8 +275,9 @@ def _quantizer(spec: fp8.TensorSpec, device: torch.device, *, scale: torch.Tenso
     one would change every later quantization."""
     if spec.scaling != "delayed":
         return _settings_quantizer(spec, device, rowwise, columnwise)
-    if not (isinstance(scale, torch.Tensor) and isinstance(amax, torch.Tensor) and scale.numel() == 1
-            and amax.numel() == 1):  # (backward's re-quantization: forward's scale snapshot, no amax)
+    if not (
+        isinstance(scale, torch.Tensor) and isinstance(amax, torch.Tensor) and scale.numel() == 1 and amax.numel() == 1
+    ):  # (backward's re-quantization: forward's scale snapshot, no amax)
         return _delayed_quantizer(spec, device, scale, amax, rowwise, columnwise)
     # NOTE: [Delayed quantizers by address] Made once per (spec, usage, scale and amax slots)
     # and reused, as TE's module keeps its quantizers: the key is the slots' addresses, and
@@ -246,8 +299,11 @@ _DELAYED_MAX = 8192  # quantizers (a few hundred bytes each): E per role and usa
 
 
 def _delayed_quantizer(spec, device, scale, amax, rowwise: bool, columnwise: bool) -> Any:
-    amax = torch.zeros(1, dtype=torch.float32, device=device) if amax is None else (
-        amax if amax.dim() == 1 else amax.reshape(1))
+    amax = (
+        torch.zeros(1, dtype=torch.float32, device=device)
+        if amax is None
+        else (amax if amax.dim() == 1 else amax.reshape(1))
+    )
     return _configured(Float8Quantizer(scale, amax, _TE_FP8[spec.fp8_dtype]), spec, rowwise, columnwise)
 
 
@@ -255,11 +311,18 @@ def _delayed_quantizer(spec, device, scale, amax, rowwise: bool, columnwise: boo
 def _settings_quantizer(spec: fp8.TensorSpec, device: torch.device, rowwise: bool, columnwise: bool) -> Any:
     dt = _TE_FP8[spec.fp8_dtype]
     if spec.scaling == "current":  # with the module's _customize_quantizers_float8_current_scaling
-        q = Float8CurrentScalingQuantizer(dt, device=device, force_pow_2_scales=spec.power_2_scale,
-                                          amax_epsilon=spec.amax_epsilon)
+        q = Float8CurrentScalingQuantizer(
+            dt, device=device, force_pow_2_scales=spec.power_2_scale, amax_epsilon=spec.amax_epsilon
+        )
     else:  # Float8BlockScalingRecipeState._make
-        q = Float8BlockQuantizer(fp8_dtype=dt, rowwise=True, columnwise=True, amax_epsilon=spec.amax_epsilon,
-                                 force_pow_2_scales=spec.power_2_scale, block_scaling_dim=1 if spec.block[0] == 1 else 2)
+        q = Float8BlockQuantizer(
+            fp8_dtype=dt,
+            rowwise=True,
+            columnwise=True,
+            amax_epsilon=spec.amax_epsilon,
+            force_pow_2_scales=spec.power_2_scale,
+            block_scaling_dim=1 if spec.block[0] == 1 else 2,
+        )
     return _configured(q, spec, rowwise, columnwise)
 
 
@@ -292,8 +355,16 @@ def _made_usage(spec, rowwise: bool, columnwise: bool, with_dbias: bool) -> tupl
     return True, columnwise or with_dbias
 
 
-def quantize(t: torch.Tensor, spec: fp8.TensorSpec, *, scale=None, amax=None, rowwise: bool = True,
-             columnwise: bool = False, with_dbias: bool = False) -> TEQ:
+def quantize(
+    t: torch.Tensor,
+    spec: fp8.TensorSpec,
+    *,
+    scale=None,
+    amax=None,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    with_dbias: bool = False,
+) -> TEQ:
     """``t [rows, cols]`` quantized as ``te.Linear`` quantizes x, its weight and dy."""
     check_quantize(t, spec, scale, amax, rowwise, columnwise, _env(t), None)
     x = t.detach().contiguous()
@@ -305,14 +376,18 @@ def quantize(t: torch.Tensor, spec: fp8.TensorSpec, *, scale=None, amax=None, ro
     else:  # block: grad_output_preprocess sums dy in torch, then quantizes
         dbias = x.reshape(-1, x.shape[-1]).sum(dim=0) if with_dbias else None
         st = tex.quantize(x, q)  # what q(x) runs, without its Python frames (an internal quantizer)
-    redo = None if with_dbias or spec.role != "grad_output" else functools.partial(
-        quantize, x, spec, scale=scale, rowwise=rowwise, columnwise=columnwise, with_dbias=True)
+    redo = (
+        None
+        if with_dbias or spec.role != "grad_output"
+        else functools.partial(quantize, x, spec, scale=scale, rowwise=rowwise, columnwise=columnwise, with_dbias=True)
+    )
     out = TEQ(st, x.shape, x.dtype, dbias, redo)
     return out if (row, col) == (rowwise, columnwise) else out.with_usage(rowwise=rowwise, columnwise=columnwise)
 
 
-def quantize_each(ts: Any, spec: fp8.TensorSpec, *, scales=None, amaxes=None, rowwise: bool = True,
-                  columnwise: bool = False) -> list[TEQ]:
+def quantize_each(
+    ts: Any, spec: fp8.TensorSpec, *, scales=None, amaxes=None, rowwise: bool = True, columnwise: bool = False
+) -> list[TEQ]:
     """:func:`quantize` of each of E tensors of one shape, dtype and device (a group's weights),
     with delayed scaling's per-tensor ``scales``/``amaxes`` (strided ``[E]`` views, or None):
     checked once, then one TE quantize call each (the per-expert loop is the host's hot path
@@ -322,10 +397,14 @@ def quantize_each(ts: Any, spec: fp8.TensorSpec, *, scales=None, amaxes=None, ro
         return []
     t0 = ts[0]
     check_quantize(t0, spec, scales, amaxes, rowwise, columnwise, _env(t0), None)
-    if not all(isinstance(t, torch.Tensor) and t.shape == t0.shape and t.dtype == t0.dtype and t.device == t0.device
-               for t in ts):
-        raise ValueError(f"quantize_each takes tensors of one shape, dtype and device (like the first, "
-                         f"{tuple(t0.shape)} {t0.dtype} on {t0.device}); quantize others one by one")
+    if not all(
+        isinstance(t, torch.Tensor) and t.shape == t0.shape and t.dtype == t0.dtype and t.device == t0.device
+        for t in ts
+    ):
+        raise ValueError(
+            f"quantize_each takes tensors of one shape, dtype and device (like the first, "
+            f"{tuple(t0.shape)} {t0.dtype} on {t0.device}); quantize others one by one"
+        )
     if scales is not None:  # (check_quantize counts them only for a group of rows)
         _per(scales, len(ts), "scales")
         if amaxes is not None:
@@ -336,8 +415,11 @@ def quantize_each(ts: Any, spec: fp8.TensorSpec, *, scales=None, amaxes=None, ro
     out, device = [], t0.device
     shared = None if spec.scaling == "delayed" else _quantizer(spec, device, rowwise=row, columnwise=col)
     for t, (scale, amax) in zip(ts, per):
-        q = shared if shared is not None else _quantizer(spec, device, scale=scale, amax=amax, rowwise=row,
-                                                          columnwise=col)
+        q = (
+            shared
+            if shared is not None
+            else _quantizer(spec, device, scale=scale, amax=amax, rowwise=row, columnwise=col)
+        )
         x = t.detach().contiguous()
         tq = TEQ(tex.quantize(x, q), x.shape, x.dtype)  # q(x) without its Python frames
         out.append(tq.with_usage(rowwise=rowwise, columnwise=columnwise) if trim else tq)
@@ -346,26 +428,53 @@ def quantize_each(ts: Any, spec: fp8.TensorSpec, *, scales=None, amaxes=None, ro
 
 def _offsets1(splits, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sizes_E, rows_E1, elems_E1) for rows of C columns, int64 on the device, no sync."""
+
     def make():
         sizes_E, offs = tex.splits_to_offsets_multi(
-            splits.on_device().contiguous(), splits.device, strides=[1, C], include_leading_zero=[True, True],
-            dtypes=[torch.int64] * 2, bulk_allocate=True)
+            splits.on_device().contiguous(),
+            splits.device,
+            strides=[1, C],
+            include_leading_zero=[True, True],
+            dtypes=[torch.int64] * 2,
+            bulk_allocate=True,
+        )
         return (sizes_E, *offs)
 
     return splits.cached(("te_fp8_offsets", C), make)
 
 
-def grouped_quantize(x: torch.Tensor, splits, spec: fp8.TensorSpec, *, scales=None, amaxes=None,
-                     rowwise: bool = True, columnwise: bool = False, grouped: bool = False,
-                     with_dbias: bool = False) -> TEQGroup | TEQ:
+def grouped_quantize(
+    x: torch.Tensor,
+    splits,
+    spec: fp8.TensorSpec,
+    *,
+    scales=None,
+    amaxes=None,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    grouped: bool = False,
+    with_dbias: bool = False,
+) -> TEQGroup | TEQ:
     """Each expert's rows of ``x [T, C]``: ``tex.split_quantize`` with one quantizer per expert
     (split path, ``_split_quantize``) or ``tex.group_quantize`` (grouped path, current and block
     scaling only, as ``_forward_grouped_tensor`` / ``_backward_grouped_tensor``)."""
     check_quantize(x, spec, scales, amaxes, rowwise, columnwise, _env(x), (splits, grouped))
     E, x = splits.num_experts, x.detach().contiguous()
-    later = None if with_dbias or spec.role != "grad_output" else functools.partial(
-        grouped_quantize, x, splits, spec, scales=scales, rowwise=rowwise, columnwise=columnwise,
-        grouped=grouped, with_dbias=True)
+    later = (
+        None
+        if with_dbias or spec.role != "grad_output"
+        else functools.partial(
+            grouped_quantize,
+            x,
+            splits,
+            spec,
+            scales=scales,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            grouped=grouped,
+            with_dbias=True,
+        )
+    )
     if grouped and splits.num_tokens:
         sizes_E, rows_E1, offs = _offsets1(splits, x.shape[1])
         q = _quantizer(spec, x.device, rowwise=rowwise, columnwise=columnwise)
@@ -377,8 +486,10 @@ def grouped_quantize(x: torch.Tensor, splits, spec: fp8.TensorSpec, *, scales=No
         return TEQ(st, x.shape, x.dtype, dbias, later)
     sizes = _te._host_sizes(splits)
     row, col = _made_usage(spec, rowwise, columnwise, with_dbias)
-    qs = [_quantizer(spec, x.device, scale=scale, amax=amax, rowwise=row, columnwise=col)
-          for scale, amax in per_expert(scales, amaxes, E)]
+    qs = [
+        _quantizer(spec, x.device, scale=scale, amax=amax, rowwise=row, columnwise=col)
+        for scale, amax in per_expert(scales, amaxes, E)
+    ]
     dbias = None
     if with_dbias and spec.scaling != "block":  # _split_quantize: one bgrad_quantize per expert
         pairs = [tex.bgrad_quantize(part, q) for part, q in zip(torch.split(x, sizes), qs)]
@@ -391,8 +502,9 @@ def grouped_quantize(x: torch.Tensor, splits, spec: fp8.TensorSpec, *, scales=No
     return g if (row, col) == (rowwise, columnwise) else g.with_usage(rowwise=rowwise, columnwise=columnwise)
 
 
-def update_delayed_(last: torch.Tensor, hist: torch.Tensor, scale: torch.Tensor, algo: str,
-                    fp8_dtype: torch.dtype, margin: float) -> None:
+def update_delayed_(
+    last: torch.Tensor, hist: torch.Tensor, scale: torch.Tensor, algo: str, fp8_dtype: torch.dtype, margin: float
+) -> None:
     """Delayed scaling's amax-and-scale update in place, by TE's kernel (``kernel_bulk``, what
     ``te.autocast`` runs): ``last`` this step's amaxes (after any reduction), ``hist`` ``[H, C]``
     and ``scale`` ``[C]`` (``fp8.state``, NOTE: [The update rule])."""
@@ -413,8 +525,10 @@ def check_operands(method: str, a: Any, b: Any) -> None:
     """FP8 GEMMs take two operands TE quantized for one path; anything else is refused here."""
     if not (is_fp8(a) and is_fp8(b)):
         kinds = ", ".join("FP8" if is_fp8(o) else type(o).__name__ for o in (a, b))
-        raise TypeError(f"{method}: both operands must be quantized by backend='te' (its quantize/"
-                        f"grouped_quantize), or neither; got {kinds}")
+        raise TypeError(
+            f"{method}: both operands must be quantized by backend='te' (its quantize/"
+            f"grouped_quantize), or neither; got {kinds}"
+        )
     if method == "grouped_wgrad" and getattr(a, "is_grouped", False) != getattr(b, "is_grouped", False):
         raise TypeError(f"{method}: x was quantized for the {'grouped' if a.is_grouped else 'split'} path, dy not")
 
@@ -433,8 +547,10 @@ def _weights(ws: Any, grouped: bool) -> tuple[list, int, int]:
     if not all(isinstance(w, TEQ) and not w.is_grouped for w in ws):
         raise TypeError("FP8 weights must be E per-expert TEQ (one quantize per expert's weight)")
     if grouped and len(ws) > MAX_LIST:
-        raise ValueError(f"TE's FP8 grouped GEMM takes at most {MAX_LIST} per-expert weights, got {len(ws)}: "
-                         "run the split path (use_grouped_tensor=False)")
+        raise ValueError(
+            f"TE's FP8 grouped GEMM takes at most {MAX_LIST} per-expert weights, got {len(ws)}: "
+            "run the split path (use_grouped_tensor=False)"
+        )
     return [w.storage for w in ws], *ws[0].shape
 
 
@@ -446,16 +562,18 @@ def _bias(b: torch.Tensor | None, dtype: torch.dtype):
 def fprop(kern, x: TEQ, w: TEQ, b, split_accumulator: bool) -> torch.Tensor:
     """te.Linear's forward GEMM (TN, bias in the epilogue)."""
     kern.prepare(x.storage.device)
-    y, *_ = general_gemm(w.storage, x.storage, out_dtype=x.dtype, bias=_bias(b, x.dtype),
-                         use_split_accumulator=split_accumulator)
+    y, *_ = general_gemm(
+        w.storage, x.storage, out_dtype=x.dtype, bias=_bias(b, x.dtype), use_split_accumulator=split_accumulator
+    )
     return y
 
 
 def dgrad(kern, dy: TEQ, w: TEQ, split_accumulator: bool) -> torch.Tensor:
     """te.Linear's dgrad (NN, grad=True): dy rowwise, W columnwise."""
     kern.prepare(dy.storage.device)
-    dx, *_ = general_gemm(w.storage, dy.storage, out_dtype=dy.dtype, layout="NN", grad=True,
-                          use_split_accumulator=split_accumulator)
+    dx, *_ = general_gemm(
+        w.storage, dy.storage, out_dtype=dy.dtype, layout="NN", grad=True, use_split_accumulator=split_accumulator
+    )
     return dx
 
 
@@ -466,8 +584,16 @@ def wgrad(kern, x: TEQ, dy: TEQ, out, accumulate: bool, with_dbias: bool, split_
     kern.prepare(x.storage.device)
     accumulate = accumulate and out is not None
     dense = None if out is None else _te._dense_out(out, accumulate)
-    dw, *_ = general_gemm(x.storage, dy.storage, out_dtype=x.dtype if out is None else out.dtype, layout="NT",
-                          grad=True, out=dense, accumulate=accumulate, use_split_accumulator=split_accumulator)
+    dw, *_ = general_gemm(
+        x.storage,
+        dy.storage,
+        out_dtype=x.dtype if out is None else out.dtype,
+        layout="NT",
+        grad=True,
+        out=dense,
+        accumulate=accumulate,
+        use_split_accumulator=split_accumulator,
+    )
     if out is not None:
         _te._copy_back([out], [dense])
         dw = out
@@ -483,14 +609,24 @@ def grouped_fprop(kern, x: _Q, ws, b_EN, splits, split_accumulator: bool) -> tor
         kern.prepare(y.device, E, grouped=True)
         sizes_E, _, _, offs_N = _te._offsets(splits, K, N)
         bias = None if b_EN is None else _te._uniform(_te._stacked(b_EN).to(x.dtype), E, (1, N))
-        general_grouped_gemm_for_grouped_tensor(w, x.storage, _te._rows(y, sizes_E, offs_N), layout="TN", bias=bias,
-                                                use_split_accumulator=split_accumulator)
+        general_grouped_gemm_for_grouped_tensor(
+            w, x.storage, _te._rows(y, sizes_E, offs_N), layout="TN", bias=bias, use_split_accumulator=split_accumulator
+        )
         return y
     kern.prepare(y.device, E)
     bias = None if b_EN is None else list(_bias(b_EN, x.dtype))
-    general_grouped_gemm(w, [p.storage for p in x.parts], [y], [None] * E, x.dtype,
-                         single_output=True, m_splits=_te._host_sizes(splits), bias=bias, use_bias=b_EN is not None,
-                         use_split_accumulator=split_accumulator)
+    general_grouped_gemm(
+        w,
+        [p.storage for p in x.parts],
+        [y],
+        [None] * E,
+        x.dtype,
+        single_output=True,
+        m_splits=_te._host_sizes(splits),
+        bias=bias,
+        use_bias=b_EN is not None,
+        use_split_accumulator=split_accumulator,
+    )
     return y
 
 
@@ -501,13 +637,23 @@ def grouped_dgrad(kern, dy: _Q, ws, splits, split_accumulator: bool) -> torch.Te
     if dy.is_grouped:
         kern.prepare(dx.device, E, grouped=True)
         sizes_E, _, offs_K, _ = _te._offsets(splits, K, N)
-        general_grouped_gemm_for_grouped_tensor(w, dy.storage, _te._rows(dx, sizes_E, offs_K), layout="NN",
-                                                use_split_accumulator=split_accumulator)
+        general_grouped_gemm_for_grouped_tensor(
+            w, dy.storage, _te._rows(dx, sizes_E, offs_K), layout="NN", use_split_accumulator=split_accumulator
+        )
         return dx
     kern.prepare(dx.device, E)
-    general_grouped_gemm(w, [p.storage for p in dy.parts], [dx], [None] * E, dy.dtype,
-                         single_output=True, layout="NN", m_splits=_te._host_sizes(splits), grad=True,
-                         use_split_accumulator=split_accumulator)
+    general_grouped_gemm(
+        w,
+        [p.storage for p in dy.parts],
+        [dx],
+        [None] * E,
+        dy.dtype,
+        single_output=True,
+        layout="NN",
+        m_splits=_te._host_sizes(splits),
+        grad=True,
+        use_split_accumulator=split_accumulator,
+    )
     return dx
 
 
@@ -525,15 +671,29 @@ def grouped_wgrad(kern, x: _Q, dy: _Q, splits, out, accumulate: bool, with_dbias
     if x.is_grouped:
         kern.prepare(splits.device, E, grouped=True)
         D, scratch = kern._wgrad_out(dense, targets, stacked=stacked)
-        general_grouped_gemm_for_grouped_tensor(x.storage, dy.storage, D, layout="NT",
-                                                accumulate=accumulate and scratch is None,
-                                                use_split_accumulator=split_accumulator)
+        general_grouped_gemm_for_grouped_tensor(
+            x.storage,
+            dy.storage,
+            D,
+            layout="NT",
+            accumulate=accumulate and scratch is None,
+            use_split_accumulator=split_accumulator,
+        )
         for t, s in zip(targets, [] if scratch is None else scratch):
             _te._write(t, s, accumulate)
     else:  # an expert without tokens gets zeros (main_grad untouched when accumulating), as in TE
         kern.prepare(splits.device, E)
-        general_grouped_gemm([p.storage for p in x.parts], [p.storage for p in dy.parts], targets, [None] * E,
-                             x.dtype, layout="NT", grad=True, m_splits=_te._host_sizes(splits),
-                             accumulate=accumulate, use_split_accumulator=split_accumulator)
+        general_grouped_gemm(
+            [p.storage for p in x.parts],
+            [p.storage for p in dy.parts],
+            targets,
+            [None] * E,
+            x.dtype,
+            layout="NT",
+            grad=True,
+            m_splits=_te._host_sizes(splits),
+            accumulate=accumulate,
+            use_split_accumulator=split_accumulator,
+        )
     _te._copy_back([dw] if stacked else dw, [dense] if stacked else dense)
     return dw, (dy.bias_grad() if with_dbias else None)

@@ -33,8 +33,11 @@ __all__ = ["device_problem", "grouped_path_problem", "check_quantize", "env_of",
 
 MAX_LIST = 64  # TE's grouped GEMM takes at most 64 list operands (per-expert FP8 weights)
 _ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
-_WHAT = {"input": ("x", "in-features", "tokens"), "weight": ("the weight", "in-features", "out-features"),
-         "grad_output": ("dy", "out-features", "tokens")}
+_WHAT = {
+    "input": ("x", "in-features", "tokens"),
+    "weight": ("the weight", "in-features", "out-features"),
+    "grad_output": ("dy", "out-features", "tokens"),
+}
 
 
 def _ver(v: int) -> str:
@@ -52,8 +55,10 @@ def device_problem(scaling: str, env: tuple) -> Optional[str]:
     if cc < (9, 0) and (cublaslt < 120103 or cuda < (12, 1)):
         return f"FP8 on Ada needs cuBLASLt >= 12.1.3 and CUDA >= 12.1; have cuBLASLt {_ver(cublaslt)}, CUDA {cuda}"
     if scaling == "block" and (cc < (9, 0) or cuda < (12, 9)):
-        return (f"Float8BlockScaling needs compute capability 9.0 or higher and CUDA >= 12.9 (TE's FP8 "
-                f"block-scaled GEMM); {here}, torch built with CUDA {'.'.join(map(str, cuda))}")
+        return (
+            f"Float8BlockScaling needs compute capability 9.0 or higher and CUDA >= 12.9 (TE's FP8 "
+            f"block-scaled GEMM); {here}, torch built with CUDA {'.'.join(map(str, cuda))}"
+        )
     return None
 
 
@@ -78,8 +83,9 @@ def grouped_path_problem(recipe: Any, env: tuple, num_experts: int) -> Optional[
         if cublaslt < 130600:
             return f"TE's grouped GEMM needs cuBLASLt >= 13.6.0 for Float8BlockScaling on Hopper; have {_ver(cublaslt)}"
     if num_experts > MAX_LIST:
-        return (f"TE's FP8 grouped GEMM takes per-expert weights as a list of at most {MAX_LIST}; "
-                f"got {num_experts} experts")
+        return (
+            f"TE's FP8 grouped GEMM takes per-expert weights as a list of at most {MAX_LIST}; got {num_experts} experts"
+        )
     return None
 
 
@@ -93,12 +99,15 @@ def _counts(sizes: Any, mult: int, why: str, spec: fp8.TensorSpec) -> None:
     bad = [(e, n) for e, n in enumerate(sizes) if n % mult]
     if bad:
         e, n = bad[0]
-        raise ValueError(f"{_WHAT[spec.role][0]}: splits[{e}] is {n}, but {why} needs every expert's token count "
-                         f"to be a multiple of {mult}: pad each expert's tokens (or use recipe=None)")
+        raise ValueError(
+            f"{_WHAT[spec.role][0]}: splits[{e}] is {n}, but {why} needs every expert's token count "
+            f"to be a multiple of {mult}: pad each expert's tokens (or use recipe=None)"
+        )
 
 
-def check_quantize(t: Any, spec: Any, scale: Any, amax: Any, rowwise: bool, columnwise: bool, env: tuple,
-                   group: Optional[tuple] = None) -> None:
+def check_quantize(
+    t: Any, spec: Any, scale: Any, amax: Any, rowwise: bool, columnwise: bool, env: tuple, group: Optional[tuple] = None
+) -> None:
     """Raise ``TypeError``/``ValueError`` for what TE's FP8 quantization and GEMMs would refuse
     (the device is the caller's: ``env`` describes it). ``group``: ``(splits, grouped)`` for
     ``grouped_quantize``; ``scale``/``amax`` are then the per-expert ``scales``/``amaxes``."""
@@ -115,7 +124,9 @@ def check_quantize(t: Any, spec: Any, scale: Any, amax: Any, rowwise: bool, colu
         raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
     delayed = spec.scaling == "delayed"
     if delayed and scale is None:
-        raise ValueError("delayed scaling quantizes with the state's scale: pass scale(s)= (fp8.scale_for / fp8.group_scales)")
+        raise ValueError(
+            "delayed scaling quantizes with the state's scale: pass scale(s)= (fp8.scale_for / fp8.group_scales)"
+        )
     if not delayed and (scale is not None or amax is not None):
         raise ValueError(f"scale/amax are for delayed scaling only; {spec.scaling} scaling computes its own")
     why = device_problem(spec.scaling, env)
@@ -123,14 +134,18 @@ def check_quantize(t: Any, spec: Any, scale: Any, amax: Any, rowwise: bool, colu
         raise ValueError(f"{why}. Use recipe=None (bf16), or backend='torch' for the FP8 emulation")
     rows, cols = t.shape
     if cols % 16:
-        raise ValueError(f"FP8 GEMMs need {who}'s {cols_are} to be a multiple of 16 (cuBLASLt's FP8 leading-"
-                         f"dimension rule), got {cols}: pad the features, or use recipe=None")
+        raise ValueError(
+            f"FP8 GEMMs need {who}'s {cols_are} to be a multiple of 16 (cuBLASLt's FP8 leading-"
+            f"dimension rule), got {cols}: pad the features, or use recipe=None"
+        )
     if group is None:
         mult = 16 if columnwise else 8
         if rows % mult:
-            raise ValueError(f"FP8 GEMMs need {who}'s {rows_are} to be a multiple of {mult}"
-                             f"{' (its transposed copy feeds a GEMM)' if columnwise else ''}, got {rows}: "
-                             "pad them, or use recipe=None")
+            raise ValueError(
+                f"FP8 GEMMs need {who}'s {rows_are} to be a multiple of {mult}"
+                f"{' (its transposed copy feeds a GEMM)' if columnwise else ''}, got {rows}: "
+                "pad them, or use recipe=None"
+            )
         return
     splits, grouped = group
     E = splits.num_experts
@@ -140,8 +155,10 @@ def check_quantize(t: Any, spec: Any, scale: Any, amax: Any, rowwise: bool, colu
             _per(amax, E, "amaxes")
     if grouped and splits.num_tokens:
         if delayed:
-            raise ValueError("TE's grouped-tensor path has no delayed-scaling kernels: ask "
-                             "grouped_path_unsupported(x, w, recipe=...) and run the split path")
+            raise ValueError(
+                "TE's grouped-tensor path has no delayed-scaling kernels: ask "
+                "grouped_path_unsupported(x, w, recipe=...) and run the split path"
+            )
         if t.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"TE's grouped GEMM takes bfloat16 or float16; {who} is {t.dtype}: run the split path")
         sizes = splits.host  # a device splits tensor is not read on the host here (see the NOTE)

@@ -108,10 +108,18 @@ def _(x, dy, splits, grouped, with_dbias):
 
 
 @torch.library.custom_op(f"{_NS}::te_grouped_wgrad_into", mutates_args=("out",))
-def te_grouped_wgrad_into(out: list[Tensor], x: Tensor, dy: Tensor, splits: Tensor, grouped: bool,
-                          accumulate: bool, with_dbias: bool) -> Tensor:
-    _, db = TE.grouped_wgrad(x, dy, Splits.in_op(splits, x, _num_experts(out), grouped), grouped, out=_weights(out),
-                             accumulate=accumulate, with_dbias=with_dbias)
+def te_grouped_wgrad_into(
+    out: list[Tensor], x: Tensor, dy: Tensor, splits: Tensor, grouped: bool, accumulate: bool, with_dbias: bool
+) -> Tensor:
+    _, db = TE.grouped_wgrad(
+        x,
+        dy,
+        Splits.in_op(splits, x, _num_experts(out), grouped),
+        grouped,
+        out=_weights(out),
+        accumulate=accumulate,
+        with_dbias=with_dbias,
+    )
     return _db(db, dy)
 
 
@@ -120,8 +128,10 @@ def _(out, x, dy, splits, grouped, accumulate, with_dbias):
     return dy.new_empty((_num_experts(out), dy.shape[1]) if with_dbias else (0,))
 
 
-_NO_FP8 = ("FP8 (recipe=...) with backend='te' is not supported under torch.compile yet: run the FP8 layer "
-           "eagerly (e.g. wrap it in torch.compiler.disable), or use backend='torch' (the FP8 emulation)")
+_NO_FP8 = (
+    "FP8 (recipe=...) with backend='te' is not supported under torch.compile yet: run the FP8 layer "
+    "eagerly (e.g. wrap it in torch.compiler.disable), or use backend='torch' (the FP8 emulation)"
+)
 
 
 class TracedTEKernels:
@@ -163,8 +173,9 @@ class TracedTEKernels:
     def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped, *, split_accumulator=False):
         return te_grouped_dgrad(dy_TN, _list(w_ENK), op_splits(splits), grouped)
 
-    def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False,
-                      split_accumulator=False):
+    def grouped_wgrad(
+        self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False, split_accumulator=False
+    ):
         if out is None:
             dw, db = te_grouped_wgrad(x_TK, dy_TN, op_splits(splits), grouped, with_dbias)
             return dw, db if with_dbias else None

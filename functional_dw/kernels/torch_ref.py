@@ -204,8 +204,10 @@ def _bias_add(y32: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
 
 def _no_dbias(with_dbias: bool) -> None:
     if with_dbias:
-        raise ValueError("with_dbias=True needs dy in high precision; with FP8 operands the layer sums the bias "
-                         "grad from its high-precision dy itself")
+        raise ValueError(
+            "with_dbias=True needs dy in high precision; with FP8 operands the layer sums the bias "
+            "grad from its high-precision dy itself"
+        )
 
 
 def _record_amax(amax: torch.Tensor, value: torch.Tensor) -> None:
@@ -235,8 +237,9 @@ class TorchKernels:
         return "TorchKernels()"
 
     # --- one GEMM -------------------------------------------------------------------------
-    def fprop(self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, *,
-              split_accumulator: bool = False) -> torch.Tensor:
+    def fprop(
+        self, x_TK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, *, split_accumulator: bool = False
+    ) -> torch.Tensor:
         if isinstance(x_TK, QTensor):
             return _bias_add(_rows(x_TK) @ _rows(w_NK).t(), b_N).to(x_TK.dtype)
         return F.linear(x_TK, w_NK, b_N)
@@ -321,12 +324,14 @@ class TorchKernels:
         w = _stack(w_ENK)
         return _gmm(a_TX, w.transpose(-2, -1) if transpose else w, offs)
 
-    def grouped_wgrad(self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False,
-                      split_accumulator=False):
+    def grouped_wgrad(
+        self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False, split_accumulator=False
+    ):
         if isinstance(x_TK, RowwiseActivation):
             _no_dbias(with_dbias)
-            return rowwise_ops.wgrad(x_TK, dy_TN, splits, out=out, accumulate=accumulate,
-                                 split_accumulator=split_accumulator), None
+            return rowwise_ops.wgrad(
+                x_TK, dy_TN, splits, out=out, accumulate=accumulate, split_accumulator=split_accumulator
+            ), None
         if not isinstance(x_TK, torch.Tensor):  # FP8
             _no_dbias(with_dbias)
             x32, dy32 = _cat(x_TK, True), _cat(dy_TN, True)
@@ -373,8 +378,18 @@ class TorchKernels:
             _record_amax(amax, q.amax)
         return q
 
-    def grouped_quantize(self, x_TK: torch.Tensor, splits: Splits, spec, *, scales=None, amaxes=None,
-                         rowwise=True, columnwise=False, grouped=False) -> list[QTensor] | RowwiseActivation:
+    def grouped_quantize(
+        self,
+        x_TK: torch.Tensor,
+        splits: Splits,
+        spec,
+        *,
+        scales=None,
+        amaxes=None,
+        rowwise=True,
+        columnwise=False,
+        grouped=False,
+    ) -> list[QTensor] | RowwiseActivation:
         """Each expert's rows on their own (``quantize_groups``; host sizes, a sync for device
         splits); ``amaxes`` (E views, or one strided ``[E]`` view) get the experts' amaxes.
         RowwiseScaling: the whole group at once (``kernels/rowwise.py``, no sync)."""

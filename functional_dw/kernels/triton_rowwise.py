@@ -62,7 +62,9 @@ if triton is not None:
         s = fp8_max / a
         s = tl.where(s == float("inf"), 3.4028234663852886e38, s)
         if POW2:
-            s = (s.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # fp8/quantize.py's _EXPONENT_BITS
+            s = (s.to(tl.int32, bitcast=True) & -8388608).to(
+                tl.float32, bitcast=True
+            )  # fp8/quantize.py's _EXPONENT_BITS
         return tl.where(special, 1.0, s)
 
     # NOTE: [Saturating casts] The recipe's cast saturates at +-fp8_max and keeps NaN. On
@@ -84,9 +86,23 @@ if triton is not None:
         return tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
 
     @triton.jit
-    def _amax_kernel(x_ptr, stride_x, ends_ptr, row_part_ptr, col_amax_ptr, T, D, E, n_part,
-                     ROWS: tl.constexpr, COLS: tl.constexpr, RB: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                     EB: tl.constexpr):
+    def _amax_kernel(
+        x_ptr,
+        stride_x,
+        ends_ptr,
+        row_part_ptr,
+        col_amax_ptr,
+        T,
+        D,
+        E,
+        n_part,
+        ROWS: tl.constexpr,
+        COLS: tl.constexpr,
+        RB: tl.constexpr,
+        BT: tl.constexpr,
+        BD: tl.constexpr,
+        EB: tl.constexpr,
+    ):
         """One ``[RB, BD]`` block of rows: each row's max over the block's columns into
         ``row_part[row, block]``, and each expert's column
         maxes ``atomic_max``-ed into ``col_amax [E, D]``: once per block when its rows lie in
@@ -103,8 +119,11 @@ if triton is not None:
         for i in range(0, RB, BT):
             rows = first + i + tl.arange(0, BT)
             rmask = rows < T
-            v = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
-                        mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            v = tl.load(
+                x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
+                mask=rmask[:, None] & cmask[None, :],
+                other=0.0,
+            ).to(tl.float32)
             a = tl.abs(v)
             a = tl.where(a != a, 0.0, a)  # amaxes skip NaN
             if ROWS:
@@ -124,11 +143,33 @@ if triton is not None:
                 tl.atomic_max(col_amax_ptr + g_first * D + cols, tl.max(acc, axis=0), mask=cmask)
 
     @triton.jit
-    def _cast_kernel(x_ptr, stride_x, ends_ptr, pends_ptr, row_amax_ptr, col_amax_ptr,
-                     row_out_ptr, row_sinv_ptr, col_out_ptr, col_sinv_ptr,
-                     P, D, E, col_stride_g, col_stride_d, col_shift_g, fp8_max, eps,
-                     ROWS: tl.constexpr, COLS: tl.constexpr, POW2: tl.constexpr,
-                     BT: tl.constexpr, BD: tl.constexpr, EB: tl.constexpr, SAT: tl.constexpr):
+    def _cast_kernel(
+        x_ptr,
+        stride_x,
+        ends_ptr,
+        pends_ptr,
+        row_amax_ptr,
+        col_amax_ptr,
+        row_out_ptr,
+        row_sinv_ptr,
+        col_out_ptr,
+        col_sinv_ptr,
+        P,
+        D,
+        E,
+        col_stride_g,
+        col_stride_d,
+        col_shift_g,
+        fp8_max,
+        eps,
+        ROWS: tl.constexpr,
+        COLS: tl.constexpr,
+        POW2: tl.constexpr,
+        BT: tl.constexpr,
+        BD: tl.constexpr,
+        EB: tl.constexpr,
+        SAT: tl.constexpr,
+    ):
         """One tile of ``BT`` positions of the columnwise layout by ``BD`` features. Position
         ``p`` is expert ``g``'s token ``p - pstart[g]`` (``pends``: the padded ends; the rows'
         own ends for weights), so the transposed store runs along ``p``, contiguous and aligned
@@ -163,21 +204,36 @@ if triton is not None:
         v = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
         if ROWS:
             s_r = _scale(tl.load(row_amax_ptr + rows, mask=valid, other=0.0), fp8_max, eps, POW2)
-            tl.store(row_out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], _cast(v * s_r[:, None], fp8_max, SAT), mask=m)
+            tl.store(
+                row_out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :],
+                _cast(v * s_r[:, None], fp8_max, SAT),
+                mask=m,
+            )
             if pid_d == 0:
                 tl.store(row_sinv_ptr + rows, 1.0 / s_r, mask=valid)
         if COLS:
             col_ok = (pos < P)[:, None] & cmask[None, :]
             if one:
                 amax_d = tl.load(col_amax_ptr + g_first * D + cols, mask=cmask & (cols * 0 + g_first < E), other=0.0)
-                dest = g_first.to(tl.int64) * (col_stride_g - col_shift_g) + cols[None, :].to(tl.int64) * col_stride_d \
+                dest = (
+                    g_first.to(tl.int64) * (col_stride_g - col_shift_g)
+                    + cols[None, :].to(tl.int64) * col_stride_d
                     + pos[:, None]
-                tl.store(col_out_ptr + dest, _cast(v * _scale(amax_d, fp8_max, eps, POW2)[None, :], fp8_max, SAT), mask=col_ok)
+                )
+                tl.store(
+                    col_out_ptr + dest,
+                    _cast(v * _scale(amax_d, fp8_max, eps, POW2)[None, :], fp8_max, SAT),
+                    mask=col_ok,
+                )
             else:
-                amax_td = tl.load(col_amax_ptr + g[:, None] * D + cols[None, :], mask=inside[:, None] & cmask[None, :],
-                                  other=0.0)
-                dest = (g.to(tl.int64) * (col_stride_g - col_shift_g))[:, None] \
-                    + cols[None, :].to(tl.int64) * col_stride_d + pos[:, None]
+                amax_td = tl.load(
+                    col_amax_ptr + g[:, None] * D + cols[None, :], mask=inside[:, None] & cmask[None, :], other=0.0
+                )
+                dest = (
+                    (g.to(tl.int64) * (col_stride_g - col_shift_g))[:, None]
+                    + cols[None, :].to(tl.int64) * col_stride_d
+                    + pos[:, None]
+                )
                 tl.store(col_out_ptr + dest, _cast(v * _scale(amax_td, fp8_max, eps, POW2), fp8_max, SAT), mask=col_ok)
             for e in range(tl.program_id(0), E, tl.num_programs(0)):  # each expert's inverse scales, once
                 amax_e = tl.load(col_amax_ptr + e * D + cols, mask=cmask, other=0.0)
@@ -196,9 +252,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
 
 
-def _launch(t2d: torch.Tensor, ends: torch.Tensor, pends: torch.Tensor, E: int, spec, rowwise: bool,
-            columnwise: bool, col_out: torch.Tensor | None, P: int, col_stride_g: int, col_stride_d: int,
-            col_shift_g: int):
+def _launch(
+    t2d: torch.Tensor,
+    ends: torch.Tensor,
+    pends: torch.Tensor,
+    E: int,
+    spec,
+    rowwise: bool,
+    columnwise: bool,
+    col_out: torch.Tensor | None,
+    P: int,
+    col_stride_g: int,
+    col_stride_d: int,
+    col_shift_g: int,
+):
     """Both kernels on ``t2d [R, D]`` in E groups (``ends``; ``pends`` their padded ends, or
     ``ends`` again); returns (row data, row inverse scales ``[R]``, column inverse scales
     ``[E, D]``) and fills ``col_out`` (``P`` positions; position p of expert g at
@@ -224,22 +291,59 @@ def _launch(t2d: torch.Tensor, ends: torch.Tensor, pends: torch.Tensor, E: int, 
             if R:
                 row_part = torch.empty(R, n_part, dtype=torch.float32, device=dev) if rowwise else amaxes
                 _amax_kernel[(triton.cdiv(R, c["RB"]), n_part)](
-                    t2d, t2d.stride(0), ends, row_part, col_amax, R, D, E, n_part, ROWS=rowwise, COLS=columnwise,
-                    RB=c["RB"], BT=c["BT"], BD=c["BD"], EB=EB, num_warps=c["AMAX_WARPS"])
+                    t2d,
+                    t2d.stride(0),
+                    ends,
+                    row_part,
+                    col_amax,
+                    R,
+                    D,
+                    E,
+                    n_part,
+                    ROWS=rowwise,
+                    COLS=columnwise,
+                    RB=c["RB"],
+                    BT=c["BT"],
+                    BD=c["BD"],
+                    EB=EB,
+                    num_warps=c["AMAX_WARPS"],
+                )
                 if rowwise:  # each row's amax: the max of its blocks' (one small torch reduction)
                     row_amax = row_part.amax(dim=1)
             _cast_kernel[(triton.cdiv(max(P if columnwise else R, 1), c["CAST_BT"]), n_part)](
-                t2d, t2d.stride(0), ends, pends if columnwise else ends, row_amax, col_amax,
-                amaxes if row_out is None else row_out, amaxes if row_sinv is None else row_sinv,
-                amaxes if col_out is None else col_out, amaxes if col_sinv is None else col_sinv,
-                P if columnwise else R, D, E, col_stride_g, col_stride_d, col_shift_g, spec.fp8_max,
-                float(spec.amax_epsilon), ROWS=rowwise, COLS=columnwise, POW2=spec.power_2_scale,
-                BT=c["CAST_BT"], BD=c["BD"], EB=EB, SAT=_interpreting(), num_warps=c["CAST_WARPS"])
+                t2d,
+                t2d.stride(0),
+                ends,
+                pends if columnwise else ends,
+                row_amax,
+                col_amax,
+                amaxes if row_out is None else row_out,
+                amaxes if row_sinv is None else row_sinv,
+                amaxes if col_out is None else col_out,
+                amaxes if col_sinv is None else col_sinv,
+                P if columnwise else R,
+                D,
+                E,
+                col_stride_g,
+                col_stride_d,
+                col_shift_g,
+                spec.fp8_max,
+                float(spec.amax_epsilon),
+                ROWS=rowwise,
+                COLS=columnwise,
+                POW2=spec.power_2_scale,
+                BT=c["CAST_BT"],
+                BD=c["BD"],
+                EB=EB,
+                SAT=_interpreting(),
+                num_warps=c["CAST_WARPS"],
+            )
     return row_out, row_sinv, col_sinv  # (None where not asked for)
 
 
-def quantize_activation(t_TD: torch.Tensor, ends_E: torch.Tensor, pends_E: torch.Tensor, spec, *, rowwise: bool,
-                        columnwise: bool) -> RowwiseActivation:
+def quantize_activation(
+    t_TD: torch.Tensor, ends_E: torch.Tensor, pends_E: torch.Tensor, spec, *, rowwise: bool, columnwise: bool
+) -> RowwiseActivation:
     """``fp8.rowwise.quantize_activation`` on CUDA (``ends``/``pends`` int32 on t's device)."""
     T, D = t_TD.shape
     E = ends_E.shape[0]
@@ -256,6 +360,14 @@ def quantize_weight(w_ENK: torch.Tensor, spec, *, rowwise: bool = True, columnwi
     w = w_ENK.contiguous()
     ends = torch.arange(1, E + 1, dtype=torch.int32, device=w.device) * N
     col = torch.empty(E, K, N, dtype=spec.fp8_dtype, device=w.device) if columnwise else None
-    row, row_sinv, col_sinv = _launch(w.view(E * N, K), ends, ends, E, spec, rowwise, columnwise, col, E * N, K * N, N, N)
-    return RowwiseWeight(row.view(E, N, K) if rowwise else None, row_sinv.view(E, N) if rowwise else None, col,
-                         col_sinv, (E, N, K), w_ENK.dtype)
+    row, row_sinv, col_sinv = _launch(
+        w.view(E * N, K), ends, ends, E, spec, rowwise, columnwise, col, E * N, K * N, N, N
+    )
+    return RowwiseWeight(
+        row.view(E, N, K) if rowwise else None,
+        row_sinv.view(E, N) if rowwise else None,
+        col,
+        col_sinv,
+        (E, N, K),
+        w_ENK.dtype,
+    )

@@ -46,6 +46,7 @@ def clamp_splits(splits_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor,
     counts = torch.empty(E, dtype=torch.int64, device=splits_E.device)
     ends = torch.empty(E, dtype=torch.int32, device=splits_E.device)
     with torch.cuda.device(splits_E.device):
-        _clamp_splits_kernel[(1,)](splits_E.contiguous(), counts, ends, E, num_tokens,
-                                   BLOCK=max(16, triton.next_power_of_2(E)))
+        _clamp_splits_kernel[(1,)](
+            splits_E.contiguous(), counts, ends, E, num_tokens, BLOCK=max(16, triton.next_power_of_2(E))
+        )
     return counts, ends

@@ -14,6 +14,7 @@ from functional_dw import nn as fnn
 
 E, K, N, T = 4, 16, 32, 12
 
+
 def random_routings(n: int, seed: int = 0, experts: int = E, tokens: int = T) -> list[list[int]]:
     """``n`` random routings of ``tokens`` to ``experts`` (random cut points)."""
     r = random.Random(seed)
@@ -87,8 +88,11 @@ def check_routings(model, splits_form, dynamic, device, backend="aot_eager", rou
 
 def as_form(sizes: list[int], form: str, device) -> list[int] | torch.Tensor:
     """The splits as a ``list``, a ``tensor`` on the activations' device, or a ``cpu-tensor``."""
-    forms = {"list": lambda: list(sizes), "tensor": lambda: torch.tensor(sizes, device=device),
-             "cpu-tensor": lambda: torch.tensor(sizes)}
+    forms = {
+        "list": lambda: list(sizes),
+        "tensor": lambda: torch.tensor(sizes, device=device),
+        "cpu-tensor": lambda: torch.tensor(sizes),
+    }
     return forms[form]()
 
 

@@ -83,10 +83,16 @@ def save_on_cpu_capture() -> dict:
         overwritten = sum(bool((p != 0xAB).any()) for p in probes)
     except Exception as e:  # noqa: BLE001  (pinned allocation or replay failing after such a capture)
         return {"ok": True, "captured": True, "raised_after_capture": type(e).__name__, "message": str(e)[:500]}
-    return {"ok": reused > 0 or overwritten > 0, "captured": True, "packed_at_capture": len(captured),
-            "host_blocks_handed_out_again": reused, "pinned_tensors_overwritten_by_replay": overwritten,
-            "message": "captured; the replay's copies target host memory save_on_cpu freed after the capture"
-            if reused or overwritten else "captured, and no freed block was handed out again in this probe"}
+    return {
+        "ok": reused > 0 or overwritten > 0,
+        "captured": True,
+        "packed_at_capture": len(captured),
+        "host_blocks_handed_out_again": reused,
+        "pinned_tensors_overwritten_by_replay": overwritten,
+        "message": "captured; the replay's copies target host memory save_on_cpu freed after the capture"
+        if reused or overwritten
+        else "captured, and no freed block was handed out again in this probe",
+    }
 
 
 def sharded_nccl() -> dict:
@@ -126,10 +132,18 @@ def sharded_nccl() -> dict:
             yr = mlp(xr, r1, r2, si)
             want = [yr.detach(), *torch.autograd.grad(yr, [xr, *r1, *r2], dyi)]
             worst.append(max((a.double() - b.double()).abs().max().item() for a, b in zip(got, want)))
-        ok = (max(worst) == 0.0 and stats_after_capture == {"all_gather": 2 * (warmup + 1), "reduce_scatter": warmup + 1}
-              and dict(w1[0]._dw.stats) == stats_after_capture)
-        return {"ok": ok, "max_abs_diff_per_replay": worst, "stats_after_capture": stats_after_capture,
-                "stats_after_replays": dict(w1[0]._dw.stats), "nccl": str(torch.cuda.nccl.version())}
+        ok = (
+            max(worst) == 0.0
+            and stats_after_capture == {"all_gather": 2 * (warmup + 1), "reduce_scatter": warmup + 1}
+            and dict(w1[0]._dw.stats) == stats_after_capture
+        )
+        return {
+            "ok": ok,
+            "max_abs_diff_per_replay": worst,
+            "stats_after_capture": stats_after_capture,
+            "stats_after_replays": dict(w1[0]._dw.stats),
+            "nccl": str(torch.cuda.nccl.version()),
+        }
     finally:
         dist.destroy_process_group()
 

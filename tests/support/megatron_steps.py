@@ -40,23 +40,40 @@ def record(key: str, value: Any) -> None:
 
 # --- the set-up ------------------------------------------------------------------------------
 
+
 def _config(offload: bool, device: str = "cuda"):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=2, hidden_size=H, num_attention_heads=4, num_moe_experts=E, moe_ffn_hidden_size=FFN,
-        params_dtype=BF16, bf16=True, add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
-        bias_activation_fusion=False, gradient_accumulation_fusion=True,
-        fine_grained_activation_offloading=offload, offload_modules=["expert_fc1", "moe_act"] if offload else [],
-        min_offloaded_tensor_size=1024, use_cpu_initialization=device == "cpu")
+        num_layers=2,
+        hidden_size=H,
+        num_attention_heads=4,
+        num_moe_experts=E,
+        moe_ffn_hidden_size=FFN,
+        params_dtype=BF16,
+        bf16=True,
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=True,
+        fine_grained_activation_offloading=offload,
+        offload_modules=["expert_fc1", "moe_act"] if offload else [],
+        min_offloaded_tensor_size=1024,
+        use_cpu_initialization=device == "cpu",
+    )
 
 
 def _classes(kind: str) -> tuple[type, type]:
     if kind == "te":
         from megatron.core.extensions.transformer_engine import (
-            TEColumnParallelGroupedLinear, TERowParallelGroupedLinear)
+            TEColumnParallelGroupedLinear,
+            TERowParallelGroupedLinear,
+        )
+
         return TEColumnParallelGroupedLinear, TERowParallelGroupedLinear
     from functional_dw.megatron import ColumnParallelGroupedLinear, RowParallelGroupedLinear
+
     return ColumnParallelGroupedLinear, RowParallelGroupedLinear
 
 
@@ -70,8 +87,10 @@ def _build(kind: str, offload: bool, shard: bool, device: str = "cuda"):
     fc1, fc2 = _classes(kind)
     config = _config(offload, device)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
-    mlps = [TEGroupedMLP(E, config, GroupedMLPSubmodules(linear_fc1=fc1, linear_fc2=fc2), pg_collection=pgs)
-            for _ in range(2)]
+    mlps = [
+        TEGroupedMLP(E, config, GroupedMLPSubmodules(linear_fc1=fc1, linear_fc2=fc2), pg_collection=pgs)
+        for _ in range(2)
+    ]
     g = torch.Generator().manual_seed(1234)
     weights, leaders = {}, []
     for i, mlp in enumerate(mlps):
@@ -116,11 +135,17 @@ class _Spy:
         push, offload, spy = CH.tensor_push, CH.offload, self
 
         def tensor_push(handler, tensor):
-            spy.pushed.append(dict(
-                iteration=spy.iteration, shape=tuple(tensor.shape), dtype=str(tensor.dtype), type=type(tensor).__name__,
-                parameter=isinstance(tensor, torch.nn.Parameter),
-                distributed_weight=bool(getattr(tensor, "is_distributed_weight", False)),
-                storage=_storage(tensor)))
+            spy.pushed.append(
+                dict(
+                    iteration=spy.iteration,
+                    shape=tuple(tensor.shape),
+                    dtype=str(tensor.dtype),
+                    type=type(tensor).__name__,
+                    parameter=isinstance(tensor, torch.nn.Parameter),
+                    distributed_weight=bool(getattr(tensor, "is_distributed_weight", False)),
+                    storage=_storage(tensor),
+                )
+            )
             return push(handler, tensor)
 
         def offload_(handler, src_tensor, *args, **kwargs):
@@ -144,13 +169,18 @@ def _storage(t: torch.Tensor) -> int | None:
 def _init_chunk_handler(config) -> None:
     """What GPTModel.preprocess_for_fine_grained_offloading does before each microbatch."""
     from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
-        FineGrainedActivationOffloadingInterface as off)
+        FineGrainedActivationOffloadingInterface as off,
+    )
 
-    kw = dict(pp_rank=0, vp_size=config.virtual_pipeline_model_parallel_size, vp_stage=None,
-              min_offloaded_tensor_size=config.min_offloaded_tensor_size,
-              delta_offload_bytes_across_pp_ranks=config.delta_offload_bytes_across_pp_ranks,
-              activation_offload_fraction=config.activation_offload_fraction,
-              max_inflight_offloads=getattr(config, "fine_grained_offloading_max_inflight_offloads", None))
+    kw = dict(
+        pp_rank=0,
+        vp_size=config.virtual_pipeline_model_parallel_size,
+        vp_stage=None,
+        min_offloaded_tensor_size=config.min_offloaded_tensor_size,
+        delta_offload_bytes_across_pp_ranks=config.delta_offload_bytes_across_pp_ranks,
+        activation_offload_fraction=config.activation_offload_fraction,
+        max_inflight_offloads=getattr(config, "fine_grained_offloading_max_inflight_offloads", None),
+    )
     params = inspect.signature(off.init_chunk_handler).parameters
     off.init_chunk_handler(**{k: v for k, v in kw.items() if k in params})
 
@@ -159,7 +189,9 @@ def run_steps(kind: str, offload: bool, shard: bool, rank: int = 0, device: str 
     """ITERS training steps of the two MLPs; what each produced (on the CPU), or the error of
     the step that failed (construction errors are set-up problems: they propagate)."""
     from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
-        FineGrainedActivationOffloadingInterface as off, PipelineOffloadManager)
+        FineGrainedActivationOffloadingInterface as off,
+        PipelineOffloadManager,
+    )
 
     if offload:
         off.reset_instance()  # a fresh manager (a failed run may have left one mid-step)
@@ -170,7 +202,9 @@ def run_steps(kind: str, offload: bool, shard: bool, rank: int = 0, device: str 
     with spy.installed():
         for it in range(ITERS):
             spy.iteration = it
-            stage = f"step {it} ({'warm-up' if offload and it == 0 else 'steady state' if offload else 'no offloading'})"
+            stage = (
+                f"step {it} ({'warm-up' if offload and it == 0 else 'steady state' if offload else 'no offloading'})"
+            )
             for w in weights.values():
                 w.main_grad.zero_()
                 w.grad = None
@@ -202,8 +236,10 @@ def run_steps(kind: str, offload: bool, shard: bool, rank: int = 0, device: str 
         res["megatron_summary_bytes"] = getattr(PipelineOffloadManager.get_instance(), "_offload_summary_bytes", None)
     res["hook_tensors"] = len(spy.pushed)
     res["weights_through_hooks"] = [
-        d for d in spy.pushed
-        if d["parameter"] or d["distributed_weight"] or d["storage"] in params or d["shape"] in WEIGHT_SHAPES]
+        d
+        for d in spy.pushed
+        if d["parameter"] or d["distributed_weight"] or d["storage"] in params or d["shape"] in WEIGHT_SHAPES
+    ]
     res["collectives"] = [dict(leader._dw.stats) for leader in leaders]
     return res
 
@@ -221,9 +257,19 @@ def differences(a: dict, b: dict) -> list[str]:
 
 
 def summary(r: dict) -> dict:
-    return {k: r.get(k) for k in ("kind", "offload", "shard", "error", "offloaded_bytes_per_step",
-                                  "megatron_summary_bytes", "hook_tensors", "collectives")} | {
-        "steps_completed": len(r["outputs"]), "weights_through_hooks": len(r.get("weights_through_hooks", []))}
+    return {
+        k: r.get(k)
+        for k in (
+            "kind",
+            "offload",
+            "shard",
+            "error",
+            "offloaded_bytes_per_step",
+            "megatron_summary_bytes",
+            "hook_tensors",
+            "collectives",
+        )
+    } | {"steps_completed": len(r["outputs"]), "weights_through_hooks": len(r.get("weights_through_hooks", []))}
 
 
 def check_ours(ref: dict, got: dict, where: str = "") -> None:
@@ -235,9 +281,13 @@ def check_ours(ref: dict, got: dict, where: str = "") -> None:
     diffs = differences(ref, got)
     assert not diffs, f"{where}offloading changed results ({len(diffs)} tensors):\n" + "\n".join(diffs[:20])
     assert got["hook_tensors"] > 0, f"{where}Megatron's hooks saw no tensor: offloading was not active"
-    assert got["offloaded_bytes_per_step"][-1] > 0, \
+    assert got["offloaded_bytes_per_step"][-1] > 0, (
         f"{where}nothing offloaded in the steady-state step: {got['offloaded_bytes_per_step']}"
-    assert not got["weights_through_hooks"], f"{where}weights went through Megatron's hooks: {got['weights_through_hooks']}"
+    )
+    assert not got["weights_through_hooks"], (
+        f"{where}weights went through Megatron's hooks: {got['weights_through_hooks']}"
+    )
     for stats in got["collectives"] + ref["collectives"]:
-        assert stats == {"all_gather": 2 * ITERS, "reduce_scatter": ITERS}, \
+        assert stats == {"all_gather": 2 * ITERS, "reduce_scatter": ITERS}, (
             f"{where}DistributedWeight collectives per layer over {ITERS} steps: {stats}"
+        )

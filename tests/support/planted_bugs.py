@@ -22,25 +22,51 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 BUGS = [  # (name, file, original line fragment, planted fragment)
-    ("main_grad from a bf16 product (Linear)", "functional_dw/kernels/torch_ref.py",
-     "dw = dy_TN.t().to(out.dtype) @ x_TK.to(out.dtype)", "dw = (dy_TN.t() @ x_TK).to(out.dtype)"),
-    ("main_grad from a bf16 product (one-kernel path)", "functional_dw/kernels/torch_ref.py",
-     "dy_T, x = dy_T.to(dt), x.to(dt)", "pass"),
+    (
+        "main_grad from a bf16 product (Linear)",
+        "functional_dw/kernels/torch_ref.py",
+        "dw = dy_TN.t().to(out.dtype) @ x_TK.to(out.dtype)",
+        "dw = (dy_TN.t() @ x_TK).to(out.dtype)",
+    ),
+    (
+        "main_grad from a bf16 product (one-kernel path)",
+        "functional_dw/kernels/torch_ref.py",
+        "dy_T, x = dy_T.to(dt), x.to(dt)",
+        "pass",
+    ),
     # On the CPU this one is equivalent (torch accumulates every bf16 reduction, index_add
     # included, in fp32 whatever dtype it is given: identical results, measured); on CUDA a bf16
     # index_add accumulates in bf16, and test_semantics' [cuda] case catches it (H200 run).
-    ("bias grads accumulated in bf16", "functional_dw/kernels/torch_ref.py",
-     "dtype=_acc_dtype(dy_TN.dtype), device=dy_TN.device)", "dtype=dy_TN.dtype, device=dy_TN.device)"),
-    ("DW wgrad accumulates into grad_buffer()", "functional_dw/distributed_weight.py",
-     'return not dw and not getattr(params[0], "overwrite_main_grad", False)',
-     'return not getattr(params[0], "overwrite_main_grad", False)'),
-    ("splits cache mixes int32 and int64 ends", "functional_dw/kernels/splits.py",
-     'return self.cached(("ends", dtype), make)', 'return self.cached("ends", make)'),
-    ("jvp through a DW Linear gathers for backward", "functional_dw/linear.py",
-     "w_NK = dwp.materialize([res.weight], res.distributed, for_backward=False)[0]",
-     "w_NK = dwp.materialize([res.weight], res.distributed, for_backward=True)[0]"),
-    ("nn.GroupedLinear drops use_grouped_tensor", "functional_dw/nn.py",
-     "use_grouped_tensor=self.use_grouped_tensor, backend=self.backend,", "backend=self.backend,"),
+    (
+        "bias grads accumulated in bf16",
+        "functional_dw/kernels/torch_ref.py",
+        "dtype=_acc_dtype(dy_TN.dtype), device=dy_TN.device)",
+        "dtype=dy_TN.dtype, device=dy_TN.device)",
+    ),
+    (
+        "DW wgrad accumulates into grad_buffer()",
+        "functional_dw/distributed_weight.py",
+        'return not dw and not getattr(params[0], "overwrite_main_grad", False)',
+        'return not getattr(params[0], "overwrite_main_grad", False)',
+    ),
+    (
+        "splits cache mixes int32 and int64 ends",
+        "functional_dw/kernels/splits.py",
+        'return self.cached(("ends", dtype), make)',
+        'return self.cached("ends", make)',
+    ),
+    (
+        "jvp through a DW Linear gathers for backward",
+        "functional_dw/linear.py",
+        "w_NK = dwp.materialize([res.weight], res.distributed, for_backward=False)[0]",
+        "w_NK = dwp.materialize([res.weight], res.distributed, for_backward=True)[0]",
+    ),
+    (
+        "nn.GroupedLinear drops use_grouped_tensor",
+        "functional_dw/nn.py",
+        "use_grouped_tensor=self.use_grouped_tensor, backend=self.backend,",
+        "backend=self.backend,",
+    ),
 ]
 
 CPU_EQUIVALENT = {2}  # (see its note): reported, not counted as a survivor here
@@ -49,8 +75,15 @@ CPU_EQUIVALENT = {2}  # (see its note): reported, not counted as a survivor here
 # then the rest of the suite minus what cannot catch these bugs and only costs time
 # (notebooks, the benchmark script's dry run, the soak loop).
 FIRST = ["tests/test_semantics.py", "tests/test_numerics.py", "tests/test_properties.py", "tests/test_nn.py"]
-REST = ["tests", "-m", "not slow", *[f"--ignore={f}" for f in FIRST], "--ignore=tests/test_notebooks.py",
-        "--ignore=tests/test_bench_script.py", "--ignore=tests/test_soak.py"]
+REST = [
+    "tests",
+    "-m",
+    "not slow",
+    *[f"--ignore={f}" for f in FIRST],
+    "--ignore=tests/test_notebooks.py",
+    "--ignore=tests/test_bench_script.py",
+    "--ignore=tests/test_soak.py",
+]
 PYTEST = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
 
 
@@ -59,7 +92,12 @@ def run(index: int | None) -> tuple[str, bool, float, str]:
     a collection error or anything else that is not a failing test is the harness's fault."""
     name, rel, old, new = BUGS[index] if index is not None else ("(no bug)", "pyproject.toml", "", "")
     with tempfile.TemporaryDirectory() as tmp:
-        for part in ("functional_dw", "tests", "benchmarks", "pyproject.toml"):  # (test_fp8_train_script loads benchmarks/)
+        for part in (
+            "functional_dw",
+            "tests",
+            "benchmarks",
+            "pyproject.toml",
+        ):  # (test_fp8_train_script loads benchmarks/)
             src = ROOT / part
             (shutil.copytree if src.is_dir() else shutil.copy)(src, Path(tmp) / part)
         path = Path(tmp) / rel
@@ -72,7 +110,9 @@ def run(index: int | None) -> tuple[str, bool, float, str]:
             done = subprocess.run(PYTEST + args, cwd=tmp, capture_output=True, text=True)
             failed = [ln[7:] for ln in done.stdout.splitlines() if ln.startswith("FAILED ")]
             if done.returncode not in (0, 1) or (done.returncode == 1 and not failed):
-                raise RuntimeError(f"{name}: pytest did not run cleanly (exit {done.returncode}):\n{done.stdout[-3000:]}")
+                raise RuntimeError(
+                    f"{name}: pytest did not run cleanly (exit {done.returncode}):\n{done.stdout[-3000:]}"
+                )
             if failed:
                 break
         return name, bool(failed), time.perf_counter() - start, failed[0] if failed else ""

@@ -1,3 +1,5 @@
 import torch
+
+
 def _empty_tensor():
     return torch.Tensor()
