@@ -15,7 +15,12 @@ pytest.importorskip("matplotlib")
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-EXPECTED = ["01_explicit_residuals.ipynb", "02_saved_tensor_hooks_and_offloading.ipynb", "03_torch_func.ipynb"]
+EXPECTED = [
+    "01_explicit_residuals.ipynb",
+    "02_saved_tensor_hooks_and_offloading.ipynb",
+    "03_torch_func.ipynb",
+    "04_expert_mlp.ipynb",
+]
 
 
 def test_the_notebooks_are_there():
