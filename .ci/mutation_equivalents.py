@@ -1,4 +1,4 @@
-"""Write tests/mutation_equivalents.md from mutmut's survivors (mutants/) and the reasons below.
+"""Write tests/support/mutation_equivalents.md from mutmut's survivors (mutants/) and the reasons below.
 
 Run after `bash .ci/mutation` with that venv's python: `python .ci/mutation_equivalents.py`
 (`--check` lists survivors no rule explains: kill them with a test, or add a reason here)."""
@@ -18,7 +18,7 @@ R = {
     "novalue": "no observable value: the Function returns grads autograd discards, zeros where None meant zeros, or holds an extra reference (memory only)",
     "cuda": "a CUDA-only branch (host sizes are missing only for a CUDA splits tensor; `auto` consults the weights only on CUDA) or a `device=` argument: on the CPU runner the default device is the same, and GPU tests are not in the runner",
     "compile": "a branch taken only under torch.compile (the runner excludes compile tests: dynamo traces mutmut's trampolines)",
-    "path": "only chooses between the grouped and the split GEMM path, which compute the same products (equal within float rounding). The guard keeps grouped_mm away from forward AD and functorch wrappers, but on torch 2.13 CPU grouped_mm also runs there (tests/test_mutants.py::test_float32_grouped_path_under_jvp_and_vmap passes with the guard inverted), so no test can see the choice",
+    "path": "only chooses between the grouped and the split GEMM path, which compute the same products (equal within float rounding). The guard keeps grouped_mm away from forward AD and functorch wrappers, but on torch 2.13 CPU grouped_mm also runs there (tests/test_func.py::test_float32_grouped_path_under_jvp_and_vmap passes with the guard inverted), so no test can see the choice",
     "vmapfold": "the fold sorts rows expert-major either way and undoes exactly the permutation it made; rows are independent, so order within an expert and sort stability do not matter; `repeat_interleave(splits)` equals `repeat_interleave(arange(E), splits)`",
     "forms": "a list and a stacked tensor iterate (or index) alike here, so the other form gives the same values",
     "unreachable": "unreachable: `materialize()` already rejects a non-tensor with its own error before this check",
@@ -158,7 +158,7 @@ if "--check" in sys.argv:
     for u in unexplained:
         print("UNEXPLAINED", *u)
     sys.exit(0)
-out = open("tests/mutation_equivalents.md", "w")
+out = open("tests/support/mutation_equivalents.md", "w")
 out.write("""# Surviving mutants: why each is equivalent
 
 `bash .ci/mutation` (mutmut 3 over the six modules in `pyproject.toml`) leaves these mutants
@@ -166,7 +166,7 @@ alive. Each is equivalent for the runner (CPU, no torch.compile): no test can te
 original by a value, an error or a call. Reasons are keyed below; rows name the file, the line
 of the original code, the mutant and the mutation. `.ci/mutation_equivalents.py` regenerates the list
 after a run (`--check` names survivors no reason covers: a mutant not in this list must be
-killed by a test in `tests/test_mutants.py`). Line numbers are those of the mutated commit.
+killed by a test in the feature test files, see `tests/README.md`). Line numbers are those of the mutated commit.
 
 Reasons:
 

@@ -1,5 +1,5 @@
 """Score per file from mutmut's results in mutants/ (killed includes timeouts; 'survived'
-lists the mutant names, to check against tests/mutation_equivalents.md)."""
+lists the mutant names, to check against tests/support/mutation_equivalents.md)."""
 
 import collections
 import json

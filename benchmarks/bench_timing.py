@@ -1,6 +1,6 @@
 """bench.py's clocks: the device, how a step is timed, what the run ran on, and the section clock.
 
-* ``DEV`` (the device every section runs on; tests/bench_mock.py sets it to "cpu"), ``BF16``,
+* ``DEV`` (the device every section runs on; tests/support/bench_mock.py sets it to "cpu"), ``BF16``,
   ``TIMING`` (warm-up steps and burst length; ``--smoke`` lowers them);
 * :func:`cuda_times` (CUDA events around bursts of back-to-back steps, implementations
   interleaved, median of repeats), :func:`backward_times` (backward alone), :func:`host_times`
