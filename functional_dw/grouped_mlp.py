@@ -57,7 +57,7 @@ from .grouped_linear import (  # fc1's and fc2's own steps
     _x_TK,
 )
 from .kernels import Kernels, stacked
-from .kernels.activation import ACTIVATIONS, ActivationKernels, activation_kernels, glu_width
+from .kernels.activation import ACTIVATIONS, ActivationKernels, activation_kernels, glu_width, select
 from .plan import Options, route
 from .residuals import _describe_value, _nbytes, any_needed, needed, residuals, saved, saved_activations
 
@@ -250,7 +250,7 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
         )
     weighted = probs is not None and bias2 is not None  # fc2's bias times probs, added after fc2
     c1 = _in_layer("fc1", _prepare, x, w1, splits, bias1, opts.fc1)
-    act = activation_kernels(c1.plan.kernels)  # (the backend's; each call routes on its own operands)
+    act = select(c1.plan.kernels, x)  # (fused on CUDA; each step below routes on its own operands)
     if keep:
         fc1_out, r1 = _forward(c1, x, keep_x=_keep_x(opts.fc1))
     else:

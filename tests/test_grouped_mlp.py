@@ -526,6 +526,166 @@ def test_reference_activation_rounds_once():
     assert_same(dp, (F.silu(g) * u * dh.float()).sum(-1).to(torch.bfloat16))
 
 
+# --- the fused Triton activation (kernels/triton_activation.py) ---------------------------------------
+
+
+def gpu(test):
+    """A test of the CUDA kernels: marked ``gpu``, skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
+def _on(inp, dy, device):
+    """The same leaves (and dy) on ``device``."""
+    move = lambda t: None if t is None else t.detach().to(device).requires_grad_()  # noqa: E731
+    return {k: [move(t) for t in v] if isinstance(v, list) else move(v) for k, v in inp.items()}, dy.to(device)
+
+
+def _activation_cases(device, dtype, probs_dtype, seed):
+    """(activation, fc1_out, probs, dh, dprobs_in) over odd shapes, a strided fc1_out and
+    values that reach exp's overflow and the erf tails."""
+    g = torch.Generator().manual_seed(seed)
+    for activation in ACTS:
+        glu = 2 if activation == "swiglu" else 1
+        for T_, F2 in ((0, 16), (1, 5), (37, 150), (300, 1536)):
+            z = torch.randn(T_, glu * F2 + 3, generator=g) * 4
+            if T_ > 2:
+                z[0, :4] = torch.tensor([-100.0, 100.0, -9.5, 88.8])
+            z = z.to(device, dtype)[:, 3:]  # strided rows
+            dh = torch.randn(T_, F2, generator=g).to(device, dtype)
+            for p in (None, torch.rand(T_, generator=g).to(device, probs_dtype)):
+                dp_in = None if p is None else torch.randn(T_, generator=g).to(device, torch.float32)
+                yield activation, z, p, dh, dp_in
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("probs_dtype", ["same", "fp32"])
+def test_triton_activation_is_the_reference_bitwise_on_cuda(dtype, probs_dtype):
+    """h and dfc1_out bitwise the reference's on the same GPU (the same fp32 expressions, expf,
+    erff, IEEE division, no FMA contraction); dprobs (a row sum in the kernel's order) within
+    fp32 summation error."""
+    from functional_dw.kernels import triton_activation as ta
+
+    pytest.importorskip("triton")
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    pdt = dt if probs_dtype == "same" else torch.float32
+    for activation, z, p, dh, dp_in in _activation_cases("cuda", dt, pdt, seed=11):
+        what = f"{activation} {tuple(z.shape)} probs={p is not None}"
+        assert_same(ta.FUSED.act_fwd(z, p, activation), act_mod.act_fwd(z, p, activation), f"h {what}")
+        dz, dp = ta.FUSED.act_bwd(z, p, dh, activation, dprobs_in=dp_in)
+        dz0, dp0 = act_mod.act_bwd(z, p, dh, activation, dprobs_in=dp_in)
+        assert_same(dz, dz0, f"dfc1_out {what}")
+        if p is None:
+            assert dp is None and dp0 is None
+            continue
+        assert dp.dtype == dp0.dtype == pdt
+        z32, g32 = z.float(), dh.float()
+        terms = act_mod.REFERENCE.act_fwd(z32, None, activation).abs() * g32.abs()
+        bound = UNIT[pdt] * dp0.double().abs() + dh.shape[1] * UNIT[torch.float32] * terms.sum(-1).double()
+        assert ((dp.double() - dp0.double()).abs() <= bound + 1e-30).all(), f"dprobs {what}"
+
+
+@gpu
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("save", POLICIES)
+def test_grouped_mlp_on_cuda_runs_the_fused_kernels(activation, save, monkeypatch):
+    """On CUDA the record holds the Triton kernels; y and every gradient equal, bitwise, the
+    same call with the reference activation (dprobs within fp32 summation error), and are
+    within the float64 reference's bound."""
+    import importlib
+
+    pytest.importorskip("triton")
+    gm = importlib.import_module("functional_dw.grouped_mlp")
+    inp, dy = _on(*make(activation, torch.bfloat16, bias=True, splits=[40, 0, 88, 17], seed=3), "cuda")
+    splits = torch.tensor([40, 0, 88, 17], device="cuda")
+    _, res = fd.grouped_mlp_fwd(inp["x"], inp["w1"], inp["w2"], splits, probs=inp["probs"], activation=activation)
+    assert "TritonActivation()" in repr(res)
+    y, grads = run(inp, dy, splits, activation=activation, save=save)
+    monkeypatch.setattr(gm, "select", lambda kernels, x: act_mod.REFERENCE)
+    y0, g0 = run(inp, dy, splits, activation=activation, save=save)
+    assert_same(y, y0, "y")
+    i_p = NAMES.index("probs") + 2 * (E - 1)  # (x, E w1, E w2, probs, ...)
+    assert_same(grads[:i_p] + grads[i_p + 1 :], g0[:i_p] + g0[i_p + 1 :], "grads")
+    torch.testing.assert_close(grads[i_p], g0[i_p], rtol=2**-7, atol=1e-6)
+    check_against_reference(inp, dy, activation, y, grads, splits=[40, 0, 88, 17])
+
+
+@gpu
+def test_grouped_mlp_fused_activation_in_a_cuda_graph():
+    """A whole fwd+bwd step (device splits, fused activation) captured and replayed: the eager bits."""
+    pytest.importorskip("triton")
+    inp, dy = _on(*make("swiglu", torch.bfloat16, splits=[40, 0, 88, 17], seed=5), "cuda")
+    splits = torch.tensor([40, 0, 88, 17], device="cuda")
+    want = run(inp, dy, splits)
+    step = lambda: run(inp, dy, splits)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, grads = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same(y, want[0])
+    assert_same(grads, want[1])
+
+
+_INTERPRET = """
+import contextlib, os, torch
+torch.cuda.device = lambda d: contextlib.nullcontext()
+from functional_dw.kernels import activation as ref, triton_activation as ta
+g = torch.Generator().manual_seed(0)
+worst = {}
+for act in ("swiglu", "gelu", "silu"):
+    for T, F in ((0, 4), (1, 3), (37, 150)):
+        W = 2 * F if act == "swiglu" else F
+        z = torch.randn(T, W + 2, generator=g)[:, 2:] * 4
+        dh, p, dpin = torch.randn(T, F, generator=g), torch.rand(T, generator=g), torch.randn(T, generator=g)
+        for pp, dd in ((None, None), (p, dpin)):
+            h, h0 = ta.act_fwd(z, pp, act), ref.act_fwd(z, pp, act)
+            (dz, dp), (dz0, dp0) = ta.act_bwd(z, pp, dh, act, dprobs_in=dd), ref.act_bwd(z, pp, dh, act, dprobs_in=dd)
+            assert h.shape == h0.shape and dz.shape == dz0.shape and (dp is None) == (dp0 is None)
+            rel = lambda a, b: ((a - b).abs() / (b.abs() + 1e-3 * b.abs().max())).max().item() if a.numel() else 0.0
+            worst[act] = max(worst.get(act, 0.0), rel(h, h0), rel(dz, dz0), 0.0 if dp is None else rel(dp, dp0))
+print(" ".join(f"{k}={v:.3g}" for k, v in worst.items()))
+"""
+
+
+def test_triton_activation_kernels_in_the_interpreter():
+    """The kernels' indexing, masks, strides, probs and dprobs on the CPU (Triton's interpreter,
+    whose exp and erf are not torch's: 7e-5 apart at worst, relative to each value or a
+    thousandth of the largest, where erf's tails and dprobs' cancellations leave tiny values; a
+    wrong index or mask errs by O(1). The GPU test checks the bits)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _INTERPRET], env=env, capture_output=True, text=True, timeout=600)
+    if "only 0-dimensional arrays can be converted to Python scalars" in out.stderr:
+        pytest.skip("this Triton's interpreter cannot run a loop with a run-time bound under this numpy")
+    assert out.returncode == 0, out.stderr[-3000:]
+    worst = dict(kv.split("=") for kv in out.stdout.split())
+    assert set(worst) == set(ACTS) and all(float(v) < 1e-3 for v in worst.values()), out.stdout
+
+
+def test_select_decides_once_and_routes_per_call():
+    """select: a backend's own kernels, else the fused ones only for a CUDA operand (the CPU
+    here: the reference); activation_kernels keeps a record's kernels on plain operands."""
+    k = FusedActivation()
+    assert act_mod.select(k, torch.ones(2)) is k
+    assert act_mod.select(TorchKernels(), torch.ones(2)) is act_mod.REFERENCE
+    assert act_mod.select(None, torch.ones(2, dtype=torch.float64)) is act_mod.REFERENCE
+    assert act_mod.activation_kernels(k, torch.ones(2)) is k
+    assert act_mod.activation_kernels(act_mod.REFERENCE, torch.ones(2)) is act_mod.REFERENCE
+    with torch.autograd.forward_ad.dual_level():
+        assert act_mod.activation_kernels(k, torch.ones(2)) is act_mod.REFERENCE
+
+
 # --- FP8 ---------------------------------------------------------------------------------------------
 
 FP8_SPLITS = [16, 0, 32, 16]

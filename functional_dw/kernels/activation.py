@@ -1,7 +1,8 @@
 """The expert MLP's elementwise steps behind the kernels seam: the activation between fc1 and
 fc2 (with the router's probs), and fc2's bias where the probs weight it. ``grouped_mlp`` calls
-only these; a backend with fused kernels (a Triton kernel on the GPU) provides the same four
-methods and :func:`activation_kernels` picks them.
+only these. On CUDA the fused Triton kernels (``triton_activation.py``: one launch forward, one
+backward) run them; a backend may bring its own (the same four methods); :func:`select` decides,
+once per call.
 
 Shape legend: ``T`` tokens, ``F`` the MLP's ffn width (fc2's in-features), ``H`` fc2's
 out-features, ``E`` experts. ``fc1_out`` is ``[T, 2F]`` for SwiGLU (Megatron's layout: the
@@ -53,6 +54,7 @@ __all__ = [
     "TorchActivation",
     "REFERENCE",
     "activation_kernels",
+    "select",
     "act_fwd",
     "act_bwd",
     "probs_bias_fwd",
@@ -181,15 +183,35 @@ REFERENCE = TorchActivation()
 _METHODS = ("act_fwd", "act_bwd", "probs_bias_fwd", "probs_bias_bwd")
 
 
+def select(kernels: Any, x: Any) -> ActivationKernels:
+    """The activation kernels a grouped_mlp call runs (decided once per call, kept on its record):
+    the backend's own (``kernels`` with all four methods); else the fused Triton kernels
+    (``triton_activation``) where they run on ``x`` (a plain CUDA tensor, Triton installed, not
+    under ``torch.compile``: inductor fuses the reference's ops itself); else the reference."""
+    if _own(kernels):
+        return kernels
+    if torch.compiler.is_compiling():
+        return REFERENCE
+    from . import triton_activation  # (imports this module: loaded on first use)
+
+    return triton_activation.FUSED if triton_activation.available(x) else REFERENCE
+
+
+def _own(kernels: Any) -> bool:
+    return (
+        kernels is not None and kernels is not REFERENCE and all(callable(getattr(kernels, m, None)) for m in _METHODS)
+    )
+
+
 def activation_kernels(kernels: Any, *operands: Any) -> ActivationKernels:
-    """The activation kernels that run on ``operands``: the backend's own (``kernels`` with all
-    four methods), except where forward-mode AD is active or an operand is a functorch wrapper
-    (a fused kernel reads raw pointers and has no derivative: the reference runs, as the GEMMs
-    route in ``plan.route``); the reference for a backend without them."""
-    if kernels is None or kernels is REFERENCE or not all(callable(getattr(kernels, m, None)) for m in _METHODS):
+    """The activation kernels that run on ``operands``: ``kernels`` (a record's, from
+    :func:`select`), except where forward-mode AD is active or an operand is a functorch
+    wrapper (a fused kernel reads raw pointers and has no derivative: the reference runs, as the
+    GEMMs route in ``plan.route``); the reference for kernels without the four methods."""
+    if not _own(kernels):
         return REFERENCE
     if torch.compiler.is_compiling():
-        return kernels
+        return kernels if getattr(kernels, "name", None) != "triton" else REFERENCE
     if torch.autograd.forward_ad._current_level >= 0:
         return REFERENCE
     if torch._C._functorch.peek_interpreter_stack() is not None:
