@@ -1,10 +1,10 @@
 """The expert MLP's activation on CUDA: one Triton launch forward, one backward.
 
 ``activation.py`` defines the math and the numerics contract; these kernels compute the same
-float32 expressions in the same order (IEEE division ``div_rn``, libdevice's ``exp``/``erf``,
-no fused multiply-adds: ``enable_fp_fusion=False``) and round once, so ``h`` and
-``dfc1_out`` are bitwise the reference's on the same GPU (the GPU tests check it); ``dprobs``
-is a row sum in the kernel's order (equal within fp32 summation error).
+float32 expressions in the same order (``triton_math.py``: IEEE division, libdevice's
+``exp``/``erf``, no fused multiply-adds) and round once, so ``h`` and ``dfc1_out`` are
+bitwise the reference's on the same GPU (the GPU tests check it); ``dprobs`` is a row sum in
+the kernel's order (equal within fp32 summation error).
 
 What the fusion saves: the reference runs each expression as its own torch kernel (SwiGLU
 forward with probs: chunk, silu, mul, mul, cast: ~5 launches, each a pass over ``[T, F]``;
@@ -25,12 +25,11 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 except ImportError:  # CPU-only torch builds ship no Triton
     triton = None
 
 from .activation import ACTIVATIONS, TorchActivation
-from .triton_rowwise import _interpreting
+from .triton_math import _interpreting, h_tile, silu, silu_grad, gelu, gelu_grad
 
 __all__ = ["TritonActivation", "available"]
 
@@ -52,44 +51,6 @@ def available(t: Any) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _exp(v, INTERP: tl.constexpr):
-        """expf: libdevice's (torch's CUDA ``exp``; ``tl.exp`` is ``ex2.approx``), numpy's in the
-        CPU interpreter (which has no libdevice)."""
-        if INTERP:
-            return tl.exp(v)
-        return libdevice.exp(v)
-
-    @triton.jit
-    def _erf(v, INTERP: tl.constexpr):
-        if INTERP:
-            return tl.math.erf(v)
-        return libdevice.erf(v)
-
-    @triton.jit
-    def _sigmoid(g, INTERP: tl.constexpr):
-        """torch.sigmoid in fp32: ``1 / (1 + exp(-g))``."""
-        return tl.math.div_rn(1.0, 1.0 + _exp(-g, INTERP))
-
-    @triton.jit
-    def _silu(g, INTERP: tl.constexpr):
-        """F.silu in fp32: ``g / (1 + exp(-g))``."""
-        return tl.math.div_rn(g, 1.0 + _exp(-g, INTERP))
-
-    @triton.jit
-    def _silu_grad(g, INTERP: tl.constexpr):
-        s = _sigmoid(g, INTERP)
-        return s * (1.0 + g * (1.0 - s))
-
-    @triton.jit
-    def _gelu(z, INTERP: tl.constexpr):
-        """F.gelu (exact) in fp32: ``z * 0.5 * (1 + erf(z * M_SQRT1_2))``."""
-        return z * 0.5 * (1.0 + _erf(z * 0.7071067811865476, INTERP))
-
-    @triton.jit
-    def _gelu_grad(z, INTERP: tl.constexpr):
-        return 0.5 * (1.0 + _erf(z * 0.7071067811865476, INTERP)) + z * _exp(-0.5 * z * z, INTERP) * 0.3989422804014327
-
-    @triton.jit
     def _fwd_kernel(
         z_ptr,
         stride_z,
@@ -109,16 +70,7 @@ if triton is not None:
         rmask = rows < T
         m = rmask[:, None] & (cols < F)[None, :]
         rows64 = rows.to(tl.int64)
-        z_at = z_ptr + rows64[:, None] * stride_z + cols[None, :]
-        z = tl.load(z_at, mask=m, other=0.0).to(tl.float32)
-        if ACT == 0:
-            a = _silu(z, INTERP) * tl.load(z_at + F, mask=m, other=0.0).to(tl.float32)
-        elif ACT == 1:
-            a = _gelu(z, INTERP)
-        else:
-            a = _silu(z, INTERP)
-        if HAS_P:
-            a = a * tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+        a = h_tile(z_ptr, stride_z, rows, rmask, cols, cols < F, p_ptr, F, ACT, HAS_P, INTERP)
         tl.store(h_ptr + rows64[:, None] * F + cols[None, :], a.to(h_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -158,23 +110,23 @@ if triton is not None:
             z = tl.load(z_at, mask=m, other=0.0).to(tl.float32)
             if ACT == 0:
                 up = tl.load(z_at + F, mask=m, other=0.0).to(tl.float32)
-                s = _silu(z, INTERP)
+                s = silu(z, INTERP)
                 if HAS_P:
                     dp += tl.sum(s * up * g, axis=1)
                     g = g * p[:, None]
-                tl.store(dz_at, (g * _silu_grad(z, INTERP) * up).to(dz_ptr.dtype.element_ty), mask=m)
+                tl.store(dz_at, (g * silu_grad(z, INTERP) * up).to(dz_ptr.dtype.element_ty), mask=m)
                 tl.store(dz_at + F, (g * s).to(dz_ptr.dtype.element_ty), mask=m)
             else:
                 if HAS_P:
                     if ACT == 1:
-                        dp += tl.sum(_gelu(z, INTERP) * g, axis=1)
+                        dp += tl.sum(gelu(z, INTERP) * g, axis=1)
                     else:
-                        dp += tl.sum(_silu(z, INTERP) * g, axis=1)
+                        dp += tl.sum(silu(z, INTERP) * g, axis=1)
                     g = g * p[:, None]
                 if ACT == 1:
-                    dz = g * _gelu_grad(z, INTERP)
+                    dz = g * gelu_grad(z, INTERP)
                 else:
-                    dz = g * _silu_grad(z, INTERP)
+                    dz = g * silu_grad(z, INTERP)
                 tl.store(dz_at, dz.to(dz_ptr.dtype.element_ty), mask=m)
         if HAS_P:
             if HAS_DP_IN:

@@ -23,7 +23,6 @@ only on the device (``ends``: int32 running ends; no host sync).
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -34,6 +33,7 @@ except ImportError:  # CPU-only torch builds ship no Triton
     triton = None
 
 from ..fp8.rowwise import RowwiseActivation, RowwiseWeight, padded_columns
+from .triton_math import ACT_CODES, _interpreting, h_tile
 
 __all__ = ["available", "quantize_activation", "quantize_weight"]
 
@@ -45,6 +45,14 @@ __all__ = ["available", "quantize_activation", "quantize_weight"]
 # rowwise-scaled grouped GEMM is 1.3-1.7x bf16's speed but takes one scale per row/column of the
 # summed dimension, whose amax spans the whole row (x's) or the whole expert (wgrad's). So the
 # second read is the price of the fast GEMM; the first pass writes nothing but amaxes.
+
+
+# NOTE: [The activation as the load] grouped_mlp's fc2 quantizes h = act(fc1_out) * probs. With
+# ``act`` both kernels compute their tile of h from fc1's output (``triton_math.h_tile``, the
+# activation kernel's own code) and round it to the activations' dtype before the amax and the
+# cast: the FP8 copies and scales are bitwise those of the h the activation kernel would have
+# written, and h itself is never written or read back (per token: 2F values written and 2F read
+# less than activation, then quantization; two launches instead of three).
 
 
 def available(t: torch.Tensor) -> bool:
@@ -79,6 +87,32 @@ if triton is not None:
         return v.to(tl.float8e4nv)
 
     @triton.jit
+    def _load(
+        x_ptr,
+        stride_x,
+        rows,
+        rmask,
+        cols,
+        cmask,
+        p_ptr,
+        D,
+        ACT: tl.constexpr,
+        HAS_P: tl.constexpr,
+        INTERP: tl.constexpr,
+    ):
+        """A tile of the tensor being quantized, in fp32 (0 outside the masks): ``x``'s, or with
+        ``ACT`` (>= 0) ``h = act(fc1_out) * probs`` computed from fc1's output (``x_ptr``) and
+        rounded to its dtype, as the activation kernel writes h: the copies are bitwise those of
+        the written h (NOTE: [The activation as the load])."""
+        if ACT < 0:
+            m = rmask[:, None] & cmask[None, :]
+            return tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=m, other=0.0).to(
+                tl.float32
+            )
+        h = h_tile(x_ptr, stride_x, rows, rmask, cols, cmask, p_ptr, D, ACT, HAS_P, INTERP)
+        return h.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
     def _group_of(rows, ends_ptr, E, EB: tl.constexpr):
         """The expert of each row: how many ends are <= it."""
         i = tl.arange(0, EB)
@@ -96,12 +130,16 @@ if triton is not None:
         D,
         E,
         n_part,
+        p_ptr,
         ROWS: tl.constexpr,
         COLS: tl.constexpr,
         RB: tl.constexpr,
         BT: tl.constexpr,
         BD: tl.constexpr,
         EB: tl.constexpr,
+        ACT: tl.constexpr,
+        HAS_P: tl.constexpr,
+        INTERP: tl.constexpr,
     ):
         """One ``[RB, BD]`` block of rows: each row's max over the block's columns into
         ``row_part[row, block]``, and each expert's column
@@ -119,11 +157,7 @@ if triton is not None:
         for i in range(0, RB, BT):
             rows = first + i + tl.arange(0, BT)
             rmask = rows < T
-            v = tl.load(
-                x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
-                mask=rmask[:, None] & cmask[None, :],
-                other=0.0,
-            ).to(tl.float32)
+            v = _load(x_ptr, stride_x, rows, rmask, cols, cmask, p_ptr, D, ACT, HAS_P, INTERP)
             a = tl.abs(v)
             a = tl.where(a != a, 0.0, a)  # amaxes skip NaN
             if ROWS:
@@ -169,6 +203,10 @@ if triton is not None:
         BD: tl.constexpr,
         EB: tl.constexpr,
         SAT: tl.constexpr,
+        p_ptr,
+        ACT: tl.constexpr,
+        HAS_P: tl.constexpr,
+        INTERP: tl.constexpr,
     ):
         """One tile of ``BT`` positions of the columnwise layout by ``BD`` features. Position
         ``p`` is expert ``g``'s token ``p - pstart[g]`` (``pends``: the padded ends; the rows'
@@ -201,7 +239,7 @@ if triton is not None:
         valid = inside & (local < count)
         rows = start + local
         m = valid[:, None] & cmask[None, :]
-        v = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        v = _load(x_ptr, stride_x, rows, valid, cols, cmask, p_ptr, D, ACT, HAS_P, INTERP)
         if ROWS:
             s_r = _scale(tl.load(row_amax_ptr + rows, mask=valid, other=0.0), fp8_max, eps, POW2)
             tl.store(
@@ -247,11 +285,6 @@ if triton is not None:
 CONFIG = dict(RB=256, BT=32, BD=128, CAST_BT=64, AMAX_WARPS=4, CAST_WARPS=4)
 
 
-def _interpreting() -> bool:
-    """Whether Triton runs the kernels in its CPU interpreter (NOTE: [Saturating casts])."""
-    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
-
-
 def _launch(
     t2d: torch.Tensor,
     ends: torch.Tensor,
@@ -265,12 +298,18 @@ def _launch(
     col_stride_g: int,
     col_stride_d: int,
     col_shift_g: int,
+    act: tuple[str, torch.Tensor | None] | None = None,
 ):
     """Both kernels on ``t2d [R, D]`` in E groups (``ends``; ``pends`` their padded ends, or
     ``ends`` again); returns (row data, row inverse scales ``[R]``, column inverse scales
     ``[E, D]``) and fills ``col_out`` (``P`` positions; position p of expert g at
-    ``g * (col_stride_g - col_shift_g) + feature * col_stride_d + p``)."""
+    ``g * (col_stride_g - col_shift_g) + feature * col_stride_d + p``). ``act``: (activation,
+    probs): ``t2d`` is fc1's output and the tensor quantized is ``h = act(t2d) * probs``."""
     R, D = t2d.shape
+    code, probs = -1, None
+    if act is not None:
+        code, probs = ACT_CODES[act[0]], act[1]
+        D = D // 2 if act[0] == "swiglu" else D
     dev = t2d.device
     c = CONFIG
     if c["RB"] % c["BT"]:  # the amax kernel steps BT rows through its RB: a remainder reads the next block
@@ -300,13 +339,18 @@ def _launch(
                     D,
                     E,
                     n_part,
+                    t2d if probs is None else probs,
                     ROWS=rowwise,
                     COLS=columnwise,
                     RB=c["RB"],
                     BT=c["BT"],
                     BD=c["BD"],
                     EB=EB,
+                    ACT=code,
+                    HAS_P=probs is not None,
+                    INTERP=_interpreting(),
                     num_warps=c["AMAX_WARPS"],
+                    enable_fp_fusion=False,
                 )
                 if rowwise:  # each row's amax: the max of its blocks' (one small torch reduction)
                     row_amax = row_part.amax(dim=1)
@@ -336,21 +380,39 @@ def _launch(
                 BD=c["BD"],
                 EB=EB,
                 SAT=_interpreting(),
+                p_ptr=t2d if probs is None else probs,
+                ACT=code,
+                HAS_P=probs is not None,
+                INTERP=_interpreting(),
                 num_warps=c["CAST_WARPS"],
+                enable_fp_fusion=False,
             )
     return row_out, row_sinv, col_sinv  # (None where not asked for)
 
 
 def quantize_activation(
-    t_TD: torch.Tensor, ends_E: torch.Tensor, pends_E: torch.Tensor, spec, *, rowwise: bool, columnwise: bool
+    t_TD: torch.Tensor,
+    ends_E: torch.Tensor,
+    pends_E: torch.Tensor,
+    spec,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    act: tuple[str, torch.Tensor | None] | None = None,
 ) -> RowwiseActivation:
-    """``fp8.rowwise.quantize_activation`` on CUDA (``ends``/``pends`` int32 on t's device)."""
+    """``fp8.rowwise.quantize_activation`` on CUDA (``ends``/``pends`` int32 on t's device).
+    ``act`` (activation, probs): ``t_TD`` is fc1's output ``[T, W]`` and the copies are those of
+    ``h = act(t_TD) * probs`` ``[T, F]`` (as the activation kernel writes it), h never written."""
     T, D = t_TD.shape
+    if act is not None and act[0] == "swiglu":
+        D //= 2
     E = ends_E.shape[0]
     t = t_TD if t_TD.stride(-1) == 1 else t_TD.contiguous()
+    if act is not None and act[1] is not None and act[1].stride(0) != 1:
+        act = (act[0], act[1].contiguous())
     P = padded_columns(T, E)
     col = torch.empty(D, P, dtype=spec.fp8_dtype, device=t.device) if columnwise else None
-    row, row_sinv, col_sinv = _launch(t, ends_E, pends_E, E, spec, rowwise, columnwise, col, P, 0, P, 0)
+    row, row_sinv, col_sinv = _launch(t, ends_E, pends_E, E, spec, rowwise, columnwise, col, P, 0, P, 0, act)
     return RowwiseActivation(row, row_sinv, col, col_sinv, (T, D), t_TD.dtype)
 
 

@@ -1,0 +1,99 @@
+"""The expert MLP's activation math as Triton device functions, shared by the activation
+kernels (``triton_activation.py``) and RowwiseScaling's quantization kernels, which run the
+activation as their load (``triton_rowwise.py``: h's FP8 copies straight from fc1's output).
+
+Each is the fp32 expression of ``activation.py``'s contract in the reference's order, with
+libdevice's ``expf``/``erff`` (torch's CUDA ``exp``/``erf``) and IEEE division ``div_rn``; the
+kernels launch with ``enable_fp_fusion=False`` (no contraction into FMAs), so on a GPU they
+give the reference's bits. ``INTERP``: Triton's CPU interpreter (no libdevice: numpy's).
+"""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # CPU-only torch builds ship no Triton
+    triton = None
+
+__all__ = ["ACT_CODES", "h_tile"]
+
+ACT_CODES = {"swiglu": 0, "gelu": 1, "silu": 2}  # the kernels' ACT constexpr (-1: no activation)
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs the kernels in its CPU interpreter (NOTE: [Saturating casts])."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _exp(v, INTERP: tl.constexpr):
+        """expf: libdevice's (torch's CUDA ``exp``; ``tl.exp`` is ``ex2.approx``), numpy's in the
+        CPU interpreter (which has no libdevice)."""
+        if INTERP:
+            return tl.exp(v)
+        return libdevice.exp(v)
+
+    @triton.jit
+    def _erf(v, INTERP: tl.constexpr):
+        if INTERP:
+            return tl.math.erf(v)
+        return libdevice.erf(v)
+
+    @triton.jit
+    def sigmoid(g, INTERP: tl.constexpr):
+        """torch.sigmoid in fp32: ``1 / (1 + exp(-g))``."""
+        return tl.math.div_rn(1.0, 1.0 + _exp(-g, INTERP))
+
+    @triton.jit
+    def silu(g, INTERP: tl.constexpr):
+        """F.silu in fp32: ``g / (1 + exp(-g))``."""
+        return tl.math.div_rn(g, 1.0 + _exp(-g, INTERP))
+
+    @triton.jit
+    def silu_grad(g, INTERP: tl.constexpr):
+        s = sigmoid(g, INTERP)
+        return s * (1.0 + g * (1.0 - s))
+
+    @triton.jit
+    def gelu(z, INTERP: tl.constexpr):
+        """F.gelu (exact) in fp32: ``z * 0.5 * (1 + erf(z * M_SQRT1_2))``."""
+        return z * 0.5 * (1.0 + _erf(z * 0.7071067811865476, INTERP))
+
+    @triton.jit
+    def gelu_grad(z, INTERP: tl.constexpr):
+        return 0.5 * (1.0 + _erf(z * 0.7071067811865476, INTERP)) + z * _exp(-0.5 * z * z, INTERP) * 0.3989422804014327
+
+    @triton.jit
+    def h_tile(
+        z_ptr,
+        stride_z,
+        rows,
+        rmask,
+        cols,
+        cmask,
+        p_ptr,
+        F,
+        ACT: tl.constexpr,
+        HAS_P: tl.constexpr,
+        INTERP: tl.constexpr,
+    ):
+        """``act(fc1_out) * probs`` in fp32 for a tile of h's ``rows`` x ``cols`` (0 outside
+        the masks), from fc1_out's columns ``cols`` (SwiGLU: the gate; the up half at ``+ F``)."""
+        m = rmask[:, None] & cmask[None, :]
+        z_at = z_ptr + rows[:, None].to(tl.int64) * stride_z + cols[None, :]
+        z = tl.load(z_at, mask=m, other=0.0).to(tl.float32)
+        if ACT == 0:
+            a = silu(z, INTERP) * tl.load(z_at + F, mask=m, other=0.0).to(tl.float32)
+        elif ACT == 1:
+            a = gelu(z, INTERP)
+        else:
+            a = silu(z, INTERP)
+        if HAS_P:
+            a = a * tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+        return a
