@@ -1,4 +1,9 @@
-"""Megatron-Core drop-in grouped linears: functional_dw's experts inside Megatron's MoE layer.
+"""Megatron-Core drop-ins: functional_dw's experts inside Megatron's MoE layer.
+
+:class:`GroupedMLP` goes in place of ``TEGroupedMLP`` (its subclass, made on first access) and
+runs the whole expert MLP as one :func:`functional_dw.grouped_mlp` node on the parameters of its
+``linear_fc1``/``linear_fc2``, the grouped linears below (docs/megatron.md says what each
+setting does; its helpers are at the end of this module). The linears alone:
 
 Put :class:`ColumnParallelGroupedLinear` / :class:`RowParallelGroupedLinear` into the MoE layer
 spec where Megatron-Core 0.19.2 has ``TEColumnParallelGroupedLinear`` /
