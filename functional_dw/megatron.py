@@ -1,4 +1,9 @@
-"""Megatron-Core drop-in grouped linears: functional_dw's experts inside Megatron's MoE layer.
+"""Megatron-Core drop-ins: functional_dw's experts inside Megatron's MoE layer.
+
+:class:`GroupedMLP` goes in place of ``TEGroupedMLP`` (its subclass, made on first access) and
+runs the whole expert MLP as one :func:`functional_dw.grouped_mlp` node on the parameters of its
+``linear_fc1``/``linear_fc2``, the grouped linears below (docs/megatron.md says what each
+setting does; its helpers are at the end of this module). The linears alone:
 
 Put :class:`ColumnParallelGroupedLinear` / :class:`RowParallelGroupedLinear` into the MoE layer
 spec where Megatron-Core 0.19.2 has ``TEColumnParallelGroupedLinear`` /
@@ -65,6 +70,7 @@ from . import nn
 from .distributed import ShardedWeight, shard_grouped_weights
 from .grouped_linear import grouped_linear
 
+# (and GroupedMLP, made on first access, not listed: ``import *`` works without megatron-core)
 __all__ = ["GroupedLinear", "ColumnParallelGroupedLinear", "RowParallelGroupedLinear", "shard_expert_weights"]
 
 MEGATRON_VERSION = "0.19.2"
@@ -451,3 +457,239 @@ def shard_expert_weights(module: torch.nn.Module, group: Any = None) -> list[Sha
                 setattr(new, k, v)
         module._parameters[n] = new
     return shards
+
+
+# --- the experts module: the whole MLP as one pure pair ---------------------------------------
+
+
+def _mlp_activation(config: Any) -> str:
+    """grouped_mlp's activation for Megatron's (``gated_linear_unit``, ``activation_func``), or
+    NotImplementedError naming what is set."""
+    import torch.nn.functional as F
+
+    func, gated = config.activation_func, bool(config.gated_linear_unit)
+    name = {F.silu: "F.silu", F.gelu: "F.gelu"}.get(func)
+    if name is None:
+        short = getattr(func, "__name__", None) or repr(func)
+        name = f"{getattr(func, '__module__', None) or '?'}.{short}"
+    if gated and func is F.silu:
+        activation = "swiglu"
+    elif not gated and func is F.gelu:
+        activation = "gelu"
+    elif not gated and func is F.silu:
+        activation = "silu"
+    else:
+        raise NotImplementedError(
+            f"config.activation_func={name} with gated_linear_unit={gated}: functional_dw.megatron.GroupedMLP "
+            "runs SwiGLU (gated_linear_unit=True, activation_func=F.silu), GELU (False, F.gelu) or SiLU "
+            "(False, F.silu); use TEGroupedMLP for this activation"
+        )
+    if gated:
+        for flag, default in (("glu_linear_offset", 0.0), ("activation_func_clamp_value", None)):
+            if getattr(config, flag, default) != default:
+                raise NotImplementedError(
+                    f"config.{flag}={getattr(config, flag)!r}: functional_dw.megatron.GroupedMLP's SwiGLU is "
+                    f"silu(gate) * up; set config.{flag}={default!r} or use TEGroupedMLP"
+                )
+        if getattr(config, "moe_mlp_glu_interleave_size", None) is not None:
+            raise NotImplementedError(
+                f"config.moe_mlp_glu_interleave_size={config.moe_mlp_glu_interleave_size!r}: "
+                "functional_dw.megatron.GroupedMLP reads fc1's output as the gate half, then the up half; "
+                "set it to None or use TEGroupedMLP"
+            )
+    return activation
+
+
+def _refuse_unsupported_mlp(config: Any, submodules: Any) -> None:
+    """NotImplementedError for the TEGroupedMLP settings the fused experts do not implement."""
+    if getattr(config, "use_transformer_engine_op_fuser", False):
+        raise NotImplementedError(
+            "config.use_transformer_engine_op_fuser=True: that is TE's own fused expert MLP; "
+            "functional_dw.megatron.GroupedMLP is the fused one here: set it to False"
+        )
+    if getattr(config, "use_te_activation_func", False) and getattr(submodules, "activation_func", None) is not None:
+        raise NotImplementedError(
+            "config.use_te_activation_func=True with an activation_func submodule: functional_dw.megatron.GroupedMLP "
+            "runs its activation inside the fused pair (from config.activation_func); set use_te_activation_func=False"
+        )
+    offload = [n for n in ("expert_fc1", "moe_act") if _offloads(config, n)]
+    if getattr(config, "fp8", None) and len(offload) == 1:
+        raise NotImplementedError(
+            f"config.fp8 with only {offload[0]!r} of 'expert_fc1'/'moe_act' in config.offload_modules: under FP8 "
+            "the fused MLP's record keeps x's FP8 copy, which its hooks cannot tell from fc1's output; offload "
+            "both (or neither) or run without FP8"
+        )
+
+
+def _offloads(config: Any, name: str) -> bool:
+    return bool(config.fine_grained_activation_offloading) and name in (config.offload_modules or [])
+
+
+def _is(t: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether the saved tensor ``t`` is ``x`` (the same object, or the same memory and layout)."""
+    if t is x:
+        return True
+    try:
+        return (
+            t.device == x.device
+            and t.dtype == x.dtype
+            and t.shape == x.shape
+            and t.stride() == x.stride()
+            and t.data_ptr() == x.data_ptr()
+        )
+    except (RuntimeError, NotImplementedError):  # (a wrapper subclass without storage)
+        return False
+
+
+@contextlib.contextmanager
+def _route_to_megatron(x: torch.Tensor, fc1: bool, act: bool) -> Iterator[None]:
+    """Inside Megatron's offloading context (its saved-tensor hooks entered): hooks that hand
+    Megatron's manager x (fc1's input) when ``fc1`` ('expert_fc1' offloaded) and every other saved
+    activation (fc1's output, probs, h when kept) when ``act`` ('moe_act' offloaded); the rest
+    stays in autograd's record as it is. The fused node's record holds the weights by reference:
+    they never reach a hook."""
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
+
+    mgr = PipelineOffloadManager.get_instance()
+    if not getattr(mgr, "inside_context", False):  # (Megatron offloads nothing in this chunk)
+        yield
+        return
+
+    def pack(t: torch.Tensor) -> Any:
+        return mgr.on_save_for_backward(t) if (fc1 if _is(t, x) else act) else t
+
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved if isinstance(saved, torch.Tensor) else mgr.on_get_saved_tensor(saved)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def _pad_probs(pad: Any, probs: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    return pad(probs.unsqueeze(-1), splits)[0].squeeze(-1)
+
+
+def _grouped_mlp_class() -> type:
+    """functional_dw.megatron.GroupedMLP, made on first use (it subclasses Megatron's TEGroupedMLP)."""
+    _megatron()  # (megatron-core missing: the install hint)
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+        FineGrainedActivationOffloadingInterface as off_interface,
+    )
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.moe.moe_utils import skip_routed_expert_padding
+
+    from .grouped_mlp import _check_options
+
+    class GroupedMLP(TEGroupedMLP):
+        __doc__ = _GROUPED_MLP_DOC
+
+        def __init__(
+            self,
+            num_local_experts: int,
+            config: Any,
+            submodules: Any = None,
+            pg_collection: Any = None,
+            name: str | None = None,
+            save: str | None = None,
+        ) -> None:
+            if not hasattr(config, "params_dtype"):
+                raise TypeError(f"config must be Megatron's TransformerConfig, got {type(config).__name__}")
+            activation = _mlp_activation(config)
+            _refuse_unsupported_mlp(config, submodules)
+            if submodules is None:
+                from megatron.core.transformer.moe.experts import GroupedMLPSubmodules
+
+                submodules = GroupedMLPSubmodules(
+                    linear_fc1=ColumnParallelGroupedLinear, linear_fc2=RowParallelGroupedLinear
+                )
+            if pg_collection is None:
+                pg_collection = _megatron()["ProcessGroupCollection"].use_mpu_process_groups()
+            super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
+            for attr, want in (("linear_fc1", ColumnParallelGroupedLinear), ("linear_fc2", RowParallelGroupedLinear)):
+                if not isinstance(getattr(self, attr), GroupedLinear):
+                    raise TypeError(
+                        f"functional_dw.megatron.GroupedMLP: submodules.{attr} built a "
+                        f"{type(getattr(self, attr)).__name__}; the fused MLP reads its parameters, so it must be "
+                        f"functional_dw.megatron.{want.__name__} (or a subclass, or None for it)"
+                    )
+            if save is None:  # Megatron's moe_act recompute: h recomputed in backward; else kept, as TE's fc2 keeps it
+                save = "default" if self.activation_recompute else "h"
+            _check_options(activation, save)
+            self.activation, self.save = activation, save
+
+        def forward(
+            self,
+            permuted_local_hidden_states: torch.Tensor,
+            tokens_per_expert: torch.Tensor | Sequence[int],
+            permuted_probs: torch.Tensor,
+            output_buffer: torch.Tensor | None = None,
+            grad_input_buffer: torch.Tensor | None = None,
+        ) -> tuple[torch.Tensor, None]:
+            """TEGroupedMLP's forward as one autograd node: ``(output, None)``."""
+            if output_buffer is not None or grad_input_buffer is not None:
+                raise NotImplementedError(
+                    "output_buffer/grad_input_buffer (NCCL-EP zero-copy) need TE's op-fuser path; "
+                    "functional_dw.megatron.GroupedMLP takes neither"
+                )
+            config = self.config
+            x, probs = permuted_local_hidden_states, permuted_probs
+            splits = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else [*tokens_per_expert]
+            unpadded = None
+            if (config.fp8 or config.fp4) and not skip_routed_expert_padding(config):  # as TEGroupedMLP
+                unpadded = splits
+                x, splits = self.quantization_padding(x, splits)
+                probs = _pad_probs(self.quantization_padding, probs, unpadded)
+            if config.moe_apply_probs_on_input:
+                if config.moe_router_topk != 1:
+                    raise ValueError(
+                        f"config.moe_apply_probs_on_input needs moe_router_topk=1, got {config.moe_router_topk}"
+                    )
+                x = (probs.unsqueeze(-1) * x).to(x.dtype)  # Megatron's order and rounding
+                # probs already applied: 1 (as Megatron), kept only to weight fc2's bias (x * 1 is exact)
+                probs = torch.ones_like(probs) if self.linear_fc2.use_bias else None
+            fc1_off, act_off = self.offload_expert_fc1, self.offload_moe_act
+            manager = off_interface(fc1_off or act_off, x, "expert_fc1" if fc1_off else "moe_act")
+            with manager as x:
+                with _route_to_megatron(x, fc1_off, act_off) if fc1_off or act_off else contextlib.nullcontext():
+                    y = nn._run_grouped_mlp(
+                        self.linear_fc1, self.linear_fc2, x, splits, probs, activation=self.activation, save=self.save
+                    )
+            y = manager.group_offload(
+                y,
+                forced_released_tensors=[x] if fc1_off else [],
+                delay_offload=config.delay_offload_until_cuda_graph,
+            )
+            if unpadded is not None:
+                y = self.quantization_unpadding(y, unpadded)
+            return y, None
+
+        def extra_repr(self) -> str:
+            return f"activation={self.activation!r}, save={self.save!r}"
+
+    GroupedMLP.__module__ = __name__
+    GroupedMLP.__qualname__ = "GroupedMLP"
+    return GroupedMLP
+
+
+_GROUPED_MLP_DOC = """In place of Megatron's ``TEGroupedMLP`` (its subclass: the same constructor,
+``forward``, parameters, ``state_dict`` and ``sharded_state_dict``), running fc1, the
+activation weighted by the router's probs and fc2 as ONE autograd node,
+:func:`functional_dw.grouped_mlp`, on the parameters of its ``linear_fc1``/``linear_fc2``
+(:class:`ColumnParallelGroupedLinear`/:class:`RowParallelGroupedLinear`, the default
+submodules). The weights ride in the residual record by reference; Megatron's fine-grained
+offloading of ``expert_fc1`` and ``moe_act`` sees only activations. See docs/megatron.md.
+
+``save`` (not Megatron's; bind it with ``functools.partial`` in a spec): grouped_mlp's residual
+policy. None: ``"default"`` (h recomputed in backward) with ``moe_act`` in
+``config.recompute_modules`` (``recompute_granularity="selective"``), else ``"h"`` (kept).
+"""
+
+GroupedMLP: type  # made on first access (module __getattr__): it subclasses megatron-core's TEGroupedMLP
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GroupedMLP":
+        cls = _grouped_mlp_class()
+        globals()["GroupedMLP"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

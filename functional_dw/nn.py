@@ -577,33 +577,49 @@ class GroupedMLP(torch.nn.Module):
     def forward(
         self, x: torch.Tensor, splits: Sequence[int] | torch.Tensor, probs: torch.Tensor | None = None
     ) -> torch.Tensor:
-        fc1, fc2 = self.fc1, self.fc2
-        recipe, state1 = fc1._fp8_begin(x)
-        recipe2, state2 = fc2._fp8_begin(x)
-        if recipe2 != recipe:
-            raise ValueError(f"GroupedMLP runs one FP8 recipe for fc1 and fc2; fc1 has {recipe!r}, fc2 {recipe2!r}")
-        states = None if state1 is None and state2 is None else (state1, state2)
-        y = grouped_mlp(
-            x,
-            _layer_weights(fc1),
-            _layer_weights(fc2),
-            splits,
-            probs=probs,
-            bias1=_layer_bias(fc1),
-            bias2=_layer_bias(fc2),
-            activation=self.activation,
-            save=self.save,
-            recipe=recipe,
-            fp8_state=states,
-            backend=fc1.backend,
-            fuse_wgrad_accumulation=fc1.fuse_wgrad_accumulation,
-            use_grouped_tensor=fc1.use_grouped_tensor,
-        )
-        fc1._fp8_end(y, state1)
-        return fc2._fp8_end(y, state2)
+        return _run_grouped_mlp(self.fc1, self.fc2, x, splits, probs, activation=self.activation, save=self.save)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}, save={self.save!r}"
+
+
+def _run_grouped_mlp(
+    fc1: GroupedLinear,
+    fc2: GroupedLinear,
+    x: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor,
+    probs: torch.Tensor | None,
+    *,
+    activation: str,
+    save: str,
+) -> torch.Tensor:
+    """One :func:`functional_dw.grouped_mlp` call on two :class:`GroupedLinear` modules'
+    parameters (either layout, biases included): the recipe from fc1's (TE's autocast when it has
+    none; fc2 must agree), each layer's delayed-scaling state, fc1's backend and wgrad fusion
+    (what :class:`GroupedMLP` and ``functional_dw.megatron.GroupedMLP`` run)."""
+    recipe, state1 = fc1._fp8_begin(x)
+    recipe2, state2 = fc2._fp8_begin(x)
+    if recipe2 != recipe:
+        raise ValueError(f"GroupedMLP runs one FP8 recipe for fc1 and fc2; fc1 has {recipe!r}, fc2 {recipe2!r}")
+    states = None if state1 is None and state2 is None else (state1, state2)
+    y = grouped_mlp(
+        x,
+        _layer_weights(fc1),
+        _layer_weights(fc2),
+        splits,
+        probs=probs,
+        bias1=_layer_bias(fc1),
+        bias2=_layer_bias(fc2),
+        activation=activation,
+        save=save,
+        recipe=recipe,
+        fp8_state=states,
+        backend=fc1.backend,
+        fuse_wgrad_accumulation=fc1.fuse_wgrad_accumulation,
+        use_grouped_tensor=fc1.use_grouped_tensor,
+    )
+    fc1._fp8_end(y, state1)
+    return fc2._fp8_end(y, state2)
 
 
 def _layer_weights(m: GroupedLinear) -> Any:

@@ -28,11 +28,16 @@ def test_imports_and_refuses_clearly_without_megatron():
         "                                  skip_bias_add=False, is_expert=True)\n"
         "except ImportError as e:\n"
         "    print('ImportError:', e)\n"
+        "try:\n"
+        "    m.GroupedMLP\n"  # (made on first access: it subclasses megatron-core's TEGroupedMLP)
+        "except ImportError as e:\n"
+        "    print('GroupedMLP ImportError:', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ImportError: functional_dw.megatron needs megatron-core" in out.stdout
     assert 'pip install -e ".[megatron]"' in out.stdout
+    assert "GroupedMLP ImportError: functional_dw.megatron needs megatron-core" in out.stdout
 
 
 # --- with megatron-core ----------------------------------------------------------------------
@@ -527,3 +532,386 @@ def test_megatron_offloading_steps_bitwise_on_cpu(mpu, cuda_faked_offloading, sh
     steps = got["offloaded_bytes_per_step"]
     assert steps[0] > steps[-1] >= T * H * 2, steps  # warm-up offloads both MLPs, then only the first
     assert got["megatron_summary_bytes"]["expert_fc1"] == T * H * 2, got["megatron_summary_bytes"]
+
+
+# --- functional_dw.megatron.GroupedMLP: the whole expert MLP as one autograd node ---------------
+
+
+def _fused(config, **kw):
+    from functional_dw.megatron import GroupedMLP
+
+    return GroupedMLP(E, config, None, **kw)
+
+
+_ACTIVATIONS = {
+    "swiglu": dict(gated_linear_unit=True, activation_func=F.silu),
+    "gelu": dict(gated_linear_unit=False, activation_func=F.gelu),
+    "silu": dict(gated_linear_unit=False, activation_func=F.silu),
+}
+
+
+class _Act(torch.autograd.Function):
+    """functional_dw's reference activation (weighted by probs) as its own autograd node."""
+
+    @staticmethod
+    def forward(ctx, fc1_out, probs, activation):
+        from functional_dw.kernels.activation import REFERENCE
+
+        ctx.save_for_backward(fc1_out, probs)
+        ctx.activation = activation
+        return REFERENCE.act_fwd(fc1_out, probs, activation)
+
+    @staticmethod
+    def backward(ctx, dh):
+        from functional_dw.kernels.activation import REFERENCE
+
+        fc1_out, probs = ctx.saved_tensors
+        dz, dprobs = REFERENCE.act_bwd(fc1_out, probs, dh, ctx.activation)
+        return dz, dprobs, None
+
+
+class _ProbsBias(torch.autograd.Function):
+    """fc2's bias times probs, added after fc2 (Megatron's _apply_bias), as its own node."""
+
+    @staticmethod
+    def forward(ctx, y, b_EH, probs, splits):
+        from functional_dw.kernels.activation import REFERENCE
+
+        from functional_dw.kernels import Splits
+
+        splits = Splits(
+            host=tuple(splits), tensor=None, device=y.device, num_tokens=y.shape[0], num_experts=len(splits)
+        )
+        ctx.save_for_backward(b_EH, probs)
+        ctx.splits = splits
+        return REFERENCE.probs_bias_fwd(y, b_EH, probs, splits)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from functional_dw.kernels.activation import REFERENCE
+
+        b_EH, probs = ctx.saved_tensors
+        db, dprobs = REFERENCE.probs_bias_bwd(dy, b_EH, probs, ctx.splits)
+        return dy, db, dprobs, None
+
+
+def _composed(fc1, fc2, x, splits, probs, activation):
+    """Two functional_dw grouped_linear calls and the activation, each its own autograd node."""
+    from functional_dw import grouped_linear
+
+    h = _Act.apply(grouped_linear(x, fc1.weights(), splits, fc1.biases()), probs, activation)
+    y = grouped_linear(h, fc2.weights(), splits)
+    return y if fc2.biases() is None else _ProbsBias.apply(y, torch.stack(fc2.biases()), probs, splits)
+
+
+def _grads(module, x, probs, y, dy):
+    names = [n for n, _ in module.named_parameters()]
+    got = torch.autograd.grad(y, [x, probs, *module.parameters()], dy, allow_unused=True)
+    return dict(zip(["x", "probs", *names], got))
+
+
+@needs_megatron
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "silu"])
+def test_grouped_mlp_is_one_node_bitwise_the_composition(mpu, activation, bias):
+    """fp32 on the CPU: forward and every grad bitwise those of fc1 -> weighted activation -> fc2
+    run as separate functional_dw nodes; the forward bitwise Megatron's TEGroupedMLP (over our
+    linears, with the same state dict), its grads close (its autograd's activation backward
+    associates the products differently)."""
+    torch.manual_seed(0)
+    config = _config(add_bias_linear=bias, **_ACTIVATIONS[activation])
+    mlp = _fused(config)
+    assert mlp.activation == activation and mlp.save == "h"
+    ref = _mlp(config)
+    ref.load_state_dict(mlp.state_dict())
+    x, probs = _inputs(4)
+    probs.requires_grad_(True)
+    y, out_bias = mlp(x, torch.tensor(SPLITS), probs)
+    assert out_bias is None and type(y.grad_fn).__name__ == "CustomVJP_grouped_mlpBackward"  # one node
+    dy = torch.randn_like(y)
+    got = _grads(mlp, x, probs, y, dy)
+    want_y = _composed(mlp.linear_fc1, mlp.linear_fc2, x, SPLITS, probs, activation)
+    assert torch.equal(y, want_y)
+    want = _grads(mlp, x, probs, want_y, dy)
+    for n, g in got.items():
+        assert g is not None and torch.equal(g, want[n]), n
+    y_meg = ref(x, torch.tensor(SPLITS), probs)[0]
+    assert torch.equal(y, y_meg)  # Megatron's own composition: the same forward bits
+    meg = _grads(ref, x, probs, y_meg, dy)
+    for n, g in got.items():
+        torch.testing.assert_close(g, meg[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@needs_megatron
+@pytest.mark.parametrize("single", [False, True], ids=["per-expert", "single_grouped_weight"])
+def test_grouped_mlp_state_dicts_are_te_grouped_mlps(mpu, single):
+    """Parameter names, state dict keys (both layouts) and the sharded state dict are
+    TEGroupedMLP's; either loads the other's state dict."""
+
+    def config():
+        c = _config()
+        c.moe_single_grouped_weight = c.moe_single_grouped_bias = single  # (after __post_init__'s TE check)
+        return c
+
+    torch.manual_seed(1)
+    mlp, ref = _fused(config()), _mlp(config())
+    assert [n for n, _ in mlp.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert list(mlp.state_dict()) == list(ref.state_dict())
+    if not single:
+        assert "linear_fc1.weight0" in mlp.state_dict() and "linear_fc2.bias3" in mlp.state_dict()
+    else:
+        assert "linear_fc1.weight" in mlp.state_dict()
+    ref.load_state_dict(mlp.state_dict())
+    back = _fused(config())
+    back.load_state_dict(ref.state_dict())
+    for a, b in zip(back.state_dict().values(), mlp.state_dict().values()):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    assert _param_attributes(mlp) == _param_attributes(ref)
+    if not single:
+        sd, sd_ref = mlp.sharded_state_dict(prefix="mlp."), ref.sharded_state_dict(prefix="mlp.")
+        assert sd.keys() == sd_ref.keys()
+        for k, sh in sd.items():
+            r = sd_ref[k]
+            assert type(sh) is type(r) and sh.key == r.key, k
+            if hasattr(sh, "global_offset"):
+                assert (sh.global_shape, sh.global_offset, sh.replica_id) == (
+                    r.global_shape,
+                    r.global_offset,
+                    r.replica_id,
+                )
+    x, probs = _inputs(5)
+    assert torch.equal(mlp(x, torch.tensor(SPLITS), probs)[0], ref(x, torch.tensor(SPLITS), probs)[0])
+
+
+@needs_megatron
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_grouped_mlp_fused_main_grad(mpu, overwrite):
+    """config.gradient_accumulation_fusion: the weights' grads go into main_grad (accumulated, or
+    overwritten), grad_added_to_main_grad set, zero dummy grads; biases get plain grads."""
+    torch.manual_seed(0)
+    mlp = _fused(_config(gradient_accumulation_fusion=True))
+    ref = _fused(_config())
+    ref.load_state_dict(mlp.state_dict())
+    weights = {n: p for n, p in mlp.named_parameters() if ".weight" in n}
+    for p in weights.values():
+        p.main_grad, p.grad_added_to_main_grad = torch.ones(p.shape), False
+        if overwrite:
+            p.overwrite_main_grad = True
+    x, probs = _inputs(1)
+    dy = torch.randn(x.shape[0], H)
+    mlp(x, torch.tensor(SPLITS), probs)[0].backward(dy)
+    ref(x.detach(), torch.tensor(SPLITS), probs)[0].backward(dy)
+    refs = dict(ref.named_parameters())
+    for n, p in weights.items():
+        assert torch.equal(p.main_grad, refs[n].grad + (0 if overwrite else 1)), n
+        assert p.grad_added_to_main_grad is True and not p.grad.any(), n
+    assert torch.equal(mlp.linear_fc1.bias0.grad, refs["linear_fc1.bias0"].grad)
+
+
+@needs_megatron
+def test_grouped_mlp_recompute_maps_to_the_save_policy(mpu):
+    """moe_act in recompute_modules -> save="default" (h recomputed in backward), else "h"; an
+    explicit save= wins; every policy gives the same bits."""
+    mlp = _fused(_config())
+    rec = _fused(_config(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True))
+    assert (mlp.save, rec.save) == ("h", "default")
+    x, probs = _inputs(6)
+    probs.requires_grad_(True)
+    dy = torch.randn(x.shape[0], H)
+    out = {}
+    for save in ("h", "default", "x_only"):
+        m = _fused(_config(), save=save)
+        m.load_state_dict(mlp.state_dict())
+        assert m.save == save
+        y = m(x, torch.tensor(SPLITS), probs)[0]
+        out[save] = (y, *_grads(m, x, probs, y, dy).values())
+    for save in ("default", "x_only"):
+        assert all(torch.equal(a, b) for a, b in zip(out[save], out["h"])), save
+    with pytest.raises(ValueError, match="save must be one of"):
+        _fused(_config(), save="everything")
+
+
+@needs_megatron
+def test_grouped_mlp_probs_on_input(mpu):
+    """moe_apply_probs_on_input (top-1): x scaled by probs first, as Megatron does; the same bits
+    as TEGroupedMLP's forward; probs get their grad through x."""
+    config = _config(moe_apply_probs_on_input=True, moe_router_topk=1, moe_router_pre_softmax=True)
+    torch.manual_seed(2)
+    mlp, ref = _fused(config), _mlp(config)
+    ref.load_state_dict(mlp.state_dict())
+    x, probs = _inputs(7)
+    probs.requires_grad_(True)
+    y = mlp(x, torch.tensor(SPLITS), probs)[0]
+    y_ref = ref(x, torch.tensor(SPLITS), probs)[0]
+    assert torch.equal(y, y_ref)
+    dy = torch.randn_like(y)
+    got, want = _grads(mlp, x, probs, y, dy), _grads(ref, x, probs, y_ref, dy)
+    for n, g in got.items():
+        torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-6, msg=n)
+    config.moe_router_topk = 2
+    with pytest.raises(ValueError, match="moe_apply_probs_on_input needs moe_router_topk=1"):
+        mlp(x, torch.tensor(SPLITS), probs)
+
+
+@needs_megatron
+@pytest.mark.parametrize("hook", ["saved_tensors_hooks", "save_on_cpu"])
+def test_grouped_mlp_under_saved_tensor_hooks(mpu, hook):
+    """Under a user's saved-tensor hooks the node hands over x, fc1's output, h and probs (no
+    parameter) and the results are bitwise those without hooks; retain_graph backward twice."""
+    torch.manual_seed(3)
+    mlp = _fused(_config())
+    params = {p.data_ptr() for p in mlp.parameters()}
+    x, probs = _inputs(8)
+    probs.requires_grad_(True)
+    dy = torch.randn(x.shape[0], H)
+    y = mlp(x, torch.tensor(SPLITS), probs)[0]
+    want = _grads(mlp, x, probs, y, dy)
+    seen = []
+
+    def pack(t):
+        seen.append(t)
+        return t
+
+    hooks = (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        if hook == "saved_tensors_hooks"
+        else torch.autograd.graph.save_on_cpu()
+    )
+    with hooks:
+        y2 = mlp(x, torch.tensor(SPLITS), probs)[0]
+    assert torch.equal(y2, y)
+    inputs = [x, probs, *mlp.parameters()]
+    for retain in (True, False):  # backward twice through one graph
+        got = dict(zip(want, torch.autograd.grad(y2, inputs, dy, retain_graph=retain)))
+        assert all(torch.equal(got[n], want[n]) for n in want)
+    if hook == "saved_tensors_hooks":
+        assert not any(isinstance(t, torch.nn.Parameter) or t.data_ptr() in params for t in seen)
+        T = sum(SPLITS)
+        assert sorted(tuple(t.shape) for t in seen) == sorted([(T, H), (T, 2 * FFN), (T, FFN), (T,)])
+
+
+@needs_megatron
+@pytest.mark.parametrize(
+    "setting, error, match",
+    [
+        (
+            dict(gated_linear_unit=True, activation_func=F.gelu),
+            NotImplementedError,
+            "activation_func=F.gelu with gated_linear_unit=True",
+        ),
+        (
+            dict(gated_linear_unit=False, activation_func=torch.relu),
+            NotImplementedError,
+            r"activation_func=torch\.relu with gated_linear_unit=False",
+        ),
+        (dict(glu_linear_offset=1.0), NotImplementedError, "config.glu_linear_offset=1.0"),
+        (dict(activation_func_clamp_value=7.0), NotImplementedError, "config.activation_func_clamp_value"),
+        (dict(moe_mlp_glu_interleave_size=32), NotImplementedError, "moe_mlp_glu_interleave_size=32"),
+        (dict(use_transformer_engine_op_fuser=True), NotImplementedError, "use_transformer_engine_op_fuser"),
+        (dict(delay_wgrad_compute=True), NotImplementedError, "config.delay_wgrad_compute"),
+        (dict(fp8="hybrid", fp8_recipe="mxfp8"), NotImplementedError, "config.fp8_recipe='mxfp8'"),
+        (
+            dict(fp8="hybrid", fine_grained_activation_offloading=True, offload_modules=["expert_fc1"]),
+            NotImplementedError,
+            "only 'expert_fc1'",
+        ),
+        (dict(params_dtype=None), TypeError, "config must be Megatron's TransformerConfig"),
+    ],
+)
+def test_grouped_mlp_refuses_unsupported_settings(mpu, setting, error, match):
+    config = _config()
+    for k, v in setting.items():  # set after __post_init__, which would check them against TE
+        setattr(config, k, v)
+    if "params_dtype" in setting:
+        config = SimpleNamespace()
+    with pytest.raises(error, match=match):
+        _fused(config)
+
+
+@needs_megatron
+def test_grouped_mlp_refuses_other_linears_and_buffers(mpu):
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules
+
+    from functional_dw.megatron import GroupedMLP, RowParallelGroupedLinear
+
+    class Other(torch.nn.Module):
+        def __init__(self, *args, **kwargs):
+            super().__init__()
+
+    spec = GroupedMLPSubmodules(linear_fc1=Other, linear_fc2=RowParallelGroupedLinear)
+    with pytest.raises(TypeError, match="submodules.linear_fc1 built a Other.*ColumnParallelGroupedLinear"):
+        GroupedMLP(E, _config(), spec)
+    x, probs = _inputs(9)
+    with pytest.raises(NotImplementedError, match="output_buffer/grad_input_buffer"):
+        _fused(_config())(x, torch.tensor(SPLITS), probs, output_buffer=torch.empty_like(x))
+
+
+@needs_megatron
+@pytest.mark.parametrize("shard", [True, False], ids=["ShardedWeight", "plain"])
+def test_grouped_mlp_megatron_offloading_bitwise_on_cpu(mpu, cuda_faked_offloading, shard):
+    """Megatron's fine-grained offloading of expert_fc1 and moe_act around the one node (CUDA's
+    streams faked): warm-up and steady-state steps bitwise equal to no offloading; Megatron's
+    hooks get x, fc1's output and h (probs are under min_offloaded_tensor_size), never a weight."""
+    from support.megatron_steps import FFN as F_, T, H as H_, check_ours, run_steps, summary
+
+    ref = run_steps("fd-mlp", offload=False, shard=shard, device="cpu")
+    got = run_steps("fd-mlp", offload=True, shard=shard, device="cpu")
+    if shard:
+        check_ours(ref, got)
+    else:
+        assert got["error"] is None and ref["error"] is None, got.get("traceback") or ref.get("traceback")
+        assert not got["weights_through_hooks"] and got["hook_tensors"] > 0, summary(got)
+        from support.megatron_steps import differences
+
+        assert not differences(ref, got)
+    # one group per MLP (named expert_fc1): x [T, H], fc1's output [T, 2F], h [T, F] in bf16
+    per_mlp = T * (H_ + 3 * F_) * 2
+    assert got["megatron_summary_bytes"] == {"expert_fc1": per_mlp}, got["megatron_summary_bytes"]
+    steps = got["offloaded_bytes_per_step"]
+    assert steps == [2 * per_mlp, per_mlp, per_mlp], steps  # warm-up both MLPs, then only the first
+
+
+@needs_megatron
+@pytest.mark.parametrize("names", [["expert_fc1"], ["moe_act"]])
+def test_grouped_mlp_offloads_only_the_named_activations(mpu, cuda_faked_offloading, names):
+    """Only expert_fc1: Megatron gets x alone (fc1's output, h, probs stay in the record); only
+    moe_act: everything but x. Bitwise equal to no offloading."""
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+        ChunkOffloadHandler,
+        FineGrainedActivationOffloadingInterface as off,
+    )
+
+    from support.megatron_steps import _init_chunk_handler
+
+    pushed = []
+    push = ChunkOffloadHandler.tensor_push
+
+    def spy(handler, t):
+        pushed.append(tuple(t.shape))
+        return push(handler, t)
+
+    def run(offload):
+        torch.manual_seed(4)
+        kw = dict(fine_grained_activation_offloading=True, offload_modules=names, min_offloaded_tensor_size=1)
+        mlp = _fused(_config(**(kw if offload else {})))
+        x, probs = _inputs(10)
+        probs.requires_grad_(True)
+        if offload:
+            off.reset_instance()
+            _init_chunk_handler(mlp.config)
+        y = mlp(x, torch.tensor(SPLITS), probs)[0]
+        g = _grads(mlp, x, probs, y, torch.ones_like(y))
+        if offload:
+            off.reset()
+        return y, g
+
+    y, g = run(False)
+    ChunkOffloadHandler.tensor_push = spy
+    try:
+        y2, g2 = run(True)
+    finally:
+        ChunkOffloadHandler.tensor_push = push
+    assert torch.equal(y, y2) and all(torch.equal(g[n], g2[n]) for n in g)
+    T = sum(SPLITS)
+    want = [(T, H)] if names == ["expert_fc1"] else [(T, FFN), (T, 2 * FFN), (T,)]
+    assert sorted(pushed) == sorted(want), pushed

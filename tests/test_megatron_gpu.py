@@ -24,6 +24,10 @@ Shown here:
    collectives run (2 all-gathers and 1 reduce-scatter per layer and step), and no weight (nor a
    gathered copy) goes through Megatron's hooks.
 3. ``test_bytes_offloaded_per_step``: bytes Megatron offloaded per step, TE's module vs ours.
+4. ``test_fused_mlp_bitwise_equal_with_and_without_offloading``: ``functional_dw.megatron.GroupedMLP``
+   (the whole expert MLP as one autograd node, in place of ``TEGroupedMLP``) under the same
+   offloading of ``expert_fc1`` and ``moe_act``: bitwise equal to no offloading, no weight through
+   Megatron's hooks, one offload group per MLP.
 Plus ``test_two_ranks``: (2) on 2 GPUs (spawned ranks, NCCL; skipped with fewer GPUs).
 
 Run: ``PYTHONPATH=<megatron-core 0.19.2> python -m pytest -q -s tests/test_megatron_gpu.py``;
@@ -68,7 +72,7 @@ import torch.distributed as dist  # noqa: E402
 
 from functional_dw import distributed as fdd  # noqa: E402
 
-from support.megatron_steps import H, T, check_ours, differences, record, run_steps, summary  # noqa: E402
+from support.megatron_steps import FFN, H, T, check_ours, differences, record, run_steps, summary  # noqa: E402
 
 
 # --- one rank, in this process ---------------------------------------------------------------
@@ -167,6 +171,29 @@ def test_bytes_offloaded_per_step(mpu):
     # offloaded each steady-state step: at least the first MLP's fc1 input (x, bf16; the second
     # MLP's groups stay on the GPU after warm-up)
     assert ours["steady_state_step_bytes"] >= T * H * 2, ours
+
+
+def test_fused_mlp_bitwise_equal_with_and_without_offloading(mpu):
+    """(4) functional_dw.megatron.GroupedMLP (fc1, activation, fc2 as one node) under Megatron's
+    real fine-grained offloading of expert_fc1 and moe_act: outputs, input grads and main_grads
+    bitwise those without offloading (ShardedWeight and plain weights), no weight through the
+    hooks, one group per MLP holding x, fc1's output and h (bf16; probs are under
+    min_offloaded_tensor_size)."""
+    ref, got = _cached("fd-mlp", False, True), _cached("fd-mlp", True, True)
+    plain_ref, plain = _cached("fd-mlp", False, False), _cached("fd-mlp", True, False)
+    record(
+        "fused_mlp_offload_vs_not",
+        {"with offloading": summary(got), "without": summary(ref), "plain weights, with offloading": summary(plain)},
+    )
+    check_ours(ref, got)
+    for r in (plain_ref, plain):
+        assert r["error"] is None, r.get("traceback")
+    diffs = differences(plain_ref, plain)
+    assert not diffs, "offloading changed results (plain weights):\n" + "\n".join(diffs[:20])
+    assert not plain["weights_through_hooks"], plain["weights_through_hooks"]
+    per_mlp = T * (H + 3 * FFN) * 2
+    assert got["megatron_summary_bytes"] == {"expert_fc1": per_mlp}, got["megatron_summary_bytes"]
+    assert got["offloaded_bytes_per_step"][-1] == per_mlp, got["offloaded_bytes_per_step"]
 
 
 # --- two ranks (spawned, NCCL) -----------------------------------------------------------------

@@ -80,16 +80,21 @@ def _classes(kind: str) -> tuple[type, type]:
 def _build(kind: str, offload: bool, shard: bool, device: str = "cuda"):
     """Two chained TEGroupedMLPs with the same weights for every kind and run (on every rank),
     the experts' weights sharded if asked, each weight with a zeroed fp32 main_grad as Megatron
-    DDP gives it. Returns (mlps, {name: weight}, [ShardedWeight groups' leaders])."""
+    DDP gives it. Kinds: "te" (TE's linears), "fd" (functional_dw's linears), "fd-mlp"
+    (functional_dw.megatron.GroupedMLP, the whole MLP as one node, with functional_dw's linears).
+    Returns (mlps, {name: weight}, [ShardedWeight groups' leaders])."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
     fc1, fc2 = _classes(kind)
     config = _config(offload, device)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
+    if kind == "fd-mlp":
+        from functional_dw.megatron import GroupedMLP as experts
+    else:
+        experts = TEGroupedMLP
     mlps = [
-        TEGroupedMLP(E, config, GroupedMLPSubmodules(linear_fc1=fc1, linear_fc2=fc2), pg_collection=pgs)
-        for _ in range(2)
+        experts(E, config, GroupedMLPSubmodules(linear_fc1=fc1, linear_fc2=fc2), pg_collection=pgs) for _ in range(2)
     ]
     g = torch.Generator().manual_seed(1234)
     weights, leaders = {}, []
