@@ -175,6 +175,24 @@ class Plan:
         None: one GEMM (``quantize``), else per expert (``grouped_quantize``)."""
         return self._quantize(kernels, "input", self.x, x_TK, splits, grouped, rowwise=True, columnwise=keep)
 
+    def quantize_activated(
+        self,
+        kernels: Any,
+        act: Any,
+        fc1_out: torch.Tensor,
+        probs: Any,
+        activation: str,
+        splits: Any,
+        *,
+        rowwise: bool,
+        columnwise: bool,
+    ) -> Any:
+        """grouped_mlp's fc2 input ``h = act(fc1_out) * probs``, the copies asked for, bitwise as
+        :meth:`quantize_x` would quantize the written h, but computed inside the quantization
+        (``act``: the call's activation kernels); None where this family and these kernels
+        cannot: then the caller writes h and quantizes it."""
+        return None
+
     # NOTE: [FP8 weights for dgrad] With ``keep`` (plain weights; the layer checks their
     # versions in backward, so a cached copy is never stale) forward quantizes each weight
     # both ways in one pass and the plan holds the columnwise copies by reference, as TE's

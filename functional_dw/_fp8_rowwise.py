@@ -62,6 +62,25 @@ class RowwisePlan(Plan):
     def check_counts(self, K: int, N: int, splits: Sequence[int] | None) -> None:
         """Any counts: wgrad's operands are padded per expert on the device."""
 
+    def quantize_activated(
+        self,
+        kernels: Any,
+        act: Any,
+        fc1_out: torch.Tensor,
+        probs: Any,
+        activation: str,
+        splits: Any,
+        *,
+        rowwise: bool,
+        columnwise: bool,
+    ) -> Any:
+        """See :meth:`Plan.quantize_activated`: with the Triton activation kernels (whose h it
+        reproduces bit for bit) and kernels that fuse (``quantize_activated``)."""
+        fused = getattr(kernels, "quantize_activated", None)
+        if getattr(act, "name", None) != "triton" or fused is None:
+            return None
+        return fused(fc1_out, probs, activation, splits, self.x, rowwise=rowwise, columnwise=columnwise)
+
     def quantize_weights(
         self, kernels: Any, w_ENK: Any, *, keep: bool = False, params: Sequence[torch.Tensor] | None = None
     ) -> tuple[Any, Plan]:

@@ -347,9 +347,11 @@ class _Call(NamedTuple):
     fp8: _fp8.Plan | None
 
 
-def _prepare(x, weights, splits, bias, opts: Options) -> _Call:
+def _prepare(x, weights, splits, bias, opts: Options, stand_in: bool = False) -> _Call:
     """The call's plan (cached: NOTE: [Plan once, run lean]), then what depends on data: the
-    weights (gathered for a DistributedWeight), the split counts, the bias operand."""
+    weights (gathered for a DistributedWeight), the split counts, the bias operand.
+    ``stand_in``: x has the shape, dtype and device of the input but not its values (grouped_mlp's
+    fc2 before h exists): not made dense; the caller puts the input (or its FP8 copy) in."""
     key = _plan_key(x, weights, splits, bias, opts)
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
@@ -386,23 +388,25 @@ def _prepare(x, weights, splits, bias, opts: Options) -> _Call:
                 path = "split"
         known = split.host if split.host is not None or path == "grouped" else split.sizes()
         plan.fp8.check_counts(*plan.shapes[0][-2:][::-1], known)  # device-only counts: not checked (a sync)
-    x_TK = _checks.dense(x)
+    x_TK = x if stand_in else _checks.dense(x)
     kernels, grouped = route(plan.kernels, path == "grouped", x_TK, w_ENK, one_path=_one_path(plan.fp8))
     return _Call(plan, params, w_ENK, split, b_EN, x_TK, kernels, "grouped" if grouped else "split", plan.fp8)
 
 
-def _fprop(c: _Call) -> torch.Tensor:
+def _fprop(c: _Call, xq: Any = None) -> torch.Tensor:
     if c.fp8 is not None:
-        return _fprop_fp8(c, keep_x=False, keep_w=False)[0]
+        return _fprop_fp8(c, keep_x=False, keep_w=False, xq=xq)[0]
     return c.kernels.grouped_fprop(c.x_TK, c.w_ENK, c.b_EN, c.split, c.path == "grouped")
 
 
-def _fprop_fp8(c: _Call, keep_x: bool, keep_w: bool) -> tuple[torch.Tensor, Any, _fp8.Plan]:
+def _fprop_fp8(c: _Call, keep_x: bool, keep_w: bool, xq: Any = None) -> tuple[torch.Tensor, Any, _fp8.Plan]:
     """FP8 forward: x per expert and each weight quantized, the FP8 grouped GEMM; with
     ``keep_x``, also x's columnwise copy for wgrad; with ``keep_w``, the weights' for dgrad (on
-    the plan). Returns (y, x's copy or None, the plan with forward's weight scales)."""
+    the plan). ``xq``: x already quantized so (grouped_mlp's fused h). Returns (y, x's copy or
+    None, the plan with forward's weight scales)."""
     grouped, kernels, distributed = c.path == "grouped", c.kernels, c.plan.distributed
-    xq = c.fp8.quantize_x(kernels, c.x_TK, c.split, grouped, keep=keep_x)
+    if xq is None:
+        xq = c.fp8.quantize_x(kernels, c.x_TK, c.split, grouped, keep=keep_x)
     wq, plan = c.fp8.quantize_weights(
         kernels, c.w_ENK, keep=keep_w and not distributed, params=None if distributed else c.params
     )
@@ -430,13 +434,14 @@ def grouped_linear_fwd(
     return _forward(_prepare(x, weights, splits, bias, opts), x, keep_x=True)
 
 
-def _forward(c: _Call, x: torch.Tensor, keep_x: bool):
+def _forward(c: _Call, x: torch.Tensor | None, keep_x: bool, xq: Any = None):
     """y and the residuals of a checked call; ``keep_x`` False (FP8, every weight frozen): no
-    FP8 copy of x is made or saved (wgrad, its only reader, never runs)."""
+    FP8 copy of x is made or saved (wgrad, its only reader, never runs). ``xq``: with FP8, x
+    already quantized (both copies with ``keep_x``; x itself may then be None)."""
     if c.fp8 is None:
         y, x_saved, plan = _fprop(c), x, None
     else:
-        y, x_saved, plan = _fprop_fp8(c, keep_x=keep_x, keep_w=True)
+        y, x_saved, plan = _fprop_fp8(c, keep_x=keep_x, keep_w=True, xq=xq)
     res = GroupedLinearResiduals(
         x_TK=x_saved,
         x_version=_checks.stamp(x) if plan is None else None,

@@ -255,12 +255,25 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
         fc1_out, r1 = _forward(c1, x, keep_x=_keep_x(opts.fc1))
     else:
         fc1_out, r1 = _fprop(c1), None
-    h = activation_kernels(act, fc1_out, probs).act_fwd(fc1_out, probs, opts.activation)
-    c2 = _in_layer("fc2", _prepare, h, w2, splits, None if weighted else bias2, opts.fc2)
+    k = activation_kernels(act, fc1_out, probs)
+    # fc2 is planned on a stand-in with h's shape, so that with FP8 its plan can quantize h
+    # straight from fc1_out (NOTE: [The activation as the load]); else h is written and read
+    c2 = _in_layer(
+        "fc2", _prepare, _h_like(fc1_out, opts.activation), w2, splits, None if weighted else bias2, opts.fc2, True
+    )
+    keep2 = keep and _keep_x(opts.fc2)
+    h = hq = None
+    if c2.fp8 is not None:
+        hq = c2.fp8.quantize_activated(
+            c2.kernels, k, fc1_out, probs, opts.activation, c2.split, rowwise=True, columnwise=keep2
+        )
+    if hq is None:
+        h = k.act_fwd(fc1_out, probs, opts.activation)
+        c2 = c2._replace(x_TK=h)
     if keep:
-        y, r2 = _forward(c2, h, keep_x=_keep_x(opts.fc2))
+        y, r2 = _forward(c2, h, keep_x=_keep_x(opts.fc2), xq=hq)
     else:
-        y, r2 = _fprop(c2), None
+        y, r2 = _fprop(c2, xq=hq), None
     pb = None
     if weighted:
         form = _in_layer("fc2", _check_bias, bias2, c2.plan.num_experts, c2.plan.out_features, y)
@@ -284,6 +297,11 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
         h_kept=h_kept,
     )
     return y, res
+
+
+def _h_like(fc1_out: torch.Tensor, activation: str) -> torch.Tensor:
+    """A view with h's shape, dtype and device (fc2's stand-in input; its values are not h's)."""
+    return fc1_out[:, : fc1_out.shape[1] // 2] if activation == "swiglu" else fc1_out
 
 
 def _keep_x(o: Options) -> bool:
@@ -384,9 +402,18 @@ def _differentiated(dy: Any, params: Any) -> bool:
     return dy.requires_grad or any(p.requires_grad for p in params)
 
 
-def _with_h(r2: GroupedLinearResiduals, h: torch.Tensor) -> GroupedLinearResiduals:
-    """fc2's record with the recomputed h where forward kept it (with FP8, its FP8 copy again,
-    by fc2's plan: the same bits as forward's)."""
+def _with_h(res: GroupedMLPResiduals, r2: GroupedLinearResiduals, fc1_out: torch.Tensor) -> GroupedLinearResiduals:
+    """fc2's record with h recomputed where forward kept it (with FP8, its columnwise FP8 copy
+    again by fc2's plan, from fc1_out where the plan fuses the activation: the same bits as
+    forward's)."""
+    k = activation_kernels(res.act, fc1_out, res.probs)
+    if r2.fp8 is not None:
+        hq = r2.fp8.quantize_activated(
+            r2.kernels, k, fc1_out, res.probs, res.activation, r2.splits, rowwise=False, columnwise=True
+        )
+        if hq is not None:
+            return dataclasses.replace(r2, x_TK=hq)
+    h = k.act_fwd(fc1_out, res.probs, res.activation)
     if r2.fp8 is None:
         return dataclasses.replace(r2, x_TK=h)
     hq = r2.fp8.quantize_x(r2.kernels, h, r2.splits, r2.path == "grouped", keep=True)
@@ -407,7 +434,7 @@ def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     second = _differentiated(dy, r1.weights) and r1.fp8 is None  # (FP8 refuses a second order itself)
     fc1_out = res.fc1_out if res.fc1_out is not None and not second else _recompute_fc1(res)
     if (r2.x_TK is None and res.h_kept) or (second and r2.fp8 is None):
-        r2 = _with_h(r2, activation_kernels(act, fc1_out, res.probs).act_fwd(fc1_out, res.probs, res.activation))
+        r2 = _with_h(res, r2, fc1_out)
     dy = _dy_TN(r2, dy)
     db2 = dprobs_b = None
     pb = res.probs_bias

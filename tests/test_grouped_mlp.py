@@ -673,6 +673,110 @@ def test_triton_activation_kernels_in_the_interpreter():
     assert set(worst) == set(ACTS) and all(float(v) < 1e-3 for v in worst.values()), out.stdout
 
 
+_INTERPRET_FP8 = """
+import contextlib, os, torch
+torch.cuda.device = lambda d: contextlib.nullcontext()
+from functional_dw.kernels import triton_rowwise as tr, triton_activation as ta
+from functional_dw.fp8 import rowwise as rw
+from functional_dw import fp8
+spec = fp8.tensor_spec(fp8.RowwiseScaling(), "input")
+g = torch.Generator().manual_seed(0)
+names = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+for act in ("swiglu", "gelu", "silu"):
+    for sizes, F in (([5, 0, 40, 19], 48), ([1] * 17 + [90], 130)):
+        T, W = sum(sizes), (2 * F if act == "swiglu" else F)
+        z = (torch.randn(T, W + 2, generator=g) * 3)[:, 2:]
+        ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        pends = rw.padded_ends(torch.tensor(sizes))
+        for p in (None, torch.rand(T, generator=g)):
+            for rows, cols in ((True, True), (False, True), (True, False)):
+                want = tr.quantize_activation(ta.act_fwd(z, p, act), ends, pends, spec, rowwise=rows, columnwise=cols)
+                got = tr.quantize_activation(z, ends, pends, spec, rowwise=rows, columnwise=cols, act=(act, p))
+                for n in names:
+                    a, b = getattr(got, n), getattr(want, n)
+                    assert (a is None) == (b is None) and (a is None or torch.equal(a.float(), b.float())), (act, F, n)
+                assert got.shape == (T, F) and got.dtype == z.dtype
+print("ok")
+"""
+
+
+def test_rowwise_quantization_with_the_activation_as_its_load_in_the_interpreter():
+    """NOTE: [The activation as the load]: h's FP8 copies and scales from fc1_out equal, bitwise,
+    those of the h the activation kernel writes (Triton's CPU interpreter: the same kernels'
+    code; the GPU test runs them compiled)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _INTERPRET_FP8], env=env, capture_output=True, text=True, timeout=900)
+    if "only 0-dimensional arrays can be converted to Python scalars" in out.stderr:
+        pytest.skip("this Triton's interpreter cannot run a loop with a run-time bound under this numpy")
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-3000:]
+
+
+@gpu
+def test_rowwise_quantization_with_the_activation_as_its_load_on_cuda():
+    """The compiled kernels: h's copies from fc1_out bitwise those of the written h (bf16,
+    strided fc1_out, empty experts, a tile straddling experts)."""
+    pytest.importorskip("triton")
+    from functional_dw.fp8 import rowwise as rw
+    from functional_dw.kernels import triton_activation as ta, triton_rowwise as tr
+
+    spec = fp8.tensor_spec(fp8.RowwiseScaling(), "input")
+    g = torch.Generator().manual_seed(2)
+    for activation in ACTS:
+        for sizes, F2 in (([5, 0, 40, 19], 48), ([1] * 17 + [900], 1536), ([0, 3000, 0, 1], 768)):
+            T_, W = sum(sizes), (2 if activation == "swiglu" else 1) * F2
+            z = (torch.randn(T_, W + 8, generator=g) * 3).to("cuda", torch.bfloat16)[:, 8:]
+            ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+            pends = rw.padded_ends(torch.tensor(sizes, device="cuda"))
+            for p in (None, torch.rand(T_, generator=g).cuda()):
+                want = tr.quantize_activation(
+                    ta.act_fwd(z, p, activation), ends, pends, spec, rowwise=True, columnwise=True
+                )
+                got = tr.quantize_activation(z, ends, pends, spec, rowwise=True, columnwise=True, act=(activation, p))
+                for n in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+                    a, b = getattr(got, n), getattr(want, n)
+                    assert torch.equal(
+                        a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                        b.view(torch.uint8) if b.dtype.itemsize == 1 else b,
+                    ), (activation, sizes, n)
+
+
+@gpu
+@pytest.mark.parametrize("save", ["default", "h"])
+def test_rowwise_fp8_mlp_fuses_h_into_its_quantization(save, monkeypatch):
+    """RowwiseScaling on CUDA: fc2's FP8 h comes from fc1_out in the quantization's own pass
+    (forward, and under "default" the recompute in backward), and y and every gradient equal,
+    bitwise, the unfused call (the reference activation writing h, then the quantization)."""
+    import importlib
+
+    pytest.importorskip("triton")
+    gm = importlib.import_module("functional_dw.grouped_mlp")
+    rowwise_ops = importlib.import_module("functional_dw.kernels.rowwise")
+    sizes = [40, 0, 88, 17]
+    inp, dy = _on(*make("swiglu", torch.bfloat16, splits=sizes, seed=9), "cuda")
+    splits = torch.tensor(sizes, device="cuda")
+    calls = []
+    real = rowwise_ops.quantize_activated
+    monkeypatch.setattr(rowwise_ops, "quantize_activated", lambda *a, **k: calls.append(k) or real(*a, **k))
+    y, grads = run(inp, dy, splits, recipe=fp8.RowwiseScaling(), save=save)
+    fused = list(calls)
+    assert [(c["rowwise"], c["columnwise"]) for c in fused] == [(True, True)] + (
+        [(False, True)] if save == "default" else []
+    )
+    monkeypatch.setattr(gm, "select", lambda kernels, x: act_mod.REFERENCE)
+    y0, g0 = run(inp, dy, splits, recipe=fp8.RowwiseScaling(), save=save)
+    assert len(calls) == len(fused)  # the reference activation: nothing fused
+    assert_same(y, y0, "y")
+    i_p = NAMES.index("probs") + 2 * (E - 1)
+    assert_same(grads[:i_p] + grads[i_p + 1 :], g0[:i_p] + g0[i_p + 1 :], "grads")
+    torch.testing.assert_close(grads[i_p], g0[i_p], rtol=2**-7, atol=1e-6)
+
+
 def test_select_decides_once_and_routes_per_call():
     """select: a backend's own kernels, else the fused ones only for a CUDA operand (the CPU
     here: the reference); activation_kernels keeps a record's kernels on plain operands."""
@@ -684,6 +788,10 @@ def test_select_decides_once_and_routes_per_call():
     assert act_mod.activation_kernels(act_mod.REFERENCE, torch.ones(2)) is act_mod.REFERENCE
     with torch.autograd.forward_ad.dual_level():
         assert act_mod.activation_kernels(k, torch.ones(2)) is act_mod.REFERENCE
+    tracked = torch.ones(2, requires_grad=True)  # a create_graph backward: autograd records the reference
+    assert act_mod.activation_kernels(k, tracked) is act_mod.REFERENCE
+    with torch.no_grad():
+        assert act_mod.activation_kernels(k, tracked) is k
 
 
 # --- FP8 ---------------------------------------------------------------------------------------------

@@ -205,14 +205,18 @@ def _own(kernels: Any) -> bool:
 
 def activation_kernels(kernels: Any, *operands: Any) -> ActivationKernels:
     """The activation kernels that run on ``operands``: ``kernels`` (a record's, from
-    :func:`select`), except where forward-mode AD is active or an operand is a functorch
-    wrapper (a fused kernel reads raw pointers and has no derivative: the reference runs, as the
-    GEMMs route in ``plan.route``); the reference for kernels without the four methods."""
+    :func:`select`), except where autograd would record the step (an operand requiring grad
+    with grad mode on: a backward run with ``create_graph``), forward-mode AD is active or an
+    operand is a functorch wrapper: a fused kernel reads raw pointers and has no derivative, so
+    the reference runs (as the GEMMs route in ``plan.route``). The reference for kernels
+    without the four methods."""
     if not _own(kernels):
         return REFERENCE
     if torch.compiler.is_compiling():
         return kernels if getattr(kernels, "name", None) != "triton" else REFERENCE
     if torch.autograd.forward_ad._current_level >= 0:
+        return REFERENCE
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in operands):
         return REFERENCE
     if torch._C._functorch.peek_interpreter_stack() is not None:
         wrapped = torch._C._functorch.is_functorch_wrapped_tensor

@@ -25,7 +25,16 @@ from .packing import Weights, packed
 from .splits import Splits, _to_device
 from . import triton_rowwise
 
-__all__ = ["fast", "check_device", "quantize_activation", "quantize_weight", "fprop", "dgrad", "wgrad"]
+__all__ = [
+    "fast",
+    "check_device",
+    "quantize_activation",
+    "quantize_activated",
+    "quantize_weight",
+    "fprop",
+    "dgrad",
+    "wgrad",
+]
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,6 +95,27 @@ def quantize_activation(
         tensors = rowwise_quantize(t_TD, ends, pends, spec.power_2_scale, spec.amax_epsilon, rowwise, columnwise)
         return RowwiseActivation(*_present(tensors, rowwise, columnwise), tuple(t_TD.shape), t_TD.dtype)
     return _quantize_activation(t_TD, ends, pends, spec, rowwise, columnwise)
+
+
+def quantize_activated(
+    fc1_out: torch.Tensor,
+    probs: torch.Tensor | None,
+    activation: str,
+    splits: Splits,
+    spec: Any,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+) -> RowwiseActivation | None:
+    """grouped_mlp's ``h = act(fc1_out) * probs`` quantized straight from fc1's output, h never
+    written (NOTE: [The activation as the load] in ``triton_rowwise.py``), where the Triton
+    kernels run (eager, on an sm_90 GPU); None elsewhere: the caller writes h and quantizes it."""
+    if not fast(fc1_out) or torch.compiler.is_compiling():
+        return None
+    ends, pends = _ends(splits)
+    return triton_rowwise.quantize_activation(
+        fc1_out, ends, pends, spec, rowwise=rowwise, columnwise=columnwise, act=(activation, probs)
+    )
 
 
 def _quantize_activation(t_TD, ends, pends, spec, rowwise, columnwise) -> RowwiseActivation:

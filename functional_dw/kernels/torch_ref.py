@@ -404,6 +404,16 @@ class TorchKernels:
                     _record_amax(a, q.amax)
         return qs
 
+    def quantize_activated(self, fc1_out, probs, activation, splits, spec, *, rowwise: bool, columnwise: bool):
+        """(Optional in the protocol.) grouped_mlp's h quantized from fc1's output in the
+        quantization's own pass (RowwiseScaling on CUDA: ``kernels/rowwise.py``); None where
+        this backend cannot: the caller writes h and quantizes it."""
+        if spec.scaling != "rowwise":
+            return None
+        return rowwise_ops.quantize_activated(
+            fc1_out, probs, activation, splits, spec, rowwise=rowwise, columnwise=columnwise
+        )
+
     def quantize_group(self, w_ENK: Weights, spec, *, rowwise: bool, columnwise: bool):
         """A group's weights quantized together (RowwiseScaling, ``kernels/rowwise.py``)."""
         return rowwise_ops.quantize_weight(w_ENK, spec, rowwise=rowwise, columnwise=columnwise)
