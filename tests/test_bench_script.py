@@ -3,7 +3,8 @@ in for), and the numbers it writes are consistent: TFLOP/s and fractions of peak
 the recorded times and shapes, the peak is the highest dense measurement, ratios follow from
 the times, the markdown tables show the JSON's numbers, the recorded path choices are the ones
 the library makes, and --only / --budget leave out what they say. The same for
-benchmarks/moe_layer.py (one MoE expert layer, every contender), run in this process with --smoke."""
+benchmarks/moe_layer.py (one MoE expert layer, every contender), run in this process with --smoke, and
+benchmarks/moe_mlp.py (the expert MLP) with --shapes smoke."""
 
 import copy
 import itertools
@@ -534,6 +535,115 @@ def test_moe_layer_budget_and_arguments(tmp_path):
     for bad in (["--only", "fd,nope"], ["--routing", "zipf"]):
         with pytest.raises(SystemExit):
             _moe().main(["--smoke", "--out", str(tmp_path), *bad])
+
+
+# --- benchmarks/moe_mlp.py (the expert MLP, every contender) -----------------------------------
+# --shapes smoke on the CPU with moe_layer's fixed clock (its measure times the steps): the tables must
+# show the JSON's numbers, and the saved bytes follow docs/mlp.md's formulas.
+
+MLP_CPU = ("torch", "fd", "fd_list", "fd_rowwise", "fd_save_h", "fd_x_only")
+
+
+def _mlp():
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    import moe_mlp
+
+    return moe_mlp
+
+
+def _mlp_run(tmp, *flags, patch=None):
+    mlp = _mlp()
+    with pytest.MonkeyPatch.context() as mp:
+        _fixed_clock(mp, _moe())
+        if patch is not None:
+            patch(mp, mlp)
+        mlp.main(["--shapes", "smoke", "--out", str(tmp), *flags])
+    return mlp, json.loads((tmp / "results.json").read_text()), (tmp / "results.md").read_text()
+
+
+def _check_mlp_tables(mlp, data, md):
+    keys = data["meta"]["contenders"]
+    for routing in data["meta"]["routings"]:
+        rows = [ln for ln in md.split(f"## {routing} routing")[1].split("\n\n")[1].splitlines()[2:]]
+        assert len(rows) == len(data["shapes"])
+        for s, line in zip(data["shapes"], rows):
+            res = s["routings"][routing]["results"]
+            cells = line.split(" | ")[2:]
+            for k, c in zip(keys, cells):
+                v = res[k]
+                if isinstance(v, dict):
+                    assert v["ms"] == pytest.approx(statistics.median(v["ms_all"]), abs=1e-4)
+                    want = f"{v['ms']:.3f}" + ("" if k.endswith("_graphed") else f" ({v['host_ms']:.3f})")
+                    assert c == want, (k, c)
+                else:
+                    assert c == ("OOM" if v == "OOM" else "n/a" if v.startswith("n/a") else "raises"), (k, v, c)
+                    assert f"- {mlp.LABELS[k]}: {v} (" in md, "the reason is listed"
+            ratios = line.rstrip(" |").split(" | ")[-len(mlp.RATIOS) :]
+            for (_, a, b, field), got in zip(mlp.RATIOS, ratios):
+                ok = isinstance(res.get(a), dict) and isinstance(res.get(b), dict)
+                assert got == (f"{res[a][field] / res[b][field]:.2f}" if ok else "-"), (a, b, field, line)
+    saved = md.split("## Saved for backward")[1].split("\n\n")[2].splitlines()[2:]
+    for s, line in zip(data["shapes"], saved):
+        cells = line.split(" | ")[2:]
+        for k, c in zip(keys, cells):
+            assert c.rstrip(" |") == mlp.saved_cell(s["saved"][k]), (k, c)
+
+
+def test_moe_mlp_smoke(tmp_path):
+    mlp, data, md = _mlp_run(tmp_path)
+    assert [(s["E"], s["hidden"], s["ffn"], s["tokens"]) for s in data["shapes"]] == [s[:4] for s in mlp.SMOKE_SHAPES]
+    assert data["meta"]["contenders"] == mlp.CONTENDERS and data["meta"]["routings"] == ["balanced", "skewed"]
+    for s in data["shapes"]:
+        H, F = s["hidden"], s["ffn"]
+        for row in s["routings"].values():
+            assert sum(row["splits"]) == s["tokens"]
+            for k in MLP_CPU:
+                v = row["results"][k]
+                assert isinstance(v, dict) and v["rel_err"] < (0.1 if "rowwise" in k else 1e-2), (k, v)
+            for k, why in mlp.GPU_ONLY.items():  # skipped on the CPU, saying why
+                assert row["results"][k] == why
+        saved = s["saved"]
+        for k, want in mlp.fd_formulas(H, F).items():
+            assert saved[k]["per_token"] == want and saved[k]["at_T"]["param_bytes"] == 0, (k, saved[k])
+        assert saved["fd_list"]["per_token"] == saved["fd"]["per_token"]
+        assert saved["fd_list"]["at_T"]["param_bytes"] == 0
+        # torch's composition: x, fc1's output, silu(gate), silu(gate) * up, probs, h; and both weights
+        assert saved["torch"]["per_token"] == 2 * H + 10 * F + 4
+        assert saved["torch"]["at_T"]["param_bytes"] == 2 * 3 * s["E"] * F * H
+        assert saved["fd_rowwise"]["per_token"] < saved["fd"]["per_token"]
+    _check_mlp_tables(mlp, data, md)
+
+
+def test_moe_mlp_with_te_torchao_and_graphs_stood_in(tmp_path):
+    def patch(mp, mlp):
+        _fake_te(mp, mlp)  # (its torchao OOMs at the second smoke shape)
+        mp.setattr(mlp, "ALLOW_CPU", True)
+
+    mlp, data, md = _mlp_run(tmp_path, patch=patch)
+    for i, s in enumerate(data["shapes"]):
+        for row in s["routings"].values():
+            res = row["results"]
+            for k in mlp.CONTENDERS:
+                if k == "torchao" and i == 1:
+                    assert res[k] == "OOM"
+                    continue
+                assert isinstance(res[k], dict), (k, res[k])
+            assert res["te_bf16"]["rel_err"] < 1e-2
+            for k in ("te_fp8_block", "te_fp8_current", "torchao"):  # quantized (torchao's stand-in is bf16)
+                if isinstance(res[k], dict):
+                    assert res[k]["rel_err"] < (1e-2 if k == "torchao" else 0.1), (k, res[k])
+        assert s["saved"]["fd_graphed"].startswith("n/a: a graph")
+        assert isinstance(s["saved"]["te_fp8_current"], dict)
+    _check_mlp_tables(mlp, data, md)
+
+
+def test_moe_mlp_budget_and_arguments(tmp_path):
+    mlp, data, md = _mlp_run(tmp_path, "--only", "torch,fd", "--routing", "skewed", "--budget", "1e-9")
+    assert len(data["shapes"]) == 1 and data["meta"]["skipped"] == ["{}, {}, {}, {}".format(*mlp.SMOKE_SHAPES[1][:4])]
+    assert "Skipped for time" in md and "## balanced routing" not in md
+    for bad in (["--only", "fd,nope"], ["--routing", "zipf"]):
+        with pytest.raises(SystemExit):
+            mlp.main(["--shapes", "smoke", "--out", str(tmp_path), *bad])
 
 
 # --- benchmarks/host_cpu.py (the CPU host-time proxy) ----------------------------------------
