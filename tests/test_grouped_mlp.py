@@ -557,13 +557,26 @@ def _activation_cases(device, dtype, probs_dtype, seed):
                 yield activation, z, p, dh, dp_in
 
 
+def _one_ulp(a, b, what=""):
+    """``a`` within one unit in the last place (of its dtype) of ``b``, elementwise; NaN where b's."""
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    a32, b32 = a.double(), b.double()
+    assert torch.equal(a32.isnan(), b32.isnan()), what
+    a32, b32 = a32.nan_to_num(), b32.nan_to_num()
+    finfo = torch.finfo(b.dtype)
+    ulp = torch.ldexp(torch.ones_like(b32), torch.frexp(b32).exponent - 1) * finfo.eps
+    ulp = ulp.clamp_min(finfo.smallest_normal * finfo.eps)
+    bad = (a32 - b32).abs() > ulp
+    assert not bad.any(), f"{what}: {int(bad.sum())} values more than one ulp apart"
+
+
 @gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("probs_dtype", ["same", "fp32"])
 def test_triton_activation_is_the_reference_bitwise_on_cuda(dtype, probs_dtype):
     """h and dfc1_out bitwise the reference's on the same GPU (the same fp32 expressions, expf,
-    erff, IEEE division, no FMA contraction); dprobs (a row sum in the kernel's order) within
-    fp32 summation error."""
+    IEEE division, no FMA contraction), GELU's within one ulp (NOTE: [erf] in triton_math.py);
+    dprobs (a row sum in the kernel's order) within fp32 summation error."""
     from functional_dw.kernels import triton_activation as ta
 
     pytest.importorskip("triton")
@@ -571,10 +584,11 @@ def test_triton_activation_is_the_reference_bitwise_on_cuda(dtype, probs_dtype):
     pdt = dt if probs_dtype == "same" else torch.float32
     for activation, z, p, dh, dp_in in _activation_cases("cuda", dt, pdt, seed=11):
         what = f"{activation} {tuple(z.shape)} probs={p is not None}"
-        assert_same(ta.FUSED.act_fwd(z, p, activation), act_mod.act_fwd(z, p, activation), f"h {what}")
+        same = assert_same if activation != "gelu" else _one_ulp  # (GELU: triton_math's NOTE: [erf])
+        same(ta.FUSED.act_fwd(z, p, activation), act_mod.act_fwd(z, p, activation), f"h {what}")
         dz, dp = ta.FUSED.act_bwd(z, p, dh, activation, dprobs_in=dp_in)
         dz0, dp0 = act_mod.act_bwd(z, p, dh, activation, dprobs_in=dp_in)
-        assert_same(dz, dz0, f"dfc1_out {what}")
+        same(dz, dz0, f"dfc1_out {what}")
         if p is None:
             assert dp is None and dp0 is None
             continue
@@ -590,8 +604,8 @@ def test_triton_activation_is_the_reference_bitwise_on_cuda(dtype, probs_dtype):
 @pytest.mark.parametrize("save", POLICIES)
 def test_grouped_mlp_on_cuda_runs_the_fused_kernels(activation, save, monkeypatch):
     """On CUDA the record holds the Triton kernels; y and every gradient equal, bitwise, the
-    same call with the reference activation (dprobs within fp32 summation error), and are
-    within the float64 reference's bound."""
+    same call with the reference activation (dprobs within fp32 summation error; GELU within
+    bf16 rounding: NOTE: [erf] in triton_math.py), and are within the float64 reference's bound."""
     import importlib
 
     pytest.importorskip("triton")
@@ -603,9 +617,12 @@ def test_grouped_mlp_on_cuda_runs_the_fused_kernels(activation, save, monkeypatc
     y, grads = run(inp, dy, splits, activation=activation, save=save)
     monkeypatch.setattr(gm, "select", lambda kernels, x: act_mod.REFERENCE)
     y0, g0 = run(inp, dy, splits, activation=activation, save=save)
-    assert_same(y, y0, "y")
     i_p = NAMES.index("probs") + 2 * (E - 1)  # (x, E w1, E w2, probs, ...)
-    assert_same(grads[:i_p] + grads[i_p + 1 :], g0[:i_p] + g0[i_p + 1 :], "grads")
+    if activation == "gelu":
+        torch.testing.assert_close([y, *grads], [y0, *g0], rtol=2**-6, atol=2**-10)
+    else:
+        assert_same(y, y0, "y")
+        assert_same(grads[:i_p] + grads[i_p + 1 :], g0[:i_p] + g0[i_p + 1 :], "grads")
     torch.testing.assert_close(grads[i_p], g0[i_p], rtol=2**-7, atol=1e-6)
     check_against_reference(inp, dy, activation, y, grads, splits=[40, 0, 88, 17])
 

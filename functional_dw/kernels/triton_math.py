@@ -8,6 +8,12 @@ kernels launch with ``enable_fp_fusion=False`` (no contraction into FMAs), so on
 give the reference's bits. ``INTERP``: Triton's CPU interpreter (no libdevice: numpy's).
 """
 
+# NOTE: [erf] GELU's erf is libdevice's ``erff``, which ``enable_fp_fusion=False`` compiles
+# without contracting its own multiply-adds; torch's CUDA ``erf`` is the same routine compiled by
+# nvcc with contraction. On the H200 the two differ by one fp32 ulp for some inputs (seen in
+# GELU's tail, z ~ -4), so GELU's h and dfc1_out are within one ulp of the reference's, not
+# bitwise; SwiGLU's and SiLU's (expf, division) are bitwise.
+
 from __future__ import annotations
 
 import os

@@ -48,11 +48,13 @@ __all__ = ["available", "quantize_activation", "quantize_weight"]
 
 
 # NOTE: [The activation as the load] grouped_mlp's fc2 quantizes h = act(fc1_out) * probs. With
-# ``act`` both kernels compute their tile of h from fc1's output (``triton_math.h_tile``, the
-# activation kernel's own code) and round it to the activations' dtype before the amax and the
-# cast: the FP8 copies and scales are bitwise those of the h the activation kernel would have
-# written, and h itself is never written or read back (per token: 2F values written and 2F read
-# less than activation, then quantization; two launches instead of three).
+# ``act`` the amax kernel computes its tile of h from fc1's output (``triton_math.h_tile``, the
+# activation kernel's own code), rounds it to the activations' dtype as that kernel does, takes
+# the amaxes and writes h; the cast kernel reads h as it reads any x. The FP8 copies and scales
+# are bitwise those of the h the activation kernel writes; two launches instead of three, and h
+# is read once instead of twice. (Computing h again in the cast kernel, h never written, was
+# slower on the H200 at F = 1536 and 4096: the activation's math, libdevice exp and IEEE
+# division, done twice, and fc1's output read twice, cost more than writing and reading h.)
 
 
 def available(t: torch.Tensor) -> bool:
@@ -87,32 +89,6 @@ if triton is not None:
         return v.to(tl.float8e4nv)
 
     @triton.jit
-    def _load(
-        x_ptr,
-        stride_x,
-        rows,
-        rmask,
-        cols,
-        cmask,
-        p_ptr,
-        D,
-        ACT: tl.constexpr,
-        HAS_P: tl.constexpr,
-        INTERP: tl.constexpr,
-    ):
-        """A tile of the tensor being quantized, in fp32 (0 outside the masks): ``x``'s, or with
-        ``ACT`` (>= 0) ``h = act(fc1_out) * probs`` computed from fc1's output (``x_ptr``) and
-        rounded to its dtype, as the activation kernel writes h: the copies are bitwise those of
-        the written h (NOTE: [The activation as the load])."""
-        if ACT < 0:
-            m = rmask[:, None] & cmask[None, :]
-            return tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=m, other=0.0).to(
-                tl.float32
-            )
-        h = h_tile(x_ptr, stride_x, rows, rmask, cols, cmask, p_ptr, D, ACT, HAS_P, INTERP)
-        return h.to(x_ptr.dtype.element_ty).to(tl.float32)
-
-    @triton.jit
     def _group_of(rows, ends_ptr, E, EB: tl.constexpr):
         """The expert of each row: how many ends are <= it."""
         i = tl.arange(0, EB)
@@ -131,6 +107,7 @@ if triton is not None:
         E,
         n_part,
         p_ptr,
+        h_ptr,
         ROWS: tl.constexpr,
         COLS: tl.constexpr,
         RB: tl.constexpr,
@@ -157,7 +134,19 @@ if triton is not None:
         for i in range(0, RB, BT):
             rows = first + i + tl.arange(0, BT)
             rmask = rows < T
-            v = _load(x_ptr, stride_x, rows, rmask, cols, cmask, p_ptr, D, ACT, HAS_P, INTERP)
+            if ACT < 0:
+                v = tl.load(
+                    x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
+                    mask=rmask[:, None] & cmask[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+            else:  # h's tile from fc1's output, rounded as the activation kernel rounds it, and written
+                h = h_tile(x_ptr, stride_x, rows, rmask, cols, cmask, p_ptr, D, ACT, HAS_P, INTERP)
+                h = h.to(h_ptr.dtype.element_ty)
+                tl.store(
+                    h_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], h, mask=rmask[:, None] & cmask[None, :]
+                )
+                v = h.to(tl.float32)
             a = tl.abs(v)
             a = tl.where(a != a, 0.0, a)  # amaxes skip NaN
             if ROWS:
@@ -203,10 +192,6 @@ if triton is not None:
         BD: tl.constexpr,
         EB: tl.constexpr,
         SAT: tl.constexpr,
-        p_ptr,
-        ACT: tl.constexpr,
-        HAS_P: tl.constexpr,
-        INTERP: tl.constexpr,
     ):
         """One tile of ``BT`` positions of the columnwise layout by ``BD`` features. Position
         ``p`` is expert ``g``'s token ``p - pstart[g]`` (``pends``: the padded ends; the rows'
@@ -239,7 +224,7 @@ if triton is not None:
         valid = inside & (local < count)
         rows = start + local
         m = valid[:, None] & cmask[None, :]
-        v = _load(x_ptr, stride_x, rows, valid, cols, cmask, p_ptr, D, ACT, HAS_P, INTERP)
+        v = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
         if ROWS:
             s_r = _scale(tl.load(row_amax_ptr + rows, mask=valid, other=0.0), fp8_max, eps, POW2)
             tl.store(
@@ -306,10 +291,11 @@ def _launch(
     ``g * (col_stride_g - col_shift_g) + feature * col_stride_d + p``). ``act``: (activation,
     probs): ``t2d`` is fc1's output and the tensor quantized is ``h = act(t2d) * probs``."""
     R, D = t2d.shape
-    code, probs = -1, None
+    code, probs, h = -1, None, None
     if act is not None:
         code, probs = ACT_CODES[act[0]], act[1]
         D = D // 2 if act[0] == "swiglu" else D
+        h = torch.empty(R, D, dtype=t2d.dtype, device=t2d.device)
     dev = t2d.device
     c = CONFIG
     if c["RB"] % c["BT"]:  # the amax kernel steps BT rows through its RB: a remainder reads the next block
@@ -340,6 +326,7 @@ def _launch(
                     E,
                     n_part,
                     t2d if probs is None else probs,
+                    t2d if h is None else h,
                     ROWS=rowwise,
                     COLS=columnwise,
                     RB=c["RB"],
@@ -354,9 +341,10 @@ def _launch(
                 )
                 if rowwise:  # each row's amax: the max of its blocks' (one small torch reduction)
                     row_amax = row_part.amax(dim=1)
+            src = t2d if h is None else h  # (with act: the h the first kernel wrote)
             _cast_kernel[(triton.cdiv(max(P if columnwise else R, 1), c["CAST_BT"]), n_part)](
-                t2d,
-                t2d.stride(0),
+                src,
+                src.stride(0),
                 ends,
                 pends if columnwise else ends,
                 row_amax,
@@ -380,12 +368,7 @@ def _launch(
                 BD=c["BD"],
                 EB=EB,
                 SAT=_interpreting(),
-                p_ptr=t2d if probs is None else probs,
-                ACT=code,
-                HAS_P=probs is not None,
-                INTERP=_interpreting(),
                 num_warps=c["CAST_WARPS"],
-                enable_fp_fusion=False,
             )
     return row_out, row_sinv, col_sinv  # (None where not asked for)
 
@@ -402,7 +385,8 @@ def quantize_activation(
 ) -> RowwiseActivation:
     """``fp8.rowwise.quantize_activation`` on CUDA (``ends``/``pends`` int32 on t's device).
     ``act`` (activation, probs): ``t_TD`` is fc1's output ``[T, W]`` and the copies are those of
-    ``h = act(t_TD) * probs`` ``[T, F]`` (as the activation kernel writes it), h never written."""
+    ``h = act(t_TD) * probs`` ``[T, F]`` (as the activation kernel writes it), computed in the
+    first kernel (NOTE: [The activation as the load])."""
     T, D = t_TD.shape
     if act is not None and act[0] == "swiglu":
         D //= 2
