@@ -557,8 +557,9 @@ def _activation_cases(device, dtype, probs_dtype, seed):
                 yield activation, z, p, dh, dp_in
 
 
-def _one_ulp(a, b, what=""):
-    """``a`` within one unit in the last place (of its dtype) of ``b``, elementwise; NaN where b's."""
+def _within_ulp(a, b, slack, what=""):
+    """``a`` within one unit in the last place (of its dtype) of ``b`` plus ``slack``,
+    elementwise; NaN where b's."""
     assert a.dtype == b.dtype and a.shape == b.shape, what
     a32, b32 = a.double(), b.double()
     assert torch.equal(a32.isnan(), b32.isnan()), what
@@ -566,8 +567,8 @@ def _one_ulp(a, b, what=""):
     finfo = torch.finfo(b.dtype)
     ulp = torch.ldexp(torch.ones_like(b32), torch.frexp(b32).exponent - 1) * finfo.eps
     ulp = ulp.clamp_min(finfo.smallest_normal * finfo.eps)
-    bad = (a32 - b32).abs() > ulp
-    assert not bad.any(), f"{what}: {int(bad.sum())} values more than one ulp apart"
+    bad = (a32 - b32).abs() > ulp + slack
+    assert not bad.any(), f"{what}: {int(bad.sum())} values more than one ulp (+ slack) apart"
 
 
 @gpu
@@ -575,7 +576,8 @@ def _one_ulp(a, b, what=""):
 @pytest.mark.parametrize("probs_dtype", ["same", "fp32"])
 def test_triton_activation_is_the_reference_bitwise_on_cuda(dtype, probs_dtype):
     """h and dfc1_out bitwise the reference's on the same GPU (the same fp32 expressions, expf,
-    IEEE division, no FMA contraction), GELU's within one ulp (NOTE: [erf] in triton_math.py);
+    IEEE division, no FMA contraction); GELU's within one ulp plus what erf's one-fp32-ulp
+    difference becomes (NOTE: [erf] in triton_math.py);
     dprobs (a row sum in the kernel's order) within fp32 summation error."""
     from functional_dw.kernels import triton_activation as ta
 
@@ -584,11 +586,16 @@ def test_triton_activation_is_the_reference_bitwise_on_cuda(dtype, probs_dtype):
     pdt = dt if probs_dtype == "same" else torch.float32
     for activation, z, p, dh, dp_in in _activation_cases("cuda", dt, pdt, seed=11):
         what = f"{activation} {tuple(z.shape)} probs={p is not None}"
-        same = assert_same if activation != "gelu" else _one_ulp  # (GELU: triton_math's NOTE: [erf])
-        same(ta.FUSED.act_fwd(z, p, activation), act_mod.act_fwd(z, p, activation), f"h {what}")
+        h, h0 = ta.FUSED.act_fwd(z, p, activation), act_mod.act_fwd(z, p, activation)
         dz, dp = ta.FUSED.act_bwd(z, p, dh, activation, dprobs_in=dp_in)
         dz0, dp0 = act_mod.act_bwd(z, p, dh, activation, dprobs_in=dp_in)
-        same(dz, dz0, f"dfc1_out {what}")
+        if activation != "gelu":
+            assert_same(h, h0, f"h {what}")
+            assert_same(dz, dz0, f"dfc1_out {what}")
+        else:  # erf one fp32 ulp apart (NOTE: [erf] in triton_math.py), carried by z / 2 into h, / 2 into gelu'
+            p1 = 1 if p is None else p.double().abs()[:, None]
+            _within_ulp(h, h0, 2**-22 * z.double().abs() * p1, f"h {what}")
+            _within_ulp(dz, dz0, 2**-22 * dh.double().abs() * p1, f"dfc1_out {what}")
         if p is None:
             assert dp is None and dp0 is None
             continue
@@ -633,8 +640,8 @@ def test_grouped_mlp_fused_activation_in_a_cuda_graph():
     pytest.importorskip("triton")
     inp, dy = _on(*make("swiglu", torch.bfloat16, splits=[40, 0, 88, 17], seed=5), "cuda")
     splits = torch.tensor([40, 0, 88, 17], device="cuda")
-    want = run(inp, dy, splits)
-    step = lambda: run(inp, dy, splits)  # noqa: E731
+    want = run(inp, dy, splits, backend="torch")
+    step = lambda: run(inp, dy, splits, backend="torch")  # noqa: E731  (torch's grouped GEMM: device splits)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
