@@ -32,8 +32,10 @@ With FP8 (``recipe=``) each linear quantizes as its layer does: fc1's record kee
 copy, fc2's h's FP8 copy (``"h"``), or backward quantizes the recomputed h again by fc2's plan
 (``"default"``: the same bits; delayed scaling reads the state's scale, so update the state
 after backward, as the modules do). ``"x_only"`` is refused with FP8 (fc1 keeps only x's FP8
-copy, not x). The activation runs in high precision between FP8 GEMMs; fusing it with h's
-quantization (and keeping fc1_out in FP8) is GPU work for later.
+copy, not x). The activation runs in high precision between FP8 GEMMs; with
+RowwiseScaling on CUDA it runs inside h's quantization (fc2's plan's ``quantize_activated``:
+NOTE: [The activation as the load] in ``kernels/triton_rowwise.py``), fc2 planned on a
+stand-in with h's shape.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``activation.py`` defines the math and the numerics contract; these kernels compute the same
 float32 expressions in the same order (``triton_math.py``: IEEE division, libdevice's
 ``exp``/``erf``, no fused multiply-adds) and round once, so ``h`` and ``dfc1_out`` are
-bitwise the reference's on the same GPU (GELU's not quite: NOTE: [erf] there; the GPU
+bitwise the reference's on the same GPU (GELU's not quite: NOTE: [erf] in ``triton_math.py``; the GPU
 tests check it); ``dprobs`` is a row sum in the kernel's order (equal within fp32 summation
 error).
 

@@ -8,13 +8,6 @@ kernels launch with ``enable_fp_fusion=False`` (no contraction into FMAs), so on
 give the reference's bits. ``INTERP``: Triton's CPU interpreter (no libdevice: numpy's).
 """
 
-# NOTE: [erf] GELU's erf is libdevice's ``erff``, which ``enable_fp_fusion=False`` compiles
-# without contracting its own multiply-adds; torch's CUDA ``erf`` is the same routine compiled by
-# nvcc with contraction. On the H200 the two differ by one fp32 ulp for some inputs, so GELU's
-# h and dfc1_out are not the reference's bits: in GELU's tail, where ``1 + erf`` cancels, that
-# ulp is a large relative difference of a small value (absolutely at most ``|z| * 2^-24`` in h).
-# Neither is more accurate. SwiGLU's and SiLU's (expf, division) are bitwise the reference's.
-
 from __future__ import annotations
 
 import os
@@ -25,6 +18,13 @@ try:
     from triton.language.extra import libdevice
 except ImportError:  # CPU-only torch builds ship no Triton
     triton = None
+
+# NOTE: [erf] GELU's erf is libdevice's ``erff``, which ``enable_fp_fusion=False`` compiles
+# without contracting its own multiply-adds; torch's CUDA ``erf`` is the same routine compiled by
+# nvcc with contraction. On the H200 the two differ by one fp32 ulp for some inputs, so GELU's
+# h and dfc1_out are not the reference's bits: in GELU's tail, where ``1 + erf`` cancels, that
+# ulp is a large relative difference of a small value (absolutely at most ``|z| * 2^-24`` in h).
+# Neither is more accurate. SwiGLU's and SiLU's (expf, division) are bitwise the reference's.
 
 __all__ = ["ACT_CODES", "h_tile"]
 
