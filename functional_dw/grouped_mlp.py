@@ -48,6 +48,7 @@ import torch
 from . import _checks, _fp8, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from .grouped_linear import GroupedLinearResiduals, SplitsArg, WeightsArg, grouped_linear_bwd
+from .grouped_linear import _jvp as grouped_linear_jvp
 from .grouped_linear import (  # fc1's and fc2's own steps
     _check_bias,
     _dy_TN,
@@ -59,7 +60,8 @@ from .grouped_linear import (  # fc1's and fc2's own steps
     _x_TK,
 )
 from .kernels import Kernels, stacked
-from .kernels.activation import ACTIVATIONS, ActivationKernels, activation_kernels, glu_width, select
+from .kernels.activation import ACTIVATIONS, ActivationKernels, act_fwd, act_jvp, activation_kernels, glu_width
+from .kernels.activation import probs_bias_fwd, select
 from .plan import Options, route
 from .residuals import _describe_value, _nbytes, any_needed, needed, residuals, saved, saved_activations
 
@@ -476,7 +478,39 @@ def _bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> tuple:
     return g.dx, g.dw1, g.dw2, None, g.dprobs, g.dbias1, g.dbias2
 
 
-_grouped_mlp = custom_vjp(_fwd, _bwd, nondiff_argnums=(7,), primal=_primal, name="grouped_mlp")
+def _jvp(res: GroupedMLPResiduals, tangents: tuple) -> torch.Tensor:
+    """Forward mode: fc1's jvp rule, the activation's (``act_jvp``), fc2's, and the weighted
+    bias's ``t_probs * b2_e + probs * t_b2_e``; what the policy did not save is recomputed."""
+    _fp8.no_jvp(res.fc1.fp8, "grouped_mlp")
+    tx, tw1, tw2, _, tp, tb1, tb2 = tangents
+    fc1_out = res.fc1_out if res.fc1_out is not None else _recompute_fc1(res)
+    r2, pb = res.fc2, res.probs_bias
+    if r2.x_TK is None:
+        r2 = dataclasses.replace(r2, x_TK=act_fwd(fc1_out, res.probs, res.activation))
+    t_fc1 = None
+    if tx is not None or _any_tangent(tw1) or _any_tangent(tb1):
+        t_fc1 = grouped_linear_jvp(res.fc1, (tx, tw1, None, tb1))
+    t_h = act_jvp(fc1_out, res.probs, t_fc1, tp, res.activation)
+    ty = grouped_linear_jvp(r2, (t_h, tw2, None, tb2 if pb is None else None))
+    if pb is not None:
+        zeros = torch.zeros_like(ty)
+        if tp is not None:
+            ty = ty + probs_bias_fwd(zeros, _bias_EH(pb), tp, r2.splits)
+        if _any_tangent(tb2):
+            tb = (
+                tb2
+                if pb.form == "stacked"
+                else stacked([torch.zeros_like(b) if t is None else t for t, b in zip(tb2, pb.bias)])
+            )
+            ty = ty + probs_bias_fwd(zeros, tb, res.probs, r2.splits)
+    return ty
+
+
+def _any_tangent(t: Any) -> bool:
+    return t is not None and not (isinstance(t, (list, tuple)) and all(u is None for u in t))
+
+
+_grouped_mlp = custom_vjp(_fwd, _bwd, nondiff_argnums=(7,), primal=_primal, jvp=_jvp, name="grouped_mlp")
 _grouped_mlp_eager = torch.compiler.disable(_grouped_mlp, reason=dwp.NO_COMPILE)
 
 

@@ -354,6 +354,37 @@ def test_torch_func_grad_and_vjp_over_x_and_probs(save):
     assert_same(list(vjp_fn(dy)), [dx, dp])
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+@pytest.mark.parametrize("save", POLICIES)
+@pytest.mark.parametrize("activation", ACTS)
+def test_jvp_over_every_input(activation, save, stacked):
+    """Forward mode (torch.func.jvp, jacfwd): tangents of x, w1, w2, probs, bias1 and bias2 at once
+    equal the float64 reference model's own jvp."""
+    inp, _ = make(activation, torch.float64, bias=True, stacked=stacked)
+    primals = [inp[k] for k in NAMES]
+    tangents = pytree.tree_map(lambda t: torch.randn_like(t), primals)
+
+    def ours(x, w1, w2, p, b1, b2):
+        return fd.grouped_mlp(x, w1, w2, SPLITS, probs=p, bias1=b1, bias2=b2, activation=activation, save=save)
+
+    def ref(x, w1, w2, p, b1, b2):
+        return ref_mlp(x, w1, w2, SPLITS, p, b1, b2, ACT[activation])
+
+    y, ty = torch.func.jvp(ours, tuple(primals), tuple(tangents))
+    y0, ty0 = torch.func.jvp(ref, tuple(primals), tuple(tangents))
+    torch.testing.assert_close(y, y0, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ty, ty0, rtol=1e-10, atol=1e-10)
+    jx = torch.func.jacfwd(lambda x: ours(x, *primals[1:]))(inp["x"])
+    torch.testing.assert_close(jx, torch.func.jacfwd(lambda x: ref(x, *primals[1:]))(inp["x"]), rtol=1e-10, atol=1e-10)
+
+
+def test_jvp_refuses_fp8():
+    inp, _ = make("swiglu", torch.bfloat16, splits=FP8_SPLITS)
+    f = lambda x: fd.grouped_mlp(x, inp["w1"], inp["w2"], FP8_SPLITS, recipe=fp8.Float8CurrentScaling())  # noqa: E731
+    with pytest.raises(NotImplementedError, match="grouped_mlp"):
+        torch.func.jvp(f, (inp["x"].detach(),), (torch.ones_like(inp["x"]),))
+
+
 @pytest.mark.parametrize("save", POLICIES)
 def test_second_order(save):
     """A backward that is itself differentiated (create_graph, grad of grad) recomputes fc1's

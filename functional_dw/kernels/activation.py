@@ -57,6 +57,7 @@ __all__ = [
     "select",
     "act_fwd",
     "act_bwd",
+    "act_jvp",
     "probs_bias_fwd",
     "probs_bias_bwd",
     "glu_width",
@@ -223,6 +224,33 @@ def activation_kernels(kernels: Any, *operands: Any) -> ActivationKernels:
         if any(isinstance(t, torch.Tensor) and wrapped(t) for t in operands):
             return REFERENCE
     return kernels
+
+
+def act_jvp(
+    fc1_out: torch.Tensor,
+    probs: torch.Tensor | None,
+    t_fc1_out: torch.Tensor | None,
+    t_probs: torch.Tensor | None,
+    activation: str,
+) -> torch.Tensor:
+    """Forward mode (grouped_mlp's jvp rule): ``dh = act'(fc1_out) t_fc1_out * p + act(fc1_out)
+    t_probs`` in the compute dtype, rounded once (None tangents are zeros)."""
+    acc = _acc(fc1_out.dtype)
+    z = fc1_out.to(acc)
+    T, W = z.shape
+    dh = z.new_zeros(T, W // glu_width(activation))
+    if t_fc1_out is not None:
+        t = t_fc1_out.to(acc)
+        if activation == "swiglu":
+            (gate, up), (tg, tu) = z.chunk(2, dim=-1), t.chunk(2, dim=-1)
+            dh = _silu_grad(gate) * tg * up + F.silu(gate) * tu
+        else:
+            dh = (_gelu_grad(z) if activation == "gelu" else _silu_grad(z)) * t
+        if probs is not None:
+            dh = dh * probs.to(acc)[:, None]
+    if t_probs is not None:
+        dh = dh + _act(z, activation) * t_probs.to(acc)[:, None]
+    return dh.to(fc1_out.dtype)
 
 
 def act_fwd(fc1_out: torch.Tensor, probs: torch.Tensor | None, activation: str) -> torch.Tensor:
