@@ -381,29 +381,41 @@ def _recompute_fc1(res: GroupedMLPResiduals) -> torch.Tensor:
     return kernels.grouped_fprop(x_TK, w_ENK, b_EN, r1.splits, grouped)
 
 
-def _differentiated(dy: Any, params: Any) -> bool:
+def _differentiated(dy: Any, inputs: Any, x_wanted: bool = False) -> bool:
     """Whether this backward will itself be differentiated (autograd's ``create_graph=True``, or
-    under ``torch.func`` a dy tracked by another grad level than the one running it: grad of
-    grad, ``jacrev(jacrev)``), as ``_fp8.check_first_order`` tells. Then fc1's output and h are
-    recomputed from the saved inputs whatever the policy: saved intermediates carry no graph
-    back to x, the weights and probs, and a second-order gradient would silently miss their
-    terms (for x: NOTE: [Saved x]). The same bits; a direct ``grouped_mlp_bwd`` call uses
-    what was saved."""
+    under ``torch.func`` a dy or saved input tracked by another grad level than the one running
+    it: grad of grad, ``jacrev(jacrev)``), as ``_fp8.check_first_order`` tells, where ``inputs``
+    are the saved inputs fc1's output and h depend on (x, w1, bias1, probs: the MLP is nonlinear
+    in x, so a constant dy differentiated through dx, a gradient penalty, counts). Then fc1's
+    output and h are recomputed from the saved inputs whatever the policy: saved intermediates
+    carry no graph back to x, the weights and probs, and a second-order gradient would silently
+    miss their terms (for x: NOTE: [Saved x]). The same bits; a direct ``grouped_mlp_bwd`` call
+    uses what was saved. ``x_wanted``: autograd asks for x's grad where the record holds no x
+    (FP8 keeps its FP8 copy), so x requires grad."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(dy, torch.Tensor):
         return False
+    tensors = [t for t in (dy, *inputs) if isinstance(t, torch.Tensor)]
     func = torch._C._functorch
     top = func.peek_interpreter_stack()
     if top is not None:
         own = top.level() if top.key() == func.TransformType.Grad else None
-        t = dy
-        while func.is_functorch_wrapped_tensor(t):
-            if func.is_gradtrackingtensor(t) and func.maybe_get_level(t) != own and t.requires_grad:
-                return True
-            t = func.get_unwrapped(t)
+        for t in tensors:
+            while func.is_functorch_wrapped_tensor(t):
+                if func.is_gradtrackingtensor(t) and func.maybe_get_level(t) != own and t.requires_grad:
+                    return True
+                t = func.get_unwrapped(t)
         return False
     if torch._C._current_autograd_node() is None:
         return False  # the pure API called directly, not autograd's backward
-    return dy.requires_grad or any(p.requires_grad for p in params)
+    return x_wanted or any(t.requires_grad for t in tensors)
+
+
+def _fc1_inputs(res: GroupedMLPResiduals) -> tuple:
+    """The saved inputs fc1's output and h are computed from: x (as given; with FP8 its copy,
+    which carries no grad), fc1's weights and bias, probs."""
+    b1 = res.bias1
+    bias = () if b1 is None else (b1,) if isinstance(b1, torch.Tensor) else tuple(b1)
+    return (res.fc1.x_TK, *res.fc1.weights, *bias, res.probs)
 
 
 def _with_h(res: GroupedMLPResiduals, r2: GroupedLinearResiduals, fc1_out: torch.Tensor) -> GroupedLinearResiduals:
@@ -435,7 +447,13 @@ def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     # gathers and finalize match across ranks, as in grouped_linear); dh also feeds dprobs
     fc1_side = bool(want_x) or any_needed(want_w1) or any_needed(want_b1) or r1.distributed
     need_dh = fc1_side or (res.probs is not None and bool(want_p))
-    second = _differentiated(dy, r1.weights) and r1.fp8 is None  # (FP8 refuses a second order itself)
+    second = _differentiated(dy, _fc1_inputs(res), x_wanted=r1.fp8 is not None and bool(want_x))
+    if second and r1.fp8 is not None:
+        raise NotImplementedError(
+            "grouped_mlp: a backward through FP8 layers cannot be differentiated again (create_graph=True, "
+            "grad of grad, jacrev of jacrev): quantization has no derivative, so second-order terms would "
+            "be silently missing. Take first-order gradients, or use recipe=None"
+        )
     fc1_out = res.fc1_out if res.fc1_out is not None and not second else _recompute_fc1(res)
     if (r2.x_TK is None and res.h_kept) or (second and r2.fp8 is None):
         r2 = _with_h(res, r2, fc1_out)

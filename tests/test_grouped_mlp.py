@@ -419,6 +419,48 @@ def test_second_order(save):
     assert_close(torch.func.grad(lambda x: gx(x).sum())(x), want[0], torch.float64, "grad of grad")
 
 
+@pytest.mark.parametrize("save", POLICIES)
+def test_second_order_through_dx_with_a_constant_cotangent(save):
+    """A gradient penalty (dy constant, the weights frozen, only x and probs requiring grad):
+    dx depends on x through the activation, so its derivative is recomputed from x like any
+    second order (it was silently zero: only dy and w1 were asked whether they require grad),
+    by autograd (create_graph), grad of grad and jacrev of jacrev; with FP8 it is refused."""
+    g = torch.Generator().manual_seed(6)
+    x, p = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.rand(6, generator=g, dtype=torch.float64)
+    w1 = torch.randn(3, 4, 4, generator=g, dtype=torch.float64)
+    w2 = torch.randn(3, 4, 2, generator=g, dtype=torch.float64)
+    c = torch.linspace(-1, 1, 4, dtype=torch.float64)
+
+    def f(x, p):
+        return fd.grouped_mlp(x, w1, w2, [2, 0, 4], probs=p, save=save, use_grouped_tensor=False)
+
+    def ref(x, p):
+        return ref_mlp(x, w1, w2, [2, 0, 4], p, None, None, ACT["swiglu"])
+
+    def penalty(fn):
+        x_, p_ = x.clone().requires_grad_(), p.clone().requires_grad_()
+        (gx,) = torch.autograd.grad((fn(x_, p_) * c).sum(), x_, create_graph=True)
+        return torch.autograd.grad(gx.square().sum(), [x_, p_])
+
+    for a, b, name in zip(penalty(f), penalty(ref), ("x", "p")):
+        assert_close(a, b, torch.float64, f"d/d{name} of |dx|^2")
+    gx = lambda fn: lambda x: torch.func.grad(lambda x: (fn(x, p) * c).sum())(x)  # noqa: E731
+    want = torch.func.jacrev(gx(ref))(x)
+    assert_close(torch.func.jacrev(gx(f))(x), want, torch.float64, "jacrev of jacrev")
+    assert_close(
+        torch.func.grad(lambda x: gx(f)(x).square().sum())(x),
+        torch.func.grad(lambda x: gx(ref)(x).square().sum())(x),
+        torch.float64,
+        "grad of grad",
+    )
+    if save != "x_only":
+        xr = torch.randn(32, 16, generator=g).requires_grad_()
+        w1r, w2r = torch.randn(2, 32, 16, generator=g), torch.randn(2, 16, 16, generator=g)
+        y = fd.grouped_mlp(xr, w1r, w2r, [16, 16], save=save, recipe=fp8.RowwiseScaling())
+        with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
+            torch.autograd.grad(y.sum(), xr, create_graph=True)
+
+
 @pytest.mark.parametrize("save", ["default", "x_only"])
 def test_torch_compile_aot_eager_equals_eager(save):
     torch._dynamo.reset()
@@ -697,7 +739,8 @@ for act in ("swiglu", "gelu", "silu"):
     for T, F in ((0, 4), (1, 3), (37, 150)):
         W = 2 * F if act == "swiglu" else F
         z = torch.randn(T, W + 2, generator=g)[:, 2:] * 4
-        dh, p, dpin = torch.randn(T, F, generator=g), torch.rand(T, generator=g), torch.randn(T, generator=g)
+        dh, p = torch.randn(T, F, generator=g), torch.rand(T, generator=g)
+        dpin = torch.randn(2 * T, generator=g)[::2]  # a strided dprobs_in (a view)
         for pp, dd in ((None, None), (p, dpin)):
             h, h0 = ta.act_fwd(z, pp, act), ref.act_fwd(z, pp, act)
             (dz, dp), (dz0, dp0) = ta.act_bwd(z, pp, dh, act, dprobs_in=dd), ref.act_bwd(z, pp, dh, act, dprobs_in=dd)

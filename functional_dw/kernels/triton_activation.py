@@ -183,6 +183,7 @@ def act_bwd(
     """(``dfc1_out``, ``dprobs``) by the backward kernel (any Triton device)."""
     z, g = _rowmajor(fc1_out), _rowmajor(dh)
     probs = None if probs is None else _rowmajor(probs)
+    dprobs_in = None if dprobs_in is None else _rowmajor(dprobs_in)  # (read at its rows: stride 1)
     T, W = z.shape
     F = g.shape[1]
     dz = torch.empty(T, W, dtype=z.dtype, device=z.device)
