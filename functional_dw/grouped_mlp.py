@@ -273,7 +273,7 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
         )
     if hq is None:
         h = k.act_fwd(fc1_out, probs, opts.activation)
-        c2 = c2._replace(x_TK=h)
+        c2 = c2._replace(x_TK=_checks.dense(h))  # (a backend's own act_fwd may return any strides)
     if keep:
         y, r2 = _forward(c2, h, keep_x=_keep_x(opts.fc2), xq=hq)
     else:

@@ -512,6 +512,12 @@ def _refuse_unsupported_mlp(config: Any, submodules: Any) -> None:
             "config.use_te_activation_func=True with an activation_func submodule: functional_dw.megatron.GroupedMLP "
             "runs its activation inside the fused pair (from config.activation_func); set use_te_activation_func=False"
         )
+    if getattr(config, "activation_func_fp8_input_store", False):
+        raise NotImplementedError(
+            "config.activation_func_fp8_input_store=True: Megatron keeps the activation's input in FP8; "
+            "functional_dw.megatron.GroupedMLP keeps fc1's output as its save= policy says (save='x_only' "
+            "keeps the least): set it to False"
+        )
     offload = [n for n in ("expert_fc1", "moe_act") if _offloads(config, n)]
     if getattr(config, "fp8", None) and len(offload) == 1:
         raise NotImplementedError(

@@ -808,6 +808,7 @@ def test_grouped_mlp_under_saved_tensor_hooks(mpu, hook):
         (dict(activation_func_clamp_value=7.0), NotImplementedError, "config.activation_func_clamp_value"),
         (dict(moe_mlp_glu_interleave_size=32), NotImplementedError, "moe_mlp_glu_interleave_size=32"),
         (dict(use_transformer_engine_op_fuser=True), NotImplementedError, "use_transformer_engine_op_fuser"),
+        (dict(activation_func_fp8_input_store=True), NotImplementedError, "activation_func_fp8_input_store"),
         (dict(delay_wgrad_compute=True), NotImplementedError, "config.delay_wgrad_compute"),
         (dict(fp8="hybrid", fp8_recipe="mxfp8"), NotImplementedError, "config.fp8_recipe='mxfp8'"),
         (
