@@ -511,8 +511,10 @@ def _versions(tex, dev) -> dict:
         bench.DEV = old
 
 
-def add_arguments(p, contenders, budget: int, align_help: str, out: str, append_help: str, default_repeats: str):
-    """The arguments after ``--shapes``, as moe_mlp.py takes them too."""
+def make_parser(doc, shapes_help, contenders, budget, align_help, out, append_help, default_repeats):
+    """The arguments moe_layer.py and moe_mlp.py both take (their help as given)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="all", help=shapes_help)
     p.add_argument("--routing", default="balanced,skewed")
     p.add_argument("--repeats", type=int, default=None, help=f"repeats per contender (default 10; {default_repeats} 2)")
     p.add_argument("--budget", type=float, default=budget, help=f"seconds (0: none); default {budget}")
@@ -520,6 +522,7 @@ def add_arguments(p, contenders, budget: int, align_help: str, out: str, append_
     p.add_argument("--align", type=int, default=128, help=align_help)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / out))
     p.add_argument("--append", action="store_true", help=append_help)
+    return p
 
 
 def contenders_and_routings(p, args, contenders) -> tuple[list[str], list[str]]:
@@ -606,17 +609,10 @@ def run_shapes(out: Path, meta, earlier, table, shapes, budget, run, render) -> 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--shapes",
-        default="all",
-        help="all, quick ("
-        + ", ".join(map(str, QUICK))
-        + ") or indices into: "
+    p = make_parser(
+        __doc__,
+        f"all, quick ({', '.join(map(str, QUICK))}) or indices into: "
         + "; ".join(f"{i}: {s[:4]}" for i, s in enumerate(SHAPES)),
-    )
-    add_arguments(
-        p,
         CONTENDERS,
         budget=360,
         align_help="skewed counts in multiples of this many tokens (FP8 "
