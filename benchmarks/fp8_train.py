@@ -140,16 +140,44 @@ def train(args: argparse.Namespace, recipe: fp8.Recipe | None) -> tuple[list[flo
     return torch.stack(losses[0]).tolist(), torch.stack(losses[1]).tolist()
 
 
-def plot(path: Path, result: dict, title: str) -> None:
-    """Both loss curves on a log scale, into ``path`` (skipped, saying so, without matplotlib)."""
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or None (saying so) without matplotlib; mlp_train.py's too."""
     try:
         import matplotlib
     except ImportError:
         print("matplotlib is not installed: no plot")
-        return
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def add_backend_argument(p: argparse.ArgumentParser, module: str) -> None:
+    """``--backend``, the backend of the script's ``module``; mlp_train.py's too."""
+    p.add_argument(
+        "--backend",
+        choices=["torch", "te", "auto"],
+        default=None,
+        help=f"{module}'s backend (default: TE on CUDA when installed, else torch)",
+    )
+
+
+def run_info(args: argparse.Namespace, device: torch.device) -> dict:
+    """The result's description of the run: the arguments, torch, the device's name, the steps; mlp_train.py's too."""
+    return dict(
+        config={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        torch=torch.__version__,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        steps=list(range(args.steps)),
+    )
+
+
+def plot(path: Path, result: dict, title: str) -> None:
+    """Both loss curves on a log scale, into ``path`` (skipped, saying so, without matplotlib)."""
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(8, 5))
     ax.plot(result["steps"], result["loss_bf16"], label="bf16", lw=1)
     ax.plot(result["steps"], result["loss_fp8"], label=f"recipe {result['config']['recipe']}", lw=1)
@@ -174,12 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the FP8 recipe of the second run (none: a second bf16 run, gap 0)",
     )
     p.add_argument("--device", default="cuda", help="cuda or cpu (the reference backend emulates FP8)")
-    p.add_argument(
-        "--backend",
-        choices=["torch", "te", "auto"],
-        default=None,
-        help="GroupedLinear's backend (default: TE on CUDA when installed, else torch)",
-    )
+    add_backend_argument(p, "GroupedLinear")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument(
         "--unaligned",
@@ -200,10 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = summary["max_rel_gap"] <= args.tolerance  # (False for NaN)
     device = torch.device(args.device)
     result = dict(
-        config={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        torch=torch.__version__,
-        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        steps=list(range(args.steps)),
+        **run_info(args, device),
         loss_bf16=loss_bf16,
         loss_fp8=loss_fp8,
         summary=dict(summary, ok=ok),

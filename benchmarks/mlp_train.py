@@ -40,11 +40,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fp8_train import add_backend_argument, moving_average, pyplot, run_info  # (beside this file)
 
 from functional_dw import fp8
 from functional_dw.nn import GroupedMLP
@@ -134,11 +137,6 @@ class Teacher:
         return y
 
 
-def moving_average(curve: torch.Tensor, window: int) -> torch.Tensor:
-    """Trailing mean over the last ``window`` points (fewer at the start); NaN stays NaN."""
-    return torch.stack([curve[max(0, i + 1 - window) : i + 1].mean() for i in range(len(curve))])
-
-
 def summarize(ref: list[float], run: list[float]) -> dict:
     """The max relative gap of ``run`` to ``ref`` over the last ``LAST`` steps (at most half the run): on
     ``SMOOTH``-step moving averages, and per step; each curve's mean over its last ``SMOOTH`` steps."""
@@ -211,14 +209,9 @@ def train(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, list[fl
 def plot(path: Path, result: dict, title: str) -> None:
     """The loss curves (log scale) and each FP8 run's smoothed relative gap, into ``path`` (skipped, saying
     so, without matplotlib)."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, (ax, gap) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(2, 1))
     ref = torch.tensor(result["losses"]["bf16"], dtype=torch.float64)
     for name, curve in result["losses"].items():
@@ -288,12 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dtype", choices=list(DTYPES), default="bf16", help="parameters and activations (fp32: a stand-in)"
     )
-    p.add_argument(
-        "--backend",
-        choices=["torch", "te", "auto"],
-        default=None,
-        help="GroupedMLP's backend (default: TE on CUDA when installed, else torch)",
-    )
+    add_backend_argument(p, "GroupedMLP")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--tolerance", type=float, default=0.01, help="largest smoothed relative gap that passes")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "mlp_train")
@@ -319,10 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             summary[name] = dict(s, ok=None if name == CONTROL else s["max_rel_gap"] <= args.tolerance)  # (NaN: False)
     result = dict(
         command=" ".join(["python benchmarks/mlp_train.py", *argv_used]),
-        config={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        torch=torch.__version__,
-        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        steps=list(range(args.steps)),
+        **run_info(args, device),
         losses=losses,
         summary=summary,
         errors=errors,

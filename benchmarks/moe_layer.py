@@ -102,7 +102,29 @@ def free(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
-class Case:
+class Routing:
+    """A case's routing: ``splits`` (the host list TE takes) and ``splits_dev`` (the CUDA counts, updated in
+    place, so graphs replay the current routing), set by ``route``; moe_mlp.py's case routes the same way."""
+
+    def set_splits(self, counts):
+        self.splits[:] = counts
+        self.unaligned = any(c % 16 for c in counts)  # (torchao's FP8 GEMM then pads the groups, when asked)
+        self.splits_dev.copy_(torch.tensor(counts))
+
+    def route(self, kind: str) -> list[int]:
+        raw = make_splits(self.E, self.T, "balanced" if kind == "balanced" else "zipf")
+        counts = [c // self.align * self.align for c in raw]
+        counts[max(range(self.E), key=lambda e: raw[e])] += self.T - sum(counts)
+        self.set_splits(counts)
+        return counts
+
+    def step_offs(self):
+        """The group ends a torch MoE computes from its routing's counts at every step (torchtitan:
+        ``torch.cumsum(counts, 0, dtype=torch.int32)``, one launch): fd's contenders take the counts too."""
+        return torch.cumsum(self.splits_dev, 0, dtype=torch.int32)
+
+
+class Case(Routing):
     """One shape: the master weights, the routing buffers every contender reads (the CUDA splits,
     updated in place per routing, so graphs replay the current routing; the host list TE takes), two (x, dy) pairs, and the contenders' steps."""
 
@@ -116,21 +138,6 @@ class Case:
             (torch.randn(T, H, device=dev, dtype=BF16, requires_grad=True), torch.randn(T, F, device=dev, dtype=BF16))
             for _ in range(2)
         ]
-
-    def route(self, kind: str) -> list[int]:
-        raw = make_splits(self.E, self.T, "balanced" if kind == "balanced" else "zipf")
-        counts = [c // self.align * self.align for c in raw]
-        counts[max(range(self.E), key=lambda e: raw[e])] += self.T - sum(counts)
-        self.splits[:] = counts
-        self.unaligned = any(c % 16 for c in counts)  # (torchao's FP8 GEMM then pads the groups, when asked)
-        host = torch.tensor(counts)
-        self.splits_dev.copy_(host)
-        return counts
-
-    def step_offs(self):
-        """The group ends a torch MoE computes from its routing's counts at every step (torchtitan:
-        ``torch.cumsum(counts, 0, dtype=torch.int32)``, one launch): fd's contenders take the counts too."""
-        return torch.cumsum(self.splits_dev, 0, dtype=torch.int32)
 
     def reference(self):
         with torch.no_grad():
@@ -188,9 +195,7 @@ class Case:
                 getattr(m, f"weight{e}").copy_(self.w[e])
         if recipe_name is None:
             return train_step(lambda x: m(x, self.splits))
-        from transformer_engine.common import recipe as te_recipes
-
-        recipe = getattr(te_recipes, recipe_name)()
+        recipe = te_recipe(recipe_name)
 
         def fwd(x):
             with _te_autocast(te, recipe):
@@ -199,22 +204,38 @@ class Case:
         return train_step(fwd)
 
     def torchao_step(self):
-        f = _torchao_gmm()
-        if isinstance(f, str):
-            return f
-        import inspect
+        gmm = torchao_gmm(self)
+        if isinstance(gmm, str):
+            return gmm
+        w = torch.nn.Parameter(self.w.clone())
+        return train_step(lambda x: gmm(x, w))
 
-        try:
-            padded = "pad_token_groups_for_grouped_mm" in inspect.signature(f).parameters
-        except (TypeError, ValueError):
-            padded = False
-        w = torch.nn.Parameter(self.w.clone())  # B_t = w^T [E, H, F], column-major as torchao asks
 
-        def fwd(x):
-            kw = {"pad_token_groups_for_grouped_mm": self.unaligned} if padded else {}
-            return f(x, w.transpose(-2, -1), self.step_offs(), out_dtype=BF16, **kw)
+def te_recipe(name):
+    """TE's recipe ``name`` (a class in ``transformer_engine.common.recipe``), made."""
+    from transformer_engine.common import recipe as te_recipes
 
-        return train_step(fwd)
+    return getattr(te_recipes, name)()
+
+
+def torchao_gmm(case: Routing):
+    """torchao's FP8 rowwise grouped GEMM as ``gmm(a, w)`` for a stacked ``[E, out, in]`` weight (B_t = w^T,
+    column-major as torchao asks), the group ends from the case's counts at every step; or why not."""
+    f = _torchao_gmm()
+    if isinstance(f, str):
+        return f
+    import inspect
+
+    try:
+        padded = "pad_token_groups_for_grouped_mm" in inspect.signature(f).parameters
+    except (TypeError, ValueError):
+        padded = False
+
+    def gmm(a, w):
+        kw = {"pad_token_groups_for_grouped_mm": case.unaligned} if padded else {}
+        return f(a, w.transpose(-2, -1), case.step_offs(), out_dtype=BF16, **kw)
+
+    return gmm
 
 
 def train_step(fwd):
@@ -296,8 +317,37 @@ def measure(steps: dict, case: Case, repeats: int, warmup: int, res: dict) -> No
         )
 
 
+def build_all(case, only, warmup) -> tuple[dict, dict]:
+    """The contenders ``only`` built on ``case``: ({key: its step}, {key: why it cannot run})."""
+    steps, built = {}, {}
+    for key in only:
+        try:
+            s = case.build(key, warmup)
+        except Exception as e:  # noqa: BLE001
+            s = _why(e)
+        (built if isinstance(s, str) else steps)[key] = s
+        if isinstance(s, str):
+            free(case.cuda)
+    return steps, built
+
+
+def time_routing(case, kind, splits, steps, built, only, repeats, warmup) -> dict:
+    """The row of one routing (``splits``, the case's current one): ``steps`` measured, the reasons in
+    ``built`` for the others; a step that fails is dropped from ``steps`` and its reason added to ``built``."""
+    res = dict(built)
+    measure(steps, case, repeats, warmup, res)
+    built |= {k: v for k, v in res.items() if isinstance(v, str)}  # dropped for the later routings too
+    row = {"splits": splits, "zero_experts": sum(s == 0 for s in splits), "results": {k: res[k] for k in only}}
+    print(
+        f"E={case.E} H={case.H} F={case.F} T={case.T} {kind}:",
+        {k: (v["ms"] if isinstance(v, dict) else v) for k, v in row["results"].items()},
+        flush=True,
+    )
+    return row
+
+
 def run_shape(E, H, F, T, routings, only, args, dev, te):
-    """{routing: its row} and None, or what is there and why the shape stopped (its inputs: OOM)."""
+    """({"routings": {routing: its row}}, None), or what is there and why the shape stopped (its inputs: OOM)."""
     warmup = 1 if args.smoke else TIMING["warmup"]
     out, error, case, steps, built = {}, None, None, {}, {}
     try:
@@ -305,27 +355,8 @@ def run_shape(E, H, F, T, routings, only, args, dev, te):
         for i, kind in enumerate(routings):
             splits = case.route(kind)
             if i == 0:  # the contenders (compiles, graph captures) once per shape, on the first routing
-                for key in only:
-                    try:
-                        s = case.build(key, warmup)
-                    except Exception as e:  # noqa: BLE001
-                        s = _why(e)
-                    (built if isinstance(s, str) else steps)[key] = s
-                    if isinstance(s, str):
-                        free(case.cuda)
-            res = dict(built)
-            measure(steps, case, args.repeats, warmup, res)
-            built |= {k: v for k, v in res.items() if isinstance(v, str)}  # dropped for the later routings too
-            out[kind] = {
-                "splits": splits,
-                "zero_experts": sum(s == 0 for s in splits),
-                "results": {k: res[k] for k in only},
-            }
-            print(
-                f"E={E} H={H} F={F} T={T} {kind}:",
-                {k: (v["ms"] if isinstance(v, dict) else v) for k, v in out[kind]["results"].items()},
-                flush=True,
-            )
+                steps, built = build_all(case, only, warmup)
+            out[kind] = time_routing(case, kind, splits, steps, built, only, args.repeats, warmup)
     except Exception as e:  # noqa: BLE001  (the shape's inputs or reference: OOM)
         error = _why(e)
         print(f"E={E} H={H} F={F} T={T}: {error}", flush=True)
@@ -333,7 +364,7 @@ def run_shape(E, H, F, T, routings, only, args, dev, te):
         case = steps = built = None
         torch._dynamo.reset()
         free(dev == "cuda")
-    return out, error
+    return {"routings": out}, error
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -368,57 +399,69 @@ def shape_name(s) -> str:
     return f"{s['E']}, {s['hidden']}, {s['ffn']}, {s['tokens']}" + (f" ({s['label']})" if s["label"] else "")
 
 
-def markdown(result) -> str:
-    meta, v = result["meta"], result["meta"]["versions"]
-    keys = meta["contenders"]
+def report_head(meta, title: str, data: str, quantized: str) -> list[str]:
+    """The report's title, commands, the paragraph on versions and timing, and the shapes skipped for time:
+    ``data`` says what the inputs are, ``quantized`` who quantizes the weights at every forward."""
+    v = meta["versions"]
     lines = [
-        f"# One MoE expert layer, forward+backward ({meta['date']}, {meta['card']})",
+        f"# {title} ({meta['date']}, {meta['card']})",
         "",
         *[f"`{c}`" for c in meta["commands"]],
         "",
         (
-            f"torch {v['torch']} (CUDA {v['cuda']}), TE {v['te']}, cuBLASLt {v['cublaslt']}, {meta['torchao']}. bf16 "
-            "activations and weights. Cells: ms per step (host ms per step): CUDA events around bursts of "
-            f"{meta['burst']} back-to-back steps (host: the wall time until the last step's call returns, before "
-            f"synchronizing), median of {meta['repeats']} interleaved repeats; graphed rows: ms only. Ratios: "
-            "time over time (< 1: the first is faster). Skewed routing: Zipf counts in multiples of "
-            f"{meta['align']} tokens. No optimizer step: fd rowwise quantizes its unchanged weights once, TE "
-            "quantizes them at every forward."
+            f"torch {v['torch']} (CUDA {v['cuda']}), TE {v['te']}, cuBLASLt {v['cublaslt']}, {meta['torchao']}. "
+            f"{data}. Cells: ms per step (host ms per step): CUDA events around bursts of {meta['burst']} "
+            "back-to-back steps (host: the wall time until the last step's call returns, before synchronizing), "
+            f"median of {meta['repeats']} interleaved repeats; graphed rows: ms only. Ratios: time over time (< 1: "
+            f"the first is faster). Skewed routing: Zipf counts in multiples of {meta['align']} tokens. No "
+            f"optimizer step: fd rowwise quantizes its unchanged weights once, {quantized} at every forward."
         ),
         "",
     ]
     if meta["skipped"]:
         lines += [f"Skipped for time (--budget {meta['budget_s']} s): {', '.join(meta['skipped'])}.", ""]
-    notes = {}  # (contender, reason) -> where
-    for routing in meta["routings"]:
+    return lines
+
+
+def timing_tables(result, labels: dict, ratios: list, notes: dict) -> list[str]:
+    """A table per routing: a row per shape, a cell per contender, then the ratios; ``notes`` gets
+    ``{(label, reason): [where]}`` for the contenders not timed."""
+    keys, lines = result["meta"]["contenders"], []
+    for routing in result["meta"]["routings"]:
         lines += [
             f"## {routing} routing",
             "",
             "| shape (E, hidden, ffn, tokens) | empty experts | "
-            + " | ".join(LABELS[k] for k in keys)
+            + " | ".join(labels[k] for k in keys)
             + " | "
-            + " | ".join(r[0] for r in RATIOS)
+            + " | ".join(r[0] for r in ratios)
             + " |",
-            "|---|---|" + "---|" * (len(keys) + len(RATIOS)),
+            "|---|---|" + "---|" * (len(keys) + len(ratios)),
         ]
         for s in result["shapes"]:
             row = s["routings"].get(routing)
             if row is None:
-                lines.append(f"| {shape_name(s)} | {s.get('error', 'not run')} |" + " |" * (len(keys) + len(RATIOS)))
+                lines.append(f"| {shape_name(s)} | {s.get('error', 'not run')} |" + " |" * (len(keys) + len(ratios)))
                 continue
             res = row["results"]
             lines.append(
                 f"| {shape_name(s)} | {row['zero_experts']} | "
                 + " | ".join(cell(res.get(k)) for k in keys)
                 + " | "
-                + " | ".join(ratio(res, a, b, f) for _, a, b, f in RATIOS)
+                + " | ".join(ratio(res, a, b, f) for _, a, b, f in ratios)
                 + " |"
             )
             for k in keys:
                 if isinstance(res.get(k), str):
-                    notes.setdefault((LABELS[k], res[k]), []).append(f"{shape_name(s)} {routing}")
+                    notes.setdefault((labels[k], res[k]), []).append(f"{shape_name(s)} {routing}")
         lines.append("")
-    errs = {}
+    return lines
+
+
+def report_tail(result, labels: dict, reference: str, notes: dict, rows: int, title: str) -> list[str]:
+    """Each contender's largest ``rel_err`` (against ``reference``), the ``notes`` under ``title`` (``rows``:
+    how many rows make "every row"), the seconds per shape."""
+    meta, lines, errs = result["meta"], [], {}
     for s in result["shapes"]:
         for row in s["routings"].values():
             for k, r in row["results"].items():
@@ -426,15 +469,14 @@ def markdown(result) -> str:
                     errs[k] = max(errs.get(k, 0.0), r["rel_err"])
     if errs:
         lines += [
-            "Largest relative error of the forward output against a per-expert matmul: "
-            + ", ".join(f"{LABELS[k]} {e:.2g}" for k, e in errs.items())
+            f"Largest relative error of the forward output against {reference}: "
+            + ", ".join(f"{labels[k]} {e:.2g}" for k, e in errs.items())
             + ".",
             "",
         ]
     if notes:
-        rows = sum(len(s["routings"]) for s in result["shapes"])
         lines += (
-            ["Not timed:", ""]
+            [f"{title}:", ""]
             + [
                 f"- {k}: {why} ({'every row' if len(where) == rows else '; '.join(where)})"
                 for (k, why), where in notes.items()
@@ -442,12 +484,23 @@ def markdown(result) -> str:
             + [""]
         )
     lines += [f"Seconds per shape: {', '.join(f'{k} {t}' for k, t in meta['elapsed_s'].items())}."]
+    return lines
+
+
+def markdown(result) -> str:
+    notes = {}  # (contender, reason) -> where
+    lines = report_head(
+        result["meta"], "One MoE expert layer, forward+backward", "bf16 activations and weights", "TE quantizes them"
+    )
+    lines += timing_tables(result, LABELS, RATIOS, notes)
+    rows = sum(len(s["routings"]) for s in result["shapes"])
+    lines += report_tail(result, LABELS, "a per-expert matmul", notes, rows, "Not timed")
     return "\n".join(lines) + "\n"
 
 
-def write(out: Path, result) -> None:
+def write(out: Path, result, render=markdown) -> None:
     (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "results.md").write_text(markdown(result))
+    (out / "results.md").write_text(render(result))
 
 
 def _versions(tex, dev) -> dict:
@@ -458,43 +511,120 @@ def _versions(tex, dev) -> dict:
         bench.DEV = old
 
 
+def make_parser(doc, shapes_help, contenders, budget, align_help, out, append_help, default_repeats):
+    """The arguments moe_layer.py and moe_mlp.py both take (their help as given)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="all", help=shapes_help)
+    p.add_argument("--routing", default="balanced,skewed")
+    p.add_argument("--repeats", type=int, default=None, help=f"repeats per contender (default 10; {default_repeats} 2)")
+    p.add_argument("--budget", type=float, default=budget, help=f"seconds (0: none); default {budget}")
+    p.add_argument("--only", default=",".join(contenders), help="contenders: " + ",".join(contenders))
+    p.add_argument("--align", type=int, default=128, help=align_help)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / out))
+    p.add_argument("--append", action="store_true", help=append_help)
+    return p
+
+
+def contenders_and_routings(p, args, contenders) -> tuple[list[str], list[str]]:
+    """``--only`` and ``--routing`` as lists (the parser exits on an unknown name)."""
+    only = [k for k in args.only.split(",") if k]
+    routings = [r for r in args.routing.split(",") if r]
+    if set(only) - set(contenders) or not only:
+        p.error(f"--only: unknown contender(s) {sorted(set(only) - set(contenders))}; choose from {contenders}")
+    if set(routings) - {"balanced", "skewed"} or not routings:
+        p.error("--routing: balanced and/or skewed")
+    return only, routings
+
+
+def import_te():
+    """(transformer_engine.pytorch, transformer_engine_torch), or (None, None), saying why."""
+    try:
+        import transformer_engine.pytorch as te
+        import transformer_engine_torch as tex
+    except Exception as e:  # noqa: BLE001
+        print(f"Transformer Engine not importable ({str(e).splitlines()[0][:120] if str(e) else e!r}): TE rows are n/a")
+        te = tex = None
+    return te, tex
+
+
+def start(args, argv, script: str, only, routings, dev: str, cpu_card: str, smoke: bool, tex):
+    """The output folder, the results of an earlier command (``--append``) or None, and this run's meta."""
+    ao = _torchao_gmm()
+    torch.manual_seed(0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    earlier = (
+        json.loads((out / "results.json").read_text()) if args.append and (out / "results.json").exists() else None
+    )
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "commands": (earlier["meta"]["commands"] if earlier else []) + [" ".join([f"python {script}", *argv])],
+        "card": torch.cuda.get_device_name() if dev == "cuda" else cpu_card,
+        "versions": _versions(tex, dev),
+        "torchao": ao if isinstance(ao, str) else "torchao " + getattr(sys.modules.get("torchao"), "__version__", "?"),
+        "contenders": only,
+        "routings": routings,
+        "repeats": args.repeats,
+        "burst": TIMING["burst"],
+        "warmup": 1 if smoke else TIMING["warmup"],
+        "align": args.align,
+        "budget_s": args.budget,
+        "smoke": smoke,
+        "skipped": [],
+        "elapsed_s": {},
+    }
+    return out, earlier, meta
+
+
+def run_shapes(out: Path, meta, earlier, table, shapes, budget, run, render) -> dict:
+    """Each shape measured by ``run(E, H, F, T)`` -> (its fields, error or None) while the budget lasts, the
+    results written after each (with an earlier command's other shapes, in ``table``'s order) and at the end."""
+    order = {r[:4]: i for i, r in enumerate(table)}
+    done = [s for s in earlier["shapes"] if key4(s) not in {r[:4] for r in shapes}] if earlier else []
+    if earlier:  # (a shape measured again gets its new seconds)
+        meta["elapsed_s"] = {k: v for k, v in earlier["meta"]["elapsed_s"].items() if k != "total"}
+    result = {"meta": meta, "shapes": done}
+    t0, last = time.monotonic(), 0.0
+    for E, H, F, T, label in shapes:
+        name = f"{E}, {H}, {F}, {T}"
+        if budget and last and time.monotonic() - t0 + last > budget:
+            meta["skipped"].append(name)
+            continue
+        t = time.monotonic()
+        fields, error = run(E, H, F, T)
+        last = time.monotonic() - t
+        meta["elapsed_s"][name] = round(last, 1)
+        done.append(
+            {"E": E, "hidden": H, "ffn": F, "tokens": T, "label": label} | fields | ({"error": error} if error else {})
+        )
+        done.sort(key=lambda s: order.get(key4(s), len(order)))
+        meta["elapsed_s"]["total"] = round(time.monotonic() - t0, 1)
+        write(out, result, render)
+        del meta["elapsed_s"]["total"]
+    meta["elapsed_s"]["total"] = round(time.monotonic() - t0, 1)
+    write(out, result, render)
+    print((out / "results.md").read_text(), flush=True)
+    return result
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--shapes",
-        default="all",
-        help="all, quick ("
-        + ", ".join(map(str, QUICK))
-        + ") or indices into: "
+    p = make_parser(
+        __doc__,
+        f"all, quick ({', '.join(map(str, QUICK))}) or indices into: "
         + "; ".join(f"{i}: {s[:4]}" for i, s in enumerate(SHAPES)),
-    )
-    p.add_argument("--routing", default="balanced,skewed")
-    p.add_argument("--repeats", type=int, default=None, help="repeats per contender (default 10; --smoke 2)")
-    p.add_argument("--budget", type=float, default=360, help="seconds (0: none); default 360")
-    p.add_argument("--only", default=",".join(CONTENDERS), help="contenders: " + ",".join(CONTENDERS))
-    p.add_argument(
-        "--align",
-        type=int,
-        default=128,
-        help="skewed counts in multiples of this many tokens (FP8 "
+        CONTENDERS,
+        budget=360,
+        align_help="skewed counts in multiples of this many tokens (FP8 "
         "GEMMs need multiples of 16; TE's grouped block scaling 128); 1: make_splits' counts as they are",
-    )
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "moe_layer"))
-    p.add_argument(
-        "--append",
-        action="store_true",
-        help="add to the results.json in --out (from an earlier "
+        out="moe_layer",
+        append_help="add to the results.json in --out (from an earlier "
         "command: the 9-minute limit per GPU command); a shape measured again replaces its row",
+        default_repeats="--smoke",
     )
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, measures nothing")
     args = p.parse_args(argv)
-    only = [k for k in args.only.split(",") if k]
-    routings = [r for r in args.routing.split(",") if r]
-    if set(only) - set(CONTENDERS) or not only:
-        p.error(f"--only: unknown contender(s) {sorted(set(only) - set(CONTENDERS))}; choose from {CONTENDERS}")
-    if set(routings) - {"balanced", "skewed"} or not routings:
-        p.error("--routing: balanced and/or skewed")
+    only, routings = contenders_and_routings(p, args, CONTENDERS)
     table = SMOKE_SHAPES if args.smoke else SHAPES
     pick = (
         range(len(table))
@@ -506,64 +636,20 @@ def main(argv=None):
     shapes = [table[i] for i in pick if i < len(table)]
     args.repeats = args.repeats or (2 if args.smoke else 10)
     dev = "cpu" if args.smoke else "cuda"
-    try:
-        import transformer_engine.pytorch as te
-        import transformer_engine_torch as tex
-    except Exception as e:  # noqa: BLE001
-        print(f"Transformer Engine not importable ({str(e).splitlines()[0][:120] if str(e) else e!r}): TE rows are n/a")
-        te = tex = None
-    ao = _torchao_gmm()
-    torch.manual_seed(0)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    earlier = (
-        json.loads((out / "results.json").read_text()) if args.append and (out / "results.json").exists() else None
+    te, tex = import_te()
+    out, earlier, meta = start(
+        args, argv, "benchmarks/moe_layer.py", only, routings, dev, "CPU (--smoke)", args.smoke, tex
     )
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "commands": (earlier["meta"]["commands"] if earlier else [])
-        + [" ".join(["python benchmarks/moe_layer.py", *argv])],
-        "card": torch.cuda.get_device_name() if dev == "cuda" else "CPU (--smoke)",
-        "versions": _versions(tex, dev),
-        "torchao": ao if isinstance(ao, str) else "torchao " + getattr(sys.modules.get("torchao"), "__version__", "?"),
-        "contenders": only,
-        "routings": routings,
-        "repeats": args.repeats,
-        "burst": TIMING["burst"],
-        "warmup": 1 if args.smoke else TIMING["warmup"],
-        "align": args.align,
-        "budget_s": args.budget,
-        "smoke": args.smoke,
-        "skipped": [],
-        "elapsed_s": {},
-    }
-    order = {r[:4]: i for i, r in enumerate(table)}
-    done = [s for s in earlier["shapes"] if key4(s) not in {r[:4] for r in shapes}] if earlier else []
-    if earlier:  # (a shape measured again gets its new seconds)
-        meta["elapsed_s"] = {k: v for k, v in earlier["meta"]["elapsed_s"].items() if k != "total"}
-    result = {"meta": meta, "shapes": done}
-    t0, last = time.monotonic(), 0.0
-    for E, H, F, T, label in shapes:
-        name = f"{E}, {H}, {F}, {T}"
-        if args.budget and last and time.monotonic() - t0 + last > args.budget:
-            meta["skipped"].append(name)
-            continue
-        t = time.monotonic()
-        routes, error = run_shape(E, H, F, T, routings, only, args, dev, te)
-        last = time.monotonic() - t
-        meta["elapsed_s"][name] = round(last, 1)
-        done.append(
-            {"E": E, "hidden": H, "ffn": F, "tokens": T, "label": label, "routings": routes}
-            | ({"error": error} if error else {})
-        )
-        done.sort(key=lambda s: order.get(key4(s), len(order)))
-        meta["elapsed_s"]["total"] = round(time.monotonic() - t0, 1)
-        write(out, result)
-        del meta["elapsed_s"]["total"]
-    meta["elapsed_s"]["total"] = round(time.monotonic() - t0, 1)
-    write(out, result)
-    print((out / "results.md").read_text(), flush=True)
-    return result
+    return run_shapes(
+        out,
+        meta,
+        earlier,
+        table,
+        shapes,
+        args.budget,
+        lambda E, H, F, T: run_shape(E, H, F, T, routings, only, args, dev, te),
+        markdown,
+    )
 
 
 if __name__ == "__main__":

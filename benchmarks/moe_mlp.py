@@ -55,12 +55,8 @@ nothing); the contenders that need CUDA (TE, torchao, graphs) say so in the tabl
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
-import json
 import sys
-import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -68,9 +64,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import moe_layer  # (beside this file: its timing loop, reasons, report cells)
-from bench import TIMING, _te_autocast, _torchao_gmm, make_splits
-from moe_layer import _versions, _why, cell, free, key4, ratio, shape_name
+import moe_layer  # (beside this file: its routing, timing loop, reasons, report and main's parts)
+from bench import TIMING, _te_autocast
+from moe_layer import _why, cell, free, shape_name
 
 import functional_dw as fd
 from functional_dw import fp8
@@ -129,7 +125,7 @@ def swiglu_probs(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up * p[:, None]).to(z.dtype)
 
 
-class Case:
+class Case(moe_layer.Routing):
     """One shape: the master weights (shared by the SHARED contenders as parameters), the routing buffers
     every contender reads (CUDA counts updated in place, so graphs replay the current routing; the host
     list TE takes), two (x, p, dy) triples."""
@@ -151,22 +147,6 @@ class Case:
             torch.randn(T, self.H, device=self.dev, dtype=BF16),
         )
 
-    def set_splits(self, counts):
-        self.splits[:] = counts
-        self.unaligned = any(c % 16 for c in counts)
-        self.splits_dev.copy_(torch.tensor(counts))
-
-    def route(self, kind: str) -> list[int]:
-        raw = make_splits(self.E, self.T, "balanced" if kind == "balanced" else "zipf")
-        counts = [c // self.align * self.align for c in raw]
-        counts[max(range(self.E), key=lambda e: raw[e])] += self.T - sum(counts)
-        self.set_splits(counts)
-        return counts
-
-    def offs(self):
-        """The group ends from the CUDA counts, at every step (torchtitan's one cumsum), as moe_layer.py."""
-        return torch.cumsum(self.splits_dev, 0, dtype=torch.int32)
-
     def reference(self):
         """y for inputs[0] in float32, one expert at a time, from the bf16 weights."""
         with torch.no_grad():
@@ -185,7 +165,7 @@ class Case:
         if key in TE_RECIPES and self.te is None:
             return "n/a: Transformer Engine is not installed"
         if key == "torch":
-            return self.composed(lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=self.offs()))
+            return self.composed(lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=self.step_offs()))
         if key in FD_CALLS:
             kw = dict(FD_CALLS[key])
             if kw.get("recipe") == "rowwise":
@@ -243,11 +223,7 @@ class Case:
             for e in range(self.E):
                 getattr(fc1, f"weight{e}").copy_(self.w1[e])
                 getattr(fc2, f"weight{e}").copy_(self.w2[e])
-        recipe = None
-        if recipe_name is not None:
-            from transformer_engine.common import recipe as te_recipes
-
-            recipe = getattr(te_recipes, recipe_name)()
+        recipe = None if recipe_name is None else moe_layer.te_recipe(recipe_name)
 
         def fwd(x, p):
             with _te_autocast(te, recipe) if recipe is not None else contextlib.nullcontext():
@@ -256,21 +232,8 @@ class Case:
         return contender(fwd, [*fc1.parameters(), *fc2.parameters()])
 
     def torchao_mlp(self):
-        f = _torchao_gmm()
-        if isinstance(f, str):
-            return f
-        import inspect
-
-        try:
-            padded = "pad_token_groups_for_grouped_mm" in inspect.signature(f).parameters
-        except (TypeError, ValueError):
-            padded = False
-
-        def gmm(a, w):  # B_t = w^T [E, in, out], column-major as torchao asks
-            kw = {"pad_token_groups_for_grouped_mm": self.unaligned} if padded else {}
-            return f(a, w.transpose(-2, -1), self.offs(), out_dtype=BF16, **kw)
-
-        return self.composed(gmm)
+        gmm = moe_layer.torchao_gmm(self)
+        return gmm if isinstance(gmm, str) else self.composed(gmm)
 
 
 def contender(fwd, params) -> Contender:
@@ -350,20 +313,14 @@ def fd_formulas(H, F_) -> dict:
 
 
 def run_shape(E, H, F_, T, routings, only, args, dev, te):
-    """({routing: its row}, {contender: saved bytes or why not}, None), or with what stopped the shape."""
+    """({"routings": {routing: its row}, "saved": {contender: saved bytes or why not}}, None), or with what
+    stopped the shape."""
     warmup = 1 if dev == "cpu" else TIMING["warmup"]
     out, saved, error, case, built, steps = {}, {}, None, None, {}, {}
     try:
         case = Case(E, H, F_, T, dev, args.align, te)
         case.route("balanced")  # (graph captures on the balanced counts; the saved bytes are counted at them)
-        for key in only:
-            try:
-                c = case.build(key, warmup)
-            except Exception as e:  # noqa: BLE001
-                c = _why(e)
-            (built if isinstance(c, str) else steps)[key] = c
-            if isinstance(c, str):
-                free(case.cuda)
+        steps, built = moe_layer.build_all(case, only, warmup)
         for key in only:  # activations saved for backward, at the balanced routing
             c = steps.get(key)
             if c is None:
@@ -378,27 +335,14 @@ def run_shape(E, H, F_, T, routings, only, args, dev, te):
                 free(case.cuda)
         timed = {k: c.step for k, c in steps.items()}
         for kind in routings:
-            splits = case.route(kind)
-            res = dict(built)
-            moe_layer.measure(timed, case, args.repeats, warmup, res)
-            built |= {k: v for k, v in res.items() if isinstance(v, str)}  # dropped for the later routings too
-            out[kind] = {
-                "splits": splits,
-                "zero_experts": sum(s == 0 for s in splits),
-                "results": {k: res[k] for k in only},
-            }
-            print(
-                f"E={E} H={H} F={F_} T={T} {kind}:",
-                {k: (v["ms"] if isinstance(v, dict) else v) for k, v in out[kind]["results"].items()},
-                flush=True,
-            )
+            out[kind] = moe_layer.time_routing(case, kind, case.route(kind), timed, built, only, args.repeats, warmup)
     except Exception as e:  # noqa: BLE001  (the shape's inputs or reference: OOM)
         error = _why(e)
         print(f"E={E} H={H} F={F_} T={T}: {error}", flush=True)
     finally:
         case = steps = built = timed = None
         free(dev == "cuda")
-    return out, saved, error
+    return {"routings": out, "saved": saved}, error
 
 
 # --- report -----------------------------------------------------------------------------------------
@@ -429,55 +373,15 @@ def saved_cell(v) -> str:
 
 
 def markdown(result) -> str:
-    meta, v = result["meta"], result["meta"]["versions"]
-    keys = meta["contenders"]
-    lines = [
-        f"# The MoE expert MLP (SwiGLU, router probs), forward+backward ({meta['date']}, {meta['card']})",
-        "",
-        *[f"`{c}`" for c in meta["commands"]],
-        "",
-        (
-            f"torch {v['torch']} (CUDA {v['cuda']}), TE {v['te']}, cuBLASLt {v['cublaslt']}, {meta['torchao']}. bf16 "
-            "activations and weights, float32 probs. Cells: ms per step (host ms per step): CUDA events around "
-            f"bursts of {meta['burst']} back-to-back steps (host: the wall time until the last step's call returns, "
-            f"before synchronizing), median of {meta['repeats']} interleaved repeats; graphed rows: ms only. "
-            "Ratios: time over time (< 1: the first is faster). Skewed routing: Zipf counts in multiples of "
-            f"{meta['align']} tokens. No optimizer step: fd rowwise quantizes its unchanged weights once, TE and "
-            "torchao quantize them at every forward."
-        ),
-        "",
-    ]
-    if meta["skipped"]:
-        lines += [f"Skipped for time (--budget {meta['budget_s']} s): {', '.join(meta['skipped'])}.", ""]
+    keys = result["meta"]["contenders"]
     notes = {}  # (contender, reason) -> where
-    for routing in meta["routings"]:
-        lines += [
-            f"## {routing} routing",
-            "",
-            "| shape (E, hidden, ffn, tokens) | empty experts | "
-            + " | ".join(LABELS[k] for k in keys)
-            + " | "
-            + " | ".join(r[0] for r in RATIOS)
-            + " |",
-            "|---|---|" + "---|" * (len(keys) + len(RATIOS)),
-        ]
-        for s in result["shapes"]:
-            row = s["routings"].get(routing)
-            if row is None:
-                lines.append(f"| {shape_name(s)} | {s.get('error', 'not run')} |" + " |" * (len(keys) + len(RATIOS)))
-                continue
-            res = row["results"]
-            lines.append(
-                f"| {shape_name(s)} | {row['zero_experts']} | "
-                + " | ".join(cell(res.get(k)) for k in keys)
-                + " | "
-                + " | ".join(ratio(res, a, b, f) for _, a, b, f in RATIOS)
-                + " |"
-            )
-            for k in keys:
-                if isinstance(res.get(k), str):
-                    notes.setdefault((LABELS[k], res[k]), []).append(f"{shape_name(s)} {routing}")
-        lines.append("")
+    lines = moe_layer.report_head(
+        result["meta"],
+        "The MoE expert MLP (SwiGLU, router probs), forward+backward",
+        "bf16 activations and weights, float32 probs",
+        "TE and torchao quantize them",
+    )
+    lines += moe_layer.timing_tables(result, LABELS, RATIOS, notes)
     lines += [
         "## Saved for backward",
         "",
@@ -501,67 +405,26 @@ def markdown(result) -> str:
             if isinstance(sv.get(k), str) and not sv[k].startswith("n/a: a graph"):
                 notes.setdefault((LABELS[k], sv[k]), []).append(f"{shape_name(s)} saved bytes")
     lines.append("")
-    errs = {}
-    for s in result["shapes"]:
-        for row in s["routings"].values():
-            for k, r in row["results"].items():
-                if isinstance(r, dict):
-                    errs[k] = max(errs.get(k, 0.0), r["rel_err"])
-    if errs:
-        lines += [
-            "Largest relative error of the forward output against a float32 per-expert reference: "
-            + ", ".join(f"{LABELS[k]} {e:.2g}" for k, e in errs.items())
-            + ".",
-            "",
-        ]
-    if notes:
-        rows = sum(len(s["routings"]) + 1 for s in result["shapes"])  # (each routing's timings, the saved bytes)
-        lines += ["Not measured:", ""] + [
-            f"- {k}: {why} ({'every row' if len(where) == rows else '; '.join(where)})"
-            for (k, why), where in notes.items()
-        ]
-        lines.append("")
-    lines += [f"Seconds per shape: {', '.join(f'{k} {t}' for k, t in meta['elapsed_s'].items())}."]
+    rows = sum(len(s["routings"]) + 1 for s in result["shapes"])  # (each routing's timings, the saved bytes)
+    lines += moe_layer.report_tail(result, LABELS, "a float32 per-expert reference", notes, rows, "Not measured")
     return "\n".join(lines) + "\n"
-
-
-def write(out: Path, result) -> None:
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "results.md").write_text(markdown(result))
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--shapes",
-        default="all",
-        help="all, smoke (two tiny shapes on the CPU) or indices into: "
+    p = moe_layer.make_parser(
+        __doc__,
+        "all, smoke (two tiny shapes on the CPU) or indices into: "
         + "; ".join(f"{i}: {s[:4]}" for i, s in enumerate(SHAPES)),
-    )
-    p.add_argument("--routing", default="balanced,skewed")
-    p.add_argument("--repeats", type=int, default=None, help="repeats per contender (default 10; smoke 2)")
-    p.add_argument("--budget", type=float, default=420, help="seconds (0: none); default 420")
-    p.add_argument("--only", default=",".join(CONTENDERS), help="contenders: " + ",".join(CONTENDERS))
-    p.add_argument(
-        "--align",
-        type=int,
-        default=128,
-        help="skewed counts in multiples of this many tokens (TE's FP8 block scaling: 128); 1: as drawn",
-    )
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "moe_mlp"))
-    p.add_argument(
-        "--append",
-        action="store_true",
-        help="add to the results.json in --out (a shape measured again replaces its row)",
+        CONTENDERS,
+        budget=420,
+        align_help="skewed counts in multiples of this many tokens (TE's FP8 block scaling: 128); 1: as drawn",
+        out="moe_mlp",
+        append_help="add to the results.json in --out (a shape measured again replaces its row)",
+        default_repeats="smoke",
     )
     args = p.parse_args(argv)
-    only = [k for k in args.only.split(",") if k]
-    routings = [r for r in args.routing.split(",") if r]
-    if set(only) - set(CONTENDERS) or not only:
-        p.error(f"--only: unknown contender(s) {sorted(set(only) - set(CONTENDERS))}; choose from {CONTENDERS}")
-    if set(routings) - {"balanced", "skewed"} or not routings:
-        p.error("--routing: balanced and/or skewed")
+    only, routings = moe_layer.contenders_and_routings(p, args, CONTENDERS)
     smoke = args.shapes == "smoke"
     if smoke:
         shapes, table = SMOKE_SHAPES, SMOKE_SHAPES
@@ -576,64 +439,20 @@ def main(argv=None):
             p.error("these shapes need a CUDA GPU; --shapes smoke runs tiny ones on the CPU")
     args.repeats = args.repeats or (2 if smoke else 10)
     dev = "cpu" if smoke else "cuda"
-    try:
-        import transformer_engine.pytorch as te
-        import transformer_engine_torch as tex
-    except Exception as e:  # noqa: BLE001
-        print(f"Transformer Engine not importable ({str(e).splitlines()[0][:120] if str(e) else e!r}): TE rows are n/a")
-        te = tex = None
-    ao = _torchao_gmm()
-    torch.manual_seed(0)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    earlier = (
-        json.loads((out / "results.json").read_text()) if args.append and (out / "results.json").exists() else None
+    te, tex = moe_layer.import_te()
+    out, earlier, meta = moe_layer.start(
+        args, argv, "benchmarks/moe_mlp.py", only, routings, dev, "CPU (--shapes smoke)", smoke, tex
     )
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "commands": (earlier["meta"]["commands"] if earlier else [])
-        + [" ".join(["python benchmarks/moe_mlp.py", *argv])],
-        "card": torch.cuda.get_device_name() if dev == "cuda" else "CPU (--shapes smoke)",
-        "versions": _versions(tex, dev),
-        "torchao": ao if isinstance(ao, str) else "torchao " + getattr(sys.modules.get("torchao"), "__version__", "?"),
-        "contenders": only,
-        "routings": routings,
-        "repeats": args.repeats,
-        "burst": TIMING["burst"],
-        "warmup": 1 if smoke else TIMING["warmup"],
-        "align": args.align,
-        "budget_s": args.budget,
-        "smoke": smoke,
-        "skipped": [],
-        "elapsed_s": {},
-    }
-    order = {r[:4]: i for i, r in enumerate(table)}
-    done = [s for s in earlier["shapes"] if key4(s) not in {r[:4] for r in shapes}] if earlier else []
-    if earlier:
-        meta["elapsed_s"] = {k: v for k, v in earlier["meta"]["elapsed_s"].items() if k != "total"}
-    result = {"meta": meta, "shapes": done}
-    t0, last = time.monotonic(), 0.0
-    for E, H, F_, T, label in shapes:
-        name = f"{E}, {H}, {F_}, {T}"
-        if args.budget and last and time.monotonic() - t0 + last > args.budget:
-            meta["skipped"].append(name)
-            continue
-        t = time.monotonic()
-        routes, saved, error = run_shape(E, H, F_, T, routings, only, args, dev, te)
-        last = time.monotonic() - t
-        meta["elapsed_s"][name] = round(last, 1)
-        done.append(
-            {"E": E, "hidden": H, "ffn": F_, "tokens": T, "label": label, "routings": routes, "saved": saved}
-            | ({"error": error} if error else {})
-        )
-        done.sort(key=lambda s: order.get(key4(s), len(order)))
-        meta["elapsed_s"]["total"] = round(time.monotonic() - t0, 1)
-        write(out, result)
-        del meta["elapsed_s"]["total"]
-    meta["elapsed_s"]["total"] = round(time.monotonic() - t0, 1)
-    write(out, result)
-    print((out / "results.md").read_text(), flush=True)
-    return result
+    return moe_layer.run_shapes(
+        out,
+        meta,
+        earlier,
+        table,
+        shapes,
+        args.budget,
+        lambda E, H, F_, T: run_shape(E, H, F_, T, routings, only, args, dev, te),
+        markdown,
+    )
 
 
 if __name__ == "__main__":
