@@ -71,6 +71,22 @@ def test_the_kernels_give_fp8_te_s_fused_update():
     assert S._FUSED_KERNEL == [te_update_delayed]
 
 
+def test_the_package_imports_and_runs_without_triton():
+    # CPU-only torch ships no Triton (CI has none): every Triton module must import without it
+    # and the MLP must run on the reference activation.
+    out = _run("""
+    import sys
+    sys.modules["triton"] = None  # import triton -> ImportError
+    sys.path.insert(0, sys.argv[1])
+    import torch, functional_dw as fd
+    from functional_dw.kernels import activation, triton_activation, triton_math, triton_rowwise  # noqa: F401
+    x, w1, w2 = torch.randn(6, 8), torch.randn(2, 8, 8), torch.randn(2, 8, 4)
+    y, res = fd.grouped_mlp_fwd(x, w1, w2, [2, 4], probs=torch.rand(6))
+    print(y.shape[0], "TorchActivation()" in repr(res), triton_activation.available(x))
+    """)
+    assert out.split() == ["6", "True", "False"], out
+
+
 def test_importing_functional_dw_registers_no_optimizer_hook():
     _run("""
     from torch.optim import optimizer
