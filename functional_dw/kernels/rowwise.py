@@ -107,9 +107,10 @@ def quantize_activated(
     rowwise: bool,
     columnwise: bool,
 ) -> RowwiseActivation | None:
-    """grouped_mlp's ``h = act(fc1_out) * probs`` quantized straight from fc1's output, h never
-    written (NOTE: [The activation as the load] in ``triton_rowwise.py``), where the Triton
-    kernels run (eager, on an sm_90 GPU); None elsewhere: the caller writes h and quantizes it."""
+    """grouped_mlp's ``h = act(fc1_out) * probs`` quantized from fc1's output, the activation
+    computed by the quantization's first kernel (NOTE: [The activation as the load] in
+    ``triton_rowwise.py``), where the Triton kernels run (eager, on an sm_90 GPU); None
+    elsewhere: the caller writes h with the activation kernel and quantizes it."""
     if not fast(fc1_out) or torch.compiler.is_compiling():
         return None
     ends, pends = _ends(splits)

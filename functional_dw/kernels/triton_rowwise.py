@@ -23,7 +23,6 @@ only on the device (``ends``: int32 running ends; no host sync).
 
 from __future__ import annotations
 
-
 import torch
 
 try:
