@@ -709,21 +709,14 @@ def test_grouped_mlp_on_cuda_runs_the_fused_kernels(activation, save, monkeypatc
 
 @gpu
 def test_grouped_mlp_fused_activation_in_a_cuda_graph():
-    """A whole fwd+bwd step (device splits, fused activation) captured and replayed: the eager bits."""
+    """A whole fwd+bwd step (device splits, fused activation) captured by ``graphs.graph_step``
+    and replayed: the eager bits."""
     pytest.importorskip("triton")
     inp, dy = _on(*make("swiglu", torch.bfloat16, splits=[40, 0, 88, 17], seed=5), "cuda")
     splits = torch.tensor([40, 0, 88, 17], device="cuda")
-    want = run(inp, dy, splits, backend="torch")
-    step = lambda: run(inp, dy, splits, backend="torch")  # noqa: E731  (torch's grouped GEMM: device splits)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y, grads = step()
-    graph.replay()
+    want = run(inp, dy, splits, backend="torch")  # (torch's grouped GEMM: device splits)
+    g = fd.graphs.graph_step(lambda x, s, d: run(dict(inp, x=x), d, s, backend="torch"), inp["x"], splits, dy)
+    y, grads = g()
     torch.cuda.synchronize()
     assert_same(y, want[0])
     assert_same(grads, want[1])
