@@ -56,6 +56,12 @@ _CAPTURE_HINT = (
     "its copy to the GPU cannot be captured), no save_on_cpu (use PinnedOffload), no .item()/.tolist(), "
     "collectives only on backends that support capture (NCCL, not gloo)."
 )
+_ALIVE_HINT = (
+    "This cause usually means an autograd graph built on the default stream is still alive: an output or loss "
+    "of an earlier eager step that you kept (it holds its grad_fn, whose gradient accumulators for the leaves "
+    "run on the stream they were created on, which capture cannot wait on). Keep only .detach()ed results of "
+    "eager steps (or del them) before graph_step."
+)
 
 
 def _check_tensors(what: str, ts: Sequence[Any], cuda: bool) -> None:
@@ -266,11 +272,35 @@ def _capture(step: Callable[..., Any], inputs: Sequence[torch.Tensor], pool: Any
         with torch.cuda.graph(graph, pool=pool):
             outputs = step(*inputs)
     except RuntimeError as e:
+        _unstick_rng()
         msg = str(e)
+        if "legacy stream" in msg:
+            raise RuntimeError(f"{_CAPTURE_HINT}\n{_ALIVE_HINT}\n(cause: {msg})") from e
         if "captur" in msg.lower() or "not permitted" in msg:
             raise RuntimeError(f"{_CAPTURE_HINT}\n(cause: {msg})") from e
         raise
     return graph, outputs
+
+
+# NOTE: [A failed capture's RNG] When CUDA itself fails a capture (cudaStreamEndCapture returns
+# an error), torch's CUDAGraph.capture_end raises before it ends the capture of the default CUDA
+# generator (torch 2.11: the generator's state keeps ``capturing_``). From then on every random op
+# outside a capture raises "Offset increment outside graph capture encountered unexpectedly": one
+# failed graph_step poisoned torch.randn, nn.init and dropout for the rest of the process. After a
+# failed capture we probe the current device's default generator and, if it is stuck, give it a
+# fresh copy of its state (same seed and offset, not capturing). Graphs captured before the
+# failure keep advancing the old state object when they replay, so eager random numbers after
+# the repair may repeat theirs; a process that needs both should reseed.
+def _unstick_rng() -> None:
+    """Repair the current device's default CUDA generator after a failed capture (NOTE: [A failed
+    capture's RNG]); a no-op when it works."""
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    try:
+        torch.empty(1, device="cuda").uniform_(generator=gen)
+    except RuntimeError as e:
+        if "outside graph capture" not in str(e):
+            return  # another failure: the capture's own error is the one to report
+        gen.graphsafe_set_state(gen.clone_state())
 
 
 def _params_list(params: Any) -> list[torch.Tensor]:

@@ -447,6 +447,17 @@ def test_save_on_cpu_with_pinned_memory_is_not_graph_safe():
     ), result
 
 
+def test_a_live_eager_graph_fails_capture_clearly_and_leaves_the_rng_working():
+    """An eager step's output kept alive holds its graph, whose gradient accumulators run on the
+    default stream: CUDA fails the capture. graph_step says why, the process's CUDA RNG still
+    works afterwards (NOTE: [A failed capture's RNG] in graphs.py), and once the output is
+    dropped the same step captures and replays bitwise like eager (in a subprocess, in case the
+    repair fails and leaves the process unfit)."""
+    result = _subprocess("live_eager_graph")
+    assert result["captured"] or result["hint"], result
+    assert result["randn_after"] and result["replay_equal"], result
+
+
 # --- DistributedWeight hooks ---------------------------------------------------------------
 
 

@@ -714,7 +714,9 @@ def test_grouped_mlp_fused_activation_in_a_cuda_graph():
     pytest.importorskip("triton")
     inp, dy = _on(*make("swiglu", torch.bfloat16, splits=[40, 0, 88, 17], seed=5), "cuda")
     splits = torch.tensor([40, 0, 88, 17], device="cuda")
-    want = run(inp, dy, splits, backend="torch")  # (torch's grouped GEMM: device splits)
+    y0, g0 = run(inp, dy, splits, backend="torch")  # (torch's grouped GEMM: device splits)
+    want = (y0.detach(), g0)  # not y0: its live graph would make capture wait on the default stream
+    del y0
     g = fd.graphs.graph_step(lambda x, s, d: run(dict(inp, x=x), d, s, backend="torch"), inp["x"], splits, dy)
     y, grads = g()
     torch.cuda.synchronize()

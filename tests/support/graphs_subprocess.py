@@ -1,8 +1,8 @@
 """CUDA graph cases that run in a process of their own (tests/test_graphs_gpu.py starts them):
-a capture that CUDA invalidates (the process may not be fit to go on afterwards), and an NCCL
+captures that CUDA invalidates (the process may not be fit to go on afterwards), and an NCCL
 process group (global state, and a hang must not take the test session with it).
 
-    python tests/support/graphs_subprocess.py save_on_cpu_capture | sharded_nccl
+    python tests/support/graphs_subprocess.py save_on_cpu_capture | live_eager_graph | sharded_nccl
 
 Prints one JSON line (``RESULT {...}``) and exits 0 when the case behaved as documented."""
 
@@ -95,6 +95,37 @@ def save_on_cpu_capture() -> dict:
     }
 
 
+def live_eager_graph() -> dict:
+    """An eager step's output kept alive (its graph holds the leaves' gradient accumulators, made
+    on the default stream): graph_step's capture fails with CUDA's "legacy stream" error, and
+    must say why and leave the process's CUDA RNG working (NOTE: [A failed capture's RNG])."""
+    w1 = randn(E, FF, H, seed=2, scale=0.05).requires_grad_()
+    w2 = randn(E, H, FF, seed=3, scale=0.05).requires_grad_()
+    x, dy, splits = randn(T, H, seed=1), randn(T, H, seed=4), torch.tensor(SIZES, device=DEV)
+
+    def step(x, splits, dy):
+        return torch.autograd.grad(mlp(x, w1, w2, splits), [w1, w2], dy)
+
+    kept = mlp(x, w1, w2, splits)  # alive: its grad_fn reaches w1's and w2's accumulators
+    out: dict = {}
+    try:
+        graph_step(step, x, splits, dy)
+        out["captured"] = True  # a torch that lets capture wait on the accumulators' stream
+    except RuntimeError as e:
+        out.update(captured=False, hint="still alive" in str(e), message=str(e)[-300:])
+    try:
+        out["randn_after"] = bool(torch.randn(4, device=DEV).isfinite().all())
+        del kept
+        g = graph_step(step, x, splits, dy)  # nothing alive now: captures
+        got, want = g(), step(x, splits, dy)
+        torch.cuda.synchronize()
+        out["replay_equal"] = all(torch.equal(a, b) for a, b in zip(got, want))
+    except RuntimeError as e:
+        out.update(randn_after=out.get("randn_after", False), replay_equal=False, after=str(e)[:300])
+    out["ok"] = (out["captured"] or out["hint"]) and out["randn_after"] and out["replay_equal"]
+    return out
+
+
 def sharded_nccl() -> dict:
     """ShardedWeight groups on a one-rank NCCL process group: the all-gathers and the
     reduce-scatter are captured and replayed; the Python side (stats) runs at capture only."""
@@ -150,7 +181,12 @@ def sharded_nccl() -> dict:
 
 if __name__ == "__main__":
     case = sys.argv[1]
-    result = {"save_on_cpu_capture": save_on_cpu_capture, "sharded_nccl": sharded_nccl}[case]()
+    cases = {
+        "save_on_cpu_capture": save_on_cpu_capture,
+        "live_eager_graph": live_eager_graph,
+        "sharded_nccl": sharded_nccl,
+    }
+    result = cases[case]()
     result["torch"] = torch.__version__
     print("RESULT " + json.dumps(result), flush=True)
     sys.exit(0 if result["ok"] else 1)
