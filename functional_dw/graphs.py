@@ -273,7 +273,9 @@ def _capture(step: Callable[..., Any], inputs: Sequence[torch.Tensor], pool: Any
             outputs = step(*inputs)
     except RuntimeError as e:
         _unstick_rng()
-        msg = str(e)
+        msg, cause = str(e), e.__cause__ or e.__context__  # capture_end's error hides the step's
+        if cause is not None and "legacy stream" in str(cause):
+            msg = f"{cause}\n{msg}"
         if "legacy stream" in msg:
             raise RuntimeError(f"{_CAPTURE_HINT}\n{_ALIVE_HINT}\n(cause: {msg})") from e
         if "captur" in msg.lower() or "not permitted" in msg:

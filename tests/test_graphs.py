@@ -226,3 +226,38 @@ def test_make_graphed_callables_restores_main_grad(monkeypatch):
     assert fd.graphs.make_graphed_callables(lin, (torch.ones(2, 4),)) == "graphed"
     assert torch.count_nonzero(lin.weight.main_grad) == 0
     assert hooked == [lin.weight]
+
+
+def test_a_failed_capture_names_a_live_eager_graph_and_repairs_the_rng(monkeypatch):
+    """CUDA's "legacy stream" error comes from inside the step, then capture_end's "previous
+    error during capture" replaces it: _capture finds the first in the chain, adds the live-graph
+    hint, and repairs the generator (NOTE: [A failed capture's RNG]) whatever the error."""
+    import contextlib
+
+    class Graph:
+        pass
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):  # capture_end fails after a CUDA error, or when told to
+        try:
+            yield
+        except RuntimeError:
+            pass
+        except Exception:  # a Python error in the step: the capture itself ends fine
+            raise
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    def step():
+        raise RuntimeError("CUDA error: operation would make the legacy stream depend on a capturing blocking stream")
+
+    repaired = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(fd.graphs, "_unstick_rng", lambda: repaired.append(1))
+    with pytest.raises(RuntimeError, match="(?s)capture failed.*still alive.*legacy stream"):
+        fd.graphs._capture(step, [], None)
+    with pytest.raises(RuntimeError, match="(?s)capture failed(?!.*still alive)"):
+        fd.graphs._capture(lambda: None, [], None)  # capture_end's error alone: the general hint
+    with pytest.raises(ValueError, match="mine"):
+        fd.graphs._capture(lambda: (_ for _ in ()).throw(ValueError("mine")), [], None)
+    assert repaired == [1, 1]  # (a ValueError is not a capture failure: not repaired)
