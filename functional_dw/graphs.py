@@ -60,7 +60,8 @@ _ALIVE_HINT = (
     "This cause usually means an autograd graph built on the default stream is still alive: an output or loss "
     "of an earlier eager step that you kept (it holds its grad_fn, whose gradient accumulators for the leaves "
     "run on the stream they were created on, which capture cannot wait on). Keep only .detach()ed results of "
-    "eager steps (or del them) before graph_step."
+    "eager steps, or del them and run gc.collect() (a failed capture's traceback holds the step's graph in a "
+    "reference cycle) before graph_step."
 )
 
 
