@@ -4,9 +4,10 @@ spends the GPU's time, in bf16 and with RowwiseScaling, at MoE shapes (CUDA, tor
     python3 benchmarks/profile_mlp.py [E,H,F,T ...] [--out DIR]
 
 For each shape and recipe: ms per step (20 steps back to back, CUDA events), the host time to issue one
-step, the GPU time by kind (GEMMs, RowwiseScaling's quantization, the fused activation, the rest: copies,
-fills, split bookkeeping), and the kernels of one step in launch order with their durations. Writes
-``results.md`` and ``results.json`` into ``--out`` (default ``benchmarks/results/profile_mlp``).
+step, the GPU time by kind (GEMMs, RowwiseScaling's quantization, the fused activation, autograd's adds into
+the weights' ``.grad``, the rest: copies, fills, split bookkeeping), and the kernels of one step in launch
+order with their durations. Writes ``results.md`` and ``results.json`` into ``--out`` (default
+``benchmarks/results/profile_mlp``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ KINDS = (
     ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm90|Kernel2", re.I)),
     ("quantize", re.compile(r"_amax_kernel|_cast_kernel")),
     ("activation", re.compile(r"_fwd_kernel|_bwd_kernel")),
+    ("accumulate", re.compile(r"CUDAFunctor_add<c10::BFloat16>")),  # autograd adding into the weights' .grad
 )
 
 
@@ -48,7 +50,8 @@ def make(E: int, H: int, F: int, T: int):
 def profile_one(shape: tuple[int, int, int, int], recipe) -> dict:
     x, w1, w2, probs, dy, splits = make(*shape)
 
-    def step():
+    def step():  # the weights' grads accumulate into .grad (as moe_mlp.py's eager rows); x's and probs' do not
+        x.grad = probs.grad = None
         y = fd.grouped_mlp(x, w1, w2, splits, probs=probs, recipe=recipe)
         torch.autograd.backward(y, dy)
 
