@@ -291,9 +291,13 @@ def _capture(step: Callable[..., Any], inputs: Sequence[torch.Tensor], pool: Any
 # outside a capture raises "Offset increment outside graph capture encountered unexpectedly": one
 # failed graph_step poisoned torch.randn, nn.init and dropout for the rest of the process. After a
 # failed capture we probe the current device's default generator and, if it is stuck, give it a
-# fresh copy of its state (same seed and offset, not capturing). Graphs captured before the
-# failure keep advancing the old state object when they replay, so eager random numbers after
-# the repair may repeat theirs; a process that needs both should reseed.
+# fresh copy of its state (same seed and offset, not capturing): eager work goes on (verified on
+# the H200). What it does not repair (from torch's source, not run): graphs captured before the
+# failure hold the old, still-stuck state object, so their replays may raise the same error
+# (recapture them); capture_end's raise also skips restoring the current stream (the thread stays
+# on the capture's side stream) and ending the allocator's capture-pool mode. Treat a process that
+# hit a failed capture as degraded: fix the cause and restart it. Not safe while another thread
+# captures with the same generator.
 def _unstick_rng() -> None:
     """Repair the current device's default CUDA generator after a failed capture (NOTE: [A failed
     capture's RNG]); a no-op when it works."""

@@ -227,10 +227,11 @@ def test_make_graphed_callables_restores_main_grad(monkeypatch):
     assert hooked == [lin.weight]
 
 
-def test_a_failed_capture_names_a_live_eager_graph_and_repairs_the_rng(monkeypatch):
+def test_a_failed_capture_names_a_live_eager_graph_and_calls_the_rng_repair(monkeypatch):
     """CUDA's "legacy stream" error comes from inside the step, then capture_end's "previous
     error during capture" replaces it: _capture finds the first in the chain, adds the live-graph
-    hint, and repairs the generator (NOTE: [A failed capture's RNG]) whatever the error."""
+    hint, and calls the generator's repair (NOTE: [A failed capture's RNG]; the repair itself runs
+    in test_graphs_gpu's live-eager-graph case) whatever the error."""
     import contextlib
 
     class Graph:
@@ -253,8 +254,9 @@ def test_a_failed_capture_names_a_live_eager_graph_and_repairs_the_rng(monkeypat
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(fd.graphs, "_unstick_rng", lambda: repaired.append(1))
-    with pytest.raises(RuntimeError, match="(?s)capture failed.*still alive.*legacy stream"):
+    with pytest.raises(RuntimeError, match="(?s)capture failed.*still alive.*legacy stream") as info:
         fd.graphs._capture(step, [], None)
+    assert "previous error during capture" in str(info.value.__cause__)  # chained to what torch raised
     with pytest.raises(RuntimeError, match="(?s)capture failed(?!.*still alive)"):
         fd.graphs._capture(lambda: None, [], None)  # capture_end's error alone: the general hint
     with pytest.raises(ValueError, match="mine"):
