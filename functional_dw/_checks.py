@@ -17,6 +17,15 @@ _INT = frozenset({int})
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+def bottom(t: torch.Tensor) -> torch.Tensor:
+    """``t`` under all its functorch wrappers (grad, jvp and vmap levels): the tensor a
+    layer's forward ran on (custom_vjp's NOTE: [Context per level]), whose version counter
+    in-place changes bump."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
 def tensor(name: str, t: Any, ndim: int | tuple[int, ...] | None = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -42,7 +42,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._C._functorch import unwrap_if_dead
 
-from ._checks import PLAIN_TYPES
+from ._checks import PLAIN_TYPES, bottom
 from .residuals import RecordSpec, split, with_needs
 
 try:  # see NOTE: [Pytrees]
@@ -414,10 +414,26 @@ class _Call:
     residuals). A vmap rule may leave ``pending``, which makes the plan when first asked
     (NOTE: [vmap])."""
 
-    __slots__ = ("rules", "in_spec", "static", "out_spec", "n_out", "plan", "res_spec", "pending", "out_meta")
+    __slots__ = (
+        "rules",
+        "in_spec",
+        "static",
+        "out_spec",
+        "n_out",
+        "plan",
+        "res_spec",
+        "pending",
+        "out_meta",
+        "elements",
+        "in_ids",
+        "level",
+    )
 
     def __init__(self, rules: _Rules, in_spec: Any, static: tuple = ()) -> None:
         self.rules, self.in_spec, self.static, self.pending, self.out_meta = rules, in_spec, static, None, None
+        self.elements: list[_Call] | None = None  # vmap ran one call per element: theirs (NOTE: [vmap])
+        self.in_ids: tuple = ()  # such an element's input leaves' bottom tensors, by id (NOTE: [Context per level])
+        self.level: int | None = None  # with elements: the functorch level just below that vmap's
 
     def args(self, leaves: Any, static: Any = True) -> tuple:
         """fwd's arguments from the Function's input leaves and the nondiff arguments (or, with
@@ -428,7 +444,7 @@ class _Call:
     def adopt(self, inner: "_Call", pending: Any = None) -> None:
         """Take the structure of ``inner``, a call a vmap rule made for this one."""
         self.out_spec, self.n_out, self.plan, self.res_spec = inner.out_spec, inner.n_out, inner.plan, inner.res_spec
-        self.pending = pending
+        self.pending, self.elements = pending, inner.elements
 
     def resolve(self) -> list:
         if self.pending is not None:
@@ -528,8 +544,12 @@ class _Bridge(torch.autograd.Function):
         ]
         ctx.save_for_backward(*saved)
         ctx.call = call
-        if (extra or _forward_ad_active()) and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return
+        if extra or _forward_ad_active():
             _grads_as_given(ctx, call, saved, output)
+        if torch._C._are_functorch_transforms_active():  # NOTE: [Context per level]
+            ctx.level_refs = _level_refs(call, inputs[1:])
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple:
@@ -539,9 +559,11 @@ class _Bridge(torch.autograd.Function):
             grads = [
                 torch.zeros(s, dtype=d, device=v) if g is None else g for g, (s, d, v) in zip(grads, call.out_meta)
             ]
+        needs = ctx.needs_input_grad
+        if call.elements is not None:  # NOTE: [vmap]
+            return (None, *_per_element(ctx, "bwd", grads))
         d_out = _unflatten_out(grads, call.out_spec)
         d_args = _flatten_cotangents(call.rules.bwd(_residuals(ctx), d_out), call.in_spec, call.rules)
-        needs = ctx.needs_input_grad
         return (None, *[g if needs[1 + i] else None for i, g in enumerate(d_args)])
 
     @staticmethod
@@ -549,8 +571,10 @@ class _Bridge(torch.autograd.Function):
         call = ctx.call
         if call.rules.jvp is None:
             raise NotImplementedError(f"custom_vjp({call.rules.name}) has no forward-mode rule: pass jvp=...")
-        t_args = call.in_spec.unflatten(tangents)
-        t_out = _out_leaves(call.rules.jvp(_residuals(ctx), t_args), call.out_spec)
+        if call.elements is not None:  # NOTE: [vmap]
+            t_out = _per_element(ctx, "jvp", tangents)
+        else:
+            t_out = _out_leaves(call.rules.jvp(_residuals(ctx), call.in_spec.unflatten(tangents)), call.out_spec)
         n_extra = sum(kind == "out" for kind, _ in call.plan)
         return (*t_out, *[None] * n_extra)
 
@@ -595,27 +619,139 @@ def _grads_as_given(ctx: Any, call: _Call, saved: list, output: tuple) -> None:
 
 
 def _residuals(ctx: Any) -> Any:
-    """The residuals again: saved tensors (read once: unpack hooks run on every read) and refs."""
+    """The residuals again: saved tensors (read once: unpack hooks run on every read) and refs
+    (as this functorch level sees them: NOTE: [Context per level])."""
     call = ctx.call
-    saved = iter(ctx.saved_tensors)
+    res = _rebuild(call, ctx.saved_tensors, _mask(ctx))
+    refs = getattr(ctx, "level_refs", None)
+    return res if not refs else _rebind(res, {id(bottom(t)): _live(t) for t in refs.values()})
+
+
+def _live(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without the wrappers of levels that have exited (``vjp``'s pullback runs after its
+    level is gone): what the levels still running track."""
+    while (u := unwrap_if_dead(t)) is not t:
+        t = u
+    return t
+
+
+def _rebuild(call: _Call, saved: Any, mask: Any) -> Any:
+    """``call``'s residuals from its saved tensors, in plan order, and its by-reference leaves;
+    ``mask``: autograd's ``needs_input_grad`` less the _Call's slot, or None."""
+    saved = iter(saved)
     leaves = [value if kind == "ref" else next(saved) for kind, value in call.plan]
     spec = call.res_spec
     if isinstance(spec, RecordSpec):
-        return spec.unflatten(leaves, _needs(ctx, spec.cls))
+        return spec.unflatten(leaves, _needs(call, mask, spec.cls))
     res = spec.unflatten(leaves)  # any pytree, or a record that took the pytree path
-    needs = None if torch.compiler.is_compiling() else _needs(ctx, type(res))
+    needs = None if torch.compiler.is_compiling() else _needs(call, mask, type(res))
     return res if needs is None else with_needs(res, needs)
 
 
 # NOTE: [Which gradients] A record with a `needed()` field learns here which inputs
 # autograd wants gradients for (shaped like fwd's arguments), so bwd can skip a GEMM.
-def _needs(ctx: Any, cls: type) -> Any:
+def _mask(ctx: Any) -> Any:
+    """autograd's ``needs_input_grad`` for fwd's arguments (None in forward mode)."""
+    mask = getattr(ctx, "needs_input_grad", None)
+    return None if mask is None else mask[1:]
+
+
+def _needs(call: _Call, mask: Any, cls: type) -> Any:
     """Which of fwd's arguments autograd wants gradients for, shaped like them, for a record
     with a `needed()` field (NOTE: [Which gradients]); else None."""
-    mask = getattr(ctx, "needs_input_grad", None)
     if mask is None or not getattr(cls, "__needs_field__", None):
         return None
-    return ctx.call.in_spec.unflatten(mask[1:])
+    return call.in_spec.unflatten(mask)
+
+
+# NOTE: [Context per level]
+#   Under torch.func, ``fwd`` runs once, below every functorch level, on the fully unwrapped
+#   inputs, so a record's by-reference context (a layer's weights and biases: NOTE: [Why
+#   weights are context, not leaves]) holds those bottom tensors. Each grad or jvp level above
+#   runs ``setup_context`` with its own wrappers of the inputs, then ``bwd`` or ``jvp`` on that
+#   ctx; they must compute with *that level's* W, which the levels below it track (a gradient
+#   penalty's d/dW, a Hessian's x-W block, jvp of grad), not the bottom W none of them sees.
+#   So ``setup_context``, under a transform, keeps the level's inputs whose bottom tensor the
+#   context holds (``ctx.level_refs``: position -> tensor; weights, which outlive the graph;
+#   never an activation, which goes through ``save_for_backward``), and :func:`_residuals`
+#   rebinds the record to them. Saved tensors need nothing: autograd hands each level its own.
+#   A call vmap ran per element keeps each element's own context (NOTE: [vmap]). Eager autograd
+#   and eager forward mode run ``fwd`` on the caller's tensors: nothing to rebind.
+def _held(obj: Any, out: dict[int, torch.Tensor]) -> None:
+    """Add the tensors ``obj`` holds by reference to ``out`` (by id): a tensor, a list or
+    tuple of them (a namedtuple too), and the fields of residual records, nested."""
+    if isinstance(obj, torch.Tensor):
+        out[id(obj)] = obj
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _held(v, out)
+    elif type(obj).__dict__.get("__saved_fields__") is not None:
+        for v in obj.__dict__.values():
+            _held(v, out)
+
+
+def _rebind(obj: Any, table: dict[int, torch.Tensor]) -> Any:
+    """``obj`` with each tensor it holds (as :func:`_held` walks it) whose id is in ``table``
+    replaced by ``table``'s tensor; the same object where nothing changes."""
+    if isinstance(obj, torch.Tensor):
+        return table.get(id(obj), obj)
+    if isinstance(obj, (list, tuple)):
+        new = [_rebind(v, table) for v in obj]
+        if all(map(operator.is_, new, obj)):
+            return obj
+        return type(obj)._make(new) if hasattr(type(obj), "_make") else type(obj)(new)
+    if type(obj).__dict__.get("__saved_fields__") is not None:
+        fields = {k: _rebind(v, table) for k, v in obj.__dict__.items()}
+        if all(fields[k] is v for k, v in obj.__dict__.items()):
+            return obj
+        record = object.__new__(type(obj))
+        record.__dict__.update(fields)
+        return record
+    return obj
+
+
+def _context(call: _Call) -> dict[int, torch.Tensor]:
+    """The tensors ``call``'s residuals hold by reference (by id)."""
+    leaves = [value if kind == "ref" else None for kind, value in call.resolve()]
+    spec, out = call.res_spec, {}
+    _held(list(spec.shell.values()) if isinstance(spec, RecordSpec) else spec.unflatten(leaves), out)
+    _held([v for v in leaves if v is not None], out)
+    return out
+
+
+def _level_refs(call: _Call, inputs: tuple) -> dict[int, torch.Tensor]:
+    """The inputs (by position) that ``call``'s by-reference context holds, as this level has
+    them (NOTE: [Context per level]). For a call run per element: those of any element, and
+    the integer tensors (splits: the context derived from them differs per element, and
+    :class:`_PerElement` must see them batched; NOTE: [vmap])."""
+    if call.elements is not None:
+        found = {k: t for k, t in enumerate(inputs) if isinstance(t, torch.Tensor) and not t.is_floating_point()}
+        for element in call.elements:
+            if element.elements is not None:
+                found.update(_level_refs(element, inputs))
+            else:
+                held = _context(element)
+                found.update((k, inputs[k]) for k, i in enumerate(element.in_ids) if i in held)
+        return found
+    held = _context(call)
+    refs = {}
+    for k, t in enumerate(inputs):
+        if isinstance(t, torch.Tensor) and t is not (b := bottom(t)) and id(b) in held:
+            if type(b) in PLAIN_TYPES:
+                refs[k] = t
+            elif bottom(torch._C._functorch.get_unwrapped(t)) is not b:  # another level tracks it too
+                raise NotImplementedError(_SUBCLASS.format(name=call.rules.name, cls=type(b).__name__))
+    return refs
+
+
+# A tensor subclass held by reference (a DistributedWeight) keeps its identity: its protocol
+# needs the object, and the layer computes with what it materializes, which no level tracks.
+_SUBCLASS = (
+    "custom_vjp({name}): a {cls} weight under nested torch.func levels (a derivative of a derivative "
+    "through it: a gradient penalty, a Hessian, jvp of grad) is not supported: the layer computes with "
+    "what the {cls} materializes, which the outer levels cannot track. Use a plain tensor for such a "
+    "transform, or autograd with create_graph=True"
+)
 
 
 # --- the transform rules -------------------------------------------------------------------------
@@ -636,7 +772,16 @@ def _apply_inner(rules: _Rules, args: Any) -> tuple[tuple, _Call]:
 # Under ``vmap(grad(f))`` the grad level then runs ``setup_context`` on our outputs with
 # per-element semantics. A folded call's residuals hold folded context (e.g. splits * B),
 # so the grad level gets the plan of one element instead: ``fwd`` on element 0, run only
-# when asked (:func:`_element_plan`; plain ``vmap`` never asks).
+# when asked (:func:`_element_plan`; plain ``vmap`` never asks). A fold shares the weights
+# and splits across the batch, so element 0's context is every element's.
+#
+# A call run per element (batched weights: an ensemble; batched splits) keeps each element's
+# call (``call.elements``): their contexts differ (each holds its own weights and routing). A
+# grad or jvp level above the vmap then runs its ``bwd``/``jvp`` through :class:`_PerElement`,
+# a Function whose own vmap rule, at the looping level, slices the saved tensors, the grads
+# and the level's weights (NOTE: [Context per level]) and runs each element's rule on that
+# element's residuals; at any other vmap level (jacrev's basis) it applies itself once per
+# that level's element. Differentiating that backward once more is refused.
 def _vmap_rule(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> tuple:
     """The Function's vmap rule: one call with the batch folded in by the pair's ``vmap`` rule,
     else one call per batch element (NOTE: [vmap])."""
@@ -654,15 +799,102 @@ def _vmap_rule(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> t
 
 
 def _vmap_loop(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> tuple:
-    """One call per batch element; every output stacked along dim 0."""
-    results = []
+    """One call per batch element; every output stacked along dim 0. ``call`` keeps every
+    element's call: each element's backward and jvp read its own context (NOTE: [vmap])."""
+    results, elements = [], []
     for i in range(batch_size):
         sliced = [t if d is None else t.select(d, i) for t, d in zip(in_leaves, dims)]
         flat, inner = _apply_inner(call.rules, call.args(sliced))
-        call.adopt(inner)
+        inner.in_ids = tuple(id(bottom(t)) if isinstance(t, torch.Tensor) else None for t in sliced)
         results.append(flat)
+        elements.append(inner)
+    kept = {tuple(kind for kind in e.resolve() if kind[0] != "ref") for e in elements}
+    if len(kept) != 1:
+        raise NotImplementedError(
+            f"custom_vjp({call.rules.name}): under vmap, the batch elements keep different residuals "
+            "(fwd saved different tensors for different elements); run the elements one by one"
+        )
+    call.adopt(inner)
+    call.elements, call.level = elements, torch._C._functorch.maybe_current_level()
     flat = tuple(torch.stack(column) for column in zip(*results))
     return flat, (0,) * len(flat)
+
+
+def _per_element(ctx: Any, rule: str, grads: tuple) -> tuple:
+    """``bwd`` (``rule="bwd"``: grads, the cotangent leaves) or ``jvp`` (tangents, the output
+    tangent leaves) of a call vmap ran per element (NOTE: [vmap])."""
+    refs = getattr(ctx, "level_refs", None) or {}
+    job = _Job(ctx.call, rule, _mask(ctx), len(ctx.saved_tensors), len(grads), tuple(refs))
+    return _PerElement.apply(job, *ctx.saved_tensors, *grads, *refs.values())
+
+
+class _Job:
+    """One per-element rule: the call and how :class:`_PerElement`'s inputs split."""
+
+    __slots__ = ("call", "rule", "mask", "n_saved", "n_grads", "ref_positions")
+
+    def __init__(self, call: _Call, rule: str, mask: Any, n_saved: int, n_grads: int, ref_positions: tuple) -> None:
+        self.call, self.rule, self.mask, self.n_saved, self.n_grads = call, rule, mask, n_saved, n_grads
+        self.ref_positions = ref_positions
+
+    def run(self, element: _Call, leaves: Any) -> tuple:
+        """The rule on one element: its saved tensors, grads (or tangents) and refs."""
+        saved, grads = leaves[: self.n_saved], leaves[self.n_saved : self.n_saved + self.n_grads]
+        refs = dict(zip(self.ref_positions, leaves[self.n_saved + self.n_grads :]))
+        if element.elements is not None:  # vmap of vmap: this element was itself run per element
+            job = _Job(element, self.rule, self.mask, self.n_saved, self.n_grads, self.ref_positions)
+            return _PerElement.apply(job, *saved, *grads, *refs.values())
+        res = _rebuild(element, saved, self.mask)
+        res = _rebind(res, {element.in_ids[k]: _live(t) for k, t in refs.items()})
+        rules = element.rules
+        if self.rule == "jvp":
+            return tuple(_out_leaves(rules.jvp(res, element.in_spec.unflatten(grads)), element.out_spec))
+        d_args = _flatten_cotangents(rules.bwd(res, _unflatten_out(grads, element.out_spec)), element.in_spec, rules)
+        return tuple(g if self.mask is None or self.mask[i] else None for i, g in enumerate(d_args))
+
+
+_AGAIN = (
+    "custom_vjp: differentiating the backward (or jvp) of a layer that vmap ran once per batch element "
+    "(batched weights or splits, e.g. an ensemble) again inside that vmap is not supported (e.g. "
+    "vmap(grad(gradient penalty)) over an ensemble); batch x only, or take the outer derivative outside "
+    "the vmap (grad(vmap(...)) works)"
+)
+
+
+class _PerElement(torch.autograd.Function):
+    """A looped call's backward or jvp as a Function whose vmap rule slices the level's batched
+    tensors and runs each element's rule on that element's own residuals (NOTE: [vmap])."""
+
+    @staticmethod
+    def forward(job: _Job, *leaves: Any) -> tuple:  # type: ignore[override]
+        # Nothing batched at the looping level: none of what the rule reads differs between the
+        # elements (saved tensors, weights, splits all come in as leaves), so any one will do.
+        return job.run(job.call.elements[0], leaves)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        raise NotImplementedError(_AGAIN)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> tuple:
+        raise NotImplementedError(_AGAIN)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, job: _Job, *leaves: Any) -> tuple:
+        # This level is the vmap that ran the call per element, or another one (jacrev's and
+        # jacfwd's basis, an outer vmap): then one application per its element, each of which
+        # reaches the looping level below.
+        mine = torch._C._functorch.maybe_current_level() == job.call.level
+        columns = []
+        for i in range(info.batch_size):
+            sliced = [t if d is None or t is None else t.select(d, i) for t, d in zip(leaves, in_dims[1:])]
+            columns.append(job.run(job.call.elements[i], sliced) if mine else _PerElement.apply(job, *sliced))
+        out = tuple(None if c[0] is None else torch.stack(c) for c in zip(*columns))
+        return out, tuple(None if o is None else 0 for o in out)
 
 
 def _element_plan(call: _Call, in_leaves: tuple, dims: tuple) -> tuple[list, Any]:

@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ._checks import PLAIN_TYPES
+from ._checks import PLAIN_TYPES, bottom
 
 _SHAPE = operator.attrgetter("shape")
 _VERSION = operator.attrgetter("_version")
@@ -292,7 +292,7 @@ def check_versions(params: Sequence[torch.Tensor], recorded: tuple[int, ...], na
         except RuntimeError:  # became an inference tensor? the loop below says what changed
             pass
     for e, (p, v) in enumerate(zip(params, recorded)):
-        if v is not None and p._version != v:
+        if v is not None and (p := bottom(p))._version != v:  # (a torch.func level's weight: its bottom's)
             where = name if len(params) == 1 else f"{name}[{e}]"
             note = (
                 (

@@ -44,6 +44,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from . import _checks, _fp8, distributed_weight as dwp
 from .custom_vjp import custom_vjp
@@ -383,8 +384,8 @@ def _recompute_fc1(res: GroupedMLPResiduals) -> torch.Tensor:
 
 def _differentiated(dy: Any, inputs: Any, x_wanted: bool = False) -> bool:
     """Whether this backward will itself be differentiated (autograd's ``create_graph=True``, or
-    under ``torch.func`` a dy or saved input tracked by another grad level than the one running
-    it: grad of grad, ``jacrev(jacrev)``), as ``_fp8.check_first_order`` tells, where ``inputs``
+    under ``torch.func`` a dy or saved input tracked by another grad or jvp level than the one
+    running it: grad of grad, ``jacrev(jacrev)``, jvp of grad), as ``_fp8.check_first_order`` tells, where ``inputs``
     are the saved inputs fc1's output and h depend on (x, w1, bias1, probs: the MLP is nonlinear
     in x, so a constant dy differentiated through dx, a gradient penalty, counts). Then fc1's
     output and h are recomputed from the saved inputs whatever the policy: saved intermediates
@@ -399,10 +400,13 @@ def _differentiated(dy: Any, inputs: Any, x_wanted: bool = False) -> bool:
     top = func.peek_interpreter_stack()
     if top is not None:
         own = top.level() if top.key() == func.TransformType.Grad else None
+        # a jvp level (jvp of grad, hessian's jacfwd) carries tangents, not requires_grad
+        jvp = {i.level() for i in retrieve_all_functorch_interpreters() if i.key() == func.TransformType.Jvp}
         for t in tensors:
             while func.is_functorch_wrapped_tensor(t):
-                if func.is_gradtrackingtensor(t) and func.maybe_get_level(t) != own and t.requires_grad:
-                    return True
+                if func.is_gradtrackingtensor(t) and (level := func.maybe_get_level(t)) != own:
+                    if t.requires_grad or level in jvp:
+                        return True
                 t = func.get_unwrapped(t)
         return False
     if torch._C._current_autograd_node() is None:

@@ -473,3 +473,179 @@ def test_float32_grouped_path_under_jvp_and_vmap():
     torch.testing.assert_close([g[0], *g[1]], list(want), **tol)
     dxb = vmap(grad(lambda x: (f(x, ws) * dy).sum()))(xb)
     torch.testing.assert_close(dxb, torch.stack([want[0]] * 2), **tol)
+
+
+# --- what each functorch level reads by reference (NOTE: [Context per level], NOTE: [vmap]) ----
+# The records hold weights and biases by reference. Under nested levels (a gradient penalty, a
+# Hessian, jvp of grad) each level's backward must read its own wrapper of them; under vmap
+# with batched weights or splits, each element its own. Every op against float64 torch under
+# the same transform.
+CTX_SPLITS = (2, 0, 4)
+CTX_T, CTX_K, CTX_N, CTX_F = sum(CTX_SPLITS), 4, 3, 2
+
+
+def _ctx_ref_mlp(x, w1, w2, p, b1, b2, splits=CTX_SPLITS):
+    z = ref_grouped(x, w1, splits, b1)
+    gate, up = z.chunk(2, -1)
+    h = F.silu(gate) * up * p[:, None]
+    return ref_grouped(h, w2, splits) + p[:, None] * b2.repeat_interleave(torch.tensor(splits), 0)
+
+
+# name -> (ours(x, *params, splits=...), torch's, the params' shapes): each op's differentiable
+# weights and biases, which its record holds by reference
+_CTX_OPS = {
+    "linear": (
+        lambda x, w, b, splits=None: fd.linear(x, w, b),
+        lambda x, w, b, splits=None: F.linear(x, w, b),
+        [(CTX_N, CTX_K), (CTX_N,)],
+    ),
+    "grouped_list": (
+        lambda x, *w, splits=CTX_SPLITS: fd.grouped_linear(x, list(w), splits),
+        lambda x, *w, splits=CTX_SPLITS: ref_grouped(x, w, splits),
+        [(CTX_N, CTX_K)] * E,
+    ),
+    "grouped_stacked": (
+        lambda x, w, b, splits=CTX_SPLITS: fd.grouped_linear(x, w, splits, b),
+        lambda x, w, b, splits=CTX_SPLITS: ref_grouped(x, w, splits, b),
+        [(E, CTX_N, CTX_K), (E, CTX_N)],
+    ),
+    "mlp": (
+        lambda x, w1, w2, p, b1, b2, splits=CTX_SPLITS: fd.grouped_mlp(x, w1, w2, splits, probs=p, bias1=b1, bias2=b2),
+        _ctx_ref_mlp,
+        [(E, 2 * CTX_F, CTX_K), (E, CTX_K, CTX_F), (CTX_T,), (E, 2 * CTX_F), (E, CTX_K)],
+    ),
+}
+
+
+def _ctx_inputs(op, seed=0):
+    """x and the op's params in float64; each changed in place once (a version counter past 0, as
+    an optimizer's step leaves it: the version check must read the tensor forward ran on)."""
+    g = torch.Generator().manual_seed(seed)
+    ts = [torch.randn(CTX_T, CTX_K, generator=g, dtype=D)]
+    ts += [torch.randn(s, generator=g, dtype=D) for s in _CTX_OPS[op][2]]
+    for t in ts:
+        t.mul_(1.0)
+    return ts
+
+
+def _assert_trees_close(got, want):
+    got, want = pytree_leaves(got), pytree_leaves(want)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("op", list(_CTX_OPS))
+def test_gradient_penalty_through_the_weights_matches_float64(op):
+    """d/dparams of |d loss/dx|^2: the inner backward's W must be the one the outer grad tracks."""
+    x, *params = _ctx_inputs(op)
+
+    def penalty(f):
+        def outer(*params):
+            gx = grad(lambda x: f(x, *params).sin().sum())(x)
+            return gx.square().sum()
+
+        return outer
+
+    argnums = tuple(range(len(params)))
+    ours, ref = _CTX_OPS[op][:2]
+    _assert_trees_close(grad(penalty(ours), argnums)(*params), grad(penalty(ref), argnums)(*params))
+
+
+@pytest.mark.parametrize("op", list(_CTX_OPS))
+def test_full_hessian_matches_float64(op):
+    """Every block of the Hessian in (x, *params), the x-W blocks included."""
+    inputs = _ctx_inputs(op)
+    argnums = tuple(range(len(inputs)))
+    ours, ref = _CTX_OPS[op][:2]
+    got = torch.func.hessian(lambda *a: ours(*a).sin().sum(), argnums)(*inputs)
+    want = torch.func.hessian(lambda *a: ref(*a).sin().sum(), argnums)(*inputs)
+    _assert_trees_close(got, want)
+
+
+@pytest.mark.parametrize("op", list(_CTX_OPS))
+def test_jvp_of_grad_in_the_weights_matches_float64(op):
+    x, *params = _ctx_inputs(op)
+    tangents = tuple(_ctx_inputs(op, seed=1)[1:])
+    ours, ref = _CTX_OPS[op][:2]
+    outs = [jvp(lambda *p: grad(lambda x: f(x, *p).sin().sum())(x), tuple(params), tangents) for f in (ours, ref)]
+    _assert_trees_close(*outs)
+
+
+_X_RULES = {
+    "grad": lambda f, x: grad(lambda x: f(x).sin().sum())(x),
+    "jacrev": lambda f, x: jacrev(lambda x: f(x).sin())(x),
+    "jacfwd": lambda f, x: torch.func.jacfwd(lambda x: f(x).sin())(x),
+}
+
+
+@pytest.mark.parametrize("rule", list(_X_RULES))
+@pytest.mark.parametrize("batched", ["params", "x_and_params"])
+@pytest.mark.parametrize("op", list(_CTX_OPS))
+def test_vmap_over_an_ensemble_uses_each_members_weights(op, batched, rule):
+    """vmap of grad_x / jacrev_x / jacfwd_x over stacked members: each member's own W (the
+    loop once used the last member's for all)."""
+    B = 3
+    members = [_ctx_inputs(op, seed=s) for s in range(B)]
+    x0 = members[0][0]
+    xs = torch.stack([m[0] for m in members]) if batched == "x_and_params" else x0
+    params = [torch.stack(column) for column in zip(*[m[1:] for m in members])]
+    ours, ref = _CTX_OPS[op][:2]
+    take = _X_RULES[rule]
+    in_dims = (0 if batched == "x_and_params" else None, *[0] * len(params))
+    got = vmap(lambda x, *p: take(lambda x: ours(x, *p), x), in_dims=in_dims)(xs, *params)
+    for b, m in enumerate(members):
+        want = take(lambda x: ref(x, *m[1:]), m[0] if batched == "x_and_params" else x0)
+        torch.testing.assert_close(got[b], want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("rule", list(_X_RULES))
+@pytest.mark.parametrize("op", ["grouped_list", "grouped_stacked", "mlp"])
+def test_vmap_over_per_example_splits_uses_each_routing(op, rule):
+    x, *params = _ctx_inputs(op)
+    S = torch.tensor([[2, 0, 4], [1, 5, 0], [0, 0, 6]])
+    ours, ref = _CTX_OPS[op][:2]
+    take = _X_RULES[rule]
+    got = vmap(lambda s: take(lambda x: ours(x, *params, splits=s), x))(S)
+    for b, s in enumerate(S.tolist()):
+        want = take(lambda x: ref(x, *params, splits=tuple(s)), x)
+        torch.testing.assert_close(got[b], want, rtol=1e-9, atol=1e-9)
+
+
+def test_vmap_over_a_stacked_module_ensemble():
+    """torch.func's model-ensembling recipe: stack_module_state over nn.GroupedLinear members
+    (TE's per-expert weight0..), vmap of grad_x through functional_call."""
+    torch.manual_seed(0)
+    members = [fd.nn.GroupedLinear(E, CTX_K, CTX_N, params_dtype=D) for _ in range(3)]
+    params, buffers = torch.func.stack_module_state(members)
+    x = torch.randn(CTX_T, CTX_K, dtype=D)
+    splits = torch.tensor(CTX_SPLITS)
+    f = lambda p, b: grad(lambda x: functional_call(members[0], (p, b), (x, splits)).sin().sum())(x)
+    got = vmap(f)(params, buffers)
+    for i, m in enumerate(members):
+        ws = [getattr(m, f"weight{e}").detach() for e in range(E)]
+        bs = [getattr(m, f"bias{e}").detach() for e in range(E)]
+        want = grad(lambda x: ref_grouped(x, ws, CTX_SPLITS, bs).sin().sum())(x)
+        torch.testing.assert_close(got[i], want, rtol=1e-9, atol=1e-9)
+
+
+def test_grad_of_vmap_over_an_ensemble_of_penalties():
+    """The outer derivative outside the vmap: each member's penalty differentiated in its W."""
+    x, w, b = _ctx_inputs("linear")
+    W = torch.stack([w, w * 2, w - 1])
+
+    def total(f):
+        return lambda W: vmap(lambda w: grad(lambda x: f(x, w, b).sin().sum())(x).square().sum())(W).sum()
+
+    ours, ref = _CTX_OPS["linear"][:2]
+    torch.testing.assert_close(grad(total(ours))(W), grad(total(ref))(W), rtol=1e-9, atol=1e-9)
+
+
+def test_second_order_inside_a_per_element_vmap_is_refused():
+    """vmap(grad_W(penalty)) over an ensemble: the per-element backward has no derivative of its
+    own; a clear refusal, never a wrong number."""
+    x, w, b = _ctx_inputs("linear")
+    W = torch.stack([w, w * 2])
+    penalty = lambda w: grad(lambda x: fd.linear(x, w, b).sin().sum())(x).square().sum()
+    with pytest.raises(NotImplementedError, match="once per batch element.*grad\\(vmap\\(...\\)\\) works"):
+        vmap(grad(penalty))(W)
