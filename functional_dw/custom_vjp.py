@@ -824,8 +824,9 @@ def _per_element(ctx: Any, rule: str, grads: tuple) -> tuple:
     """``bwd`` (``rule="bwd"``: grads, the cotangent leaves) or ``jvp`` (tangents, the output
     tangent leaves) of a call vmap ran per element (NOTE: [vmap])."""
     refs = getattr(ctx, "level_refs", None) or {}
-    job = _Job(ctx.call, rule, _mask(ctx), len(ctx.saved_tensors), len(grads), tuple(refs))
-    return _PerElement.apply(job, *ctx.saved_tensors, *grads, *refs.values())
+    saved = ctx.saved_tensors  # (read once: unpack hooks run on every read)
+    job = _Job(ctx.call, rule, _mask(ctx), len(saved), len(grads), tuple(refs))
+    return _PerElement.apply(job, *saved, *grads, *refs.values())
 
 
 class _Job:
