@@ -588,6 +588,7 @@ def _grouped_mlp_class() -> type:
 
     class GroupedMLP(TEGroupedMLP):
         __doc__ = _GROUPED_MLP_DOC
+        _runs_children_fused = True  # one FSDP2 unit with its linears: NOTE: [FSDP2 over GroupedMLP] in nn.py
 
         def __init__(
             self,

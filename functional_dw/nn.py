@@ -525,6 +525,20 @@ class GroupedLinear(_FP8, torch.nn.Module):
         )
 
 
+# NOTE: [FSDP2 over GroupedMLP] GroupedMLP's forward runs fc1 and fc2 as one grouped_mlp node on
+# their parameters and never calls them, so nothing registered on fc1's or fc2's forward runs.
+# FSDP2 gathers a module's parameters in the pre-forward hook of the module fully_shard was
+# applied to (and reduce-scatters from hooks that pre-forward sets up): sharded on their own,
+# fc1 and fc2 would reach the node as sharded DTensors. So the GroupedMLP is one FSDP2 unit:
+# ``distributed.shard_module`` applies fully_shard to it (fc1's and fc2's parameters in its one
+# group: one all-gather and one reduce-scatter for both) and never to fc1 or fc2, and forward
+# refuses fc1 or fc2 sharded on their own (a ValueError with the fix, not DTensor's "mixed
+# torch.Tensor and DTensor"). The other way, forward calling fc1(...) and fc2(...), would split
+# the one node into two (two plans, the activation and the probs between them, the save=
+# policies gone) and put two module calls' hook dispatch on the host path, to gain nothing:
+# the node needs both layers' weights at once, in forward and in backward, so gathering them
+# together holds no more memory than gathering them apart. ``_runs_children_fused`` marks the
+# modules built this way (functional_dw.megatron.GroupedMLP too) for shard_module.
 class GroupedMLP(torch.nn.Module):
     """E experts' MLP, ``fc2(act(fc1(x)) * probs)`` (Megatron's TEGroupedMLP), as one call of
     :func:`functional_dw.grouped_mlp`. ``fc1`` (``hidden_size -> 2 * ffn_hidden_size`` for SwiGLU,
@@ -532,7 +546,12 @@ class GroupedMLP(torch.nn.Module):
     :class:`GroupedLinear` submodules with TE's parameter names, so two GroupedLinear state
     dicts (``fc1.weight0``.. ``fc2.weight{E-1}``, either layout, FP8 ``_extra_state`` included)
     load unchanged. ``forward`` reads their parameters and runs the pure pair once (not two
-    module calls); the other arguments are ``grouped_mlp``'s and GroupedLinear's, for both."""
+    module calls); the other arguments are ``grouped_mlp``'s and GroupedLinear's, for both.
+
+    Under FSDP2 the GroupedMLP is one unit: ``fully_shard`` it (``distributed.shard_module``
+    does), not its fc1 or fc2 (refused: NOTE: [FSDP2 over GroupedMLP])."""
+
+    _runs_children_fused = True  # NOTE: [FSDP2 over GroupedMLP]
 
     def __init__(
         self,
@@ -597,6 +616,8 @@ def _run_grouped_mlp(
     parameters (either layout, biases included): the recipe from fc1's (TE's autocast when it has
     none; fc2 must agree), each layer's delayed-scaling state, fc1's backend and wgrad fusion
     (what :class:`GroupedMLP` and ``functional_dw.megatron.GroupedMLP`` run)."""
+    if fc1._forward_pre_hooks or fc2._forward_pre_hooks:  # (two dict reads while fc1 and fc2 have no hooks)
+        _refuse_fsdp_layers(fc1, fc2)
     recipe, state1 = fc1._fp8_begin(x)
     recipe2, state2 = fc2._fp8_begin(x)
     if recipe2 != recipe:
@@ -620,6 +641,23 @@ def _run_grouped_mlp(
     )
     fc1._fp8_end(y, state1)
     return fc2._fp8_end(y, state2)
+
+
+def _refuse_fsdp_layers(fc1: GroupedLinear, fc2: GroupedLinear) -> None:
+    """ValueError if FSDP2 shards fc1 or fc2 on its own: their forwards never run, so FSDP2 would
+    never gather them (NOTE: [FSDP2 over GroupedMLP])."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, m in (("fc1", fc1), ("fc2", fc2)):
+        if isinstance(m, FSDPModule):
+            raise ValueError(
+                f"GroupedMLP: its {name} ({type(m).__name__}) is sharded on its own with FSDP2's fully_shard, "
+                "but GroupedMLP runs fc1 and fc2 as one grouped_mlp node without calling them, so FSDP2 never "
+                "gathers their parameters; apply fully_shard to the GroupedMLP instead, not to its fc1 or fc2 "
+                "(functional_dw.distributed.shard_module does)"
+            )
 
 
 def _layer_weights(m: GroupedLinear) -> Any:

@@ -3,12 +3,13 @@
 ``torch.distributed.checkpoint`` (DCP) saves a model on 4 ranks and loads it on 2, and back
 (2 -> 4), and into an unsharded model in a process without a process group (4 -> 1), for:
 an FSDP2-sharded expert MLP in both weight layouts (per-expert ``weight0..``, and one
-``[E, out, in]`` weight whose 3 experts leave rank 3 of 4 without rows), and a model whose
-weights are :class:`functional_dw.distributed.ShardedWeight` groups (out features 5: shards
-of 2, 2, 1, 0 rows on 4 ranks). Each load starts from other values (another seed) and must
-give back the saved parameters, the saved model's outputs, and (FSDP2 models, through
-``save_checkpoint``/``load_checkpoint``) fc1's FP8 delayed-scaling state, whose size differs
-between the saved and the loading model.
+``[E, out, in]`` weight whose 3 experts leave rank 3 of 4 without rows), a MoE block around an
+``nn.GroupedMLP`` with biases (one FSDP2 unit: fc1 and fc2 in its group) in both layouts, and a
+model whose weights are :class:`functional_dw.distributed.ShardedWeight` groups (out features
+5: shards of 2, 2, 1, 0 rows on 4 ranks). Each load starts from other values (another seed)
+and must give back the saved parameters, the saved model's outputs, and (the expert MLP,
+through ``save_checkpoint``/``load_checkpoint``) fc1's FP8 delayed-scaling state, whose size
+differs between the saved and the loading model.
 
 A Transformer Engine state dict (keys as ``te.GroupedLinear``/``te.Linear`` write them:
 ``weight0..``, ``bias0..``, ``_extra_state``; built by hand, TE is not installed here; an FP8
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 
 import functional_dw as fd
 from functional_dw import distributed as fdd
-from test_fsdp2 import FFN, SPLITS, E, ExpertMLP, H, _tokens
+from test_fsdp2 import FFN, LAUNCH_DEADLINE, LAUNCH_TIMEOUT, SPLITS, E, ExpertMLP, H, MoEBlock, _tokens
 
 N5 = 5  # ShardedWeight out features: 3, 2 rows on 2 ranks; 2, 2, 1, 0 on 4
 LAYOUTS = ["per-expert", "single"]
@@ -72,6 +73,12 @@ def _expert_mlp(layout: str, seed: int) -> ExpertMLP:
     state.scale_fwd.fill_(1 / seed)
     m.fc1.set_extra_state(fd.fp8.state_to_extra_state(state, recipe))
     return m
+
+
+def _moe_block(layout: str, seed: int) -> MoEBlock:
+    """MoEBlock (a GroupedMLP with biases inside, sharded whole by shard_module) from ``seed``."""
+    torch.manual_seed(seed)
+    return MoEBlock(single=layout == "single", bias=True)
 
 
 def _check_fp8_state(m: ExpertMLP, seed: int) -> None:
@@ -120,17 +127,19 @@ def _check_sharded(model: ShardedMLP, seed: int, rank: int, world: int) -> None:
 
 
 def _save_all(root: str, tag: str, seed: int) -> None:
-    """Save the three models (FSDP2 per-expert, FSDP2 single, ShardedWeight) made from ``seed``."""
+    """Save the models (FSDP2 per-expert and single: ExpertMLP, MoEBlock; ShardedWeight) made
+    from ``seed``."""
     import torch.distributed.checkpoint as dcp
 
     for layout in LAYOUTS:
         fdd.save_checkpoint(fdd.shard_module(_expert_mlp(layout, seed)), os.path.join(root, f"{tag}-{layout}"))
+        fdd.save_checkpoint(fdd.shard_module(_moe_block(layout, seed)), os.path.join(root, f"{tag}-mlp-{layout}"))
     dcp.save(fdd.checkpoint_state_dict(ShardedMLP(seed)), checkpoint_id=os.path.join(root, f"{tag}-sharded"))
 
 
 def _load_all(root: str, tag: str, saved_seed: int) -> dict[str, str | None]:
-    """Load the three checkpoints into models made from another seed; check each (the FSDP2
-    models with load_checkpoint, the ShardedWeights with dcp.load itself)."""
+    """Load the checkpoints into models made from another seed; check each (the FSDP2 models
+    with load_checkpoint, the ShardedWeights with dcp.load itself)."""
     import torch.distributed.checkpoint as dcp
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -138,6 +147,9 @@ def _load_all(root: str, tag: str, saved_seed: int) -> dict[str, str | None]:
     for layout in LAYOUTS:
         out[f"fsdp2-{layout}"] = _try(
             lambda: _load_fsdp(dcp, os.path.join(root, f"{tag}-{layout}"), layout, saved_seed, rank)
+        )
+        out[f"fsdp2-mlp-{layout}"] = _try(
+            lambda: _load_mlp(os.path.join(root, f"{tag}-mlp-{layout}"), layout, saved_seed, rank)
         )
     out["sharded-weight"] = _try(
         lambda: _load_sharded(dcp, os.path.join(root, f"{tag}-sharded"), saved_seed, rank, world)
@@ -150,6 +162,12 @@ def _load_fsdp(dcp, path: str, layout: str, saved_seed: int, rank: int) -> None:
     fdd.load_checkpoint(m, path)
     _check_fsdp(m, _expert_mlp(layout, saved_seed), rank)
     _check_fp8_state(m, saved_seed)
+
+
+def _load_mlp(path: str, layout: str, saved_seed: int, rank: int) -> None:
+    m = fdd.shard_module(_moe_block(layout, saved_seed + 1))
+    fdd.load_checkpoint(m, path)
+    _check_fsdp(m, _moe_block(layout, saved_seed), rank)
 
 
 def _load_sharded(dcp, path: str, saved_seed: int, rank: int, world: int) -> None:
@@ -419,7 +437,7 @@ def _load_job(root: str) -> dict[str, str | None]:
     return {f"2to4-{k}": v for k, v in _load_all(root, "w2", saved_seed=20).items()}
 
 
-MODELS = [f"fsdp2-{layout}" for layout in LAYOUTS] + ["sharded-weight"]
+MODELS = [f"fsdp2-{layout}" for layout in LAYOUTS] + [f"fsdp2-mlp-{layout}" for layout in LAYOUTS] + ["sharded-weight"]
 CASES = (
     [f"4to2-{m}" for m in MODELS]
     + [f"2to4-{m}" for m in MODELS]
@@ -434,10 +452,12 @@ CASES = (
 def checkpoints(tmp_path_factory):
     pytest.importorskip("torch.distributed.checkpoint")
     root = str(tmp_path_factory.mktemp("dcp"))
-    fdd.launch(_save_job, 4, root, backend="gloo", timeout=60, deadline=120)
+    fdd.launch(_save_job, 4, root, backend="gloo", timeout=LAUNCH_TIMEOUT, deadline=LAUNCH_DEADLINE)
     merged: dict[str, list[str]] = {}
     for job, world in ((_load_and_save_job, 2), (_load_job, 4)):
-        for r, res in enumerate(fdd.launch(job, world, root, backend="gloo", timeout=60, deadline=120)):
+        for r, res in enumerate(
+            fdd.launch(job, world, root, backend="gloo", timeout=LAUNCH_TIMEOUT, deadline=LAUNCH_DEADLINE)
+        ):
             for case, err in res.items():
                 merged.setdefault(case, []).extend([] if err is None else [f"rank {r} of {world}: {err}"])
     return root, merged

@@ -7,7 +7,10 @@ with the mean over ranks of the per-rank grads, which is what FSDP2's reduce-sca
 Cases: reshard_after_forward True and False, MixedPrecisionPolicy (bf16 params, fp32 reduce),
 ``save_on_cpu`` and a Megatron-style offloading hook (only activations reach the hook),
 ``retain_graph`` (two backwards), frozen experts, two SGD steps, the layouts of a group's
-weights (one buffer, one ``[E, out, in]`` parameter), and plain ``fully_shard`` calls.
+weights (one buffer, one ``[E, out, in]`` parameter), and plain ``fully_shard`` calls. And
+``nn.GroupedMLP``, one FSDP2 unit (NOTE: [FSDP2 over GroupedMLP]), on 2 ranks: alone and in a
+block, both layouts, with and without biases and probs, over three SGD steps; ``fully_shard``
+on its fc1 or fc2 alone is refused.
 
 gloo on CPU with 2 and 4 ranks: one spawn per world size runs every case; each case is
 reported as its own test. Tokens per (rank, expert) are uneven, expert 1 gets none, rank 3
@@ -18,6 +21,7 @@ rank 3 of 4 without rows.
 from __future__ import annotations
 
 import traceback
+from functools import partial
 
 import pytest
 import torch
@@ -27,6 +31,9 @@ import functional_dw as fd
 from functional_dw import distributed as fdd
 
 E, H, FFN = 3, 16, 18
+# gloo's collective timeout and a launch's deadline (s): generous, for a loaded 2-core machine
+# (W ranks importing torch and computing their references while other processes use the cores)
+LAUNCH_TIMEOUT, LAUNCH_DEADLINE = 300, 900
 SPLITS = [[4, 0, 2], [0, 0, 6], [2, 0, 2], [0, 0, 0]]  # tokens per expert on rank r (T even)
 CASES = [
     "plain",
@@ -222,7 +229,7 @@ def _job() -> dict[str, str | None]:
 @pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
 def results(request):
     pytest.importorskip("torch.distributed.fsdp")
-    return fdd.launch(_job, request.param, backend="gloo", timeout=60, deadline=240)
+    return fdd.launch(_job, request.param, backend="gloo", timeout=LAUNCH_TIMEOUT, deadline=LAUNCH_DEADLINE)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -236,3 +243,162 @@ def test_shard_module_refuses_bad_input():
         fdd.shard_module([torch.nn.Linear(2, 2)])
     with pytest.raises(RuntimeError, match="init_process_group"):
         fdd.shard_module(_model())
+
+
+# --- GroupedMLP: one FSDP2 unit (NOTE: [FSDP2 over GroupedMLP] in functional_dw/nn.py) ----------
+
+MLP_FFN = 20  # (fc1: 2 * 20 SwiGLU rows; fp32 rows of 16-byte multiples: the grouped GEMM runs)
+MLP_SPLITS = SPLITS[:2]  # 2 ranks: uneven, expert 1 without tokens on both
+MLP_LR, MLP_MOMENTUM, MLP_STEPS = 0.1, 0.9, 3
+# (host, layout, bias, probs): a GroupedMLP alone (probs an input) or inside a MoE block (probs
+# from a router), each layout of the experts' weights, with and without biases and probs
+MLP_CASES = {
+    f"{host}-{layout}{'-bias' if bias else ''}{'-probs' if probs else ''}": (host, layout, bias, probs)
+    for host in ("alone", "in-block")
+    for layout in ("per-expert", "single")
+    for bias in (False, True)
+    for probs in (False, True)
+}
+
+
+class MoEBlock(torch.nn.Module):
+    """x + proj(experts(norm(x), splits, probs)): a LayerNorm, a router (torch's Linear; probs:
+    the softmax's entry for each token's expert), a GroupedMLP and a Linear around it."""
+
+    def __init__(self, single: bool = False, bias: bool = False, probs: bool = True) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(H)
+        self.router = torch.nn.Linear(H, E) if probs else None
+        self.experts = fd.nn.GroupedMLP(E, H, MLP_FFN, bias=bias, single_grouped_weight=single, backend="torch")
+        self.proj = fd.nn.Linear(H, H, backend="torch")
+
+    def forward(self, x: torch.Tensor, splits: list[int]) -> torch.Tensor:
+        h, probs = self.norm(x), None
+        if self.router is not None:
+            expert = torch.repeat_interleave(torch.arange(E), torch.tensor(splits))
+            probs = self.router(h).softmax(-1).gather(1, expert[:, None]).squeeze(1)
+        return x + self.proj(self.experts(h, splits, probs))
+
+
+def _mlp_model(host: str, layout: str, bias: bool, probs: bool) -> torch.nn.Module:
+    torch.manual_seed(0)  # the same full weights on every rank, sharded or not
+    single = layout == "single"
+    if host == "alone":
+        return fd.nn.GroupedMLP(E, H, MLP_FFN, bias=bias, single_grouped_weight=single, backend="torch")
+    return MoEBlock(single, bias, probs)
+
+
+def _mlp_step(model: torch.nn.Module, rank: int, probs: bool) -> tuple:
+    """One forward and backward of rank ``rank``'s tokens: (y, x.grad, probs.grad or None); a
+    GroupedMLP alone gets probs as an input, a block makes them."""
+    g = torch.Generator().manual_seed(200 + rank)
+    T = sum(MLP_SPLITS[rank])
+    x, dy = torch.randn(T, H, generator=g).requires_grad_(), torch.randn(T, H, generator=g)
+    p = torch.rand(T, generator=g).requires_grad_() if probs and isinstance(model, fd.nn.GroupedMLP) else None
+    if isinstance(model, fd.nn.GroupedMLP):
+        y = model(x, MLP_SPLITS[rank], p)
+    else:
+        y = model(x, MLP_SPLITS[rank])
+    y.backward(dy)
+    return y.detach(), x.grad, None if p is None else p.grad
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=MLP_LR, momentum=MLP_MOMENTUM)
+
+
+def _mlp_reference(world: int, *spec) -> tuple[list, list, dict]:
+    """The unsharded model on every rank's tokens, per step: per rank (y, x.grad, probs.grad),
+    and the mean over ranks of the parameters' grads, which the step applies; then the
+    parameters after the steps."""
+    ref = _mlp_model(*spec)
+    opt = _sgd(ref.parameters())
+    outs, grads = [], []
+    for _ in range(MLP_STEPS):
+        mean = {n: torch.zeros(p.shape) for n, p in ref.named_parameters()}
+        outs.append([])
+        for r in range(world):
+            ref.zero_grad()
+            outs[-1].append(_mlp_step(ref, r, spec[3]))
+            for n, p in ref.named_parameters():
+                mean[n] += p.grad / world
+        grads.append(mean)
+        for n, p in ref.named_parameters():
+            p.grad = mean[n].clone()
+        opt.step()
+    return outs, grads, {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+def _mlp_case(host: str, layout: str, bias: bool, probs: bool) -> None:
+    """shard_module over a GroupedMLP (alone or in a block): one FSDP2 unit holding fc1's and
+    fc2's parameters; outputs, x's and probs' grads, every parameter's grad and the parameters
+    after SGD steps equal the unsharded model's."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    spec = (host, layout, bias, probs)
+    model = fdd.shard_module(_mlp_model(*spec))
+    mlp = model if host == "alone" else model.experts
+    assert isinstance(mlp, FSDPModule) and not isinstance(mlp.fc1, FSDPModule) and not isinstance(mlp.fc2, FSDPModule)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    outs, grads, final = _mlp_reference(world, *spec)
+    opt = _sgd(model.parameters())
+    for step in range(MLP_STEPS):
+        model.zero_grad()
+        y, dx, dprobs = _mlp_step(model, rank, probs)
+        want = outs[step][rank]
+        _close(y, want[0], f"output (step {step})")
+        _close(dx, want[1], f"x.grad (step {step})")
+        if want[2] is not None:
+            _close(dprobs, want[2], f"probs.grad (step {step})")
+        for n, p in model.named_parameters():
+            _close(p.grad.full_tensor(), grads[step][n], f"{n}.grad (step {step})")
+        opt.step()
+    for n, p in model.named_parameters():
+        _close(p.detach().full_tensor(), final[n], f"{n} after {MLP_STEPS} SGD steps")
+
+
+def _mlp_layers_sharded_alone() -> None:
+    """fully_shard on fc1 or fc2 of a GroupedMLP (whose forward never calls them): a ValueError
+    naming the layer and the fix, on every rank, instead of a sharded DTensor in the GEMM."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in ("fc1", "fc2"):
+        mlp = _mlp_model("alone", "single", True, True)
+        fully_shard(getattr(mlp, layer))
+        fully_shard(mlp)
+        x = torch.randn(sum(MLP_SPLITS[0]), H)
+        try:  # (not pytest.raises: its failure is a BaseException, which would end the rank)
+            mlp(x, MLP_SPLITS[0], torch.rand(x.shape[0]))
+            raise AssertionError(f"{layer} sharded on its own: no error")
+        except ValueError as e:
+            assert f"its {layer} (FSDPGroupedLinear) is sharded on its own" in str(e), e
+            assert "apply fully_shard to the GroupedMLP instead" in str(e), e
+
+
+def _mlp_job() -> dict[str, str | None]:
+    out = {}
+    cases = {
+        **{c: partial(_mlp_case, *spec) for c, spec in MLP_CASES.items()},
+        "fc1-or-fc2-alone": _mlp_layers_sharded_alone,
+    }
+    for case, fn in cases.items():
+        try:
+            fn()
+            out[case] = None
+        except Exception:
+            out[case] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def mlp_results():
+    pytest.importorskip("torch.distributed.fsdp")
+    return fdd.launch(_mlp_job, 2, backend="gloo", timeout=LAUNCH_TIMEOUT, deadline=LAUNCH_DEADLINE)
+
+
+@pytest.mark.parametrize("case", [*MLP_CASES, "fc1-or-fc2-alone"])
+def test_fsdp2_grouped_mlp_equals_unsharded(mlp_results, case):
+    failures = [f"rank {r}: {res[case]}" for r, res in enumerate(mlp_results) if res[case] is not None]
+    assert not failures, "\n".join(failures)
