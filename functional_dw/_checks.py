@@ -17,11 +17,12 @@ _INT = frozenset({int})
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def bottom(t: torch.Tensor) -> torch.Tensor:
+def bottom(t: Any) -> Any:
     """``t`` under all its functorch wrappers (grad, jvp and vmap levels): the tensor a
     layer's forward ran on (custom_vjp's NOTE: [Context per level]), whose version counter
-    in-place changes bump."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+    in-place changes bump, and whose subclass and methods (a DistributedWeight's) a wrapper
+    hides. Anything else as it is."""
+    while isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
         t = torch._C._functorch.get_unwrapped(t)
     return t
 

@@ -40,9 +40,17 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch._C._functorch import unwrap_if_dead
+from torch._C._functorch import (
+    TransformType,
+    get_unwrapped,
+    is_batchedtensor,
+    is_functorch_wrapped_tensor,
+    unwrap_if_dead,
+)
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from ._checks import PLAIN_TYPES, bottom
+from .distributed_weight import is_distributed_weight
 from .residuals import RecordSpec, split, with_needs
 
 try:  # see NOTE: [Pytrees]
@@ -444,7 +452,7 @@ class _Call:
     def adopt(self, inner: "_Call", pending: Any = None) -> None:
         """Take the structure of ``inner``, a call a vmap rule made for this one."""
         self.out_spec, self.n_out, self.plan, self.res_spec = inner.out_spec, inner.n_out, inner.plan, inner.res_spec
-        self.pending, self.elements = pending, inner.elements
+        self.pending = pending
 
     def resolve(self) -> list:
         if self.pending is not None:
@@ -549,7 +557,10 @@ class _Bridge(torch.autograd.Function):
         if extra or _forward_ad_active():
             _grads_as_given(ctx, call, saved, output)
         if torch._C._are_functorch_transforms_active():  # NOTE: [Context per level]
-            ctx.level_refs = _level_refs(call, inputs[1:])
+            if call.elements is None:
+                ctx.rebind = _rebind_table(call, inputs[1:])
+            else:
+                ctx.element_refs = _element_refs(call, inputs[1:])
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple:
@@ -571,6 +582,8 @@ class _Bridge(torch.autograd.Function):
         call = ctx.call
         if call.rules.jvp is None:
             raise NotImplementedError(f"custom_vjp({call.rules.name}) has no forward-mode rule: pass jvp=...")
+        if sum(i.key() == _JVP for i in retrieve_all_functorch_interpreters()) > 1:
+            raise NotImplementedError(_JVP_OF_JVP.format(name=call.rules.name))
         if call.elements is not None:  # NOTE: [vmap]
             t_out = _per_element(ctx, "jvp", tangents)
         else:
@@ -623,8 +636,8 @@ def _residuals(ctx: Any) -> Any:
     (as this functorch level sees them: NOTE: [Context per level])."""
     call = ctx.call
     res = _rebuild(call, ctx.saved_tensors, _mask(ctx))
-    refs = getattr(ctx, "level_refs", None)
-    return res if not refs else _rebind(res, {id(bottom(t)): _live(t) for t in refs.values()})
+    table = getattr(ctx, "rebind", None)
+    return res if not table else _rebind(res, {i: _live(t) for i, t in table.items()})
 
 
 def _live(t: torch.Tensor) -> torch.Tensor:
@@ -671,23 +684,30 @@ def _needs(call: _Call, mask: Any, cls: type) -> Any:
 #   runs ``setup_context`` with its own wrappers of the inputs, then ``bwd`` or ``jvp`` on that
 #   ctx; they must compute with *that level's* W, which the levels below it track (a gradient
 #   penalty's d/dW, a Hessian's x-W block, jvp of grad), not the bottom W none of them sees.
-#   So ``setup_context``, under a transform, keeps the level's inputs whose bottom tensor the
-#   context holds (``ctx.level_refs``: position -> tensor; weights, which outlive the graph;
-#   never an activation, which goes through ``save_for_backward``), and :func:`_residuals`
-#   rebinds the record to them. Saved tensors need nothing: autograd hands each level its own.
-#   A call vmap ran per element keeps each element's own context (NOTE: [vmap]). Eager autograd
-#   and eager forward mode run ``fwd`` on the caller's tensors: nothing to rebind.
+#   So ``setup_context``, under a transform, maps each tensor the context holds to the level's
+#   input that wraps it (``ctx.rebind``: id -> the level's tensor; weights, which outlive the
+#   graph; never an activation, which goes through ``save_for_backward``), and
+#   :func:`_residuals` rebinds the record to them. (A vmap fold rule's element plan runs ``fwd``
+#   on that level's inputs: its context may hold a lower level's wrapper, which is matched the
+#   same way, anywhere in the input's chain of wrappers.) Saved tensors need nothing: autograd
+#   hands each level its own. A call vmap ran per element keeps each element's own context
+#   (NOTE: [vmap]). Eager autograd and eager forward mode run ``fwd`` on the caller's tensors:
+#   nothing to rebind. Refused, never computed wrong: one tensor reaching the call through two
+#   different wrappers (the table cannot tell which context entry is which), a DistributedWeight
+#   under nested levels (it keeps its identity: its protocol needs the object), and jvp of jvp
+#   (torch runs a Function's jvp rule with forward AD off, so an outer jvp level cannot see it).
 def _held(obj: Any, out: dict[int, torch.Tensor]) -> None:
-    """Add the tensors ``obj`` holds by reference to ``out`` (by id): a tensor, a list or
-    tuple of them (a namedtuple too), and the fields of residual records, nested."""
+    """Add the tensors ``obj`` holds by reference to ``out`` (by id): a tensor, lists, tuples
+    (namedtuples too) and dicts of them, and the fields of residual records, nested."""
     if isinstance(obj, torch.Tensor):
         out[id(obj)] = obj
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             _held(v, out)
+    elif isinstance(obj, dict):
+        _held(list(obj.values()), out)
     elif type(obj).__dict__.get("__saved_fields__") is not None:
-        for v in obj.__dict__.values():
-            _held(v, out)
+        _held(list(obj.__dict__.values()), out)
 
 
 def _rebind(obj: Any, table: dict[int, torch.Tensor]) -> Any:
@@ -700,6 +720,9 @@ def _rebind(obj: Any, table: dict[int, torch.Tensor]) -> Any:
         if all(map(operator.is_, new, obj)):
             return obj
         return type(obj)._make(new) if hasattr(type(obj), "_make") else type(obj)(new)
+    if isinstance(obj, dict):
+        new = {k: _rebind(v, table) for k, v in obj.items()}
+        return obj if all(new[k] is v for k, v in obj.items()) else type(obj)(new)
     if type(obj).__dict__.get("__saved_fields__") is not None:
         fields = {k: _rebind(v, table) for k, v in obj.__dict__.items()}
         if all(fields[k] is v for k, v in obj.__dict__.items()):
@@ -719,38 +742,66 @@ def _context(call: _Call) -> dict[int, torch.Tensor]:
     return out
 
 
-def _level_refs(call: _Call, inputs: tuple) -> dict[int, torch.Tensor]:
-    """The inputs (by position) that ``call``'s by-reference context holds, as this level has
-    them (NOTE: [Context per level]). For a call run per element: those of any element, and
-    the integer tensors (splits: the context derived from them differs per element, and
-    :class:`_PerElement` must see them batched; NOTE: [vmap])."""
-    if call.elements is not None:
-        found = {k: t for k, t in enumerate(inputs) if isinstance(t, torch.Tensor) and not t.is_floating_point()}
-        for element in call.elements:
-            if element.elements is not None:
-                found.update(_level_refs(element, inputs))
-            else:
-                held = _context(element)
-                found.update((k, inputs[k]) for k, i in enumerate(element.in_ids) if i in held)
-        return found
-    held = _context(call)
-    refs = {}
-    for k, t in enumerate(inputs):
-        if isinstance(t, torch.Tensor) and t is not (b := bottom(t)) and id(b) in held:
-            if type(b) in PLAIN_TYPES:
-                refs[k] = t
-            elif bottom(torch._C._functorch.get_unwrapped(t)) is not b:  # another level tracks it too
-                raise NotImplementedError(_SUBCLASS.format(name=call.rules.name, cls=type(b).__name__))
-    return refs
+def _rebind_table(call: _Call, inputs: tuple) -> dict[int, torch.Tensor]:
+    """id of each tensor ``call``'s context holds -> this level's input that wraps it (NOTE:
+    [Context per level])."""
+    held, table = _context(call), {}
+    for t in inputs:
+        if not isinstance(t, torch.Tensor):
+            continue
+        u = t
+        while is_functorch_wrapped_tensor(u) and id(u := get_unwrapped(u)) not in held:
+            pass
+        if u is t or id(u) not in held:
+            continue  # not wrapped at all, or nothing of it held
+        if is_distributed_weight(u):  # keeps its identity; refused where an outer level tracks it
+            if sum(is_functorch_wrapped_tensor(v) and not is_batchedtensor(v) for v in _chain(t)) > 1:
+                raise NotImplementedError(_DW_NESTED.format(name=call.rules.name))
+            continue
+        if table.setdefault(id(u), t) is not t:
+            raise NotImplementedError(_TWO_WRAPPERS.format(name=call.rules.name))
+    return table
 
 
-# A tensor subclass held by reference (a DistributedWeight) keeps its identity: its protocol
-# needs the object, and the layer computes with what it materializes, which no level tracks.
-_SUBCLASS = (
-    "custom_vjp({name}): a {cls} weight under nested torch.func levels (a derivative of a derivative "
-    "through it: a gradient penalty, a Hessian, jvp of grad) is not supported: the layer computes with "
-    "what the {cls} materializes, which the outer levels cannot track. Use a plain tensor for such a "
-    "transform, or autograd with create_graph=True"
+def _chain(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` and each tensor under its functorch wrappers, outermost first."""
+    out = [t]
+    while is_functorch_wrapped_tensor(t):
+        t = get_unwrapped(t)
+        out.append(t)
+    return out
+
+
+def _element_refs(call: _Call, inputs: tuple) -> dict[int, torch.Tensor]:
+    """For a call run per element (NOTE: [vmap]): the inputs (by position) any element's context
+    holds, and the integer tensors (splits: the context derived from them differs per element,
+    and :class:`_PerElement` must see them batched)."""
+    found = {k: t for k, t in enumerate(inputs) if isinstance(t, torch.Tensor) and not t.is_floating_point()}
+    for element in call.elements:
+        if element.elements is not None:
+            found.update(_element_refs(element, inputs))
+        else:
+            held = _context(element)
+            found.update((k, inputs[k]) for k, i in enumerate(element.in_ids) if i in held)
+    return found
+
+
+_JVP = TransformType.Jvp
+_DW_NESTED = (
+    "custom_vjp({name}): a DistributedWeight under nested torch.func levels (a derivative of a derivative "
+    "through it: a gradient penalty, a Hessian, jvp of grad) is not supported: the layer computes with what "
+    "the DistributedWeight materializes, which the outer levels cannot track. Use a plain tensor for such "
+    "a transform, or autograd with create_graph=True"
+)
+_TWO_WRAPPERS = (
+    "custom_vjp({name}): one tensor reaches this call through two different torch.func wrappers (e.g. a "
+    "weight passed both as the function's argument and closed over from outside it); which use is which "
+    "cannot be told apart in a higher-order transform. Pass it one way (or a .clone() for the other)"
+)
+_JVP_OF_JVP = (
+    "custom_vjp({name}): jvp of jvp (jacfwd(jacfwd), nested torch.func.jvp) is not supported: torch runs a "
+    "custom Function's jvp rule with forward AD off, so the outer level would silently miss the mixed "
+    "terms. Use torch.func.hessian (jacfwd of jacrev), jacrev(jacrev) or jvp of grad"
 )
 
 
@@ -823,7 +874,7 @@ def _vmap_loop(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> t
 def _per_element(ctx: Any, rule: str, grads: tuple) -> tuple:
     """``bwd`` (``rule="bwd"``: grads, the cotangent leaves) or ``jvp`` (tangents, the output
     tangent leaves) of a call vmap ran per element (NOTE: [vmap])."""
-    refs = getattr(ctx, "level_refs", None) or {}
+    refs = getattr(ctx, "element_refs", None) or {}
     saved = ctx.saved_tensors  # (read once: unpack hooks run on every read)
     job = _Job(ctx.call, rule, _mask(ctx), len(saved), len(grads), tuple(refs))
     return _PerElement.apply(job, *saved, *grads, *refs.values())

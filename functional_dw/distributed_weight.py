@@ -39,14 +39,6 @@ class DistributedWeight(Protocol):
     def grad_buffer(self) -> torch.Tensor: ...
 
 
-def unwrap(w: Any) -> Any:
-    """The object under functorch's wrappers: ``torch.func.jvp`` (unlike ``grad``) hands the
-    function a wrapper that hides a DistributedWeight's subclass and methods."""
-    while isinstance(w, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(w):
-        w = torch._C._functorch.get_unwrapped(w)
-    return w
-
-
 def is_distributed_weight(w: Any) -> bool:
     """True for an object that declares ``is_distributed_weight``; it must be a tensor."""
     if (
@@ -54,7 +46,7 @@ def is_distributed_weight(w: Any) -> bool:
         and isinstance(w, torch.Tensor)
         and torch._C._functorch.is_functorch_wrapped_tensor(w)
     ):
-        w = unwrap(w)
+        w = bottom(w)
     if not getattr(w, "is_distributed_weight", False):
         return False
     if not isinstance(w, torch.Tensor):
@@ -92,7 +84,7 @@ def materialize(
     tensor per weight, of ``like``'s dtype and device when given)."""
     if not dw:
         return list(params)
-    leader = params[0] if torch.compiler.is_compiling() else unwrap(params[0])
+    leader = params[0] if torch.compiler.is_compiling() else bottom(params[0])
     full = leader.materialize_group_for_backward() if for_backward else leader.materialize_group_for_forward()
     full = _as_list(full)
     what = f"{name}: materialize_group_for_{'backward' if for_backward else 'forward'}() of the DistributedWeight"

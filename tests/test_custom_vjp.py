@@ -1187,3 +1187,26 @@ def test_needs_grad_in_a_traced_graph():
     with mock.patch("torch.compiler.is_compiling", return_value=True):
         assert cv._needs_grad((torch.ones(1, requires_grad=True), 3, "s"))
         assert not cv._needs_grad((torch.ones(1), 3, None))
+
+
+def test_a_user_record_holding_its_weight_in_a_dict_is_rebound_per_level():
+    """A record's context may hold the weight in a dict: a gradient penalty through it (nested
+    torch.func levels; NOTE: [Context per level]) against float64 F.linear."""
+
+    @residuals
+    class DictResiduals:
+        x: torch.Tensor = saved()
+        params: dict
+
+    lin = custom_vjp(
+        lambda x, w: (x @ w.T, DictResiduals(x, {"w": w})),
+        lambda r, dy: (dy @ r.params["w"], dy.T @ r.x),
+        name="lin_dict",
+    )
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, dtype=torch.float64, generator=g)
+    W = torch.randn(2, 3, dtype=torch.float64, generator=g)
+    penalty = lambda f: torch.func.grad(  # noqa: E731
+        lambda W: torch.func.grad(lambda x: f(x, W).sin().sum())(x).square().sum()
+    )(W)
+    torch.testing.assert_close(penalty(lin), penalty(torch.nn.functional.linear), rtol=1e-9, atol=1e-9)

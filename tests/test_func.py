@@ -649,3 +649,90 @@ def test_second_order_inside_a_per_element_vmap_is_refused():
     penalty = lambda w: grad(lambda x: fd.linear(x, w, b).sin().sum())(x).square().sum()
     with pytest.raises(NotImplementedError, match="once per batch element.*grad\\(vmap\\(...\\)\\) works"):
         vmap(grad(penalty))(W)
+
+
+def test_a_folding_vmap_inside_a_per_element_vmap():
+    """vmap over W (one call per member) of vmap over x (folded into one call) of grad_x."""
+    x, w, b = _ctx_inputs("linear")
+    xb, W = torch.stack([x, x * 2]), torch.stack([w, w + 1, w * 3])
+    take = lambda f: vmap(lambda w: vmap(lambda x: grad(lambda x: f(x, w, b).sin().sum())(x))(xb))(W)
+    ours, ref = _CTX_OPS["linear"][:2]
+    torch.testing.assert_close(take(ours), take(ref), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("op", ["linear", "grouped_stacked"])
+def test_a_level_below_a_folding_vmap_tracks_the_weights(op):
+    """jvp_W of vmap_x of a per-example gradient penalty: the fold's element plan ran fwd on the
+    jvp level's wrapper of W, which the penalty's grad level must still find and rebind."""
+    x, *params = _ctx_inputs(op)
+    xb = torch.stack([x, x * 2])
+    tangents = tuple(_ctx_inputs(op, seed=1)[1:])
+
+    def per_example(f):
+        def outer(*p):
+            penalty = lambda *p: grad(lambda x: f(x, *p).sin().sum())  # noqa: E731
+            return vmap(lambda x: grad(lambda *p: penalty(*p)(x).square().sum(), argnums=0)(*p))(xb)
+
+        return outer
+
+    ours, ref = _CTX_OPS[op][:2]
+    _assert_trees_close(jvp(per_example(ours), tuple(params), tangents), jvp(per_example(ref), tuple(params), tangents))
+
+
+def test_a_parameter_subclass_weight_is_tracked_like_a_parameter():
+    class MyParam(torch.nn.Parameter):
+        pass
+
+    x, w, b = _ctx_inputs("linear")
+    W = MyParam(w.clone())
+    ours, ref = _CTX_OPS["linear"][:2]
+    penalty = lambda f: grad(lambda w: grad(lambda x: f(x, w, b).sin().sum())(x).square().sum())  # noqa: E731
+    torch.testing.assert_close(penalty(ours)(W), penalty(ref)(w), rtol=1e-9, atol=1e-9)
+
+
+def test_nested_levels_through_a_distributed_weight_are_refused():
+    """A DistributedWeight keeps its identity (its protocol needs the object): first order is
+    right; a derivative of a derivative through it is refused, never computed wrong."""
+    x, ws, _ = _data()
+    group = FakeDW.group_of(ws)
+    first = grad(lambda ws: fd.grouped_linear(x, ws, SPLITS).sin().sum())(list(group))
+    eager_x = x.clone().requires_grad_()
+    for w in group:
+        w.grad = None
+    fd.grouped_linear(eager_x, group, SPLITS).sin().sum().backward()
+    torch.testing.assert_close(list(first), [w.grad for w in group])
+    penalty = lambda ws: grad(lambda x: fd.grouped_linear(x, ws, SPLITS).sin().sum())(x).square().sum()  # noqa: E731
+    with pytest.raises(NotImplementedError, match="DistributedWeight under nested torch.func levels"):
+        grad(penalty)(list(FakeDW.group_of(ws)))
+
+
+def test_one_tensor_through_two_wrappers_is_refused():
+    """W as the function's argument for one expert and closed over for another: the record cannot
+    tell the two uses apart under a higher-order transform; refused (a clone works)."""
+    x, *ws = _ctx_inputs("grouped_list")
+    W = ws[0]
+
+    def penalty(w_other):
+        return grad(
+            lambda v: (
+                grad(lambda x: fd.grouped_linear(x, [v, w_other, ws[2]], CTX_SPLITS).sin().sum())(x).square().sum()
+            )
+        )
+
+    with pytest.raises(NotImplementedError, match="two different torch.func wrappers"):
+        penalty(W)(W)
+    want = grad(lambda v: grad(lambda x: ref_grouped(x, [v, W, ws[2]], CTX_SPLITS).sin().sum())(x).square().sum())(W)
+    torch.testing.assert_close(penalty(W.clone())(W), want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("outer", ["jvp", "jacfwd"])
+def test_jvp_of_jvp_is_refused(outer):
+    """torch runs a Function's jvp rule with forward AD off: an outer jvp level would miss the
+    mixed terms (F.linear's own jacfwd(jacfwd) has them). Refused; hessian still works."""
+    x, w, b = _ctx_inputs("linear")
+    inner = lambda w: jvp(lambda x: fd.linear(x, w, b).sin(), (x,), (torch.ones_like(x),))[1]  # noqa: E731
+    with pytest.raises(NotImplementedError, match="jvp of jvp"):
+        if outer == "jvp":
+            jvp(inner, (w,), (torch.ones_like(w),))
+        else:
+            torch.func.jacfwd(torch.func.jacfwd(lambda x: fd.linear(x, w, b).sin().sum()))(x)
