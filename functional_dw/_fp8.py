@@ -16,6 +16,9 @@ forward            each expert's weight                 rowwise; the state's wei
 backward           each expert's weight, materialized   columnwise for dgrad; forward's scale
                    again                                snapshot, no amax recorded (the bits of
                                                         forward's FP8 weight)
+backward           x recomputed (grouped_mlp's h)       columnwise for wgrad; forward's scale
+                                                        snapshot, no amax recorded (the bits of
+                                                        forward's copy)
 backward           dy (per expert for a group)          rowwise for dgrad, columnwise for wgrad;
                                                         the state's grad_output scale, amax
                                                         recorded into the backward history
@@ -26,7 +29,9 @@ Current and block scaling compute every scale from the tensor itself (no state, 
 The plan is context in the residuals (by reference, never saved): the recipe, the three
 :class:`~functional_dw.fp8.TensorSpec`, the split-accumulator flags, the state (the caller's
 object: its amax histories are written in place), the activations' dtype and device, and for
-delayed scaling the weight scales forward used.
+delayed scaling the forward scales the call quantized with. A plan as :func:`plan` makes it
+(and the layers cache it) holds no state: each call binds its own (:meth:`Plan.bind`, NOTE:
+[The state is bound per call]).
 
 Recipe families. :func:`family` is the one place that looks at the recipe's kind: it maps the
 recipe's class to its family's subclass of :class:`Plan` (``_FAMILIES``), which :func:`plan`
@@ -101,16 +106,46 @@ class Plan:
     w: fp8.TensorSpec
     dy: fp8.TensorSpec
     acc: fp8.SplitAccumulator
-    state: fp8.DelayedScalingState | None
+    state: fp8.DelayedScalingState | None  # delayed: the call's (bind); None as planned
     num_gemms: int
     dtype: torch.dtype
     device: torch.device
-    w_scales: torch.Tensor | None = None  # delayed: the E weight scales forward used (a clone)
+    scales: torch.Tensor | None = None  # delayed: the state's scale_fwd when the call began (a clone, bind)
     w_dgrad: Any = None  # forward's FP8 weights, columnwise (NOTE: [FP8 weights for dgrad])
 
     @property
     def delayed(self) -> bool:
-        return self.state is not None
+        return isinstance(self.recipe, fp8.DelayedScaling)
+
+    # NOTE: [The state is bound per call]
+    #   What a plan reads of a delayed-scaling state is metadata (its type, GEMMs, history rows and
+    #   device: :func:`_check_state`), so the plan cache keys on that (:func:`plan_key`) and a plan
+    #   as planned holds no state. A call binds its own state, and a snapshot of the forward scales
+    #   it quantizes with, to the plan it runs (:meth:`bind`; the record keeps it). Hence:
+    #   - a module's state may be a new record over its buffers at every access: its calls share
+    #     one cached plan, and no cached plan keeps a deleted module's histories alive;
+    #   - backward re-quantizes with forward's scales and records no amax (forward recorded
+    #     them): the weights (:meth:`requantize_weights`) and a recomputed input
+    #     (:meth:`requantize_x`, grouped_mlp's h under ``save="default"``). A state update or
+    #     another forward between a forward and its backward (pipeline schedules) changes
+    #     neither backward's bits nor the later forward's history row (as TE's
+    #     ``te.checkpoint`` restores forward's scales for its recompute).
+    #   The snapshot is one clone of ``scale_fwd`` per call (the weights' scale snapshot it
+    #   replaces cost the same); forward itself reads the state's scales (TE's quantizers are
+    #   cached by their addresses: NOTE: [Delayed quantizers by address]).
+    def bind(self, state: Any) -> Plan:
+        """This call's plan: for delayed scaling, with ``state`` (checked as planned: the plan
+        cache keys on its metadata) and a snapshot of its forward scales; else the plan itself."""
+        if not self.delayed:
+            return self
+        return dataclasses.replace(self, state=state, scales=state.scale_fwd.clone())
+
+    def _forward_scales(self, role: str) -> torch.Tensor | None:
+        """The ``[E]`` scales ``role`` (input or weight) was quantized with in forward (strided
+        views of the snapshot), or None without delayed scaling."""
+        if self.scales is None:
+            return None
+        return self.scales[fp8.slot(role, 0)[1] :: FWD_PER_GEMM]
 
     def __repr__(self) -> str:
         names = "/".join(str(s.fp8_dtype).removeprefix("torch.float8_") for s in (self.x, self.w, self.dy))
@@ -155,8 +190,8 @@ class Plan:
     # --- delayed scaling: views into the state -------------------------------------------------
     def _views(self, role: str, gemm: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(scale, amax) views into the state for ``role``: 0-d for one GEMM, strided ``[E]`` for
-        all (``gemm=None``); (None, None) without a state."""
-        if self.state is None:
+        all (``gemm=None``); (None, None) without delayed scaling."""
+        if not self.delayed:
             return None, None
         side, first = fp8.slot(role, 0)
         scale = getattr(self.state, f"scale_{side}")
@@ -203,9 +238,9 @@ class Plan:
     def quantize_weights(
         self, kernels: Any, w_ENK: Any, *, keep: bool = False, params: Sequence[torch.Tensor] | None = None
     ) -> tuple[Any, Plan]:
-        """Each expert's weight for fprop (rowwise), and the plan with the weight scales used
-        (delayed scaling: a snapshot, so backward re-quantizes with them after a state update).
-        ``keep``: also the columnwise copies dgrad reads, held on the plan by reference.
+        """Each expert's weight for fprop (rowwise; delayed scaling: the state's scales, amaxes
+        recorded), and the plan for backward: with ``keep``, it also holds the columnwise copies
+        dgrad reads, by reference.
         ``params``: the plain parameters the weights are (a family may cache by them).
 
         With ``keep``, backward runs no weight quantization (NOTE: [FP8 weights for dgrad])."""
@@ -217,6 +252,21 @@ class Plan:
         (materialized again) with forward's scales and no amax recorded: for an unchanged
         weight, forward's FP8 bits."""
         raise NotImplementedError
+
+    def requantize_x(self, kernels: Any, x_TK: torch.Tensor, splits: Any, grouped: bool) -> Any:
+        """x's columnwise copy (wgrad's) of an x recomputed in backward, per expert: with the
+        scales forward quantized it with and no amax recorded (NOTE: [The state is bound per
+        call]): for the same x, forward's copy, bit for bit."""
+        return kernels.grouped_quantize(
+            x_TK,
+            splits,
+            self.x,
+            scales=self._forward_scales("input"),
+            amaxes=None,
+            rowwise=False,
+            columnwise=True,
+            grouped=grouped,
+        )
 
     def quantize_dy(
         self, kernels: Any, dy_TN: torch.Tensor, splits: Any = None, grouped: bool = False, *, dgrad: bool, wgrad: bool
@@ -271,7 +321,8 @@ def plan(
     recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: Any, grouped: bool = True
 ) -> Plan | None:
     """The checked plan of a call, of the recipe's family's class, or None for ``recipe=None``
-    (no FP8: nothing else here runs).
+    (no FP8: nothing else here runs). It holds no state (``fp8_state`` is checked): a call runs
+    ``plan(...).bind(fp8_state)`` (NOTE: [The state is bound per call]).
 
     ``grouped``: a GroupedLinear's call (a ``grouped_only`` family runs only there).
     Raises TypeError for a recipe that is not one, float64 activations or a backend without FP8;
@@ -308,7 +359,7 @@ def plan(
         raise ValueError(ops.not_for_linear)
     ops.check_x(x)
     specs = [fp8.tensor_spec(r, role) for role in fp8.ROLES]
-    return ops(r, *specs, fp8.split_accumulator(r), fp8_state if delayed else None, num_gemms, x.dtype, x.device)
+    return ops(r, *specs, fp8.split_accumulator(r), None, num_gemms, x.dtype, x.device)
 
 
 def _check_state(state: Any, recipe: fp8.DelayedScaling, num_gemms: int, device: torch.device) -> None:
@@ -419,20 +470,16 @@ def unpack_args(args: Args | None) -> tuple[Any, Any]:
 def plan_key(args: Args | None) -> Any:
     """What an FP8 plan reads of ``args``, for the plan cache (NOTE: [Plan once, run lean]):
     the recipe's value (functional_dw's recipes are frozen; another object, e.g. TE's recipe,
-    by the recipe it converts to: what the plan reads, class attributes included), the state's
-    identity (a cached plan holds the state, so its id cannot be reused) and its metadata; None
-    without FP8, or where the recipe does not convert or a field cannot be hashed (then the
-    call plans afresh, and its checks say what is wrong)."""
+    by the recipe it converts to: what the plan reads, class attributes included) and the
+    state's metadata, not its identity (a plan holds no state: NOTE: [The state is bound per
+    call]); None without FP8, or where the recipe does not convert or a field cannot be hashed
+    (then the call plans afresh, and its checks say what is wrong)."""
     if args is None:
         return None
     r, state = args.recipe, args.state
     try:
         rk = r if type(r) in fp8.RECIPES else (type(r), fp8.as_recipe(r))
-        sk = (
-            None
-            if state is None
-            else (id(state), type(state), state.num_gemms, state.history_len, state.scale_fwd.device)
-        )
+        sk = None if state is None else (type(state), state.num_gemms, state.history_len, state.scale_fwd.device)
         key = (rk, sk)
         hash(key)
     except (TypeError, ValueError, AttributeError):

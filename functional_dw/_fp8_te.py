@@ -28,20 +28,19 @@ class TEPlan(Plan):
         self, kernels: Any, w_ENK: Any, *, keep: bool = False, params: Sequence[torch.Tensor] | None = None
     ) -> tuple[list[Any], Plan]:
         """See :meth:`Plan.quantize_weights` (``params`` unused: nothing is cached)."""
-        plan = self
-        if self.state is not None:
-            plan = dataclasses.replace(self, w_scales=self._views("weight", None)[0].clone())
         scales, amaxes = self._views("weight", None)
         qs = _quantize_each(kernels, w_ENK, self.w, scales, amaxes, rowwise=True, columnwise=keep)
-        if keep:
-            plan = dataclasses.replace(plan, w_dgrad=tuple(q.with_usage(rowwise=False, columnwise=True) for q in qs))
-        return qs, plan
+        if not keep:
+            return qs, self
+        return qs, dataclasses.replace(self, w_dgrad=tuple(q.with_usage(rowwise=False, columnwise=True) for q in qs))
 
     def requantize_weights(self, kernels: Any, w_ENK: Any) -> list[Any]:
         """See :meth:`Plan.requantize_weights`."""
         if self.w_dgrad is not None:
             return list(self.w_dgrad)
-        return _quantize_each(kernels, w_ENK, self.w, self.w_scales, None, rowwise=False, columnwise=True)
+        return _quantize_each(
+            kernels, w_ENK, self.w, self._forward_scales("weight"), None, rowwise=False, columnwise=True
+        )
 
 
 class TEBlockPlan(TEPlan):

@@ -60,7 +60,7 @@ class GroupedLinearResiduals:
     )
     plan: GroupedPlan  # the call's decisions (kernels, layout, options): by reference, shared by every call alike
     fp8: _fp8.Plan | None  # None without FP8; else how forward quantized (recipe, specs, the state by
-    # reference, forward's weight scales): backward quantizes dy and the weights by it
+    # reference, forward's scales): backward quantizes dy and the weights by it
     needs: Any = needed()  # which gradients bwd computes (None: all); see NOTE: [Which gradients]
 
     # the plan's fields a backward reads, by their old names
@@ -390,7 +390,8 @@ def _prepare(x, weights, splits, bias, opts: Options, stand_in: bool = False) ->
         plan.fp8.check_counts(*plan.shapes[0][-2:][::-1], known)  # device-only counts: not checked (a sync)
     x_TK = x if stand_in else _checks.dense(x)
     kernels, grouped = route(plan.kernels, path == "grouped", x_TK, w_ENK, one_path=_one_path(plan.fp8))
-    return _Call(plan, params, w_ENK, split, b_EN, x_TK, kernels, "grouped" if grouped else "split", plan.fp8)
+    fp8 = None if plan.fp8 is None else plan.fp8.bind(opts.fp8.state)  # NOTE: [The state is bound per call]
+    return _Call(plan, params, w_ENK, split, b_EN, x_TK, kernels, "grouped" if grouped else "split", fp8)
 
 
 def _fprop(c: _Call, xq: Any = None) -> torch.Tensor:
@@ -403,7 +404,7 @@ def _fprop_fp8(c: _Call, keep_x: bool, keep_w: bool, xq: Any = None) -> tuple[to
     """FP8 forward: x per expert and each weight quantized, the FP8 grouped GEMM; with
     ``keep_x``, also x's columnwise copy for wgrad; with ``keep_w``, the weights' for dgrad (on
     the plan). ``xq``: x already quantized so (grouped_mlp's fused h). Returns (y, x's copy or
-    None, the plan with forward's weight scales)."""
+    None, the call's plan for backward)."""
     grouped, kernels, distributed = c.path == "grouped", c.kernels, c.plan.distributed
     if xq is None:
         xq = c.fp8.quantize_x(kernels, c.x_TK, c.split, grouped, keep=keep_x)

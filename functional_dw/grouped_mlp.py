@@ -30,8 +30,9 @@ and h under every policy (:func:`_differentiated`).
 
 With FP8 (``recipe=``) each linear quantizes as its layer does: fc1's record keeps x's FP8
 copy, fc2's h's FP8 copy (``"h"``), or backward quantizes the recomputed h again by fc2's plan
-(``"default"``: the same bits; delayed scaling reads the state's scale, so update the state
-after backward, as the modules do). ``"x_only"`` is refused with FP8 (fc1 keeps only x's FP8
+(``"default"``: the same bits; delayed scaling with the scales forward used and no amax
+recorded, so a state update or another forward before this backward changes nothing: NOTE:
+[The state is bound per call]). ``"x_only"`` is refused with FP8 (fc1 keeps only x's FP8
 copy, not x). The activation runs in high precision between FP8 GEMMs; with
 RowwiseScaling on CUDA it runs inside h's quantization (fc2's plan's ``quantize_activated``:
 NOTE: [The activation as the load] in ``kernels/triton_rowwise.py``), fc2 planned on a
@@ -423,11 +424,12 @@ def _fc1_inputs(res: GroupedMLPResiduals) -> tuple:
 
 
 def _with_h(res: GroupedMLPResiduals, r2: GroupedLinearResiduals, fc1_out: torch.Tensor) -> GroupedLinearResiduals:
-    """fc2's record with h recomputed where forward kept it (with FP8, its columnwise FP8 copy
-    again by fc2's plan, from fc1_out where the plan fuses the activation: the same bits as
-    forward's)."""
+    """fc2's record with h recomputed where forward kept it. With FP8, its columnwise FP8 copy
+    again by fc2's plan, with the scales forward used and no amax recorded (delayed scaling:
+    NOTE: [The state is bound per call]): the same bits as forward's, whatever ran in between
+    (from fc1_out where the plan fuses the activation: RowwiseScaling, which has no state)."""
     k = activation_kernels(res.act, fc1_out, res.probs)
-    if r2.fp8 is not None:
+    if r2.fp8 is not None and not r2.fp8.delayed:
         hq = r2.fp8.quantize_activated(
             r2.kernels, k, fc1_out, res.probs, res.activation, r2.splits, rowwise=False, columnwise=True
         )
@@ -436,8 +438,7 @@ def _with_h(res: GroupedMLPResiduals, r2: GroupedLinearResiduals, fc1_out: torch
     h = k.act_fwd(fc1_out, res.probs, res.activation)
     if r2.fp8 is None:
         return dataclasses.replace(r2, x_TK=h)
-    hq = r2.fp8.quantize_x(r2.kernels, h, r2.splits, r2.path == "grouped", keep=True)
-    return dataclasses.replace(r2, x_TK=_fp8.with_usage(hq, rowwise=False, columnwise=True))
+    return dataclasses.replace(r2, x_TK=r2.fp8.requantize_x(r2.kernels, h, r2.splits, r2.path == "grouped"))
 
 
 def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:

@@ -79,7 +79,7 @@ def _prepare(x, weight, bias, opts: Options) -> _Call:
     kernels = get_kernels(backend, x)
     plan = None
     if recipe is not None or fp8_state is not None:
-        plan = _fp8.plan(recipe, fp8_state, 1, x, kernels, grouped=False)
+        plan = _fp8.plan(recipe, fp8_state, 1, x, kernels, grouped=False).bind(fp8_state)
         _fp8.check_dims(K, N, tokens=_tokens(x.shape))
     x = _checks.dense(x)
     return _Call(distributed, w_NK, x, bias, route(kernels, False, x, w_NK)[0], plan)
@@ -95,7 +95,7 @@ def _fprop(c: _Call) -> torch.Tensor:
 def _fprop_fp8(c: _Call, keep_x: bool, keep_w: bool) -> tuple[torch.Tensor, Any, _fp8.Plan]:
     """FP8 forward: x and the weight quantized, the FP8 GEMM; with ``keep_x``, also x's
     columnwise copy for wgrad; with ``keep_w``, the weight's for dgrad (on the plan). Returns
-    (y, x's copy or None, the plan with forward's weight scale)."""
+    (y, x's copy or None, the call's plan for backward)."""
     K, N = c.x.shape[-1], c.w_NK.shape[0]
     xq = c.fp8.quantize_x(c.kernels, _checks.dense(c.x, (_tokens(c.x.shape), K)), keep=keep_x)
     (wq,), plan = c.fp8.quantize_weights(c.kernels, [c.w_NK], keep=keep_w and not c.distributed)

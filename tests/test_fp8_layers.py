@@ -730,8 +730,9 @@ def test_sizes_fp8_gemms_refuse(layer):
 
 
 def test_plan_is_context_not_saved():
-    """The plan (recipe, state, weight scales) is held by reference: no state tensor goes through
-    save_for_backward, and the weight-scale snapshot is a copy, not a view of the state."""
+    """The plan (recipe, state, forward's scales) is held by reference: no state tensor goes
+    through save_for_backward, and the snapshot of the forward scales is a copy, not a view of
+    the state. The plan as planned (the cached one) holds no state at all."""
     recipe = RECIPES["delayed"]
     x, ws, bs, _ = _inputs("grouped")
     state = fp8.init_state(recipe, num_gemms=E)
@@ -739,9 +740,10 @@ def test_plan_is_context_not_saved():
     assert res.fp8.state is state
     state_ptrs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(state)}
     assert not any(t.untyped_storage().data_ptr() in state_ptrs for t in fd.saved_activations(res))
-    snapshot = res.fp8.w_scales
+    snapshot = res.fp8.scales
     assert snapshot.untyped_storage().data_ptr() not in state_ptrs
-    assert_same(snapshot, fp8.group_scales(state, "weight"))
+    assert_same(snapshot, state.scale_fwd)
+    assert res.plan.fp8.state is None and res.plan.fp8.scales is None
     assert dataclasses.replace(res.fp8).recipe is recipe
 
 

@@ -21,11 +21,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import importlib
 import inspect
 import re
 import threading
 import warnings
+import weakref
 from unittest import mock
 
 import pytest
@@ -567,6 +569,61 @@ def test_a_training_loop_with_a_bias_or_fp8_makes_one_plan(case):
         y = fd.grouped_linear(_x(torch.float32, seed=step).requires_grad_(), m.weights(), FULL, bias, recipe=recipe)
         y.sum().backward()
     assert len(gl._PLANS) == 1
+
+
+def test_delayed_scaling_plans_on_the_states_metadata_and_keeps_no_state():
+    """A plan reads only a delayed-scaling state's metadata, so calls with other state records of
+    the same metadata share it, each quantizing with and recording into its own state (NOTE: [The
+    state is bound per call]), and no cached plan keeps a state alive. (Before, the key held the
+    state's identity and the plan the state: a plan per state record, each keeping its state.)"""
+    recipe = fp8.DelayedScaling()
+    ws, x = _weights("list", torch.float32), _x(torch.float32)
+    states = [fp8.init_state(recipe, num_gemms=E) for _ in range(3)]
+    with torch.no_grad():
+        states[1].scale_fwd.fill_(2.0**-6)  # other scales: other bits (underflow), if the call used them
+    ys = [fd.grouped_linear(x, ws, SPLITS, recipe=recipe, fp8_state=s) for s in states]
+    assert len(gl._PLANS) == 1
+    assert not torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
+    hist = states[0].amax_history_fwd  # each call recorded its amaxes into its own state
+    assert hist.any() and all(torch.equal(s.amax_history_fwd, hist) for s in states[1:])
+    gl._PLANS.clear()
+    fresh = fp8.init_state(recipe, num_gemms=E)
+    with torch.no_grad():
+        fresh.scale_fwd.fill_(2.0**-6)
+    assert torch.equal(fd.grouped_linear(x, ws, SPLITS, recipe=recipe, fp8_state=fresh), ys[1])  # planned afresh
+    refs = [weakref.ref(t) for s in states for t in (s, s.amax_history_fwd, s.scale_fwd)]
+    del states, ys, hist
+    gc.collect()
+    assert len(gl._PLANS) == 1 and all(r() is None for r in refs)
+
+
+_FP8_STATE = ("amax_history_fwd", "scale_fwd", "amax_history_bwd", "scale_bwd")
+
+
+@pytest.mark.parametrize("layer", ["linear", "grouped_linear", "grouped_mlp"])
+def test_a_delayed_scaling_module_makes_one_plan_per_layer_and_keeps_nothing_alive(layer):
+    """A module's ``fp8_state`` is a new record over its buffers at each access: over 100 training
+    steps each grouped layer still makes one plan (Linear caches none), and once the module is
+    deleted no plan keeps it or its state's tensors alive. (Before, each step made a plan holding
+    that step's record: 100 plans, the cache cleared whole every 1024, the histories of deleted
+    modules kept alive.)"""
+    recipe = fp8.DelayedScaling()
+    make, extra, plans = {
+        "linear": (lambda: fd.nn.Linear(K, N, recipe=recipe), (), 0),
+        "grouped_linear": (lambda: fd.nn.GroupedLinear(E, K, N, recipe=recipe), (list(SPLITS),), 1),
+        "grouped_mlp": (lambda: fd.nn.GroupedMLP(E, K, 16, recipe=recipe), (list(SPLITS),), 2),  # fc1 and fc2
+    }[layer]
+    m = make()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        m(torch.randn(T, K, generator=g, requires_grad=True), *extra).square().sum().backward()
+    assert len(gl._PLANS) == plans
+    layers = [mod for mod in m.modules() if hasattr(mod, "fp8_state")]
+    assert layers and all(mod.fp8_state.amax_history_fwd[-1].any() for mod in layers)  # (the steps ran FP8)
+    refs = [weakref.ref(m)] + [weakref.ref(getattr(mod, f"fp8_{n}")) for mod in layers for n in _FP8_STATE]
+    del m, layers
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
 
 
 # (b) a new plan whenever what a plan reads changes, and the results stay right
