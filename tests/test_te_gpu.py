@@ -432,7 +432,8 @@ def _under_autocast(fn, x, dy):
 def test_linear_under_autocast_equals_te_linear(fused):
     """fp32 x and parameters under torch.autocast(bf16): te.Linear casts them to the autocast
     dtype (its activation dtype) and runs bf16 GEMMs; fd.linear on the TE backend gives its
-    output and grads bitwise, the grads of fp32 tensors in fp32 (NOTE: [Autocast])."""
+    output and grads bitwise, the grads of fp32 tensors in fp32 (NOTE: [Autocast]); the bias
+    grad as torch's composition rounds it."""
     lin = te.Linear(K, N, bias=True, params_dtype=torch.float32, device=DEV, fuse_wgrad_accumulation=fused)
     with torch.no_grad():
         lin.weight.copy_(randn(N, K, dtype=torch.float32, scale=0.05, seed=41))
@@ -447,7 +448,9 @@ def test_linear_under_autocast_equals_te_linear(fused):
     assert y_fd.dtype == BF16 and dx_fd.dtype == torch.float32
     equal(y_fd, y_te, "y")
     equal(dx_fd, dx_te, "dgrad")
-    equal(b.grad, lin.bias.grad, "dbias")
+    # te.Linear (unfused) hands an fp32 bias the fp32 sum; torch's composition, and fd, the sum
+    # rounded to the autocast dtype, as the product it belongs to (te.GroupedLinear does too)
+    equal(b.grad, lin.bias.grad.to(BF16).float(), "dbias")
     if fused:
         equal(w.main_grad, lin.weight.main_grad, "main_grad")
     else:
