@@ -115,6 +115,7 @@ def _rowwise_weights(kernels: Any, w_ENK: Any, spec: fp8.TensorSpec, keep: bool,
         tuple(p._version for p in params),
         tuple(p.data_ptr() for p in params),
         tuple((p.shape, p.stride(), p.dtype) for p in params),
+        (w_ENK if isinstance(w_ENK, torch.Tensor) else w_ENK[0]).dtype,  # what was quantized: autocast's cast
         spec,
         OPTIMIZER_STEPS[0],
     )

@@ -56,12 +56,20 @@ def quantize_dy(
 
 
 def dgrad_weights(
-    params: Sequence[torch.Tensor], distributed: bool, like: Any, shapes: Sequence[tuple], name: str
+    params: Sequence[torch.Tensor],
+    distributed: bool,
+    like: Any,
+    shapes: Sequence[tuple],
+    name: str,
+    amp: torch.dtype | None,
+    wanted: bool,
 ) -> list[torch.Tensor]:
     """The weights dgrad reads: materialized again (a DistributedWeight gathers in backward,
-    never kept from forward; plain weights are themselves) and checked against forward's shapes.
-    Runs even when dx is not wanted: a DistributedWeight's collectives match across ranks."""
-    full = dwp.materialize(params, distributed, for_backward=True, like=like, name=name)
+    never kept from forward; plain weights are themselves; under autocast (``amp``) cast again:
+    NOTE: [Autocast] in ``_amp.py``) and checked against forward's shapes. A DistributedWeight
+    is gathered even when dx is not ``wanted``: its collectives match across ranks."""
+    amp = amp if wanted or distributed else None  # (plain weights no dgrad reads: not cast)
+    full = dwp.materialize(params, distributed, for_backward=True, like=like, name=name, amp=amp)
     dwp.check_materialized(full, shapes, "materialize_group_for_backward()", name)
     return full
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from . import _amp
 from ._checks import PLAIN_TYPES, bottom
 
 _SHAPE = operator.attrgetter("shape")
@@ -79,14 +80,18 @@ def materialize(
     for_backward: bool,
     like: torch.Tensor | None = None,
     name: str = "weights",
+    amp: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """The weights the GEMMs use: ``params`` themselves, or what the DW leader gathers (one
-    tensor per weight, of ``like``'s dtype and device when given)."""
+    tensor per weight, of ``like``'s dtype and device when given); under autocast (``amp``, its
+    dtype) cast to it after the gather (NOTE: [Autocast] in ``_amp.py``)."""
     if not dw:
-        return list(params)
+        return list(params) if amp is None else _amp.cast_weights(params, amp)
     leader = params[0] if torch.compiler.is_compiling() else bottom(params[0])
     full = leader.materialize_group_for_backward() if for_backward else leader.materialize_group_for_forward()
     full = _as_list(full)
+    if amp is not None and all(isinstance(w, torch.Tensor) for w in full):  # (else named below)
+        full = _amp.cast_weights(full, amp)
     what = f"{name}: materialize_group_for_{'backward' if for_backward else 'forward'}() of the DistributedWeight"
     if len(full) != len(params):
         raise ValueError(
@@ -195,6 +200,7 @@ def weight_grads(
     like: torch.Tensor,
     gemm: Any,
     name: str,
+    amp: torch.dtype | None = None,
 ) -> list[Any]:
     """The wgrad epilogue both layers share: what autograd receives for ``params``.
 
@@ -202,13 +208,19 @@ def weight_grads(
     DistributedWeight still finalizes, once, as every rank does (:func:`frozen_wgrads`); plain
     weights get None. Else ``gemm(out, accumulate)`` runs the wgrad product(s) and returns one
     grad per weight: ``out`` the fused targets (``main_grad``, ``grad_buffer()``: :func:`grad_targets`)
-    or None, ``accumulate`` TE's rule (:func:`accumulates`); then :func:`finalize`."""
-    if frozen:
-        if dw:
-            return finalize(params, True, fused, frozen_wgrads(params, shapes, fused, like, name), name)
+    or None, ``accumulate`` TE's rule (:func:`accumulates`); then :func:`finalize`. Under
+    autocast (``amp``: the weights were cast to it) an unfused grad is cast back to its
+    parameter's dtype (NOTE: [Autocast] in ``_amp.py``); a fused one is in its buffer's."""
+    if frozen and not dw:
         return [None] * len(params)
-    out = grad_targets(params, dw, shapes, name) if fused else None
-    return finalize(params, dw, fused, gemm(out, fused and accumulates(params, dw)), name)
+    if frozen:
+        wgrads = frozen_wgrads(params, shapes, fused, like, name)
+    else:
+        out = grad_targets(params, dw, shapes, name) if fused else None
+        wgrads = gemm(out, fused and accumulates(params, dw))
+    if amp is not None and not fused:
+        wgrads = _amp.grads_back(wgrads, params)
+    return finalize(params, dw, fused, wgrads, name)
 
 
 def accumulates(params: Sequence[torch.Tensor], dw: bool) -> bool:

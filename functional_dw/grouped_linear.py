@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
-from . import _checks, _fp8, _steps, distributed_weight as dwp
+from . import _amp, _checks, _fp8, _steps, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from ._checks import PLAIN_TYPES
 from .kernels import Kernels, Splits, as_one_buffer, check_sizes, get_kernels, packed as packed_view, stacked
@@ -229,6 +229,8 @@ class GroupedPlan:
     bias_form: str | None  # None, "list" (E x [N]) or "stacked" ([E, N])
     fuse_wgrad_accumulation: bool
     fp8: _fp8.Plan | None  # None: no FP8
+    amp: torch.dtype | None  # under autocast, the dtype the weights are cast to where they are
+    # materialized (NOTE: [Autocast] in ``_amp.py``); else None
 
 
 _PLANS = PlanCache()
@@ -296,6 +298,7 @@ def _plan(
         bias_form,
         opts.fuse_wgrad_accumulation,
         fp8_plan,
+        opts.amp,
     )
 
 
@@ -330,7 +333,7 @@ def _plan_key(x: Any, weights: Any, splits: Any, bias: Any, opts: Options) -> An
     if (bias is not None and bk is None) or sk is None or (opts.fp8 is not None and fk is None):
         return None
     u, f = opts.use_grouped_tensor, opts.fuse_wgrad_accumulation
-    return x.shape[1:], x.dtype, x.device, wk, bk, sk, fk, type(f), f, type(u), u, opts.backend
+    return x.shape[1:], x.dtype, x.device, wk, bk, sk, fk, type(f), f, type(u), u, opts.backend, opts.amp
 
 
 class _Call(NamedTuple):
@@ -358,7 +361,7 @@ def _prepare(x, weights, splits, bias, opts: Options, stand_in: bool = False) ->
         _checks.tensor("x", x, ndim=2)
         params, one_tensor = _as_params(weights)
         distributed = dwp.is_distributed_weight(params[0])
-        full = dwp.materialize(params, distributed, for_backward=False, like=x)
+        full = dwp.materialize(params, distributed, for_backward=False, like=x, amp=opts.amp)
         w_ENK = full[0] if one_tensor else full
         plan = _plan(x, w_ENK, one_tensor, distributed, bias, opts)
         if key is not None:
@@ -366,10 +369,13 @@ def _prepare(x, weights, splits, bias, opts: Options, stand_in: bool = False) ->
     else:
         params = (weights,) if plan.stacked else tuple(weights)
         w_ENK = weights if plan.stacked else list(params)  # (a list, as materialize gives: the kernels see one form)
+        if plan.amp is not None:  # (plain weights: cast as materialize casts them)
+            w_ENK = dwp.materialize(params, False, for_backward=False, amp=plan.amp)
+            w_ENK = w_ENK[0] if plan.stacked else w_ENK
     if plan.warn is not None:
         _checks.warn(plan.warn)
     if plan.packed:  # one [E, N, K] view (NOTE: [One buffer]), unless autograd would have to record it
-        if key is None:
+        if key is None or plan.amp is not None:  # (cast weights are a buffer of this call's: found again)
             one = packed_view(w_ENK)
             w_ENK = w_ENK if one is None else one
         elif not (torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, params))):
@@ -432,7 +438,8 @@ def grouped_linear_fwd(
     weights, splits, bias = _normalized(weights, splits, bias)
     fp8_args = None if recipe is None and fp8_state is None else _fp8.Args(recipe, fp8_state)
     opts = Options(fuse_wgrad_accumulation, use_grouped_tensor, backend, fp8_args)
-    return _forward(_prepare(x, weights, splits, bias, opts), x, keep_x=True)
+    with _amp.off(x):  # (in the dtypes given: NOTE: [Autocast] in _amp.py)
+        return _forward(_prepare(x, weights, splits, bias, opts), x, keep_x=True)
 
 
 def _forward(c: _Call, x: torch.Tensor | None, keep_x: bool, xq: Any = None):
@@ -506,22 +513,26 @@ def _one_path(p: _fp8.Plan | None) -> bool:
 def grouped_linear_bwd_dgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     """dx ``[T, K]``, with the weights materialized again (never kept from forward); None when
     x needs no gradient (a DistributedWeight is still gathered: its collectives match across ranks)."""
-    dy_TN, k = _checked(res, dy, "grouped_linear_bwd_dgrad")
-    return _dgrad(res, dy_TN, _dy_fp8(res, dy_TN, k, dgrad=True, wgrad=False), k)
+    with _amp.off(dy):
+        dy_TN, k = _checked(res, dy, "grouped_linear_bwd_dgrad")
+        return _dgrad(res, dy_TN, _dy_fp8(res, dy_TN, k, dgrad=True, wgrad=False), k)
 
 
 def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[Any, Any]:
     """(dweights, dbiases) shaped like the weights and bias arguments (see finalize)."""
-    dy_TN, k = _checked(res, dy, "grouped_linear_bwd_wgrad")
-    return _wgrad(res, dy_TN, _dy_fp8(res, dy_TN, k, dgrad=False, wgrad=True), k)
+    with _amp.off(dy):
+        dy_TN, k = _checked(res, dy, "grouped_linear_bwd_wgrad")
+        return _wgrad(res, dy_TN, _dy_fp8(res, dy_TN, k, dgrad=False, wgrad=True), k)
 
 
 def grouped_linear_bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
     """(dx, dweights, dbiases): dgrad then wgrad, on one checked (and densified) dy (with FP8,
-    quantized once for both)."""
-    dy_TN, k = _checked(res, dy, "grouped_linear_bwd")
-    dyq = _dy_fp8(res, dy_TN, k, dgrad=True, wgrad=True)
-    return (_dgrad(res, dy_TN, dyq, k), *_wgrad(res, dy_TN, dyq, k))
+    quantized once for both). With autocast off, as every pure function (NOTE: [Autocast] in
+    ``_amp.py``)."""
+    with _amp.off(dy):
+        dy_TN, k = _checked(res, dy, "grouped_linear_bwd")
+        dyq = _dy_fp8(res, dy_TN, k, dgrad=True, wgrad=True)
+        return (_dgrad(res, dy_TN, dyq, k), *_wgrad(res, dy_TN, dyq, k))
 
 
 def _frozen(res: GroupedLinearResiduals) -> bool:
@@ -543,7 +554,9 @@ def _dy_fp8(res: GroupedLinearResiduals, dy_TN: torch.Tensor, k: _Route, dgrad: 
 
 
 def _dgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: _Route) -> torch.Tensor | None:
-    full = _steps.dgrad_weights(res.weights, res.distributed, _like(res), res.weight_shapes, "weights")
+    full = _steps.dgrad_weights(
+        res.weights, res.distributed, _like(res), res.weight_shapes, "weights", res.plan.amp, _wanted(res)[0]
+    )
     if not _wanted(res)[0]:
         return None
     w_ENK = full[0] if res.stacked else _one_buffer(full, res.plan)
@@ -582,6 +595,7 @@ def _wgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: _Route
         dy_TN,
         gemm,
         "weights",
+        res.plan.amp,
     )
     db_EN = _steps.bias_grad(db_EN, with_dbias, dy_TN, lambda dy: expert_sums(dy, res.splits))
     return (wgrads[0] if res.stacked else wgrads), _bias_grads(res, db_EN)
@@ -626,14 +640,16 @@ def _jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
         zeros = res.x_TK.new_zeros(res.out_features)
         b_EN = tb if isinstance(tb, torch.Tensor) else torch.stack([zeros if b is None else b for b in tb])
     dy = res.x_TK.new_zeros(res.x_TK.shape[0], res.out_features)
-    if tx is not None or b_EN is not None:  # dx W^T + db, with the weights gathered again
-        full = dwp.materialize(res.weights, res.distributed, for_backward=False)
+    if tx is not None or b_EN is not None:  # dx W^T + db, with the weights gathered (and cast) again
+        full = dwp.materialize(res.weights, res.distributed, for_backward=False, amp=res.plan.amp)
         tx = _checks.dense(tx) if tx is not None else res.x_TK.new_zeros(res.x_TK.shape)
         dy = kernels.grouped_fprop(tx, full[0] if res.stacked else full, b_EN, res.splits, grouped)
     if tw is not None:  # + x dW^T
         if not isinstance(tw, torch.Tensor):
             tw = [torch.zeros_like(w) if t is None else t for t, w in zip(tw, res.weights)]
         tw = _checks.dense(tw) if isinstance(tw, torch.Tensor) else [_checks.dense(t) for t in tw]
+        if res.plan.amp is not None:  # as forward cast the weights
+            tw = _amp.cast(tw, res.plan.amp)
         dy = dy + kernels.grouped_fprop(_x_TK(res), tw, None, res.splits, grouped)
     return dy
 
@@ -702,6 +718,10 @@ def grouped_linear(
         fp8_state: ``DelayedScaling``'s state, ``fp8.init_state(recipe, num_gemms=E, device=...)``:
             forward reads its scales and records amaxes into it, backward records dy's; the
             caller updates it between steps (``fp8.update_state_(state, recipe)``).
+
+    Under ``torch.autocast`` it computes what ``F.linear`` per expert computes under it: x, the
+    weights and the biases in the autocast dtype, the grads in their inputs' dtypes (NOTE:
+    [Autocast] in ``_amp.py``).
     """
     weights, splits, bias = _normalized(weights, splits, bias)
     fuse = _checks.fuse_flag(fuse_wgrad_accumulation)  # (under torch.func: refused here, where it is visible)
@@ -709,10 +729,14 @@ def grouped_linear(
     if recipe is not None or fp8_state is not None:
         _fp8.refuse_compile(recipe)
         fp8_args = _fp8.Args(recipe, fp8_state, keep_x=_fp8.wgrad_possible(weights))
-    opts = Options(fuse, use_grouped_tensor, backend, fp8_args)
+    opts = Options(fuse, use_grouped_tensor, backend, fp8_args, _amp.dtype(x))
+    run = _grouped_linear
     if torch.compiler.is_compiling() and dwp.any_distributed(weights):  # NOTE: [DistributedWeight under torch.compile]
-        return _grouped_linear_eager(x, weights, splits, bias, opts)
-    return _grouped_linear(x, weights, splits, bias, opts)
+        run = _grouped_linear_eager
+    if opts.amp is None:
+        return run(x, weights, splits, bias, opts)
+    with _amp.off(x):  # NOTE: [Autocast] in _amp.py: x and the biases cast here, the weights where materialized
+        return run(_amp.cast(x, opts.amp), weights, splits, _amp.cast(bias, opts.amp), opts)
 
 
 def _normalized(weights: Any, splits: Any, bias: Any) -> tuple[Any, Any, Any]:

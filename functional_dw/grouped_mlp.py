@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-from . import _checks, _fp8, distributed_weight as dwp
+from . import _amp, _checks, _fp8, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from .grouped_linear import GroupedLinearResiduals, SplitsArg, WeightsArg, grouped_linear_bwd
 from .grouped_linear import _jvp as grouped_linear_jvp
@@ -353,7 +353,8 @@ def grouped_mlp_fwd(
         use_grouped_tensor,
         keep_x=(True, True),
     )
-    return _run(x, w1, w2, splits, probs, bias1, bias2, opts, keep=True)
+    with _amp.off(x):  # (in the dtypes given: NOTE: [Autocast] in _amp.py)
+        return _run(x, w1, w2, splits, probs, bias1, bias2, opts, keep=True)
 
 
 # --- backward -------------------------------------------------------------------------------------
@@ -374,7 +375,7 @@ def _recompute_fc1(res: GroupedMLPResiduals) -> torch.Tensor:
     a DistributedWeight is gathered for forward again."""
     r1 = res.fc1
     x_TK = _x_TK(r1)
-    full = dwp.materialize(r1.weights, r1.distributed, for_backward=False, like=x_TK, name="w1")
+    full = dwp.materialize(r1.weights, r1.distributed, for_backward=False, like=x_TK, name="w1", amp=r1.plan.amp)
     dwp.check_materialized(full, r1.weight_shapes, "materialize_group_for_forward()", "w1")
     w_ENK = full[0] if r1.stacked else _one_buffer(full, r1.plan)
     b1 = res.bias1
@@ -444,7 +445,13 @@ def _with_h(res: GroupedMLPResiduals, r2: GroupedLinearResiduals, fc1_out: torch
 def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     """(dx, dw1, dw2, dprobs, dbias1, dbias2) as an :class:`MLPGrads`: fc2's ``grouped_linear_bwd``
     on fc2's record, the activation's backward, fc1's ``grouped_linear_bwd`` on fc1's record; what
-    the policy did not save is recomputed first."""
+    the policy did not save is recomputed first. With autocast off, as every pure function (NOTE:
+    [Autocast] in ``_amp.py``)."""
+    with _amp.off(dy):
+        return _backward(res, dy)
+
+
+def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     _checks.record("grouped_mlp_bwd", res, GroupedMLPResiduals, "grouped_mlp_fwd")
     want_x, want_w1, want_w2, want_p, want_b1, want_b2 = _wanted(res)
     r1, r2, act = res.fc1, res.fc2, res.act
@@ -551,6 +558,7 @@ def _options(
     fuse,
     use_grouped_tensor,
     keep_x: tuple[bool, bool],
+    amp: torch.dtype | None = None,
 ) -> tuple[MLPOptions, tuple]:
     """The call's options (each layer's ``plan.Options``) and its arguments normalized as the
     layers normalize theirs."""
@@ -573,8 +581,8 @@ def _options(
     opts = MLPOptions(
         activation,
         save,
-        Options(fuse, use_grouped_tensor, backend, args1),
-        Options(fuse, use_grouped_tensor, backend, args2),
+        Options(fuse, use_grouped_tensor, backend, args1, amp),
+        Options(fuse, use_grouped_tensor, backend, args2, amp),
     )
     return opts, (w1, w2, splits, bias1, bias2)
 
@@ -619,15 +627,25 @@ def grouped_mlp(
             states as a pair (fc1's, fc2's), each ``fp8.init_state(recipe, num_gemms=E, ...)``.
         backend, fuse_wgrad_accumulation, use_grouped_tensor: as for ``grouped_linear``, for both
             linears (``main_grad`` of w1's and w2's weights with fused accumulation).
+
+    Under ``torch.autocast``, x, the weights and the biases run in the autocast dtype (probs as
+    given), the grads come in their inputs' dtypes (NOTE: [Autocast] in ``_amp.py``).
     """
     fuse = _checks.fuse_flag(fuse_wgrad_accumulation)
     keep_x = (True, True)
     if recipe is not None or fp8_state is not None:
         _fp8.refuse_compile(recipe)
         keep_x = (_fp8.wgrad_possible(w1), _fp8.wgrad_possible(w2))
+    amp = _amp.dtype(x)
+    args = (w1, w2, splits, bias1, bias2)
     opts, (w1, w2, splits, bias1, bias2) = _options(
-        w1, w2, splits, bias1, bias2, activation, save, recipe, fp8_state, backend, fuse, use_grouped_tensor, keep_x
+        *args, activation, save, recipe, fp8_state, backend, fuse, use_grouped_tensor, keep_x, amp
     )
+    run = _grouped_mlp
     if torch.compiler.is_compiling() and (dwp.any_distributed(w1) or dwp.any_distributed(w2)):
-        return _grouped_mlp_eager(x, w1, w2, splits, probs, bias1, bias2, opts)
-    return _grouped_mlp(x, w1, w2, splits, probs, bias1, bias2, opts)
+        run = _grouped_mlp_eager
+    if amp is None:
+        return run(x, w1, w2, splits, probs, bias1, bias2, opts)
+    with _amp.off(x):  # NOTE: [Autocast] in _amp.py: x and the biases cast here (not probs), the weights where
+        # materialized
+        return run(_amp.cast(x, amp), w1, w2, splits, probs, _amp.cast(bias1, amp), _amp.cast(bias2, amp), opts)

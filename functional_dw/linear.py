@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _checks, _fp8, _steps, distributed_weight as dwp
+from . import _amp, _checks, _fp8, _steps, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from .plan import Options, route
 from .kernels import Kernels, get_kernels
@@ -34,6 +34,8 @@ class LinearResiduals:
     fuse_wgrad_accumulation: bool
     kernels: Kernels
     fp8: _fp8.Plan | None  # None without FP8; else how forward quantized (see grouped_linear's field)
+    amp: torch.dtype | None  # under autocast, the dtype the weight is cast to where it is materialized
+    # (NOTE: [Autocast] in ``_amp.py``); else None
     needs: Any = needed()  # which gradients bwd computes (None: all); see NOTE: [Which gradients]
 
 
@@ -53,6 +55,7 @@ class _Call(NamedTuple):
     bias: torch.Tensor | None
     kernels: Kernels
     fp8: _fp8.Plan | None  # None: no FP8
+    amp: torch.dtype | None  # the autocast dtype the weight was cast to, or None
 
 
 def _prepare(x, weight, bias, opts: Options) -> _Call:
@@ -65,7 +68,7 @@ def _prepare(x, weight, bias, opts: Options) -> _Call:
     _checks.tensor("weight", weight, ndim=2)
     _checks.flag("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
     distributed = dwp.is_distributed_weight(weight)
-    w_NK = dwp.materialize([weight], distributed, for_backward=False, like=x, name="weight")[0]
+    w_NK = dwp.materialize([weight], distributed, for_backward=False, like=x, name="weight", amp=opts.amp)[0]
     _checks.tensor("weight (materialized)", w_NK, ndim=2)
     N, K = w_NK.shape
     if x.shape[-1] != K:
@@ -82,7 +85,7 @@ def _prepare(x, weight, bias, opts: Options) -> _Call:
         plan = _fp8.plan(recipe, fp8_state, 1, x, kernels, grouped=False).bind(fp8_state)
         _fp8.check_dims(K, N, tokens=_tokens(x.shape))
     x = _checks.dense(x)
-    return _Call(distributed, w_NK, x, bias, route(kernels, False, x, w_NK)[0], plan)
+    return _Call(distributed, w_NK, x, bias, route(kernels, False, x, w_NK)[0], plan, opts.amp)
 
 
 def _fprop(c: _Call) -> torch.Tensor:
@@ -114,10 +117,12 @@ def linear_fwd(
     fp8_state: Any = None,
 ) -> tuple[torch.Tensor, LinearResiduals]:
     """``y = x @ W^T + b`` and the residuals its backward needs. x ``[..., K]``, weight ``[N, K]``;
-    ``recipe``/``fp8_state`` as for :func:`linear`."""
+    ``recipe``/``fp8_state`` as for :func:`linear`. In the dtypes given, also under
+    ``torch.autocast`` (NOTE: [Autocast] in ``_amp.py``)."""
     fp8_args = None if recipe is None and fp8_state is None else _fp8.Args(recipe, fp8_state)
-    c = _prepare(x, weight, bias, Options(fuse_wgrad_accumulation, None, backend, fp8_args))
-    return _forward(c, x, weight, bias, fuse_wgrad_accumulation, keep_x=True)
+    with _amp.off(x):
+        c = _prepare(x, weight, bias, Options(fuse_wgrad_accumulation, None, backend, fp8_args))
+        return _forward(c, x, weight, bias, fuse_wgrad_accumulation, keep_x=True)
 
 
 def _forward(
@@ -146,6 +151,7 @@ def _forward(
         fuse_wgrad_accumulation=fuse_wgrad_accumulation,
         kernels=c.kernels,
         fp8=plan,
+        amp=c.amp,
     )
     return y, res
 
@@ -184,22 +190,26 @@ def _checked(res: Any, dy: Any, fn: str) -> tuple[torch.Tensor, Kernels]:
 def linear_bwd_dgrad(res: LinearResiduals, dy: torch.Tensor) -> torch.Tensor:
     """dx = dy @ W, with W materialized again (never kept from forward); None when x needs no
     gradient."""
-    dy_TN, k = _checked(res, dy, "linear_bwd_dgrad")
-    return _dgrad(res, dy_TN, _dy_fp8(res, dy_TN, k, dgrad=True, wgrad=False), k)
+    with _amp.off(dy):
+        dy_TN, k = _checked(res, dy, "linear_bwd_dgrad")
+        return _dgrad(res, dy_TN, _dy_fp8(res, dy_TN, k, dgrad=True, wgrad=False), k)
 
 
 def linear_bwd_wgrad(res: LinearResiduals, dy: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
     """(dweight, dbias); dweight is what autograd gets for the parameter (see finalize)."""
-    dy_TN, k = _checked(res, dy, "linear_bwd_wgrad")
-    return _wgrad(res, dy_TN, _dy_fp8(res, dy_TN, k, dgrad=False, wgrad=True), k)
+    with _amp.off(dy):
+        dy_TN, k = _checked(res, dy, "linear_bwd_wgrad")
+        return _wgrad(res, dy_TN, _dy_fp8(res, dy_TN, k, dgrad=False, wgrad=True), k)
 
 
 def linear_bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
     """(dx, dweight, dbias): :func:`linear_bwd_dgrad` then :func:`linear_bwd_wgrad`, on one
-    checked (and densified) dy (with FP8, quantized once for both)."""
-    dy_TN, k = _checked(res, dy, "linear_bwd")
-    dyq = _dy_fp8(res, dy_TN, k, dgrad=True, wgrad=True)
-    return (_dgrad(res, dy_TN, dyq, k), *_wgrad(res, dy_TN, dyq, k))
+    checked (and densified) dy (with FP8, quantized once for both). With autocast off, as
+    every pure function (NOTE: [Autocast] in ``_amp.py``)."""
+    with _amp.off(dy):
+        dy_TN, k = _checked(res, dy, "linear_bwd")
+        dyq = _dy_fp8(res, dy_TN, k, dgrad=True, wgrad=True)
+        return (_dgrad(res, dy_TN, dyq, k), *_wgrad(res, dy_TN, dyq, k))
 
 
 def _frozen(res: LinearResiduals) -> bool:
@@ -213,10 +223,9 @@ def _dy_fp8(res: LinearResiduals, dy_TN: torch.Tensor, k: Kernels, dgrad: bool, 
 
 
 def _dgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: Kernels) -> torch.Tensor | None:
-    (w_NK,) = _steps.dgrad_weights(
-        [res.weight], res.distributed, _like(res), [(res.out_features, res.x_shape[-1])], "weight"
-    )
-    if not _wanted(res)[0]:
+    want_dx, shape = _wanted(res)[0], (res.out_features, res.x_shape[-1])
+    (w_NK,) = _steps.dgrad_weights([res.weight], res.distributed, _like(res), [shape], "weight", res.amp, want_dx)
+    if not want_dx:
         return None
     if res.fp8 is not None:  # dy and the weight (quantized again) in FP8
         (wq,) = res.fp8.requantize_weights(k, [w_NK])
@@ -239,9 +248,8 @@ def _wgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: Kernels) -> t
         return [dw]
 
     shape = (res.out_features, res.x_shape[-1])
-    dw = dwp.weight_grads(
-        [res.weight], res.distributed, res.fuse_wgrad_accumulation, [shape], _frozen(res), dy_TN, gemm, "weight"
-    )[0]
+    fused, frozen = res.fuse_wgrad_accumulation, _frozen(res)
+    dw = dwp.weight_grads([res.weight], res.distributed, fused, [shape], frozen, dy_TN, gemm, "weight", res.amp)[0]
     return dw, _steps.bias_grad(db, with_dbias, dy_TN, column_sums)
 
 
@@ -269,11 +277,13 @@ def _jvp(res: LinearResiduals, tangents: tuple) -> torch.Tensor:
             "forward-mode (jvp) tangents for a DistributedWeight are not supported: "
             "take the tangent with respect to x or bias, or use a plain weight"
         )
+    if tw is not None and res.amp is not None:  # cast as forward cast the weight
+        tw = _amp.cast(tw, res.amp)
     K, N = res.x_shape[-1], res.out_features
     k = route(res.kernels, False, *(t for t in (tx, tw, tb) if t is not None))[0]
     dy = None
     if tx is not None or tb is not None:
-        w_NK = dwp.materialize([res.weight], res.distributed, for_backward=False)[0]
+        w_NK = dwp.materialize([res.weight], res.distributed, for_backward=False, amp=res.amp)[0]
         T = _tokens(res.x_shape)
         tx_TK = _checks.dense(tx, (T, K)) if tx is not None else res.x.new_zeros(T, K)
         dy = k.fprop(tx_TK, w_NK, tb)
@@ -320,12 +330,20 @@ def linear(
     ``DelayedScaling``'s state (``fp8.init_state(recipe, num_gemms=1, device=...)``), whose scales
     forward and backward read and whose amax histories they record into; the caller updates it
     between steps (``fp8.update_state_(state, recipe)``).
+
+    Under ``torch.autocast`` it computes what ``F.linear`` computes under it: x, the weight and
+    the bias in the autocast dtype, the grads in their inputs' dtypes (NOTE: [Autocast] in
+    ``_amp.py``).
     """
     fp8_args = None
     if recipe is not None or fp8_state is not None:
         _fp8.refuse_compile()
         fp8_args = _fp8.Args(recipe, fp8_state, keep_x=_fp8.wgrad_possible(weight))
-    opts = Options(_checks.fuse_flag(fuse_wgrad_accumulation), None, backend, fp8_args)
+    opts = Options(_checks.fuse_flag(fuse_wgrad_accumulation), None, backend, fp8_args, _amp.dtype(x))
+    run = _linear
     if torch.compiler.is_compiling() and dwp.any_distributed([weight]):  # NOTE: [DistributedWeight under torch.compile]
-        return _linear_eager(x, weight, bias, opts)
-    return _linear(x, weight, bias, opts)
+        run = _linear_eager
+    if opts.amp is None:
+        return run(x, weight, bias, opts)
+    with _amp.off(x):  # NOTE: [Autocast] in _amp.py: x and bias cast here, the weight where it is materialized
+        return run(_amp.cast(x, opts.amp), weight, _amp.cast(bias, opts.amp), opts)

@@ -39,7 +39,8 @@ __all__ = ["Options", "PlanCache", "eager_plain", "weights_key", "tensor_key", "
 #   step; later steps with any token count and any routing hit the cache (T and the counts are
 #   data), also under ``no_grad`` (whether autograd must see the weights' one-buffer view is
 #   decided per call), while a call with ``use_grouped_tensor=False``, another dtype or another
-#   bias makes a plan of its own.
+#   bias makes a plan of its own; so does a call under ``torch.autocast`` (its dtype is one of
+#   the options: NOTE: [Autocast]).
 
 
 class Options(NamedTuple):
@@ -53,6 +54,7 @@ class Options(NamedTuple):
     use_grouped_tensor: bool | None = None
     backend: Any = None
     fp8: Any = None  # an ``_fp8.Args`` (recipe, state, keep_x) or None
+    amp: torch.dtype | None = None  # the autocast dtype the call runs in (NOTE: [Autocast] in ``_amp.py``)
 
 
 def eager_plain() -> bool:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_dw as fd
-from conftest import HOOKS
+from conftest import HOOKS, assert_same
 from helpers import grouped_inputs, ref_grouped
 from support.compile_cases import check_routings, make_model, max_graphs
 
@@ -79,6 +79,35 @@ def test_compiled_block_under_hooks_packs_no_weight(dtype, path, stacked):
     weight_shapes = {(FF, H), (H, FF), (E, FF, H), (E, H, FF), (H, H)}
     assert rec.packed
     assert all(tuple(t.shape) not in weight_shapes for t in rec.packed), [tuple(t.shape) for t in rec.packed]
+
+
+@pytest.mark.parametrize("path,where", [(False, "inside"), (True, "around")], ids=["split-inside", "grouped-around"])
+def test_compiled_under_autocast_is_eager_under_autocast(path, where):
+    """fp32 parameters under bf16 autocast, entered inside the compiled function or around the
+    call: no graph break, and the eager run's bf16 output and fp32 grads bitwise (NOTE:
+    [Autocast] in functional_dw/_amp.py: the call decides AMP at its top, which dynamo traces
+    and guards)."""
+    torch._dynamo.reset()
+    mlp = _block(path)
+
+    def inside(*args):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return mlp(*args)
+
+    f = inside if where == "inside" else mlp
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=where == "around")
+    args = _params(torch.float32, False)
+    with ctx:
+        explained = torch._dynamo.explain(f)(*args)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    results = []
+    for run in (compiled, f):
+        with ctx:
+            y = run(*args)
+        results.append([y, *torch.autograd.grad(y.float().square().sum(), _leaves(*args))])
+    assert results[0][0].dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in results[0][1:])
+    assert_same(results[0], results[1])
 
 
 # --- a new routing every step (issue 12) -----------------------------------------------------

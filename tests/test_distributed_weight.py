@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_dw as fd
-from conftest import BWD_SCALE, FWD_SCALE, HOOKS, FakeDW, PathRecorder, assert_same
+from conftest import BWD_SCALE, FWD_SCALE, HOOKS, FakeDW, PathRecorder, assert_close, assert_same
 from helpers import grouped_inputs, ref_grouped
 
 E, K, N = 3, 16, 8
@@ -246,3 +246,47 @@ def test_fused_frozen_group_finalizes_with_its_grad_buffers():
     fd.grouped_linear(x, group, SPLITS, fuse_wgrad_accumulation=True).sum().backward()
     assert x.grad is not None and len(got) == 1
     assert len(got[0]) == E and all(g is m.buffer for g, m in zip(got[0], group))
+
+
+# --- under torch.autocast (NOTE: [Autocast] in functional_dw/_amp.py) -------------------------------
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("layer,path", LAYERS, ids=LAYER_IDS)
+def test_dw_under_autocast_is_cast_after_each_gather(layer, path, fused):
+    """fp32 DistributedWeights under bf16 autocast: each gather (forward's, backward's) is cast
+    to bf16 and the GEMMs run on it, bitwise F.linear per expert on the gathered weights cast;
+    the weight grads reach finalize in the weights' dtype (fp32) with the bf16 product's values,
+    or, fused, the grad buffer at fp32 accuracy; hooks see only activations. (The original
+    refused the bf16 dy in backward.)"""
+    x, ws, bs, dy = _inputs(fused=fused, experts=1 if layer == "linear" else E)
+    bf = torch.bfloat16
+    rec = HOOKS["clone"]()
+    with rec, torch.autocast("cpu", dtype=bf):
+        if layer == "linear":
+            y = fd.linear(x, ws[0], bs[0], fuse_wgrad_accumulation=fused)
+        else:
+            y = fd.grouped_linear(x, ws, SPLITS, bs, use_grouped_tensor=path, fuse_wgrad_accumulation=fused)
+    y.backward(dy.to(bf))
+    assert not any(isinstance(t, FakeDW) for t in rec.packed)
+    assert ws[0].calls == {"forward": 1, "backward": 1, "finalize": 1}
+    # the model without the feature: the layer on plain weights, cast by hand (forward's gather,
+    # backward's), no autocast
+    x16, dy16, bs16 = x.detach().to(bf).requires_grad_(), dy.to(bf), [b.detach().to(bf) for b in bs]
+
+    def plain(scale):
+        w16 = [(scale * w.full).to(bf).requires_grad_() for w in ws]
+        if layer == "linear":
+            return fd.linear(x16, w16[0], bs16[0]), w16
+        return fd.grouped_linear(x16, w16, SPLITS, bs16[: len(ws)], use_grouped_tensor=path), w16
+
+    assert_same(y, plain(FWD_SCALE)[0])
+    y16, w16 = plain(BWD_SCALE)
+    y16.backward(dy16)
+    assert_same(x.grad, x16.grad.float())
+    splits = [T] if layer == "linear" else SPLITS
+    for w, w_, xe, de in zip(ws, w16, x16.detach().double().split(splits), dy16.double().split(splits)):
+        if fused:  # finalize added the shard of the fp32 buffer the GEMM wrote into: at fp32 accuracy
+            assert_close(w.main_grad, (de.T @ xe)[: N // 2], bf, "main_grad", mag=(de.abs().T @ xe.abs())[: N // 2])
+        else:
+            assert_same(w.grad, w_.grad[: N // 2].float())

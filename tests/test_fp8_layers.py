@@ -139,6 +139,29 @@ def test_equals_the_direct_emulation_bitwise(name, layer, path, bias):
             torch.testing.assert_close(got.float(), want, atol=0, rtol=2**-8, msg=f"db[{e}]")
 
 
+@pytest.mark.parametrize("layer,path", LAYERS, ids=LAYER_IDS)
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_under_autocast_quantizes_from_the_autocast_dtype(name, layer, path):
+    """Under torch.autocast the activations' dtype is the autocast dtype (TE's modules under
+    torch.autocast): fp32 x, weights and biases (of bf16 values) cast to bf16 and quantized from
+    it give the bf16 call's numbers bitwise, delayed scaling's state included; the grads come
+    in fp32 (NOTE: [Autocast] in functional_dw/_amp.py). The original refused backward's dy."""
+    recipe = RECIPES[name]
+    x, ws, bs, dy = _inputs(layer)
+    states = [_state(recipe, layer), _state(recipe, layer)]
+    want = _run(layer, path, recipe, states[0], x, ws, bs, dy)
+    x32 = x.float().requires_grad_()
+    ws32, bs32 = [w.float().requires_grad_() for w in ws], [b.float().requires_grad_() for b in bs]
+    with torch.autocast("cpu", dtype=BF16):
+        y = _call(layer, path, x32, ws32, bs32, recipe, states[1])
+    y.backward(dy)
+    assert_same(y.detach(), want[0], "y")
+    got = [x32.grad, [w.grad for w in ws32], [b.grad for b in bs32]]
+    assert_same(got, [want[1].float(), [g.float() for g in want[2]], [g.float() for g in want[3]]], "grads")
+    if states[0] is not None:  # delayed scaling: the same amaxes recorded
+        assert_same(pytree.tree_leaves(states[1]), pytree.tree_leaves(states[0]), "state")
+
+
 # NOTE: [FP8 error bound] Against the unquantized fp32 result, elementwise. Quantizing a normal
 # value errs by at most u(fmt) relative (u = 2^-4 for E4M3's 3 mantissa bits, 2^-3 for E5M2's
 # 2), and a value in the format's subnormal range by at most half its spacing absolutely (E4M3:

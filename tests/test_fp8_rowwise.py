@@ -487,6 +487,25 @@ def test_a_new_tensor_that_reuses_a_dead_weights_id_and_address_is_not_served_it
 
 
 @pytest.mark.usefixtures("empty_weight_cache")
+def test_a_weight_quantized_outside_autocast_is_not_served_inside_it():
+    # Under torch.autocast the fp32 weights are cast to bf16 and quantized from it (NOTE:
+    # [Autocast] in _amp.py); the cache was keyed on the parameters alone, so a call outside
+    # autocast (fp32 quantized) served its copy to the call inside, and the other way round.
+    torch.manual_seed(0)
+    x, ws = torch.randn(T, K), [torch.randn(N, K) / 8 for _ in SIZES]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fresh = _fresh(x, ws)
+    for first_inside in (False, True):
+        rw.clear_weight_cache()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=first_inside):
+            fd.grouped_linear(x, ws, SIZES, recipe=R)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(fd.grouped_linear(x, ws, SIZES, recipe=R), fresh)
+        outside = fd.grouped_linear(x, ws, SIZES, recipe=R)
+        assert outside.dtype == torch.float32 and torch.equal(outside, _fresh(x, ws))
+
+
+@pytest.mark.usefixtures("empty_weight_cache")
 def test_inference_tensors_as_weights_run():
     # A model built or loaded under torch.inference_mode (serving) has inference tensors, which
     # have no version counter: the cache's key read p._version and every forward raised

@@ -736,3 +736,95 @@ def test_jvp_of_jvp_is_refused(outer):
             jvp(inner, (w,), (torch.ones_like(w),))
         else:
             torch.func.jacfwd(torch.func.jacfwd(lambda x: fd.linear(x, w, b).sin().sum()))(x)
+
+
+# --- under torch.autocast (NOTE: [Autocast] in functional_dw/_amp.py) -------------------------------
+
+
+def _amp(f):
+    """``f`` run under bf16 autocast (on the CPU)."""
+
+    def run(*args):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return f(*args)
+
+    return run
+
+
+def _layer(path):
+    return lambda x, ws, bs: fd.grouped_linear(x, ws, SO_SPLITS, bs, use_grouped_tensor=path)
+
+
+def _composition(x, ws, bs):
+    return ref_grouped(x, ws, SO_SPLITS, bs)
+
+
+def test_grad_and_second_order_under_autocast_are_torchs_composition():
+    """torch.func.grad of a loss computed under autocast (fp32 inputs), and autograd's double
+    backward through it: the dtypes and bits of F.linear per expert under the same autocast (the
+    split path runs the same GEMMs; its backward casts the weights again, differentiably)."""
+    x, ws, bs = _so_group(requires_grad=False)
+    dy = randn(sum(SO_SPLITS), 8, seed=9)
+
+    def loss(f):
+        return _amp(lambda x, ws, bs: (f(x, ws, bs).float() * dy).sum())
+
+    got = grad(loss(_layer(False)), argnums=(0, 1, 2))(x, ws, bs)
+    want = grad(loss(_composition), argnums=(0, 1, 2))(x, ws, bs)
+    assert all(g.dtype == torch.float32 for g in pytree_leaves(got))
+    assert all(torch.equal(a, b) for a, b in zip(pytree_leaves(got), pytree_leaves(want)))
+
+    def second_order(f):
+        args = [t.clone().requires_grad_() for t in (x, *ws, *bs)]
+        y = _amp(f)(args[0], args[1 : 1 + SO_E], args[1 + SO_E :])
+        gx = torch.autograd.grad(y, args[0], dy.to(y.dtype), create_graph=True)[0]
+        return torch.autograd.grad(gx.square().sum(), args[1 : 1 + SO_E])
+
+    got, want = second_order(_layer(False)), second_order(_composition)
+    assert [g.dtype for g in got] == [torch.float32] * SO_E and all(map(torch.equal, got, want))
+
+
+def _r64(t, absolute=False):
+    """``t`` (a tensor or a list) as bf16 autocast rounds it, in float64 (``absolute``: |t|)."""
+    if isinstance(t, list):
+        return [_r64(u, absolute) for u in t]
+    t = t.to(torch.bfloat16).double()
+    return t.abs() if absolute else t
+
+
+def test_jvp_and_vmap_under_autocast():
+    """Forward mode and vmap over x under autocast: outputs and tangents in the autocast dtype (as
+    torch's composition gives under jvp), within the tolerance rule of the float64 results from
+    the inputs and tangents autocast rounds (magnitudes: the same on absolute values; the tangent
+    adds two rounded products, dx W^T + db and x dW^T); on each path (the original ignored
+    autocast on the grouped path), and for linear."""
+    for path in (False, True):
+        _jvp_and_vmap_under_autocast(path)
+    x, ws, bs = _so_group(requires_grad=False)
+    tx, tws, tbs = _so_group(seed=1, requires_grad=False)
+    primals, tangents = (x, ws[0], bs[0]), (tx, tws[0], tbs[0])
+    (y, ty), (y_t, ty_t) = (jvp(_amp(f), primals, tangents) for f in (fd.linear, F.linear))
+    assert ty.dtype == ty_t.dtype == torch.bfloat16 and torch.equal(y, y_t)
+    _, ty64 = jvp(F.linear, tuple(map(_r64, primals)), tuple(map(_r64, tangents)))
+    _, ty_mag = jvp(F.linear, *(tuple(_r64(a, True) for a in t) for t in (primals, tangents)))
+    assert_close(ty, ty64, torch.bfloat16, "linear's tangent", mag=ty_mag, rounds=2)
+
+
+def _jvp_and_vmap_under_autocast(path):
+    bf = torch.bfloat16
+    x, ws, bs = _so_group(requires_grad=False)
+    tx, tws, tbs = _so_group(seed=1, requires_grad=False)
+    (y, ty), (y_t, ty_t) = (jvp(_amp(f), (x, ws, bs), (tx, tws, tbs)) for f in (_layer(path), _composition))
+    assert y.dtype == ty.dtype == y_t.dtype == ty_t.dtype == bf
+    primals, tangents = (x, ws, bs), (tx, tws, tbs)
+    y64, ty64 = jvp(_composition, tuple(map(_r64, primals)), tuple(map(_r64, tangents)))
+    y_mag, ty_mag = jvp(_composition, *(tuple(_r64(a, True) for a in t) for t in (primals, tangents)))
+    assert_close(y, y64, bf, "y", mag=y_mag, rounds=2 if path else 1)
+    assert_close(ty, ty64, bf, "tangent", mag=ty_mag, rounds=2)
+    xb = randn(3, sum(SO_SPLITS), 16, seed=2)
+    yb = vmap(_amp(lambda x: _layer(path)(x, ws, bs)))(xb)
+    assert yb.dtype == bf  # F.linear's under autocast (under vmap torch's own composition gives fp32:
+    # F.linear's batching rule adds the fp32 bias after autocast's bf16 matmul, promoting)
+    y64 = vmap(lambda x: _composition(x, _r64(ws), _r64(bs)))(_r64(xb))
+    y_mag = vmap(lambda x: _composition(x, _r64(ws, True), _r64(bs, True)))(_r64(xb, True))
+    assert_close(yb, y64, bf, "vmap's y", mag=y_mag, rounds=2)

@@ -6,6 +6,7 @@ integers are refused); the split wgrad kernel's ``out=`` and ``accumulate``."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 
@@ -234,3 +235,59 @@ def test_integer_main_grad_is_refused(dtype, layer):
     with pytest.raises(TypeError, match=r"weights?(\[0\])?: main_grad/grad_buffer\(\) is torch\.(int|bool)"):
         y.sum().backward()
     assert all(not w.main_grad.any() for w in ws)
+
+
+# --- under torch.autocast (NOTE: [Autocast] in functional_dw/_amp.py) -------------------------------
+
+
+@pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])
+@pytest.mark.parametrize("layer", ["linear", "grouped"])
+def test_fused_under_autocast_writes_the_fp32_main_grad_of_the_parameter(layer, path):
+    """fp32 weights with fp32 main_grads under bf16 autocast: the wgrad GEMM of the bf16 operands
+    lands in each parameter's own main_grad at fp32 accuracy (the float64 product of the bf16
+    values), the parameters get no .grad; x's grad comes back fp32. (The original refused the
+    bf16 dy in backward.)"""
+    splits = [40, 0, 20, 4]
+    x, ws, _, dy = grouped_inputs(splits, 16, 8, seed=4, w_div=4, bias=False, experts=1 if layer == "linear" else 4)
+    if layer == "linear":
+        splits = [sum(splits)]
+    for w in ws:
+        w.requires_grad_()
+        w.main_grad = torch.full_like(w, 0.5)
+    x.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if layer == "linear":
+            y = fd.linear(x, ws[0], fuse_wgrad_accumulation=True)
+        else:
+            y = fd.grouped_linear(x, ws, splits, fuse_wgrad_accumulation=True, use_grouped_tensor=path)
+    y.backward(dy.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    x16, dy16 = x.detach().to(torch.bfloat16).double(), dy.to(torch.bfloat16).double()
+    for w, xe, de in zip(ws, x16.split(splits), dy16.split(splits)):
+        assert w.grad is None and w.main_grad.dtype == torch.float32
+        assert_close(w.main_grad, 0.5 + de.T @ xe, torch.bfloat16, "main_grad", mag=0.5 + de.abs().T @ xe.abs())
+
+
+def test_backward_inside_an_autocast_region_keeps_fp32_products():
+    """autograd runs backward under the autocast state of the thread that calls it: a backward
+    called inside an autocast region runs with autocast off, so an fp32 main_grad still gets the
+    fp32 product of bf16 operands (autocast would make the split path's and linear's matmuls
+    bf16), bitwise the backward outside it; on each path and for linear."""
+    splits = [40, 0, 20, 4]
+    x, ws, _, dy = grouped_inputs(splits, 16, 8, seed=5, dtype=torch.bfloat16, bias=False)
+    for case in ("split", "grouped", "linear"):
+        mains = []
+        for inside in (False, True):
+            params = [w.detach().clone().requires_grad_() for w in ws]
+            for p in params:
+                p.main_grad = torch.zeros(p.shape)
+            if case == "linear":
+                y = fd.linear(x, params[0], fuse_wgrad_accumulation=True)
+            else:
+                y = fd.grouped_linear(
+                    x, params, splits, fuse_wgrad_accumulation=True, use_grouped_tensor=case == "grouped"
+                )
+            with torch.autocast("cpu", dtype=torch.bfloat16) if inside else contextlib.nullcontext():
+                y.backward(dy)
+            mains.append([p.main_grad for p in params])
+        assert_same(mains[1], mains[0], case)

@@ -207,6 +207,78 @@ def test_probs_of_another_dtype():
     close(grads[1 + 2 * E], rg[1 + 2 * E], mg[1 + 2 * E], torch.bfloat16, "dprobs in fp32")
 
 
+# --- torch.autocast (NOTE: [Autocast] in functional_dw/_amp.py) -------------------------------------
+
+
+def megatron_mlp(x, w1, w2, splits, probs, b1, b2):
+    """Megatron's TEGroupedMLP as torch ops (F.linear per expert; the weighted activation and
+    bias cast back to the activations' dtype, as Megatron does): what runs under autocast."""
+    rows = []
+    for e, (xe, pe) in enumerate(zip(x.split(splits), probs.split(splits))):
+        z = F.linear(xe, w1[e], b1[e])
+        h = (ACT["swiglu"](z) * pe[:, None]).to(z.dtype)
+        y = F.linear(h, w2[e])
+        rows.append((y + b2[e] * pe[:, None]).to(y.dtype))
+    return torch.cat(rows)
+
+
+def _cast(inp, dtype):
+    """The inputs as autocast casts them (x, the weights, the biases; probs as they are), as new
+    leaves."""
+    out = {}
+    for k, v in inp.items():
+        f = (lambda t: t.detach().to(dtype).requires_grad_()) if k != "probs" else (lambda t: t.detach().clone())
+        out[k] = None if v is None else [f(t) for t in v] if isinstance(v, list) else f(v)
+    out["probs"] = None if out["probs"] is None else out["probs"].requires_grad_()
+    return out
+
+
+@pytest.mark.parametrize("stacked, save", [(False, "default"), (True, "x_only")], ids=["list", "stacked-x_only"])
+@pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_under_autocast_is_the_call_on_cast_inputs(dtype, path, stacked, save):
+    """Under torch.autocast, fp32 inputs (fp32 probs, biases): the call on x, the weights and the
+    biases cast to the autocast dtype once (probs not), bitwise, in the dtypes Megatron's
+    composition under autocast gives (y in the autocast dtype, every grad in its input's dtype:
+    fp32), within the chain's bound of float64. The original failed in the split path's forward
+    and ignored autocast on the grouped path."""
+    inp, dy = make("swiglu", bias=True, stacked=stacked)
+    with torch.autocast("cpu", dtype=dtype):
+        y = call(inp, use_grouped_tensor=path, save=save)
+    grads = list(torch.autograd.grad(y, leaves(inp), dy.to(y.dtype)))
+    cast = _cast(inp, dtype)
+    y2, g2 = run(cast, dy.to(dtype), use_grouped_tensor=path, save=save)
+    assert_same(y, y2, "y")
+    assert_same(grads, [g.to(t.dtype) for g, t in zip(g2, leaves(inp))], "grads (fp32: the cast's grads cast back)")
+    mega = dict(inp, w1=list(inp["w1"]), w2=list(inp["w2"]), bias1=list(inp["bias1"]), bias2=list(inp["bias2"]))
+    with torch.autocast("cpu", dtype=dtype):
+        ym = megatron_mlp(mega["x"], mega["w1"], mega["w2"], SPLITS, inp["probs"], mega["bias1"], mega["bias2"])
+    gm = torch.autograd.grad(ym, leaves(inp), dy.to(ym.dtype))
+    assert ym.dtype == y.dtype == dtype and [g.dtype for g in gm] == [g.dtype for g in grads]
+    check_against_reference(cast, dy.to(dtype), "swiglu", y, [g.to(dtype) for g in g2])
+
+
+def test_module_under_autocast():
+    """nn.GroupedMLP under autocast: its fp32 parameters cast (its experts one buffer each), the
+    numbers of the call on the cast parameters, grads in fp32."""
+    m = fd.nn.GroupedMLP(E, H, F_, bias=True)
+    x = torch.randn(T, H, requires_grad=True)
+    probs, dy = torch.rand(T, requires_grad=True), torch.randn(T, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x, SPLITS, probs)
+    y.backward(dy.to(y.dtype))
+    params = [x, *m.fc1.weights(), *m.fc2.weights(), *m.fc1.biases(), *m.fc2.biases()]
+    cast = [t.detach().to(torch.bfloat16).requires_grad_() for t in params]
+    p2 = probs.detach().clone().requires_grad_()
+    c = iter(cast[1:])
+    w1, w2, b1, b2 = ([next(c) for _ in range(E)] for _ in range(4))
+    y2 = fd.grouped_mlp(cast[0], w1, w2, SPLITS, probs=p2, bias1=b1, bias2=b2)
+    y2.backward(dy.to(torch.bfloat16))
+    assert_same(y, y2)
+    assert_same([t.grad for t in params], [t.grad.float() for t in cast])
+    assert_same(probs.grad, p2.grad)
+
+
 # --- the policies --------------------------------------------------------------------------------------
 
 

@@ -1,5 +1,5 @@
 """Numerics of both layers on the reference backend against a float64 reference; bias grads in
-the layer's dtype at fp32 accuracy."""
+the layer's dtype at fp32 accuracy; under ``torch.autocast``, what torch's own composition gives."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import functional_dw as fd
 from conftest import assert_close, assert_same, reference
-from helpers import gen, grouped_inputs, ref_grouped
+from helpers import gen, grouped_inputs, grouped_module, linear_module, ref_grouped
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 PATHS = [False, True, None]
@@ -186,3 +186,120 @@ def test_bias_grads_keep_the_layer_dtype_and_fp32_accuracy(dtype):
     assert db.dtype == dtype
     want = torch.stack([d.double().sum(0) for d in dy.split(splits)]).to(dtype)
     torch.testing.assert_close(db.double(), want.double(), rtol=0, atol=0)
+
+
+# --- torch.autocast (AMP): what torch's own composition gives ------------------------------------
+# NOTE: [Autocast] in functional_dw/_amp.py. The reference is F.linear (per expert, then torch.cat)
+# under the same autocast: the outputs' and grads' dtypes equal its (grads of fp32 parameters in
+# fp32), the values are its bitwise where the same GEMM runs (the split path: one F.linear per
+# expert), and every value is within the tolerance rule of the float64 result from the inputs as
+# autocast rounds them (a grad of an fp32 input holds a value of the autocast dtype).
+
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
+AMP = [torch.bfloat16, torch.float16]
+
+
+def _under_autocast(fn, inputs, dy, device, dtype):
+    """(y, grads of inputs) of ``fn(*inputs)`` run under ``torch.autocast(device, dtype)``."""
+    with torch.autocast(device, dtype=dtype):
+        y = fn(*inputs)
+    return y, list(torch.autograd.grad(y, inputs, dy.to(y.dtype)))
+
+
+def _check_autocast(ours, torchs, ref, inputs, dy, dtype, *, same: bool, rounds: int = 1):
+    """``ours`` and ``torchs`` ((y, grads) under autocast) agree in dtypes, bitwise where ``same``
+    (the same GEMMs), and ``ours`` is within the tolerance rule of ``ref`` run in float64 on the
+    inputs autocast rounds to ``dtype`` (what ``reference`` does)."""
+    (y, grads), (y_t, grads_t) = ours, torchs
+    assert y.dtype == y_t.dtype == dtype
+    assert [g.dtype for g in grads] == [g.dtype for g in grads_t] == [t.dtype for t in inputs]
+    if same:
+        assert_same(y, y_t, "y")
+        assert_same(grads, grads_t, "grads")
+    (y64, want), (y_mag, mags) = reference(ref, [t.to(dtype) for t in inputs], dy.to(dtype))
+    assert_close(y, y64, dtype, "y", mag=y_mag, rounds=rounds)
+    for i, (g, w, m) in enumerate(zip(grads, want, mags)):
+        g16 = g.to(dtype)
+        assert torch.equal(g16.to(g.dtype), g), f"grad {i}: computed in {dtype}, then cast to {g.dtype}"
+        assert_close(g16, w, dtype, f"grad {i}", mag=m)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype", AMP, ids=str)
+@pytest.mark.parametrize("shape", [(7, 16), (2, 3, 16)], ids=["2d", "3d"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_linear_under_autocast_is_F_linear(bias, shape, dtype, device):
+    """fd.linear under autocast (fp32 x, weight, bias): F.linear's output dtype and bits, and its
+    grads (fp32 for the fp32 inputs, bitwise); the original returned a bf16 y whose backward
+    refused the bf16 dy."""
+    g = gen(5)
+    x = torch.randn(*shape, generator=g).to(device).requires_grad_()
+    w = (torch.randn(8, 16, generator=g) / 4).to(device).requires_grad_()
+    b = torch.randn(8, generator=g).to(device).requires_grad_() if bias else None
+    dy = torch.randn(*shape[:-1], 8, generator=g).to(device)
+    inputs = [x, w] + ([b] if bias else [])
+    ours = _under_autocast(lambda *t: fd.linear(*t, backend="torch"), inputs, dy, device, dtype)
+    torchs = _under_autocast(F.linear, inputs, dy, device, dtype)
+    _check_autocast(ours, torchs, F.linear, inputs, dy, dtype, same=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype", AMP, ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+@pytest.mark.parametrize("path", [False, True], ids=["split", "grouped"])
+def test_grouped_under_autocast_is_torchs_composition(path, stacked, bias, dtype, device):
+    """fd.grouped_linear under autocast, fp32 inputs, per-expert list or stacked [E, N, K]
+    weights: the dtypes of F.linear per expert and torch.cat under the same autocast, its bits on
+    the split path (the same GEMMs), the tolerance rule on the grouped path (grouped_mm, and the
+    bias added after it: two roundings). The original's split path refused backward's dy, its
+    grouped path ignored autocast."""
+    if device == "cuda" and path and dtype != torch.bfloat16:
+        pytest.skip("torch's CUDA grouped_mm takes bfloat16 only")
+    splits, E = [5, 0, 11, 3], 4
+    x, ws, bs, dy = grouped_inputs(splits, 16, 32, seed=2, w_div=4, bias=bias, stacked=stacked, device=device)
+    params = ([ws] if stacked else ws) + ([] if bs is None else [bs] if stacked else bs)
+    inputs = [t.requires_grad_() for t in [x, *params]]
+
+    def layer(x, *p):
+        w, b = (p[0], p[1] if bias else None) if stacked else (list(p[:E]), list(p[E:]) or None)
+        return fd.grouped_linear(x, w, splits, b, use_grouped_tensor=path, backend="torch")
+
+    def composition(x, *p):
+        w, b = (p[0], p[1] if bias else None) if stacked else (p[:E], p[E:] or None)
+        return ref_grouped(x, w, splits, b)
+
+    ours = _under_autocast(layer, inputs, dy, device, dtype)
+    torchs = _under_autocast(composition, inputs, dy, device, dtype)
+    _check_autocast(ours, torchs, composition, inputs, dy, dtype, same=not path, rounds=2 if bias and path else 1)
+
+
+@pytest.mark.parametrize("dtype", AMP, ids=str)
+@pytest.mark.parametrize("layout", ["one-buffer", "single"])
+def test_modules_under_autocast_are_torchs_composition(layout, dtype):
+    """nn.Linear and nn.GroupedLinear (its experts one buffer, or one [E, N, K] parameter) under
+    autocast: F.linear's dtypes and bits on the split path, fp32 grads for the fp32 parameters;
+    the one-buffer experts' grads stay views of one buffer."""
+    lin = linear_module(16, 8, seed=1)
+    x = torch.randn(6, 16, generator=gen(6), requires_grad=True)
+    dy = torch.randn(6, 8, generator=gen(7))
+    params = [x, lin.weight, lin.bias]
+    ours = _under_autocast(lambda x, *_: lin(x), params, dy, "cpu", dtype)
+    torchs = _under_autocast(F.linear, params, dy, "cpu", dtype)
+    _check_autocast(ours, torchs, F.linear, params, dy, dtype, same=True)
+    splits = [5, 0, 11, 3]
+    m = grouped_module(4, 16, 32, seed=2, use_grouped_tensor=False, single_grouped_weight=layout == "single")
+    x = torch.randn(19, 16, generator=gen(8), requires_grad=True)
+    dy = torch.randn(19, 32, generator=gen(9))
+    single = layout == "single"
+    ps = [x, m.weight, m.bias] if single else [x, *m.weights(), *m.biases()]
+    w = (lambda p: p[0]) if single else (lambda p: list(p[:4]))
+    b = (lambda p: p[1]) if single else (lambda p: list(p[4:]))
+    ours = _under_autocast(lambda x, *_: m(x, splits), ps, dy, "cpu", dtype)
+    torchs = _under_autocast(lambda x, *p: ref_grouped(x, w(p), splits, b(p)), ps, dy, "cpu", dtype)
+    _check_autocast(ours, torchs, lambda x, *p: ref_grouped(x, w(p), splits, b(p)), ps, dy, dtype, same=True)
+    if not single:
+        grads = ours[1][1:5]
+        assert [g.data_ptr() for g in grads] == [grads[0].data_ptr() + e * 32 * 16 * 4 for e in range(4)]

@@ -168,6 +168,29 @@ def test_no_weight_copies_in_forward_and_backward(path, bias, dtype):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_under_autocast_the_buffer_is_cast_as_one_tensor(path):
+    """fp32 experts in one buffer under bf16 autocast (NOTE: [Autocast] in _amp.py): forward casts
+    the buffer once, backward once for dgrad and once to bring the grads back to fp32; no stack,
+    no per-expert copy; the grads are views of one buffer, the numbers those of the module's
+    parameters cast by hand (no autocast)."""
+    m = _module(path=PATHS[path])
+    x, dy = draws((T, K), (T, N), seed=1)
+    x.requires_grad_()
+    with CopyCounter() as ops:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x, SPLITS)
+        y.backward(dy.to(torch.bfloat16))
+    assert ops.named("stack") == [(E, N)]  # (the biases, once in forward, as without autocast)
+    assert ops.weight_copies(N, K) == [("_to_copy", (E, N, K))] * 3, ops.weight_copies(N, K)
+    assert _is_one_buffer([w.grad for w in m.weights()])
+    cast = [t.detach().to(torch.bfloat16).requires_grad_() for t in [x, *m.weights(), *m.biases()]]
+    y2 = fd.grouped_linear(cast[0], cast[1 : 1 + E], SPLITS, cast[1 + E :], use_grouped_tensor=PATHS[path])
+    y2.backward(dy.to(torch.bfloat16))
+    assert_same(y, y2)
+    assert_same([x.grad, *(p.grad for p in [*m.weights(), *m.biases()])], [t.grad.float() for t in cast])
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_separate_weights_are_stacked_once_per_pass(path):
     """The control: E separately made tensors cost one stack in forward and one in backward
     on the grouped path (none on the split path); results equal the module layout's bitwise."""

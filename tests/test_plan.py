@@ -742,6 +742,24 @@ def test_dtype_change_makes_a_new_plan():
     assert "float" in fresh[1]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_plan_made_under_autocast_is_not_reused_outside_it(layout):
+    """bf16 x, fp32 weights: under autocast the weights are cast (NOTE: [Autocast] in _amp.py) and
+    the call runs; outside it the same call is refused as ever, not served the autocast plan
+    (the autocast dtype is in the key), and under autocast again the first plan is reused."""
+    ws, x = _weights(layout, torch.float32), _x(torch.bfloat16)
+    fresh = _error(fd.grouped_linear, x, ws, FULL)
+    assert fresh[0] is TypeError and "dtype" in fresh[1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = _plan_count_grows(lambda: fd.grouped_linear(x, ws, FULL))
+    assert y.dtype == torch.bfloat16
+    ws16 = [w.detach().to(torch.bfloat16) for w in (ws if isinstance(ws, list) else [ws])]
+    assert torch.equal(y, fd.grouped_linear(x, ws16 if isinstance(ws, list) else ws16[0], FULL))
+    assert _error(fd.grouped_linear, x, ws, FULL) == fresh
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _plan_count_grows(lambda: fd.grouped_linear(x, ws, FULL), by=0)
+
+
 def test_use_grouped_tensor_change_makes_a_new_plan_and_path():
     ws = _weights("one_buffer", torch.float32)
     x = _x(torch.float32).requires_grad_()

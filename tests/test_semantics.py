@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import functional_dw as fd
-from conftest import BWD_SCALE, FWD_SCALE, STALE, FakeDW, PathRecorder, assert_close, reference
+from conftest import BWD_SCALE, FWD_SCALE, STALE, FakeDW, PathRecorder, assert_close, assert_same, reference
 from helpers import grouped_inputs, ref_grouped
 from functional_dw.kernels import Splits
 
@@ -335,3 +335,48 @@ def test_a_frozen_fused_dw_finalizes_zeros_not_its_stale_buffer(layer):
     assert x.grad is not None
     for m in group:
         assert m.grad_added_to_main_grad and torch.equal(m.main_grad, torch.zeros_like(m.main_grad)), m.main_grad
+
+
+# --- the pure API under torch.autocast ---------------------------------------------------------
+
+
+def test_pure_pairs_compute_in_the_dtypes_given_under_autocast():
+    """``*_fwd``/``*_bwd`` (and the split backward) under autocast compute in the dtypes they are
+    given, autocast off inside (NOTE: [Autocast] in functional_dw/_amp.py), so the record and its
+    backward agree: bitwise the calls outside autocast. (The original's fwd ran autocast's bf16
+    GEMMs into an fp32 record.)"""
+    x, ws, dy = _data()
+    b = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    x3 = x.view(2, T // 2, K)
+    w1 = [torch.randn(2 * K, K, generator=torch.Generator().manual_seed(e)) / 4 for e in range(E)]
+    w2 = [torch.randn(K, K, generator=torch.Generator().manual_seed(9 + e)) / 4 for e in range(E)]
+    calls = {
+        "linear": lambda: fd.linear_bwd(*_fwd_dy(fd.linear_fwd(x3, ws[0], b), dy.view(2, T // 2, N))),
+        "linear split": lambda: _split(fd.linear_bwd_dgrad, fd.linear_bwd_wgrad, fd.linear_fwd(x, ws[0]), dy),
+        "grouped": lambda: fd.grouped_linear_bwd(*_fwd_dy(fd.grouped_linear_fwd(x, ws, SPLITS), dy)),
+        "grouped split": lambda: _split(
+            fd.grouped_linear_bwd_dgrad, fd.grouped_linear_bwd_wgrad, fd.grouped_linear_fwd(x, ws, SPLITS), dy
+        ),
+        "mlp": lambda: fd.grouped_mlp_bwd(*_fwd_dy(fd.grouped_mlp_fwd(x, w1, w2, SPLITS), x)),
+    }
+    for name, call in calls.items():
+        want = call()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = call()
+        assert_same(list(pytree_leaves(got)), list(pytree_leaves(want)), name)
+        assert all(t.dtype == torch.float32 for t in pytree_leaves(got)), name
+
+
+def _fwd_dy(out, dy):
+    """(residuals, dy) of a ``*_fwd`` call, checking its output is fp32: the dtype it was given."""
+    y, res = out
+    assert y.dtype == torch.float32
+    return res, dy
+
+
+def _split(dgrad, wgrad, out, dy):
+    return dgrad(_fwd_dy(out, dy)[0], dy), wgrad(out[1], dy)
+
+
+def pytree_leaves(t):
+    return [u for u in torch.utils._pytree.tree_leaves(t) if u is not None]

@@ -416,6 +416,67 @@ def test_fp32_falls_back_to_split_path_with_a_warning():
     assert res.path == "split"
 
 
+# --- h. torch.autocast: TE's modules under it ------------------------------------------------
+
+
+def _under_autocast(fn, x, dy):
+    """(y, x's grad) of ``fn(x)`` run under bf16 autocast, backward outside it."""
+    x = x.detach().clone().requires_grad_()
+    with torch.autocast("cuda", dtype=BF16):
+        y = fn(x)
+    y.backward(dy)
+    return y.detach(), x.grad
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused-main_grad"])
+def test_linear_under_autocast_equals_te_linear(fused):
+    """fp32 x and parameters under torch.autocast(bf16): te.Linear casts them to the autocast
+    dtype (its activation dtype) and runs bf16 GEMMs; fd.linear on the TE backend gives its
+    output and grads bitwise, the grads of fp32 tensors in fp32 (NOTE: [Autocast]); the bias
+    grad as torch's composition rounds it."""
+    lin = te.Linear(K, N, bias=True, params_dtype=torch.float32, device=DEV, fuse_wgrad_accumulation=fused)
+    with torch.no_grad():
+        lin.weight.copy_(randn(N, K, dtype=torch.float32, scale=0.05, seed=41))
+        lin.bias.copy_(randn(N, dtype=torch.float32, seed=42))
+    w, b = clone_params([lin.weight, lin.bias])
+    if fused:
+        lin.weight.main_grad = torch.zeros(N, K, dtype=torch.float32, device=DEV)
+        w.main_grad = torch.zeros(N, K, dtype=torch.float32, device=DEV)
+    x, dy = randn(4, 50, K, dtype=torch.float32, seed=43), randn(4, 50, N, seed=44)
+    y_te, dx_te = _under_autocast(lin, x, dy)
+    y_fd, dx_fd = _under_autocast(lambda x: fd.linear(x, w, b, fuse_wgrad_accumulation=fused, backend="te"), x, dy)
+    assert y_fd.dtype == BF16 and dx_fd.dtype == torch.float32
+    equal(y_fd, y_te, "y")
+    equal(dx_fd, dx_te, "dgrad")
+    # te.Linear (unfused) hands an fp32 bias the fp32 sum; torch's composition, and fd, the sum
+    # rounded to the autocast dtype, as the product it belongs to (te.GroupedLinear does too)
+    equal(b.grad, lin.bias.grad.to(BF16).float(), "dbias")
+    if fused:
+        equal(w.main_grad, lin.weight.main_grad, "main_grad")
+    else:
+        equal(w.grad, lin.weight.grad, "wgrad")
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["split", "grouped"])
+def test_grouped_linear_under_autocast_equals_te(grouped):
+    """The same for te.GroupedLinear with fp32 parameters, on both paths."""
+    if grouped:
+        needs_grouped()
+    m = te_grouped(dtype=torch.float32, grouped=grouped)
+    ws, bs = clone_params(te_params(m, "weight")), clone_params(te_params(m, "bias"))
+    x, dy = randn(T, K, dtype=torch.float32, seed=45), randn(T, N, seed=46)
+    splits = splits_arg(SIZES, grouped)
+    y_te, dx_te = _under_autocast(lambda x: m(x, splits), x, dy)
+    y_fd, dx_fd = _under_autocast(
+        lambda x: fd.grouped_linear(x, ws, splits, bs, use_grouped_tensor=grouped, backend="te"), x, dy
+    )
+    want = {"y": y_te, "dx": dx_te, "dw": [w.grad for w in te_params(m, "weight")]}
+    want["db"] = [b.grad for b in te_params(m, "bias")]
+    got = {"y": y_fd, "dx": dx_fd, "dw": [w.grad for w in ws], "db": [b.grad for b in bs]}
+    assert y_fd.dtype == BF16 and all(g.dtype == torch.float32 for g in [dx_fd, *got["dw"], *got["db"]])
+    compare_to_te(got, want, grouped)
+
+
 # --- DistributedWeight under saved-tensor hooks ----------------------------------------------
 
 

@@ -236,6 +236,7 @@ def dequantize_columns(q: RowwiseActivation, ends_E: torch.Tensor, pends_E: torc
 # was; nothing else between steps should change a weight. So RowwiseScaling's quantized weights
 # are cached per group of parameters, keyed on the parameters (held weakly: an id reused by a
 # new tensor misses), their versions, addresses and layouts (``param.data = ...`` changes one),
+# the dtype they were quantized from (under ``torch.autocast``, its: NOTE: [Autocast] in ``_amp.py``),
 # and the count of optimizer steps taken (a global ``torch.optim`` post-step hook counts them,
 # so a step that bumps no version misses too: NOTE: [The optimizer hook]); the entry hangs weakly off the first parameter
 # and dies with it, and a changed weight misses and replaces it. Gradient accumulation's
