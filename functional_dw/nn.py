@@ -618,6 +618,7 @@ def _run_grouped_mlp(
     (what :class:`GroupedMLP` and ``functional_dw.megatron.GroupedMLP`` run)."""
     if fc1._forward_pre_hooks or fc2._forward_pre_hooks:  # (two dict reads while fc1 and fc2 have no hooks)
         _refuse_fsdp_layers(fc1, fc2)
+        _run_pre_hooks(x, fc1, fc2)
     recipe, state1 = fc1._fp8_begin(x)
     recipe2, state2 = fc2._fp8_begin(x)
     if recipe2 != recipe:
@@ -658,6 +659,28 @@ def _refuse_fsdp_layers(fc1: GroupedLinear, fc2: GroupedLinear) -> None:
                 "gathers their parameters; apply fully_shard to the GroupedMLP instead, not to its fc1 or fc2 "
                 "(functional_dw.distributed.shard_module does)"
             )
+
+
+# NOTE: [The linears' forward pre-hooks] fc1's and fc2's forwards never run (one node: NOTE:
+# [FSDP2 over GroupedMLP]), but hooks registered on them must: Megatron's DDP with
+# overlap_param_gather waits for each module's parameter all-gather in that module's forward
+# pre-hook (``module.parameters(recurse=False)``), so skipping them would read the experts'
+# weights before their gather finished. Both run before the node, each given ``(x,)`` (fc2's
+# real input, h, is made inside the node); a hook that returns a new input cannot apply and is
+# refused, as FSDP2's are (NOTE: [FSDP2 over GroupedMLP]). Forward (post) hooks of fc1/fc2 do
+# not run.
+def _run_pre_hooks(x: torch.Tensor, *layers: GroupedLinear) -> None:
+    """Run ``layers``' forward pre-hooks (NOTE: [The linears' forward pre-hooks])."""
+    for m in layers:
+        for key, hook in list(m._forward_pre_hooks.items()):
+            kw = key in m._forward_pre_hooks_with_kwargs
+            out = hook(m, (x,), {}) if kw else hook(m, (x,))
+            if out is not None:
+                raise ValueError(
+                    f"GroupedMLP runs its linears as one node without calling them: a forward pre-hook on "
+                    f"{type(m).__name__} {hook!r} returned a new input, which cannot apply there. Register it on "
+                    "the GroupedMLP instead (a pre-hook that returns None runs)"
+                )
 
 
 def _layer_weights(m: GroupedLinear) -> Any:

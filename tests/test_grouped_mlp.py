@@ -1172,3 +1172,36 @@ def test_fp8_bytes_saved_per_token(save):
         torch.float32: 4 * E * (2 if save == "h" else 1),
         torch.bfloat16: 2 * F_ * 2 * T_,
     }, (by, nonempty)
+
+
+@pytest.mark.parametrize("with_kwargs", [False, True])
+def test_module_runs_its_linears_forward_pre_hooks(with_kwargs):
+    """fc1/fc2 never run their forwards (one node), but hooks on them must (Megatron's DDP waits for
+    each module's parameter all-gather in its pre-hook): each runs once per forward, before the
+    node reads the weights; one that returns a new input is refused."""
+    m = fd.nn.GroupedMLP(E, H, F_)
+    x = torch.randn(T, H)
+    seen = []
+
+    def hook(mod, args, *kwargs):
+        # what a parameter gather does before the layer runs: the node must read these values
+        with torch.no_grad():
+            for w in mod.weights():
+                w.mul_(2.0)
+        seen.append((mod, args[0] is x, kwargs == ({},) if with_kwargs else kwargs == ()))
+
+    want_m = fd.nn.GroupedMLP(E, H, F_)
+    want_m.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        for w in (*want_m.fc1.weights(), *want_m.fc2.weights()):
+            w.mul_(2.0)
+    want = want_m(x, SPLITS)
+    handles = [layer.register_forward_pre_hook(hook, with_kwargs=with_kwargs) for layer in (m.fc1, m.fc2)]
+    y = m(x, SPLITS)
+    assert seen == [(m.fc1, True, True), (m.fc2, True, True)]
+    assert_same(y, want)
+    for h in handles:
+        h.remove()
+    m.fc2.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    with pytest.raises(ValueError, match="returned a new input"):
+        m(x, SPLITS)
