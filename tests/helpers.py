@@ -18,6 +18,13 @@ import torch.nn.functional as F
 
 import functional_dw as fd
 
+# NOTE: [Hang guards]
+# A multi-process test's collective timeout and deadline guard against a hang, not against a
+# slow machine: CI is 2 loaded cores, where W ranks importing torch and computing references
+# beside other processes can take minutes. They are one generous number, never a claim about
+# speed; a test of the launcher's failure paths asserts what failed, not how long it took.
+HANG_S = 900  # seconds
+
 # --- seeded inputs -------------------------------------------------------------------------
 
 

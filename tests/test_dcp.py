@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 import functional_dw as fd
 from functional_dw import distributed as fdd
-from test_fsdp2 import FFN, LAUNCH_DEADLINE, LAUNCH_TIMEOUT, SPLITS, E, ExpertMLP, H, MoEBlock, _tokens
+from helpers import HANG_S
+from test_fsdp2 import FFN, SPLITS, E, ExpertMLP, H, MoEBlock, _tokens
 
 N5 = 5  # ShardedWeight out features: 3, 2 rows on 2 ranks; 2, 2, 1, 0 on 4
 LAYOUTS = ["per-expert", "single"]
@@ -452,12 +453,10 @@ CASES = (
 def checkpoints(tmp_path_factory):
     pytest.importorskip("torch.distributed.checkpoint")
     root = str(tmp_path_factory.mktemp("dcp"))
-    fdd.launch(_save_job, 4, root, backend="gloo", timeout=LAUNCH_TIMEOUT, deadline=LAUNCH_DEADLINE)
+    fdd.launch(_save_job, 4, root, backend="gloo", timeout=HANG_S, deadline=HANG_S)
     merged: dict[str, list[str]] = {}
     for job, world in ((_load_and_save_job, 2), (_load_job, 4)):
-        for r, res in enumerate(
-            fdd.launch(job, world, root, backend="gloo", timeout=LAUNCH_TIMEOUT, deadline=LAUNCH_DEADLINE)
-        ):
+        for r, res in enumerate(fdd.launch(job, world, root, backend="gloo", timeout=HANG_S, deadline=HANG_S)):
             for case, err in res.items():
                 merged.setdefault(case, []).extend([] if err is None else [f"rank {r} of {world}: {err}"])
     return root, merged

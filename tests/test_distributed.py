@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 import functional_dw as fd
 from conftest import HOOKS, assert_close
-from helpers import randn
+from helpers import HANG_S, randn
 from functional_dw import distributed as fdd
 
 E, K = 3, 16
@@ -286,10 +286,7 @@ def _job(cases: list[str], device: str = "cpu", backend: str | None = None, gpu:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
 def cpu_results(request):
-    t0 = time.perf_counter()
-    results = fdd.launch(_job, request.param, CASES, backend="gloo", timeout=60, deadline=120)
-    print(f"\n{request.param} ranks, {len(CASES)} cases: {time.perf_counter() - t0:.1f} s")
-    return results
+    return fdd.launch(_job, request.param, CASES, backend="gloo", timeout=HANG_S, deadline=HANG_S)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -308,10 +305,10 @@ def _fail_on_rank_1():
 
 
 def test_a_failing_rank_fails_the_launch_fast():
-    t0 = time.perf_counter()
+    # rank 0 waits in a collective whose timeout is the hang guard: the launch raises rank 1's
+    # error (not the deadline's TimeoutError) only when it stops rank 0 itself
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 fails on purpose"):
-        fdd.launch(_fail_on_rank_1, 2, backend="gloo", timeout=30, deadline=60)
-    assert time.perf_counter() - t0 < 25, "the other rank must not wait for the collective timeout"
+        fdd.launch(_fail_on_rank_1, 2, backend="gloo", timeout=HANG_S, deadline=HANG_S)
 
 
 def _sleep_forever():
@@ -319,10 +316,9 @@ def _sleep_forever():
 
 
 def test_launch_deadline_kills_the_ranks():
-    t0 = time.perf_counter()
+    # the rank sleeps 600 s: a launch that waited for it would return without an error
     with pytest.raises(TimeoutError, match="still running"):
         fdd.launch(_sleep_forever, 1, backend="gloo", deadline=4)
-    assert time.perf_counter() - t0 < 15
 
 
 # --- single-process checks ---------------------------------------------------------------------

@@ -11,6 +11,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from functional_dw.fp8 import FLT_MAX, DelayedScaling, Float8CurrentScaling, Format, quantize, tensor_spec
+from helpers import HANG_S
+
 from functional_dw.fp8.state import (
     DelayedScalingState,
     adjust_history_len,
@@ -304,7 +306,7 @@ def _reduce_job() -> list:
 def test_group_reduces_the_step_amax_across_ranks():
     from functional_dw import distributed as fdd
 
-    out = fdd.launch(_reduce_job, 2, backend="gloo", timeout=60, deadline=120)
+    out = fdd.launch(_reduce_job, 2, backend="gloo", timeout=HANG_S, deadline=HANG_S)
     for rank, (hist, scale, local) in enumerate(out):
         assert [row[0] for row in hist] == [0.0, 2.0] and [row[3] for row in hist] == [0.0, 10.0]  # max over ranks
         assert scale[0] == float(F32(448) / F32(2)) and scale[3] == float(F32(448) / F32(10))

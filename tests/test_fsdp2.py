@@ -29,11 +29,9 @@ import torch.nn.functional as F
 
 import functional_dw as fd
 from functional_dw import distributed as fdd
+from helpers import HANG_S
 
 E, H, FFN = 3, 16, 18
-# gloo's collective timeout and a launch's deadline (s): generous, for a loaded 2-core machine
-# (W ranks importing torch and computing their references while other processes use the cores)
-LAUNCH_TIMEOUT, LAUNCH_DEADLINE = 300, 900
 SPLITS = [[4, 0, 2], [0, 0, 6], [2, 0, 2], [0, 0, 0]]  # tokens per expert on rank r (T even)
 CASES = [
     "plain",
@@ -229,7 +227,7 @@ def _job() -> dict[str, str | None]:
 @pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
 def results(request):
     pytest.importorskip("torch.distributed.fsdp")
-    return fdd.launch(_job, request.param, backend="gloo", timeout=LAUNCH_TIMEOUT, deadline=LAUNCH_DEADLINE)
+    return fdd.launch(_job, request.param, backend="gloo", timeout=HANG_S, deadline=HANG_S)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -395,7 +393,7 @@ def _mlp_job() -> dict[str, str | None]:
 @pytest.fixture(scope="module")
 def mlp_results():
     pytest.importorskip("torch.distributed.fsdp")
-    return fdd.launch(_mlp_job, 2, backend="gloo", timeout=LAUNCH_TIMEOUT, deadline=LAUNCH_DEADLINE)
+    return fdd.launch(_mlp_job, 2, backend="gloo", timeout=HANG_S, deadline=HANG_S)
 
 
 @pytest.mark.parametrize("case", [*MLP_CASES, "fc1-or-fc2-alone"])

@@ -12,7 +12,7 @@ import torch
 
 import functional_dw as fd
 from conftest import CopyCounter, assert_close, assert_same, reference
-from helpers import draws, grouped_module, ref_grouped
+from helpers import HANG_S, draws, grouped_module, ref_grouped
 from functional_dw.kernels import packed, stacked
 
 E, K, N = 3, 16, 32
@@ -525,7 +525,7 @@ def fsdp2_results():
     pytest.importorskip("torch.distributed.fsdp")
     from functional_dw import distributed as fdd
 
-    return fdd.launch(_fsdp2_job, 2, backend="gloo", timeout=60, deadline=180)
+    return fdd.launch(_fsdp2_job, 2, backend="gloo", timeout=HANG_S, deadline=HANG_S)
 
 
 @pytest.mark.parametrize("case", FSDP_CASES)
