@@ -33,7 +33,6 @@ transform rules (:func:`_vmap_rule`), and :func:`custom_vjp`, which picks the en
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -51,12 +50,21 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from ._checks import PLAIN_TYPES, bottom
 from .distributed_weight import is_distributed_weight
-from .residuals import RecordSpec, split, with_needs
-
-try:  # see NOTE: [Pytrees]
-    import torch.utils._cxx_pytree as fast_pytree
-except ImportError:  # optree is not installed
-    fast_pytree = pytree
+from ._bridge_tree import (
+    SCALARS,
+    fast_pytree,
+    flatten_args,
+    flatten_cotangents,
+    flatten_out,
+    fresh_outputs,
+    is_tensor,
+    output_leaves,
+    pair,
+    residual_plan,
+    tree_of,
+    unflatten_out,
+)
+from .residuals import RecordSpec, with_needs
 
 __all__ = ["custom_vjp"]
 
@@ -89,27 +97,12 @@ __all__ = ["custom_vjp"]
 #   Example: ``custom_vjp(f_fwd, f_bwd, nondiff_argnums=(2,))`` for ``f(x, w, opts)``: ``f_bwd``
 #   returns ``(dx, dw)``.
 
-# NOTE: [Pytrees]
-#   Eager calls and ``torch.func`` flatten with torch's C++ pytree (optree; several times faster
-#   than the Python one) when it is installed; compiled code uses the Python one (dynamo traces
-#   it). Both read the same registrations (our residual records), and both kinds of spec
-#   unflatten themselves (``spec.unflatten``).
-
 Fwd = Callable[..., tuple[Any, Any]]
 Bwd = Callable[..., Any]
 VmapRule = Callable[..., Any]
 
 
 # --- small helpers ---------------------------------------------------------------------------
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
-
-
-def _tree(spec: Any) -> Any:
-    """The pytree module that made ``spec`` (see NOTE: [Pytrees]; a flat spec: the fast one)."""
-    return pytree if isinstance(spec, pytree.TreeSpec) else fast_pytree
 
 
 def _forward_ad_active() -> bool:
@@ -129,265 +122,13 @@ def _needs_grad(in_leaves: Any) -> bool:
     if not torch.is_grad_enabled():
         return False
     if torch.compiler.is_compiling():
-        return any(_is_tensor(t) and t.requires_grad for t in in_leaves)
+        return any(is_tensor(t) and t.requires_grad for t in in_leaves)
     if torch.is_inference_mode_enabled():  # enable_grad inside inference_mode: torch records nothing
         return False
     for t in in_leaves:  # (a loop: the eager hot path)
         if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_inference():
             return True
     return False
-
-
-class _FlatSpec:
-    """The structure of a layer's arguments without a pytree walk: each argument a tensor, a
-    scalar or string, None, or a list/tuple of tensors (every layer's arguments), as (kind,
-    count) pairs: ``unflatten`` and ``num_leaves`` as a pytree spec has them, and
-    :meth:`cotangent_leaves` for bwd's result: several times faster than a pytree spec, C++ or
-    Python (torch installs no C++ pytree by default; NOTE: [Pytrees])."""
-
-    __slots__ = ("kinds", "num_leaves")
-
-    def __init__(self, kinds: tuple, num_leaves: int) -> None:
-        self.kinds, self.num_leaves = kinds, num_leaves
-
-    @staticmethod
-    def flatten(args: tuple) -> tuple[list, "_FlatSpec"] | None:
-        """(leaves, spec), or None where an argument is anything else (the pytree then)."""
-        leaves: list = []
-        kinds = []
-        for a in args:
-            if isinstance(a, torch.Tensor) or type(a) in _SCALARS or _is_leaf(a):
-                leaves.append(a)
-                kinds.append(_LEAF)
-            elif a is None:
-                kinds.append(_NONE)
-            elif type(a) in (list, tuple) and (
-                set(map(type, a)) <= PLAIN_TYPES or all(isinstance(t, torch.Tensor) for t in a)
-            ):
-                leaves.extend(a)
-                kinds.append((type(a), len(a)))
-            else:
-                return None
-        return leaves, _FlatSpec(tuple(kinds), len(leaves))
-
-    def unflatten(self, leaves: Any) -> tuple:
-        out, i = [], 0
-        for kind in self.kinds:
-            if kind is _LEAF:
-                out.append(leaves[i])
-                i += 1
-            elif kind is _NONE:
-                out.append(None)
-            else:
-                cls, n = kind
-                out.append(cls(leaves[i : i + n]))
-                i += n
-        return tuple(out)
-
-    def cotangent_leaves(self, d: Any, rules: "_Rules") -> list:
-        """bwd's cotangents (a tuple shaped like the arguments) as leaves: None for a whole list
-        (no cotangent for any of it), any cotangent given for an argument that was None ignored
-        (nothing to differentiate); a TypeError that names the argument otherwise."""
-
-        def bad(what: str) -> TypeError:
-            return TypeError(
-                f"custom_vjp({rules.name}): bwd must return one cotangent per {_per(rules)} of fwd, "
-                f"shaped like the arguments (None for no gradient), as a tuple; {what}"
-            )
-
-        if not isinstance(d, tuple):
-            raise bad(f"got {type(d).__name__}")
-        if len(d) != len(self.kinds):
-            raise bad(f"expected {len(self.kinds)} cotangents, got {len(d)}")
-        leaves: list = []
-        for i, (kind, v) in enumerate(zip(self.kinds, d)):
-            if kind is _LEAF:
-                leaves.append(v)
-            elif kind is not _NONE:
-                cls, n = kind
-                if v is None:
-                    leaves.extend([None] * n)
-                elif isinstance(v, (list, tuple)) and len(v) == n:
-                    leaves.extend(v)
-                else:
-                    got = f"{type(v).__name__} of {len(v)}" if isinstance(v, (list, tuple)) else type(v).__name__
-                    raise bad(f"argument {i} is a {cls.__name__} of {n} tensors, its cotangent a {got}")
-        return leaves
-
-
-_LEAF, _NONE = "leaf", "none"
-_SCALARS = frozenset({int, float, bool, str})
-
-
-def _is_leaf(a: Any) -> bool:
-    """A pytree leaf (both pytrees): no registered node, list, dict, namedtuple or structseq."""
-    t = type(a)
-    if a is None or t in pytree.SUPPORTED_NODES or isinstance(a, (list, dict)):
-        return False
-    if isinstance(a, tuple):  # a plain tuple subclass is a leaf; a namedtuple or structseq is a node
-        return not hasattr(t, "_fields") and not hasattr(t, "n_fields")
-    return True
-
-
-def _flatten_args(args: tuple, tree: Any) -> tuple[list, Any]:
-    """fwd's differentiable arguments as leaves and a spec: the flat spec where it applies,
-    else ``tree``'s (the Python pytree while compiling: dynamo traces it)."""
-    if tree is fast_pytree:
-        flat = _FlatSpec.flatten(args)
-        if flat is not None:
-            return flat
-    return tree.tree_flatten(args)
-
-
-def _pair(result: Any, name: str) -> tuple[Any, Any]:
-    """``fwd``'s result, checked against the contract ``fwd(*args) -> (out, residuals)``."""
-    if not isinstance(result, tuple) or len(result) != 2:
-        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
-        if isinstance(result, torch.Tensor):
-            got = f"a bare Tensor of shape {tuple(result.shape)}"
-        raise TypeError(
-            f"custom_vjp({name}): fwd must return a pair (out, residuals), e.g. `return y, (x,)`; got {got}"
-        )
-    return result
-
-
-def _flatten_out(out: Any, tree: Any, name: str) -> tuple[tuple, Any]:
-    """fwd's output as tensor leaves and a spec; one tensor (every layer here) needs no pytree:
-    spec None stands for it."""
-    if _is_tensor(out):
-        return (out,), None
-    leaves, spec = tree.tree_flatten(out)
-    if not all(_is_tensor(t) for t in leaves):
-        i, bad = next((i, t) for i, t in enumerate(leaves) if not _is_tensor(t))
-        raise TypeError(
-            f"custom_vjp({name}): fwd's output must be tensors; got {spec}: output leaf {i} is "
-            f"{str(bad)[:40]} ({type(bad).__name__}) (return other values through the residuals)"
-        )
-    return tuple(leaves), spec
-
-
-def _unflatten_out(leaves: Any, spec: Any) -> Any:
-    return leaves[0] if spec is None else spec.unflatten(leaves)
-
-
-def _out_leaves(out: Any, spec: Any) -> list:
-    """``out`` (an output, its tangent or its vmap dims) flattened along the output's spec."""
-    return [out] if spec is None else spec.flatten_up_to(out)
-
-
-def _plan(res: Any, in_leaves: tuple, tree: Any, out_leaves: tuple = ()) -> tuple[list, list[torch.Tensor], Any]:
-    """How each residual leaf is kept: ("in", i) an input, ("y", j) fwd's output j (saved as
-    that output: returned again as a non-differentiable extra output, the same tensor object,
-    it would make the output itself non-differentiable), ("out", j) an intermediate (saved
-    and returned as extra output j, see NOTE: [What goes where]), ("ref", obj) by reference.
-    A residual record splits itself (no pytree walk), except in a traced graph."""
-    parts = None if torch.compiler.is_compiling() else split(res)
-    leaves, spec = parts if parts is not None else tree.tree_flatten(res)
-    plan, extra = [], []
-    for leaf in leaves:
-        if not _is_tensor(leaf):
-            plan.append(("ref", leaf))
-            continue
-        for i, t in enumerate(in_leaves):
-            if t is leaf:
-                plan.append(("in", i))
-                break
-        else:
-            for j, t in enumerate(out_leaves):
-                if t is leaf:
-                    plan.append(("y", j))
-                    break
-            else:
-                plan.append(("out", len(extra)))
-                # NOTE: [Closed-over tensors] A residual fwd did not make (it closed over a
-                # Parameter or a non-leaf: fwd runs under no_grad, so only such a tensor requires
-                # grad) is saved as a constant: a detached alias, because autograd detaches a
-                # non-differentiable output in place, which would freeze the caller's Parameter
-                # or cut its non-leaf from the graph.
-                extra.append(leaf.detach() if leaf.requires_grad else leaf)
-    return plan, extra, spec
-
-
-# NOTE: [Outputs are new tensors] autograd attaches the node to each output tensor object in
-# place. An output fwd made is handed out as ``detach()`` (the same storage, no copy, not a
-# view), so that (1) a tensor fwd closed over and returned (a Parameter, a buffer, a
-# non-leaf) is never turned into this node's output behind the caller's back (see NOTE:
-# [Closed-over tensors]), and (2) a view of a tensor fwd made (e.g. Linear's ``[T, N] ->
-# [B, S, N]`` reshape) does not reach the caller as "a view created in a custom Function",
-# which autograd forbids modifying in place (``y += r``, an in-place activation, FSDP2
-# hooks). A view of an input keeps torch's rule (its base is the caller's tensor), and so do
-# outputs that share storage with each other (``(y, y[0])``): detached, an in-place change
-# to one would reach the other's value but not its gradient. (``_base``, not ``_is_view()``:
-# dynamo traces the one, not the other.)
-def _fresh_outputs(out_leaves: tuple, in_leaves: tuple) -> tuple:
-    """fwd's outputs as the Function hands them out.
-
-    An input returned as an output becomes a view of it (``view_as``), as torch asks of a
-    setup_context Function that also saves that input.
-
-    An output fwd made is handed out as ``detach()`` (NOTE: [Outputs are new tensors])."""
-    if len(out_leaves) == 1 and out_leaves[0]._base is None:  # the common case: one tensor
-        o = out_leaves[0]
-        return (o.view_as(o) if any(map(operator.is_, itertools.repeat(o), in_leaves)) else o.detach(),)
-    roots: dict[int, torch.Tensor] = {}  # id(a storage-sharing group's root) -> its detached alias
-    return tuple(_fresh(o, in_leaves, out_leaves, roots) for o in out_leaves)
-
-
-def _fresh(o: torch.Tensor, in_leaves: tuple, out_leaves: tuple, roots: dict) -> torch.Tensor:
-    if any(o is t for t in in_leaves):
-        return o.view_as(o)
-    base = o._base
-    if base is not None and any(_is_tensor(t) and (base is t or base is t._base) for t in in_leaves):
-        return o
-    root = o if base is None else base
-    if not any(p is not o and (p is root or p._base is root) for p in out_leaves):
-        return o.detach()
-    # Outputs that share storage (``(y, y[0])``, or a closed-over W with a view of it) keep
-    # torch's view rule among themselves, around a detached alias of their root (the root
-    # itself may be the caller's tensor: NOTE: [Closed-over tensors]). (Compiled: as they
-    # are; dynamo cannot trace storage_offset() on CUDA, and a traced graph has functional
-    # outputs anyway.)
-    if torch.compiler.is_compiling():
-        return o
-    alias = roots.get(id(root))
-    if alias is None:
-        alias = roots[id(root)] = root.detach()
-    return alias if o is root else alias.as_strided(o.size(), o.stride(), o.storage_offset())
-
-
-def _cotangent_leaves(d: Any, spec: pytree.TreeSpec, name: str, per: str = "argument") -> list:
-    """Flatten ``d`` along ``spec``; ``None`` stands for "no cotangent" for a whole subtree."""
-    if d is None:
-        return [None] * spec.num_leaves
-    if spec.is_leaf():
-        return [d]
-    node = pytree.SUPPORTED_NODES.get(spec.type)
-    children = node.flatten_fn(d)[0] if node is not None and isinstance(d, spec.type) else None
-    specs = spec.children() if hasattr(spec, "children") else spec.children_specs  # torch >= 2.13
-    if children is None or len(children) != len(specs):
-        raise TypeError(
-            f"custom_vjp({name}): bwd must return one cotangent per {per} of fwd, shaped like "
-            f"the arguments (None for no gradient); expected {spec}, got {pytree.tree_structure(d)}"
-        )
-    return [leaf for c, s in zip(children, specs) for leaf in _cotangent_leaves(c, s, name, per)]
-
-
-def _per(rules: "_Rules") -> str:
-    """What bwd returns a cotangent for, in an error message."""
-    return "argument" if not rules.nondiff else f"differentiable argument (nondiff_argnums={rules.nondiff} excluded)"
-
-
-def _flatten_cotangents(d: Any, spec: Any, rules: "_Rules") -> list:
-    """bwd's cotangents as leaves along ``spec``. A pytree spec: fast path when ``d`` has the
-    arguments' full structure, else None allowed for a subtree."""
-    if isinstance(spec, _FlatSpec):
-        return spec.cotangent_leaves(d, rules)
-    try:
-        return spec.flatten_up_to(d)
-    except (ValueError, TypeError, RuntimeError):
-        if _tree(spec) is not pytree:  # redo the structure with the Python pytree
-            spec = pytree.tree_structure(fast_pytree.tree_unflatten([0] * spec.num_leaves, spec))
-        return _cotangent_leaves(d, spec, rules.name, _per(rules))
 
 
 # --- one pair's rules, one call's structure -----------------------------------------------------
@@ -402,7 +143,7 @@ class _Rules:
         self, fwd: Fwd, bwd: Bwd, primal: Any, jvp: Any, vmap: Any, name: str, nondiff: tuple[int, ...] = ()
     ) -> None:
         self.fwd, self.bwd, self.jvp, self.vmap, self.name, self.nondiff = fwd, bwd, jvp, vmap, name, nondiff
-        self.primal = primal or (lambda *args: _pair(fwd(*args), name)[0])
+        self.primal = primal or (lambda *args: pair(fwd(*args), name)[0])
         # autograd names a Function's backward node after the class when the class is created:
         # subclass under the pair's name so grad_fn reads e.g. `CustomVJP_linearBackward`.
         tag = "".join(c if c.isalnum() else "_" for c in name)
@@ -492,7 +233,7 @@ def _holds_tensor(v: Any) -> bool:
     layers' options, are not looked into: they hold none)."""
     if isinstance(v, torch.Tensor):
         return True
-    if v is None or type(v) in _SCALARS or getattr(type(v), "_fdw_static", False):
+    if v is None or type(v) in SCALARS or getattr(type(v), "_fdw_static", False):
         return False
     return any(isinstance(t, torch.Tensor) for t in fast_pytree.tree_leaves(v))
 
@@ -513,12 +254,12 @@ def _run(rules: _Rules, args: tuple, tree: Any, function: type, gate: bool) -> A
     """Flatten ``args``, apply ``function`` to the leaves, and give ``fwd``'s output back.
     ``gate``: with no gradient to take, run ``primal`` instead (no residuals, no node)."""
     diff, static = _split(rules, args)
-    in_leaves, in_spec = _flatten_args(diff, tree)
+    in_leaves, in_spec = flatten_args(diff, tree)
     if gate and not _needs_grad(in_leaves):
         return rules.primal(*args)
     call = _Call(rules, in_spec, static)
     flat = function.apply(call, *in_leaves)
-    return _unflatten_out(flat[: call.n_out], call.out_spec)
+    return unflatten_out(flat[: call.n_out], call.out_spec)
 
 
 # --- the Function --------------------------------------------------------------------------------
@@ -532,12 +273,12 @@ class _Bridge(torch.autograd.Function):
     @staticmethod
     def forward(call: _Call, *in_leaves: Any) -> tuple:  # type: ignore[override]
         rules = call.rules
-        tree = _tree(call.in_spec)
-        out, res = _pair(rules.fwd(*call.args(in_leaves)), rules.name)
-        out_leaves, call.out_spec = _flatten_out(out, tree, rules.name)
-        call.plan, extra, call.res_spec = _plan(res, in_leaves, tree, out_leaves)
+        tree = tree_of(call.in_spec)
+        out, res = pair(rules.fwd(*call.args(in_leaves)), rules.name)
+        out_leaves, call.out_spec = flatten_out(out, tree, rules.name)
+        call.plan, extra, call.res_spec = residual_plan(res, in_leaves, tree, out_leaves)
         call.n_out = len(out_leaves)
-        return (*_fresh_outputs(out_leaves, in_leaves), *extra)
+        return (*fresh_outputs(out_leaves, in_leaves), *extra)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -573,8 +314,8 @@ class _Bridge(torch.autograd.Function):
         needs = ctx.needs_input_grad
         if call.elements is not None:  # NOTE: [vmap]
             return (None, *_per_element(ctx, "bwd", grads))
-        d_out = _unflatten_out(grads, call.out_spec)
-        d_args = _flatten_cotangents(call.rules.bwd(_residuals(ctx), d_out), call.in_spec, call.rules)
+        d_out = unflatten_out(grads, call.out_spec)
+        d_args = flatten_cotangents(call.rules.bwd(_residuals(ctx), d_out), call.in_spec, call.rules)
         return (None, *[g if needs[1 + i] else None for i, g in enumerate(d_args)])
 
     @staticmethod
@@ -587,7 +328,7 @@ class _Bridge(torch.autograd.Function):
         if call.elements is not None:  # NOTE: [vmap]
             t_out = _per_element(ctx, "jvp", tangents)
         else:
-            t_out = _out_leaves(call.rules.jvp(_residuals(ctx), call.in_spec.unflatten(tangents)), call.out_spec)
+            t_out = output_leaves(call.rules.jvp(_residuals(ctx), call.in_spec.unflatten(tangents)), call.out_spec)
         n_extra = sum(kind == "out" for kind, _ in call.plan)
         return (*t_out, *[None] * n_extra)
 
@@ -811,7 +552,7 @@ _JVP_OF_JVP = (
 def _apply_inner(rules: _Rules, args: Any) -> tuple[tuple, _Call]:
     """One call of the Function from inside a vmap rule: (all outputs, its structure)."""
     diff, static = _split(rules, args)
-    in_leaves, in_spec = _flatten_args(diff, fast_pytree)
+    in_leaves, in_spec = flatten_args(diff, fast_pytree)
     inner = _Call(rules, in_spec, static)
     return rules.Function.apply(inner, *in_leaves), inner
 
@@ -843,9 +584,9 @@ def _vmap_rule(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> t
     new_args, unfold = folded
     flat, inner = _apply_inner(rules, new_args)
     call.adopt(inner, functools.partial(_element_plan, call, in_leaves, dims))
-    out, out_dims = unfold(_unflatten_out(flat[: inner.n_out], inner.out_spec))
+    out, out_dims = unfold(unflatten_out(flat[: inner.n_out], inner.out_spec))
     n_extra = len(flat) - inner.n_out
-    out_leaves, dims_out = _out_leaves(out, inner.out_spec), _out_leaves(out_dims, inner.out_spec)
+    out_leaves, dims_out = output_leaves(out, inner.out_spec), output_leaves(out_dims, inner.out_spec)
     return (*out_leaves, *flat[inner.n_out :]), (*dims_out, *[None] * n_extra)
 
 
@@ -900,8 +641,8 @@ class _Job:
         res = _rebind(res, {element.in_ids[k]: _live(t) for k, t in refs.items()})
         rules = element.rules
         if self.rule == "jvp":
-            return tuple(_out_leaves(rules.jvp(res, element.in_spec.unflatten(grads)), element.out_spec))
-        d_args = _flatten_cotangents(rules.bwd(res, _unflatten_out(grads, element.out_spec)), element.in_spec, rules)
+            return tuple(output_leaves(rules.jvp(res, element.in_spec.unflatten(grads)), element.out_spec))
+        d_args = flatten_cotangents(rules.bwd(res, unflatten_out(grads, element.out_spec)), element.in_spec, rules)
         return tuple(g if self.mask is None or self.mask[i] else None for i, g in enumerate(d_args))
 
 
@@ -954,8 +695,8 @@ def _element_plan(call: _Call, in_leaves: tuple, dims: tuple) -> tuple[list, Any
     rules = call.rules
     sliced = tuple(t if d is None else t.select(d, 0) for t, d in zip(in_leaves, dims))
     with torch.no_grad():
-        _, res = _pair(rules.fwd(*call.args(sliced)), rules.name)
-    plan, extra, res_spec = _plan(res, sliced, _tree(call.in_spec))
+        _, res = pair(rules.fwd(*call.args(sliced)), rules.name)
+    plan, extra, res_spec = residual_plan(res, sliced, tree_of(call.in_spec))
     if extra:
         raise NotImplementedError(f"custom_vjp({rules.name}): a vmap fold rule needs residuals that are inputs")
     return plan, res_spec
