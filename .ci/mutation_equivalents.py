@@ -55,7 +55,7 @@ RULES = [  # exact names of the survivors of the mutated commit, by reason
         "accum",
     ),
     (
-        "^(functional_dw\\.custom_vjp\\.x__cotangent_leaves__mutmut_13|functional_dw\\.custom_vjp\\.x__cotangent_leaves__mutmut_14|functional_dw\\.custom_vjp\\.x__cotangent_leaves__mutmut_15|functional_dw\\.custom_vjp\\.x__cotangent_leaves__mutmut_19|functional_dw\\.custom_vjp\\.x__cotangent_leaves__mutmut_20)$",
+        "^(functional_dw\\._bridge_tree\\.x__cotangent_leaves__mutmut_13|functional_dw\\._bridge_tree\\.x__cotangent_leaves__mutmut_14|functional_dw\\._bridge_tree\\.x__cotangent_leaves__mutmut_15|functional_dw\\._bridge_tree\\.x__cotangent_leaves__mutmut_19|functional_dw\\._bridge_tree\\.x__cotangent_leaves__mutmut_20)$",
         "api",
     ),
     ("^(functional_dw\\.residuals\\.x_any_needed__mutmut_1)$", "boolleaf"),

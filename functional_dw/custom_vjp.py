@@ -28,12 +28,14 @@ Example::
 The pieces below, one at a time: :class:`_Call` (one call's structure), :class:`_Bridge` (the
 Function: ``forward``, ``setup_context``, ``backward``, ``jvp``, ``vmap``, ``apply``), the
 transform rules (:func:`_vmap_rule`), and :func:`custom_vjp`, which picks the entry per mode.
+Two modules hold the rest: ``_bridge_tree.py`` (arguments, outputs, residuals and cotangents as
+flat leaves) and ``_bridge_residuals.py`` (backward's view of the residuals: rebuilt, rebound
+per torch.func level and per vmap element).
 """
 
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -41,15 +43,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch._C._functorch import (
     TransformType,
-    get_unwrapped,
-    is_batchedtensor,
-    is_functorch_wrapped_tensor,
     unwrap_if_dead,
 )
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from ._checks import PLAIN_TYPES, bottom
-from .distributed_weight import is_distributed_weight
 from ._bridge_tree import (
     SCALARS,
     fast_pytree,
@@ -64,7 +62,7 @@ from ._bridge_tree import (
     tree_of,
     unflatten_out,
 )
-from .residuals import RecordSpec, with_needs
+from ._bridge_residuals import ctx_residuals, element_refs, per_element, rebind_table
 
 __all__ = ["custom_vjp"]
 
@@ -299,9 +297,9 @@ class _Bridge(torch.autograd.Function):
             _grads_as_given(ctx, call, saved, output)
         if torch._C._are_functorch_transforms_active():  # NOTE: [Context per level]
             if call.elements is None:
-                ctx.rebind = _rebind_table(call, inputs[1:])
+                ctx.rebind = rebind_table(call, inputs[1:])
             else:
-                ctx.element_refs = _element_refs(call, inputs[1:])
+                ctx.element_refs = element_refs(call, inputs[1:])
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple:
@@ -313,9 +311,9 @@ class _Bridge(torch.autograd.Function):
             ]
         needs = ctx.needs_input_grad
         if call.elements is not None:  # NOTE: [vmap]
-            return (None, *_per_element(ctx, "bwd", grads))
+            return (None, *per_element(ctx, "bwd", grads))
         d_out = unflatten_out(grads, call.out_spec)
-        d_args = flatten_cotangents(call.rules.bwd(_residuals(ctx), d_out), call.in_spec, call.rules)
+        d_args = flatten_cotangents(call.rules.bwd(ctx_residuals(ctx), d_out), call.in_spec, call.rules)
         return (None, *[g if needs[1 + i] else None for i, g in enumerate(d_args)])
 
     @staticmethod
@@ -326,9 +324,9 @@ class _Bridge(torch.autograd.Function):
         if sum(i.key() == _JVP for i in retrieve_all_functorch_interpreters()) > 1:
             raise NotImplementedError(_JVP_OF_JVP.format(name=call.rules.name))
         if call.elements is not None:  # NOTE: [vmap]
-            t_out = _per_element(ctx, "jvp", tangents)
+            t_out = per_element(ctx, "jvp", tangents)
         else:
-            t_out = output_leaves(call.rules.jvp(_residuals(ctx), call.in_spec.unflatten(tangents)), call.out_spec)
+            t_out = output_leaves(call.rules.jvp(ctx_residuals(ctx), call.in_spec.unflatten(tangents)), call.out_spec)
         n_extra = sum(kind == "out" for kind, _ in call.plan)
         return (*t_out, *[None] * n_extra)
 
@@ -372,173 +370,7 @@ def _grads_as_given(ctx: Any, call: _Call, saved: list, output: tuple) -> None:
     call.out_meta = [(o.shape, o.dtype, o.device) for o in output[: call.n_out]]
 
 
-def _residuals(ctx: Any) -> Any:
-    """The residuals again: saved tensors (read once: unpack hooks run on every read) and refs
-    (as this functorch level sees them: NOTE: [Context per level])."""
-    call = ctx.call
-    res = _rebuild(call, ctx.saved_tensors, _mask(ctx))
-    table = getattr(ctx, "rebind", None)
-    return res if not table else _rebind(res, {i: _live(t) for i, t in table.items()})
-
-
-def _live(t: torch.Tensor) -> torch.Tensor:
-    """``t`` without the wrappers of levels that have exited (``vjp``'s pullback runs after its
-    level is gone): what the levels still running track."""
-    while (u := unwrap_if_dead(t)) is not t:
-        t = u
-    return t
-
-
-def _rebuild(call: _Call, saved: Any, mask: Any) -> Any:
-    """``call``'s residuals from its saved tensors, in plan order, and its by-reference leaves;
-    ``mask``: autograd's ``needs_input_grad`` less the _Call's slot, or None."""
-    saved = iter(saved)
-    leaves = [value if kind == "ref" else next(saved) for kind, value in call.plan]
-    spec = call.res_spec
-    if isinstance(spec, RecordSpec):
-        return spec.unflatten(leaves, _needs(call, mask, spec.cls))
-    res = spec.unflatten(leaves)  # any pytree, or a record that took the pytree path
-    needs = None if torch.compiler.is_compiling() else _needs(call, mask, type(res))
-    return res if needs is None else with_needs(res, needs)
-
-
-# NOTE: [Which gradients] A record with a `needed()` field learns here which inputs
-# autograd wants gradients for (shaped like fwd's arguments), so bwd can skip a GEMM.
-def _mask(ctx: Any) -> Any:
-    """autograd's ``needs_input_grad`` for fwd's arguments (None in forward mode)."""
-    mask = getattr(ctx, "needs_input_grad", None)
-    return None if mask is None else mask[1:]
-
-
-def _needs(call: _Call, mask: Any, cls: type) -> Any:
-    """Which of fwd's arguments autograd wants gradients for, shaped like them, for a record
-    with a `needed()` field (NOTE: [Which gradients]); else None."""
-    if mask is None or not getattr(cls, "__needs_field__", None):
-        return None
-    return call.in_spec.unflatten(mask)
-
-
-# NOTE: [Context per level]
-#   Under torch.func, ``fwd`` runs once, below every functorch level, on the fully unwrapped
-#   inputs, so a record's by-reference context (a layer's weights and biases: NOTE: [Why
-#   weights are context, not leaves]) holds those bottom tensors. Each grad or jvp level above
-#   runs ``setup_context`` with its own wrappers of the inputs, then ``bwd`` or ``jvp`` on that
-#   ctx; they must compute with *that level's* W, which the levels below it track (a gradient
-#   penalty's d/dW, a Hessian's x-W block, jvp of grad), not the bottom W none of them sees.
-#   So ``setup_context``, under a transform, maps each tensor the context holds to the level's
-#   input that wraps it (``ctx.rebind``: id -> the level's tensor; weights, which outlive the
-#   graph; never an activation, which goes through ``save_for_backward``), and
-#   :func:`_residuals` rebinds the record to them. (A vmap fold rule's element plan runs ``fwd``
-#   on that level's inputs: its context may hold a lower level's wrapper, which is matched the
-#   same way, anywhere in the input's chain of wrappers.) Saved tensors need nothing: autograd
-#   hands each level its own. A call vmap ran per element keeps each element's own context
-#   (NOTE: [vmap]). Eager autograd and eager forward mode run ``fwd`` on the caller's tensors:
-#   nothing to rebind. Refused, never computed wrong: one tensor reaching the call through two
-#   different wrappers (the table cannot tell which context entry is which), a DistributedWeight
-#   under nested levels (it keeps its identity: its protocol needs the object), and jvp of jvp
-#   (torch runs a Function's jvp rule with forward AD off, so an outer jvp level cannot see it).
-def _held(obj: Any, out: dict[int, torch.Tensor]) -> None:
-    """Add the tensors ``obj`` holds by reference to ``out`` (by id): a tensor, lists, tuples
-    (namedtuples too) and dicts of them, and the fields of residual records, nested."""
-    if isinstance(obj, torch.Tensor):
-        out[id(obj)] = obj
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _held(v, out)
-    elif isinstance(obj, dict):
-        _held(list(obj.values()), out)
-    elif type(obj).__dict__.get("__saved_fields__") is not None:
-        _held(list(obj.__dict__.values()), out)
-
-
-def _rebind(obj: Any, table: dict[int, torch.Tensor]) -> Any:
-    """``obj`` with each tensor it holds (as :func:`_held` walks it) whose id is in ``table``
-    replaced by ``table``'s tensor; the same object where nothing changes."""
-    if isinstance(obj, torch.Tensor):
-        return table.get(id(obj), obj)
-    if isinstance(obj, (list, tuple)):
-        new = [_rebind(v, table) for v in obj]
-        if all(map(operator.is_, new, obj)):
-            return obj
-        return type(obj)._make(new) if hasattr(type(obj), "_make") else type(obj)(new)
-    if isinstance(obj, dict):
-        new = {k: _rebind(v, table) for k, v in obj.items()}
-        return obj if all(new[k] is v for k, v in obj.items()) else type(obj)(new)
-    if type(obj).__dict__.get("__saved_fields__") is not None:
-        fields = {k: _rebind(v, table) for k, v in obj.__dict__.items()}
-        if all(fields[k] is v for k, v in obj.__dict__.items()):
-            return obj
-        record = object.__new__(type(obj))
-        record.__dict__.update(fields)
-        return record
-    return obj
-
-
-def _context(call: _Call) -> dict[int, torch.Tensor]:
-    """The tensors ``call``'s residuals hold by reference (by id)."""
-    leaves = [value if kind == "ref" else None for kind, value in call.resolve()]
-    spec, out = call.res_spec, {}
-    _held(list(spec.shell.values()) if isinstance(spec, RecordSpec) else spec.unflatten(leaves), out)
-    _held([v for v in leaves if v is not None], out)
-    return out
-
-
-def _rebind_table(call: _Call, inputs: tuple) -> dict[int, torch.Tensor]:
-    """id of each tensor ``call``'s context holds -> this level's input that wraps it (NOTE:
-    [Context per level])."""
-    held, table = _context(call), {}
-    for t in inputs:
-        if not isinstance(t, torch.Tensor):
-            continue
-        u = t
-        while is_functorch_wrapped_tensor(u) and id(u := get_unwrapped(u)) not in held:
-            pass
-        if u is t or id(u) not in held:
-            continue  # not wrapped at all, or nothing of it held
-        if is_distributed_weight(u):  # keeps its identity; refused where an outer level tracks it
-            if sum(is_functorch_wrapped_tensor(v) and not is_batchedtensor(v) for v in _chain(t)) > 1:
-                raise NotImplementedError(_DW_NESTED.format(name=call.rules.name))
-            continue
-        if table.setdefault(id(u), t) is not t:
-            raise NotImplementedError(_TWO_WRAPPERS.format(name=call.rules.name))
-    return table
-
-
-def _chain(t: torch.Tensor) -> list[torch.Tensor]:
-    """``t`` and each tensor under its functorch wrappers, outermost first."""
-    out = [t]
-    while is_functorch_wrapped_tensor(t):
-        t = get_unwrapped(t)
-        out.append(t)
-    return out
-
-
-def _element_refs(call: _Call, inputs: tuple) -> dict[int, torch.Tensor]:
-    """For a call run per element (NOTE: [vmap]): the inputs (by position) any element's context
-    holds, and the integer tensors (splits: the context derived from them differs per element,
-    and :class:`_PerElement` must see them batched)."""
-    found = {k: t for k, t in enumerate(inputs) if isinstance(t, torch.Tensor) and not t.is_floating_point()}
-    for element in call.elements:
-        if element.elements is not None:
-            found.update(_element_refs(element, inputs))
-        else:
-            held = _context(element)
-            found.update((k, inputs[k]) for k, i in enumerate(element.in_ids) if i in held)
-    return found
-
-
 _JVP = TransformType.Jvp
-_DW_NESTED = (
-    "custom_vjp({name}): a DistributedWeight under nested torch.func levels (a derivative of a derivative "
-    "through it: a gradient penalty, a Hessian, jvp of grad) is not supported: the layer computes with what "
-    "the DistributedWeight materializes, which the outer levels cannot track. Use a plain tensor for such "
-    "a transform, or autograd with create_graph=True"
-)
-_TWO_WRAPPERS = (
-    "custom_vjp({name}): one tensor reaches this call through two different torch.func wrappers (e.g. a "
-    "weight passed both as the function's argument and closed over from outside it); which use is which "
-    "cannot be told apart in a higher-order transform. Pass it one way (or a .clone() for the other)"
-)
 _JVP_OF_JVP = (
     "custom_vjp({name}): jvp of jvp (jacfwd(jacfwd), nested torch.func.jvp) is not supported: torch runs a "
     "custom Function's jvp rule with forward AD off, so the outer level would silently miss the mixed "
@@ -569,7 +401,7 @@ def _apply_inner(rules: _Rules, args: Any) -> tuple[tuple, _Call]:
 #
 # A call run per element (batched weights: an ensemble; batched splits) keeps each element's
 # call (``call.elements``): their contexts differ (each holds its own weights and routing). A
-# grad or jvp level above the vmap then runs its ``bwd``/``jvp`` through :class:`_PerElement`,
+# grad or jvp level above the vmap then runs its ``bwd``/``jvp`` through ``_bridge_residuals._PerElement``,
 # a Function whose own vmap rule, at the looping level, slices the saved tensors, the grads
 # and the level's weights (NOTE: [Context per level]) and runs each element's rule on that
 # element's residuals; at any other vmap level (jacrev's basis) it applies itself once per
@@ -610,84 +442,6 @@ def _vmap_loop(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> t
     call.elements, call.level = elements, torch._C._functorch.maybe_current_level()
     flat = tuple(torch.stack(column) for column in zip(*results))
     return flat, (0,) * len(flat)
-
-
-def _per_element(ctx: Any, rule: str, grads: tuple) -> tuple:
-    """``bwd`` (``rule="bwd"``: grads, the cotangent leaves) or ``jvp`` (tangents, the output
-    tangent leaves) of a call vmap ran per element (NOTE: [vmap])."""
-    refs = getattr(ctx, "element_refs", None) or {}
-    saved = ctx.saved_tensors  # (read once: unpack hooks run on every read)
-    job = _Job(ctx.call, rule, _mask(ctx), len(saved), len(grads), tuple(refs))
-    return _PerElement.apply(job, *saved, *grads, *refs.values())
-
-
-class _Job:
-    """One per-element rule: the call and how :class:`_PerElement`'s inputs split."""
-
-    __slots__ = ("call", "rule", "mask", "n_saved", "n_grads", "ref_positions")
-
-    def __init__(self, call: _Call, rule: str, mask: Any, n_saved: int, n_grads: int, ref_positions: tuple) -> None:
-        self.call, self.rule, self.mask, self.n_saved, self.n_grads = call, rule, mask, n_saved, n_grads
-        self.ref_positions = ref_positions
-
-    def run(self, element: _Call, leaves: Any) -> tuple:
-        """The rule on one element: its saved tensors, grads (or tangents) and refs."""
-        saved, grads = leaves[: self.n_saved], leaves[self.n_saved : self.n_saved + self.n_grads]
-        refs = dict(zip(self.ref_positions, leaves[self.n_saved + self.n_grads :]))
-        if element.elements is not None:  # vmap of vmap: this element was itself run per element
-            job = _Job(element, self.rule, self.mask, self.n_saved, self.n_grads, self.ref_positions)
-            return _PerElement.apply(job, *saved, *grads, *refs.values())
-        res = _rebuild(element, saved, self.mask)
-        res = _rebind(res, {element.in_ids[k]: _live(t) for k, t in refs.items()})
-        rules = element.rules
-        if self.rule == "jvp":
-            return tuple(output_leaves(rules.jvp(res, element.in_spec.unflatten(grads)), element.out_spec))
-        d_args = flatten_cotangents(rules.bwd(res, unflatten_out(grads, element.out_spec)), element.in_spec, rules)
-        return tuple(g if self.mask is None or self.mask[i] else None for i, g in enumerate(d_args))
-
-
-_AGAIN = (
-    "custom_vjp: differentiating the backward (or jvp) of a layer that vmap ran once per batch element "
-    "(batched weights or splits, e.g. an ensemble) again inside that vmap is not supported (e.g. "
-    "vmap(grad(gradient penalty)) over an ensemble); batch x only, or take the outer derivative outside "
-    "the vmap (grad(vmap(...)) works)"
-)
-
-
-class _PerElement(torch.autograd.Function):
-    """A looped call's backward or jvp as a Function whose vmap rule slices the level's batched
-    tensors and runs each element's rule on that element's own residuals (NOTE: [vmap])."""
-
-    @staticmethod
-    def forward(job: _Job, *leaves: Any) -> tuple:  # type: ignore[override]
-        # Nothing batched at the looping level: none of what the rule reads differs between the
-        # elements (saved tensors, weights, splits all come in as leaves), so any one will do.
-        return job.run(job.call.elements[0], leaves)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple:
-        raise NotImplementedError(_AGAIN)
-
-    @staticmethod
-    def jvp(ctx: Any, *tangents: Any) -> tuple:
-        raise NotImplementedError(_AGAIN)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple, job: _Job, *leaves: Any) -> tuple:
-        # This level is the vmap that ran the call per element, or another one (jacrev's and
-        # jacfwd's basis, an outer vmap): then one application per its element, each of which
-        # reaches the looping level below.
-        mine = torch._C._functorch.maybe_current_level() == job.call.level
-        columns = []
-        for i in range(info.batch_size):
-            sliced = [t if d is None or t is None else t.select(d, i) for t, d in zip(leaves, in_dims[1:])]
-            columns.append(job.run(job.call.elements[i], sliced) if mine else _PerElement.apply(job, *sliced))
-        out = tuple(None if c[0] is None else torch.stack(c) for c in zip(*columns))
-        return out, tuple(None if o is None else 0 for o in out)
 
 
 def _element_plan(call: _Call, in_leaves: tuple, dims: tuple) -> tuple[list, Any]:
