@@ -37,6 +37,7 @@ from helpers import randn, ref_grouped
 
 import functional_dw as fd
 from functional_dw import fp8
+from functional_dw._bridge_residuals import ctx_residuals
 from functional_dw.kernels import packed
 
 gl = importlib.import_module("functional_dw.grouped_linear")  # (fd.grouped_linear is the function)
@@ -297,7 +298,7 @@ def _run_mode(mode: str, f, x, ws, dy):
     if mode == "eager":
         x.requires_grad_()
         y = f(x, ws)
-        res = cv._residuals(y.grad_fn)  # grad_fn is the Function's ctx
+        res = ctx_residuals(y.grad_fn)  # grad_fn is the Function's ctx
         y.backward(dy)
         return res
     if mode == "pure":
@@ -331,7 +332,7 @@ def _run_mode(mode: str, f, x, ws, dy):
     if mode == "create_graph":
         x.requires_grad_()
         y = f(x, ws)
-        res = cv._residuals(y.grad_fn)
+        res = ctx_residuals(y.grad_fn)
         leaves = [x, ws] if isinstance(ws, torch.Tensor) else [x, *ws]
         grads = torch.autograd.grad((y * dy).sum(), leaves, create_graph=True)
         sum(g.square().sum() for g in grads).backward()  # the second order: autograd's own products
@@ -403,7 +404,7 @@ def test_grouped_path_unsupported_plans_split_and_the_kernels_obey():
     with recording() as rec:
         with pytest.warns(UserWarning, match="use_grouped_tensor=True but"):
             y = fd.grouped_linear(x, ws, SPLITS, use_grouped_tensor=True)
-        res = cv._residuals(y.grad_fn)
+        res = ctx_residuals(y.grad_fn)
         y.sum().backward()
     rec.check_obeyed()
     assert res.path == res.plan.path == "split" and "float64" in res.plan.why
@@ -519,7 +520,7 @@ def _check(x, ws, splits=FULL, bias=None, **kw):
         parts = parts[:-E] + [bias]
     leaves = [t for t in parts if t.requires_grad]
     assert leaves
-    res = cv._residuals(y.grad_fn)
+    res = ctx_residuals(y.grad_fn)
     for t, g in zip(leaves, torch.autograd.grad(y, leaves, dy)):
         torch.testing.assert_close(g.double(), want[id(t)], **tol)
     return res
@@ -654,7 +655,7 @@ def test_weight_data_rebound_between_forward_and_backward(how):
     ws = m.weights()
     x = _x(torch.float32).requires_grad_()
     y = fd.grouped_linear(x, ws, FULL)
-    assert cv._residuals(y.grad_fn).plan.packed
+    assert ctx_residuals(y.grad_fn).plan.packed
     if how == "moved":  # the same values, inside another [E, N, K] buffer
         other = torch.randn(E, N, K)
         other[0] = ws[0].detach()
