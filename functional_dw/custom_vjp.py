@@ -458,6 +458,31 @@ def _element_plan(call: _Call, in_leaves: tuple, dims: tuple) -> tuple[list, Any
 
 # --- the bridge ----------------------------------------------------------------------------------
 
+# How ``custom_vjp``'s ``apply`` runs a call:
+#
+# NOTE: [autograd] Eager: ``primal`` when no gradient can be taken, else the Function
+# through its fast apply (NOTE: [Fast apply]).
+#
+# NOTE: [torch.func grad and vjp] Under a transform (or forward mode) always the
+# Function, which torch's apply hands to ``custom_function_call``: each grad level runs
+# ``forward`` and ``setup_context`` on its unwrapped inputs and later ``backward`` on its
+# cotangents; that level's ``needs_input_grad`` fills NOTE: [Which gradients]. Forward
+# mode: NOTE: [jvp]; vmap: NOTE: [vmap].
+#
+# NOTE: [torch.compile] Dynamo traces ``forward`` and ``setup_context`` as one function
+# (with the writes to the _Call, made inside the traced region) and then ``backward``,
+# on the Python pytree. It refuses a Function that defines ``jvp``, hence
+# ``rules.Traced``; it has no ``set_materialize_grads`` nor ``save_for_forward``, which
+# only forward mode uses (there is no forward mode in a compiled graph).
+
+
+def _nondiff(nondiff_argnums: int | tuple[int, ...], name: str) -> tuple[int, ...]:
+    """``nondiff_argnums`` as a sorted tuple of distinct non-negative ints (an int alone allowed)."""
+    nondiff = tuple(sorted(set((nondiff_argnums,) if isinstance(nondiff_argnums, int) else nondiff_argnums)))
+    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in nondiff):
+        raise TypeError(f"custom_vjp({name}): nondiff_argnums must be non-negative ints, got {nondiff_argnums!r}")
+    return nondiff
+
 
 def custom_vjp(
     fwd: Fwd,
@@ -494,27 +519,11 @@ def custom_vjp(
       batch back. Returning None (or giving no rule) runs ``f`` once per batch element.
     """
     name = name or getattr(fwd, "__name__", "fwd")
-    nondiff = tuple(sorted(set((nondiff_argnums,) if isinstance(nondiff_argnums, int) else nondiff_argnums)))
-    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in nondiff):
-        raise TypeError(f"custom_vjp({name}): nondiff_argnums must be non-negative ints, got {nondiff_argnums!r}")
-    rules = _Rules(fwd, bwd, primal, jvp, vmap, name, nondiff)
+    rules = _Rules(fwd, bwd, primal, jvp, vmap, name, _nondiff(nondiff_argnums, name))
 
     @functools.wraps(fwd)
     def apply(*args: Any) -> Any:
-        # NOTE: [autograd] Eager: ``primal`` when no gradient can be taken, else the Function
-        # through its fast apply (NOTE: [Fast apply]).
-        #
-        # NOTE: [torch.func grad and vjp] Under a transform (or forward mode) always the
-        # Function, which torch's apply hands to ``custom_function_call``: each grad level runs
-        # ``forward`` and ``setup_context`` on its unwrapped inputs and later ``backward`` on its
-        # cotangents; that level's ``needs_input_grad`` fills NOTE: [Which gradients]. Forward
-        # mode: NOTE: [jvp]; vmap: NOTE: [vmap].
-        #
-        # NOTE: [torch.compile] Dynamo traces ``forward`` and ``setup_context`` as one function
-        # (with the writes to the _Call, made inside the traced region) and then ``backward``,
-        # on the Python pytree. It refuses a Function that defines ``jvp``, hence
-        # ``rules.Traced``; it has no ``set_materialize_grads`` nor ``save_for_forward``, which
-        # only forward mode uses (there is no forward mode in a compiled graph).
+        # NOTE: [autograd], NOTE: [torch.func grad and vjp], NOTE: [torch.compile] (above).
         if torch.compiler.is_compiling():
             return _run(rules, args, pytree, rules.Traced, gate=True)
         return _run(rules, args, fast_pytree, rules.Function, gate=not _transformed())

@@ -123,6 +123,27 @@ def _tokens(args: argparse.Namespace, rank: int, dtype: torch.dtype, device: tor
     return splits, rnd(args.tokens, args.hidden), rnd(args.tokens, args.hidden)
 
 
+def _reference_grads(
+    args: argparse.Namespace, fulls: list, rank: int, world: int, dtype: torch.dtype, device: torch.device
+) -> tuple:
+    """Plain PyTorch on the full weights over every rank's tokens: this rank's dx and the weight
+    grads summed over ranks."""
+    E = args.experts
+    ref = [f.detach().clone().requires_grad_() for f in fulls]
+    sums = [torch.zeros_like(f) for f in fulls]
+    for r in range(world):
+        sp, xr, dyr = _tokens(args, r, dtype, device)
+        xr.requires_grad_()
+        sizes = sp.tolist()
+        h = torch.cat([F.linear(xe, ref[e]) for e, xe in enumerate(xr.split(sizes))])
+        yr = torch.cat([F.linear(he, ref[E + e]) for e, he in enumerate(F.gelu(h).split(sizes))])
+        grads = torch.autograd.grad(yr, [xr, *ref], dyr)
+        sums = [s + gr for s, gr in zip(sums, grads[1:])]
+        if r == rank:
+            dx = grads[0]
+    return dx, sums
+
+
 def run_rank(args: argparse.Namespace) -> dict:
     """One rank of ``--ranks N``: the MLP with ShardedWeight groups on this rank's tokens. The
     reference is plain PyTorch on the full weights, with every rank's tokens (each rank builds
@@ -151,18 +172,7 @@ def run_rank(args: argparse.Namespace) -> dict:
     once = [t.grad.clone() for t in (x, *w1, *w2)]
     y.backward(dy)
     elapsed = time.perf_counter() - t0
-    ref = [f.detach().clone().requires_grad_() for f in fulls]
-    sums = [torch.zeros_like(f) for f in fulls]
-    for r in range(world):
-        sp, xr, dyr = _tokens(args, r, dtype, device)
-        xr.requires_grad_()
-        sizes = sp.tolist()
-        h = torch.cat([F.linear(xe, ref[e]) for e, xe in enumerate(xr.split(sizes))])
-        yr = torch.cat([F.linear(he, ref[E + e]) for e, he in enumerate(F.gelu(h).split(sizes))])
-        grads = torch.autograd.grad(yr, [xr, *ref], dyr)
-        sums = [s + gr for s, gr in zip(sums, grads[1:])]
-        if r == rank:
-            dx = grads[0]
+    dx, sums = _reference_grads(args, fulls, rank, world, dtype, device)
     lo = [min(rank * -(-f.shape[0] // world), f.shape[0]) for f in fulls]
     want = [dx] + [s[a : a + w.shape[0]] for s, a, w in zip(sums, lo, (*w1, *w2))]
     err = max((a.double() - b.double()).abs().max().item() for a, b in zip(once, want) if a.numel())

@@ -115,6 +115,31 @@ def _incompatible_keys(
     return out
 
 
+def _misfits(model: torch.nn.Module, sd: dict[str, Any]) -> list[str]:
+    """The state dict's entries that do not fit ``model``: a parameter or buffer not of its full
+    (unsharded) shape or a meta tensor, an ``_extra_state`` the module cannot decode."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    bad = []
+    for key, v in sd.items():
+        if key in tensors:
+            t = tensors[key]
+            full = [t._dw.N, t._dw.K] if isinstance(t, ShardedWeight) else list(t.shape)
+            if not isinstance(v, torch.Tensor) or list(v.shape) != full:
+                got = list(v.shape) if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+                bad.append(f"{key}: expected full shape {full}, given {got}")
+            elif v.is_meta:
+                bad.append(f"{key}: a meta tensor, which holds no values")
+        elif key == "_extra_state" or key.endswith("._extra_state"):  # decoded as the module will load it
+            module = model.get_submodule(key.rpartition(".")[0])
+            if hasattr(module, "read_extra_state"):
+                try:
+                    module.read_extra_state(v)
+                except (TypeError, ValueError) as e:
+                    bad.append(f"{key}: {e}")
+    return bad
+
+
 def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, Any], *, strict: bool = True) -> Any:
     """Load a full (unsharded) state dict, the same on every rank (e.g. ``torch.load`` of a
     Transformer Engine ``GroupedLinear``/``Linear`` checkpoint), into ``model``: plain, sharded
@@ -139,25 +164,7 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, Any], *, 
     incompatible = _incompatible_keys(model, model.state_dict(keep_vars=True), sd, strict)
     for key in incompatible.unexpected_keys:
         del sd[key]
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers(remove_duplicate=False))
-    bad = []
-    for key, v in sd.items():
-        if key in tensors:
-            t = tensors[key]
-            full = [t._dw.N, t._dw.K] if isinstance(t, ShardedWeight) else list(t.shape)
-            if not isinstance(v, torch.Tensor) or list(v.shape) != full:
-                got = list(v.shape) if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
-                bad.append(f"{key}: expected full shape {full}, given {got}")
-            elif v.is_meta:
-                bad.append(f"{key}: a meta tensor, which holds no values")
-        elif key == "_extra_state" or key.endswith("._extra_state"):  # decoded as the module will load it
-            module = model.get_submodule(key.rpartition(".")[0])
-            if hasattr(module, "read_extra_state"):
-                try:
-                    module.read_extra_state(v)
-                except (TypeError, ValueError) as e:
-                    bad.append(f"{key}: {e}")
+    bad = _misfits(model, sd)
     if bad:
         raise ValueError(
             "load_full_state_dict: entries that do not fit the model (nothing was loaded):\n  " + "\n  ".join(bad)
