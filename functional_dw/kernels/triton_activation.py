@@ -29,8 +29,9 @@ try:
 except ImportError:  # CPU-only torch builds ship no Triton
     triton = None
 
-from .activation import ACTIVATIONS, TorchActivation
-from .triton_math import _interpreting, h_tile, silu, silu_grad, gelu, gelu_grad
+from ..activations import get
+from .torch_activation import TorchActivation
+from .triton_math import gelu, gelu_grad, h_tile, interpreting, silu, silu_grad
 
 __all__ = ["TritonActivation", "available"]
 
@@ -148,7 +149,7 @@ def act_fwd(fc1_out: torch.Tensor, probs: torch.Tensor | None, activation: str) 
     :class:`TritonActivation` for when it runs)."""
     z, probs = _rowmajor(fc1_out), None if probs is None else _rowmajor(probs)
     T, W = z.shape
-    F = W // 2 if activation == "swiglu" else W
+    F = W // 2 if get(activation).gated else W
     h = torch.empty(T, F, dtype=z.dtype, device=z.device)
     if T and F:
         c = CONFIG
@@ -161,11 +162,11 @@ def act_fwd(fc1_out: torch.Tensor, probs: torch.Tensor | None, activation: str) 
                 h,
                 T,
                 F,
-                ACT=ACTIVATIONS.index(activation),
+                ACT=get(activation).triton,
                 HAS_P=probs is not None,
                 BT=c["FWD_BT"],
                 BF=c["FWD_BF"],
-                INTERP=_interpreting(),
+                INTERP=interpreting(),
                 num_warps=c["FWD_WARPS"],
                 enable_fp_fusion=False,
             )
@@ -202,12 +203,12 @@ def act_bwd(
                 z if dprobs is None else dprobs,
                 T,
                 F,
-                ACT=ACTIVATIONS.index(activation),
+                ACT=get(activation).triton,
                 HAS_P=probs is not None,
                 HAS_DP_IN=dprobs_in is not None,
                 BT=c["BWD_BT"],
                 BF=c["BWD_BF"],
-                INTERP=_interpreting(),
+                INTERP=interpreting(),
                 num_warps=c["BWD_WARPS"],
                 enable_fp_fusion=False,
             )
@@ -216,7 +217,8 @@ def act_bwd(
 
 class TritonActivation(TorchActivation):
     """``act_fwd``/``act_bwd`` as one Triton kernel each on CUDA (bf16/fp16/fp32 operands:
-    :func:`available`); the reference's for anything else (float64) and the two bias methods."""
+    :func:`available`) for activations with Triton code; the reference's for anything else
+    (float64, an activation whose record's ``triton`` is None) and the two bias methods."""
 
     name = "triton"
 
@@ -224,7 +226,7 @@ class TritonActivation(TorchActivation):
         return "TritonActivation()"
 
     def act_fwd(self, fc1_out: torch.Tensor, probs: torch.Tensor | None, activation: str) -> torch.Tensor:
-        if not available(fc1_out):
+        if not available(fc1_out) or get(activation).triton is None:
             return super().act_fwd(fc1_out, probs, activation)
         return act_fwd(fc1_out, probs, activation)
 
@@ -237,7 +239,7 @@ class TritonActivation(TorchActivation):
         *,
         dprobs_in: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not (available(fc1_out) and available(dh)):
+        if not (available(fc1_out) and available(dh)) or get(activation).triton is None:
             return super().act_bwd(fc1_out, probs, dh, activation, dprobs_in=dprobs_in)
         return act_bwd(fc1_out, probs, dh, activation, dprobs_in=dprobs_in)
 

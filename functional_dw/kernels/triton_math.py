@@ -26,12 +26,10 @@ except ImportError:  # CPU-only torch builds ship no Triton
 # ulp is a large relative difference of a small value (absolutely at most ``|z| * 2^-24`` in h).
 # Neither is more accurate. SwiGLU's and SiLU's (expf, division) are bitwise the reference's.
 
-__all__ = ["ACT_CODES", "h_tile"]
-
-ACT_CODES = {"swiglu": 0, "gelu": 1, "silu": 2}  # the kernels' ACT constexpr (-1: no activation)
+__all__ = ["interpreting", "h_tile"]
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
     """Whether Triton runs the kernels in its CPU interpreter (NOTE: [Saturating casts])."""
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
 
@@ -91,7 +89,9 @@ if triton is not None:
         INTERP: tl.constexpr,
     ):
         """``act(fc1_out) * probs`` in fp32 for a tile of h's ``rows`` x ``cols`` (0 outside
-        the masks), from fc1_out's columns ``cols`` (SwiGLU: the gate; the up half at ``+ F``)."""
+        the masks), from fc1_out's columns ``cols`` (SwiGLU: the gate; the up half at ``+ F``).
+        ``ACT``: the activation's record's ``triton`` code (``functional_dw/activations.py``:
+        0 swiglu, 1 gelu, 2 silu)."""
         m = rmask[:, None] & cmask[None, :]
         z_at = z_ptr + rows[:, None].to(tl.int64) * stride_z + cols[None, :]
         z = tl.load(z_at, mask=m, other=0.0).to(tl.float32)

@@ -32,7 +32,8 @@ except ImportError:  # CPU-only torch builds ship no Triton
     triton = None
 
 from ..fp8.rowwise import RowwiseActivation, RowwiseWeight, padded_columns
-from .triton_math import ACT_CODES, _interpreting, h_tile
+from ..activations import get as get_activation
+from .triton_math import h_tile, interpreting
 
 __all__ = ["available", "quantize_activation", "quantize_weight"]
 
@@ -292,8 +293,11 @@ def _launch(
     R, D = t2d.shape
     code, probs, h = -1, None, None
     if act is not None:
-        code, probs = ACT_CODES[act[0]], act[1]
-        D = D // 2 if act[0] == "swiglu" else D
+        record, probs = get_activation(act[0]), act[1]
+        if record.triton is None:
+            raise ValueError(f"act: activation {act[0]!r} has no Triton code (its record's triton is None)")
+        code = record.triton
+        D = D // 2 if record.gated else D
         h = torch.empty(R, D, dtype=t2d.dtype, device=t2d.device)
     dev = t2d.device
     c = CONFIG
@@ -334,7 +338,7 @@ def _launch(
                     EB=EB,
                     ACT=code,
                     HAS_P=probs is not None,
-                    INTERP=_interpreting(),
+                    INTERP=interpreting(),
                     num_warps=c["AMAX_WARPS"],
                     enable_fp_fusion=False,
                 )
@@ -366,7 +370,7 @@ def _launch(
                 BT=c["CAST_BT"],
                 BD=c["BD"],
                 EB=EB,
-                SAT=_interpreting(),
+                SAT=interpreting(),
                 num_warps=c["CAST_WARPS"],
             )
     return row_out, row_sinv, col_sinv  # (None where not asked for)
@@ -387,7 +391,7 @@ def quantize_activation(
     ``h = act(t_TD) * probs`` ``[T, F]`` (as the activation kernel writes it), computed in the
     first kernel (NOTE: [The activation as the load])."""
     T, D = t_TD.shape
-    if act is not None and act[0] == "swiglu":
+    if act is not None and get_activation(act[0]).gated:
         D //= 2
     E = ends_E.shape[0]
     t = t_TD if t_TD.stride(-1) == 1 else t_TD.contiguous()
