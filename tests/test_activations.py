@@ -117,6 +117,15 @@ def test_registered_names_are_what_grouped_mlp_accepts(toys):
         fd.grouped_mlp(x, w1, w2, SPLITS, activation="softplus_glu")  # (a [F, H] w1)
 
 
+def test_a_registered_activation_compiles(toys):
+    """Under torch.compile (one graph) the record is read while tracing: the same numbers."""
+    inp = [t.float().requires_grad_() for t in _inputs(SOFTPLUS_GLU)]
+    compiled = torch.compile(lambda *args: _mlp(*args, "softplus_glu"), fullgraph=True)
+    y, y0 = compiled(*inp), _mlp(*inp, "softplus_glu")
+    torch.testing.assert_close(y, y0)
+    torch.testing.assert_close(torch.autograd.grad(y.sum(), inp), torch.autograd.grad(y0.sum(), inp))
+
+
 def test_an_unregistered_activation_is_refused():
     register(SOFTPLUS)
     assert unregister("softplus") is SOFTPLUS
