@@ -6,6 +6,8 @@ Each is the fp32 expression of ``activation.py``'s contract in the reference's o
 libdevice's ``expf``/``erff`` (torch's CUDA ``exp``/``erf``) and IEEE division ``div_rn``; the
 kernels launch with ``enable_fp_fusion=False`` (no contraction into FMAs), so on a GPU they
 give the reference's bits. ``INTERP``: Triton's CPU interpreter (no libdevice: numpy's).
+``ACT``: the activation's record's ``triton`` code (``functional_dw/activations.py``: 0 swiglu,
+1 gelu, 2 silu), which selects the kernels' branch for it (-1: none, in ``triton_rowwise.py``).
 """
 
 from __future__ import annotations
@@ -89,9 +91,7 @@ if triton is not None:
         INTERP: tl.constexpr,
     ):
         """``act(fc1_out) * probs`` in fp32 for a tile of h's ``rows`` x ``cols`` (0 outside
-        the masks), from fc1_out's columns ``cols`` (SwiGLU: the gate; the up half at ``+ F``).
-        ``ACT``: the activation's record's ``triton`` code (``functional_dw/activations.py``:
-        0 swiglu, 1 gelu, 2 silu)."""
+        the masks), from fc1_out's columns ``cols`` (SwiGLU: the gate; the up half at ``+ F``)."""
         m = rmask[:, None] & cmask[None, :]
         z_at = z_ptr + rows[:, None].to(tl.int64) * stride_z + cols[None, :]
         z = tl.load(z_at, mask=m, other=0.0).to(tl.float32)
