@@ -7,8 +7,8 @@ who                reads
 =================  ==============================================================================
 grouped_mlp        the names it accepts (:func:`get`'s error), fc1's width (:attr:`Activation.width`)
 reference kernels  ``fn`` and ``grad`` (``kernels/torch_activation.py``: forward, backward, jvp)
-Triton kernels     ``triton``: the ``ACT`` constexpr of ``triton_math.h_tile`` and
-                   ``triton_activation._bwd_kernel`` (None: the reference kernels run it on CUDA too)
+Triton kernels     ``triton``: the ``ACT`` constexpr ``triton_math.act``/``act_grad`` switch on,
+                   and ``gated`` (None: the reference kernels run it on CUDA too)
 megatron.py        ``megatron``: Megatron-Core's ``config.activation_func`` (:func:`from_megatron`)
 =================  ==============================================================================
 
@@ -54,9 +54,9 @@ class Activation:
             ``grad(z) * t`` (the chain rule: no rule of its own to keep in step).
         gated: a gated linear unit: fc1 writes ``2F`` features, the gate half then the up half
             (Megatron's layout), and ``h = fn(gate) * up``.
-        triton: the fused kernels' ``ACT`` code (their branch for it in ``kernels/triton_math.py``
-            and ``kernels/triton_activation.py``); None: no fused kernel, the reference kernels
-            run it everywhere (on CUDA too).
+        triton: the fused kernels' ``ACT`` code (its branch in ``kernels/triton_math.py``'s
+            ``act`` and ``act_grad``); None: no fused kernel, the reference kernels run it
+            everywhere (on CUDA too).
         megatron: Megatron-Core's ``config.activation_func`` for it (with ``gated_linear_unit =
             gated``); None: ``functional_dw.megatron.GroupedMLP`` maps no config to it.
     """
@@ -87,7 +87,7 @@ class Activation:
         return 2 if self.gated else 1
 
 
-# The built-in ones; the fused kernels have a branch for each ``triton`` code here.
+# The built-in ones; triton_math.act and act_grad have a branch for each ``triton`` code here.
 _BUILT_IN = (
     Activation("swiglu", F.silu, silu_grad, gated=True, triton=0, megatron=F.silu),
     Activation("gelu", F.gelu, gelu_grad, triton=1, megatron=F.gelu),  # exact (erf): Megatron's default

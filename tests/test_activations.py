@@ -158,17 +158,14 @@ def _kernel(module, name: str) -> ast.FunctionDef:
 
 
 def _names_called(stmts) -> set[str]:
-    return {c.func.id for s in stmts for c in ast.walk(s) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
-
-
-def _reads_up_half(stmts) -> bool:
-    """Whether the statements address ``... + F`` (the up half of a gated unit's fc1 output)."""
-    return any(isinstance(b, ast.BinOp) and getattr(b.right, "id", None) == "F" for s in stmts for b in ast.walk(s))
+    """The functions the statements call (``f(...)``: f; ``tl.f(...)``: f)."""
+    calls = [c.func for s in stmts for c in ast.walk(s) if isinstance(c, ast.Call)]
+    return {getattr(f, "id", None) or getattr(f, "attr", None) for f in calls}
 
 
 def _act_branches(fn: ast.FunctionDef) -> dict:
-    """(names called, whether it reads the up half) in each branch of the kernel's ``if ACT ==
-    c: ... elif ...: ... else:`` chain, by code c ("else" for the last)."""
+    """The names called in each branch of the kernel's ``if ACT == c: ... elif ...: ... else:``
+    chain, by code c ("else" for the last)."""
     chain = next(
         n
         for n in ast.walk(fn)
@@ -176,28 +173,26 @@ def _act_branches(fn: ast.FunctionDef) -> dict:
     )
     branches = {}
     while True:
-        branches[chain.test.comparators[0].value] = (_names_called(chain.body), _reads_up_half(chain.body))
+        branches[chain.test.comparators[0].value] = _names_called(chain.body)
         if len(chain.orelse) == 1 and isinstance(chain.orelse[0], ast.If):
             chain = chain.orelse[0]
         else:
-            branches["else"] = (_names_called(chain.orelse), _reads_up_half(chain.orelse))
+            branches["else"] = _names_called(chain.orelse)
             return branches
 
 
 def test_the_triton_codes_are_the_kernels_branches():
-    """Each built-in record's ``triton`` code selects the branch of triton_math.h_tile (h for
-    the fused forward and RowwiseScaling's fused quantization) that calls its function (its
-    ``fn``'s name), reading the up half (``+ F``) exactly for a gated one; the backward
-    kernel's gated branch is the same code; the codes are distinct."""
-    branches = _act_branches(_kernel(triton_math, "h_tile"))
+    """Each built-in record's ``triton`` code selects the branch of the kernels' one switch,
+    triton_math's ``act`` and ``act_grad``, that calls the Triton twins of its ``fn`` and
+    ``grad`` (by name); the codes are distinct, and any other code has no branch."""
+    fn, grad = _act_branches(_kernel(triton_math, "act")), _act_branches(_kernel(triton_math, "act_grad"))
     coded = [a for a in ACTIVATIONS.values() if a.triton is not None]
     assert len({a.triton for a in coded}) == len(coded) == 3
+    assert set(fn) == set(grad) == {a.triton for a in coded} | {"else"}
     for a in coded:
-        calls, up_half = branches.get(a.triton, branches["else"])
-        assert a.fn.__name__ in calls, (a.name, a.triton, calls)
-        assert up_half == a.gated, a.name
-    bwd = _act_branches(_kernel(triton_activation, "_bwd_kernel"))
-    assert {c for c, (_, up_half) in bwd.items() if up_half} == {a.triton for a in coded if a.gated}
+        assert a.fn.__name__ in fn[a.triton], (a.name, a.triton, fn[a.triton])
+        assert a.grad.__name__ in grad[a.triton], (a.name, a.triton, grad[a.triton])
+    assert "static_assert" in fn["else"] and "static_assert" in grad["else"]
 
 
 def test_megatrons_mapping_round_trips(toys):

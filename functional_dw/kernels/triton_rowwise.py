@@ -115,6 +115,7 @@ if triton is not None:
         BD: tl.constexpr,
         EB: tl.constexpr,
         ACT: tl.constexpr,
+        GATED: tl.constexpr,
         HAS_P: tl.constexpr,
         INTERP: tl.constexpr,
     ):
@@ -141,7 +142,7 @@ if triton is not None:
                     other=0.0,
                 ).to(tl.float32)
             else:  # h's tile from fc1's output, rounded as the activation kernel rounds it, and written
-                h = h_tile(x_ptr, stride_x, rows, rmask, cols, cmask, p_ptr, D, ACT, HAS_P, INTERP)
+                h = h_tile(x_ptr, stride_x, rows, rmask, cols, cmask, p_ptr, D, ACT, GATED, HAS_P, INTERP)
                 h = h.to(h_ptr.dtype.element_ty)
                 tl.store(
                     h_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], h, mask=rmask[:, None] & cmask[None, :]
@@ -291,13 +292,13 @@ def _launch(
     ``g * (col_stride_g - col_shift_g) + feature * col_stride_d + p``). ``act``: (activation,
     probs): ``t2d`` is fc1's output and the tensor quantized is ``h = act(t2d) * probs``."""
     R, D = t2d.shape
-    code, probs, h = -1, None, None
+    code, gated, probs, h = -1, False, None, None
     if act is not None:
         record, probs = get_activation(act[0]), act[1]
         if record.triton is None:
             raise ValueError(f"act: activation {act[0]!r} has no Triton code (its record's triton is None)")
-        code = record.triton
-        D = D // 2 if record.gated else D
+        code, gated = record.triton, record.gated
+        D = D // 2 if gated else D
         h = torch.empty(R, D, dtype=t2d.dtype, device=t2d.device)
     dev = t2d.device
     c = CONFIG
@@ -337,6 +338,7 @@ def _launch(
                     BD=c["BD"],
                     EB=EB,
                     ACT=code,
+                    GATED=gated,
                     HAS_P=probs is not None,
                     INTERP=interpreting(),
                     num_warps=c["AMAX_WARPS"],
