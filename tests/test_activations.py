@@ -195,6 +195,19 @@ def test_the_triton_codes_are_the_kernels_branches():
     assert "static_assert" in fn["else"] and "static_assert" in grad["else"]
 
 
+def test_rowwise_scalings_fused_load_reads_the_record(toys):
+    """triton_rowwise's activation-as-the-load (NOTE: [The activation as the load]) takes its
+    ACT, GATED and h's width from the record, and refuses one without Triton code."""
+    from functional_dw.kernels import triton_rowwise
+
+    p = torch.rand(3)
+    assert triton_rowwise._activation(None, 16) == (-1, False, None, 16)
+    assert triton_rowwise._activation(("swiglu", p), 16) == (0, True, p, 8)
+    assert triton_rowwise._activation(("gelu", None), 16) == (1, False, None, 16)
+    with pytest.raises(ValueError, match="activation 'softplus' has no Triton code"):
+        triton_rowwise._activation(("softplus", p), 16)
+
+
 def test_megatrons_mapping_round_trips(toys):
     """Megatron's (activation_func, gated_linear_unit) for each record maps back to it, in
     megatron.py too; a config no record maps is refused naming the ones it runs."""

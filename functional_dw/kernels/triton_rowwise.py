@@ -271,6 +271,17 @@ if triton is not None:
 CONFIG = dict(RB=256, BT=32, BD=128, CAST_BT=64, AMAX_WARPS=4, CAST_WARPS=4)
 
 
+def _activation(act: tuple[str, torch.Tensor | None] | None, D: int) -> tuple[int, bool, torch.Tensor | None, int]:
+    """The amax kernel's (ACT, GATED), the probs and h's width for ``act`` (activation, probs):
+    from the activation's record (-1: no activation)."""
+    if act is None:
+        return -1, False, None, D
+    record = get_activation(act[0])
+    if record.triton is None:
+        raise ValueError(f"act: activation {act[0]!r} has no Triton code (its record's triton is None)")
+    return record.triton, record.gated, act[1], D // 2 if record.gated else D
+
+
 def _launch(
     t2d: torch.Tensor,
     ends: torch.Tensor,
@@ -292,14 +303,8 @@ def _launch(
     ``g * (col_stride_g - col_shift_g) + feature * col_stride_d + p``). ``act``: (activation,
     probs): ``t2d`` is fc1's output and the tensor quantized is ``h = act(t2d) * probs``."""
     R, D = t2d.shape
-    code, gated, probs, h = -1, False, None, None
-    if act is not None:
-        record, probs = get_activation(act[0]), act[1]
-        if record.triton is None:
-            raise ValueError(f"act: activation {act[0]!r} has no Triton code (its record's triton is None)")
-        code, gated = record.triton, record.gated
-        D = D // 2 if gated else D
-        h = torch.empty(R, D, dtype=t2d.dtype, device=t2d.device)
+    code, gated, probs, D = _activation(act, D)
+    h = None if act is None else torch.empty(R, D, dtype=t2d.dtype, device=t2d.device)
     dev = t2d.device
     c = CONFIG
     if c["RB"] % c["BT"]:  # the amax kernel steps BT rows through its RB: a remainder reads the next block
