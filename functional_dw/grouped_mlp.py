@@ -62,7 +62,8 @@ from .grouped_linear import (  # fc1's and fc2's own steps
     _x_TK,
 )
 from .kernels import Kernels, stacked
-from .kernels.activation import ACTIVATIONS, ActivationKernels, act_fwd, act_jvp, activation_kernels, glu_width
+from .activations import ACTIVATIONS, get as get_activation
+from .kernels.activation import ActivationKernels, act_fwd, act_jvp, activation_kernels, glu_width
 from .kernels.activation import probs_bias_fwd, select
 from .plan import Options, route
 from .residuals import _describe_value, _nbytes, any_needed, needed, residuals, saved, saved_activations
@@ -111,7 +112,7 @@ class GroupedMLPResiduals:
     # otherwise its x_TK is None and backward recomputes h = act(fc1_out) * probs
     fc1_out: Any = saved()  # [T, 2F] (SwiGLU) or [T, F], the activation's input; None under "x_only" (recomputed)
     probs: Any = saved()  # [T] router weights, or None
-    activation: str  # "swiglu", "gelu" or "silu"
+    activation: str  # "swiglu", "gelu", "silu" or a registered name (functional_dw.activations)
     save: str  # the policy: "default", "h" or "x_only"
     act: ActivationKernels  # the activation's kernels: the backend's fused ones, or the reference (each call
     # runs the reference where its operands are functorch wrappers: activation_kernels)
@@ -179,8 +180,7 @@ def _shape(w: Any) -> tuple[int, int] | None:
 
 
 def _check_options(activation: Any, save: Any) -> None:
-    if not isinstance(activation, str) or activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
+    get_activation(activation)  # (ValueError naming the registered ones)
     if not isinstance(save, str) or save not in POLICIES:
         raise ValueError(
             f"save must be one of {', '.join(map(repr, POLICIES))} (what forward keeps for backward), got {save!r}"
@@ -206,13 +206,15 @@ def _check_args(x: Any, w1: Any, w2: Any, probs: Any, activation: str) -> None:
             )
         want = glu_width(activation) * F
         if N1 != want:
-            if activation == "swiglu":
+            gated = " or ".join(repr(a.name) for a in ACTIVATIONS.values() if a.gated)
+            if glu_width(activation) == 2:
+                plain = " or ".join(repr(a.name) for a in ACTIVATIONS.values() if not a.gated)
                 raise ValueError(
-                    f"w1 is [{N1}, {K1}] per expert but activation='swiglu' needs 2 * F = {want} out-features "
+                    f"w1 is [{N1}, {K1}] per expert but activation={activation!r} needs 2 * F = {want} out-features "
                     f"(the gate half, then the up half; F = {F} is w2's in-features): make w1 [{want}, {K1}], or "
-                    f"use activation='gelu' or 'silu' with w1 [{F}, {K1}]"
+                    f"use activation={plain} with w1 [{F}, {K1}]"
                 )
-            hint = f" (a [{2 * F}, {K1}] w1 is for activation='swiglu')" if N1 == 2 * F else ""
+            hint = f" (a [{2 * F}, {K1}] w1 is for activation={gated})" if N1 == 2 * F else ""
             raise ValueError(
                 f"w1 is [{N1}, {K1}] per expert but activation={activation!r} needs F = {F} "
                 f"out-features (w2's in-features): make w1 [{F}, {K1}]{hint}"
@@ -256,7 +258,7 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
         )
     weighted = probs is not None and bias2 is not None  # fc2's bias times probs, added after fc2
     c1 = _in_layer("fc1", _prepare, x, w1, splits, bias1, opts.fc1)
-    act = select(c1.plan.kernels, x)  # (fused on CUDA; each step below routes on its own operands)
+    act = select(c1.plan.kernels, x, opts.activation)  # (fused on CUDA; each step below routes on its own operands)
     if keep:
         fc1_out, r1 = _forward(c1, x, keep_x=_keep_x(opts.fc1))
     else:
@@ -307,7 +309,7 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
 
 def _h_like(fc1_out: torch.Tensor, activation: str) -> torch.Tensor:
     """A view with h's shape, dtype and device (fc2's stand-in input; its values are not h's)."""
-    return fc1_out[:, : fc1_out.shape[1] // 2] if activation == "swiglu" else fc1_out
+    return fc1_out[:, : fc1_out.shape[1] // 2] if glu_width(activation) == 2 else fc1_out
 
 
 def _keep_x(o: Options) -> bool:
@@ -618,7 +620,8 @@ def grouped_mlp(
             bias is added times probs (Megatron's weighted activation and ``_apply_bias``); any
             float dtype (their gradient comes in it), on x's device.
         activation: ``"swiglu"`` (``silu(gate) * up``), ``"gelu"`` (exact, Megatron's default
-            ``F.gelu``) or ``"silu"``.
+            ``F.gelu``), ``"silu"``, or a name registered with
+            :func:`functional_dw.activations.register` (docs/mlp.md: "Adding an activation").
         bias1, bias2: None, E ``[out]`` tensors, or one ``[E, out]`` tensor each.
         save: the residual policy: ``"default"`` (x and fc1's output; h recomputed in backward),
             ``"h"`` (h too: no recompute), ``"x_only"`` (x: fc1's GEMM runs again in backward).

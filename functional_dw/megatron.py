@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 from . import nn
+from .activations import ACTIVATIONS, from_megatron
 from .distributed import ShardedWeight, shard_grouped_weights
 from .grouped_linear import grouped_linear
 
@@ -462,34 +463,38 @@ def shard_expert_weights(module: torch.nn.Module, group: Any = None) -> list[Sha
 # --- the experts module: the whole MLP as one pure pair ---------------------------------------
 
 
-def _mlp_activation(config: Any) -> str:
-    """grouped_mlp's activation for Megatron's (``gated_linear_unit``, ``activation_func``), or
-    NotImplementedError naming what is set."""
+def _func_name(func: Any) -> str:
+    """How a message names an ``activation_func``: ``F.silu`` for torch.nn.functional's."""
     import torch.nn.functional as F
 
+    short = getattr(func, "__name__", None) or repr(func)
+    if getattr(F, short, None) is func:
+        return f"F.{short}"
+    return f"{getattr(func, '__module__', None) or '?'}.{short}"
+
+
+def _mlp_activation(config: Any) -> str:
+    """grouped_mlp's activation for Megatron's (``gated_linear_unit``, ``activation_func``): the
+    record that maps it (``activations.from_megatron``), or NotImplementedError naming what is set."""
     func, gated = config.activation_func, bool(config.gated_linear_unit)
-    name = {F.silu: "F.silu", F.gelu: "F.gelu"}.get(func)
-    if name is None:
-        short = getattr(func, "__name__", None) or repr(func)
-        name = f"{getattr(func, '__module__', None) or '?'}.{short}"
-    if gated and func is F.silu:
-        activation = "swiglu"
-    elif not gated and func is F.gelu:
-        activation = "gelu"
-    elif not gated and func is F.silu:
-        activation = "silu"
-    else:
+    record = from_megatron(func, gated)
+    if record is None:
+        runs = [
+            f"{a.name!r} (gated_linear_unit={a.gated}, activation_func={_func_name(a.megatron)})"
+            for a in ACTIVATIONS.values()
+            if a.megatron is not None
+        ]
         raise NotImplementedError(
-            f"config.activation_func={name} with gated_linear_unit={gated}: functional_dw.megatron.GroupedMLP "
-            "runs SwiGLU (gated_linear_unit=True, activation_func=F.silu), GELU (False, F.gelu) or SiLU "
-            "(False, F.silu); use TEGroupedMLP for this activation"
+            f"config.activation_func={_func_name(func)} with gated_linear_unit={gated}: functional_dw.megatron."
+            f"GroupedMLP runs {', '.join(runs[:-1])} or {runs[-1]}; use TEGroupedMLP for this activation"
         )
+    activation = record.name
     if gated:
         for flag, default in (("glu_linear_offset", 0.0), ("activation_func_clamp_value", None)):
             if getattr(config, flag, default) != default:
                 raise NotImplementedError(
-                    f"config.{flag}={getattr(config, flag)!r}: functional_dw.megatron.GroupedMLP's SwiGLU is "
-                    f"silu(gate) * up; set config.{flag}={default!r} or use TEGroupedMLP"
+                    f"config.{flag}={getattr(config, flag)!r}: functional_dw.megatron.GroupedMLP's {activation!r} "
+                    f"is act(gate) * up; set config.{flag}={default!r} or use TEGroupedMLP"
                 )
         if getattr(config, "moe_mlp_glu_interleave_size", None) is not None:
             raise NotImplementedError(

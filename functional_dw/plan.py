@@ -151,17 +151,27 @@ def choose_path(why_not: str | None, use_grouped_tensor: bool | None) -> tuple[s
 # reference kernels take their split path too. Forward and backward route on their own
 # operands: ``jacrev`` batches only backward's dy, so forward may run grouped and backward
 # split. (A traced graph holds no wrappers: while compiling, the plan's kernels and path.)
-def route(kernels: Any, grouped: bool, *operands: Any, one_path: bool = False) -> tuple[Any, bool]:
+# The MLP's fused activation kernels route here too (``reference=``), more strictly: they have
+# no derivative at all, so the reference also runs under forward-mode AD and where autograd
+# would record the step.
+def route(
+    kernels: Any, grouped: bool, *operands: Any, one_path: bool = False, reference: Any = None
+) -> tuple[Any, bool]:
     """The kernels and path that run these operands: the plan's, except under a transform the
     GEMMs have no rule for (the one place that decides it; kernels never fall back).
     ``one_path``: products with no other path (RowwiseScaling's one grouped GEMM, whose
-    reference ops torch's transforms take) run as planned."""
+    reference ops torch's transforms take) run as planned.
+
+    ``reference``: ``kernels`` are the MLP's activation kernels (``grouped`` passes through) and
+    this is their reference, which runs instead of fused ones (no derivative) where autograd
+    would record the step (an operand requiring grad with grad mode on: a backward with
+    ``create_graph``), under forward-mode AD, on functorch's wrappers, and while compiling for
+    the Triton ones (inductor fuses the reference's ops itself)."""
+    if reference is not None:
+        return _activation_kernels(kernels, reference, operands), grouped
     if one_path or torch.compiler.is_compiling():
         return kernels, grouped
-    forward_ad = torch.autograd.forward_ad._current_level >= 0
-    if not forward_ad and torch._C._functorch.peek_interpreter_stack() is None:
-        return kernels, grouped
-    wrapped = _any_wrapped(operands)
+    forward_ad, wrapped = _transformed(operands)
     if getattr(kernels, "name", None) == "torch":
         return kernels, grouped and not (forward_ad or wrapped)
     if wrapped:
@@ -169,6 +179,25 @@ def route(kernels: Any, grouped: bool, *operands: Any, one_path: bool = False) -
 
         return TORCH, False
     return kernels, grouped
+
+
+def _activation_kernels(kernels: Any, reference: Any, operands: tuple) -> Any:
+    """:func:`route`'s decision for activation kernels."""
+    if kernels is reference:
+        return kernels
+    if torch.compiler.is_compiling():
+        return reference if getattr(kernels, "name", None) == "triton" else kernels
+    forward_ad, wrapped = _transformed(operands)
+    recorded = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in operands)
+    return reference if forward_ad or wrapped or recorded else kernels
+
+
+def _transformed(operands: tuple) -> tuple[bool, bool]:
+    """(forward-mode AD is active, an operand is a functorch wrapper): the wrappers are looked
+    for only under forward-mode AD or a torch.func transform."""
+    forward_ad = torch.autograd.forward_ad._current_level >= 0
+    transform = forward_ad or torch._C._functorch.peek_interpreter_stack() is not None
+    return forward_ad, transform and _any_wrapped(operands)
 
 
 def _any_wrapped(operands: tuple) -> bool:

@@ -767,7 +767,7 @@ def test_grouped_mlp_on_cuda_runs_the_fused_kernels(activation, save, monkeypatc
     _, res = fd.grouped_mlp_fwd(inp["x"], inp["w1"], inp["w2"], splits, probs=inp["probs"], activation=activation)
     assert "TritonActivation()" in repr(res)
     y, grads = run(inp, dy, splits, activation=activation, save=save)
-    monkeypatch.setattr(gm, "select", lambda kernels, x: act_mod.REFERENCE)
+    monkeypatch.setattr(gm, "select", lambda kernels, x, activation: act_mod.REFERENCE)
     y0, g0 = run(inp, dy, splits, activation=activation, save=save)
     i_p = NAMES.index("probs") + 2 * (E - 1)  # (x, E w1, E w2, probs, ...)
     if activation == "gelu":
@@ -933,7 +933,7 @@ def test_rowwise_fp8_mlp_fuses_h_into_its_quantization(save, monkeypatch):
     assert [(c["rowwise"], c["columnwise"]) for c in fused] == [(True, True)] + (
         [(False, True)] if save == "default" else []
     )
-    monkeypatch.setattr(gm, "select", lambda kernels, x: act_mod.REFERENCE)
+    monkeypatch.setattr(gm, "select", lambda kernels, x, activation: act_mod.REFERENCE)
     y0, g0 = run(inp, dy, splits, recipe=fp8.RowwiseScaling(), save=save)
     assert len(calls) == len(fused)  # the reference activation: nothing fused
     assert_same(y, y0, "y")
@@ -946,9 +946,9 @@ def test_select_decides_once_and_routes_per_call():
     """select: a backend's own kernels, else the fused ones only for a CUDA operand (the CPU
     here: the reference); activation_kernels keeps a record's kernels on plain operands."""
     k = FusedActivation()
-    assert act_mod.select(k, torch.ones(2)) is k
-    assert act_mod.select(TorchKernels(), torch.ones(2)) is act_mod.REFERENCE
-    assert act_mod.select(None, torch.ones(2, dtype=torch.float64)) is act_mod.REFERENCE
+    assert act_mod.select(k, torch.ones(2), "swiglu") is k
+    assert act_mod.select(TorchKernels(), torch.ones(2), "swiglu") is act_mod.REFERENCE
+    assert act_mod.select(None, torch.ones(2, dtype=torch.float64), "swiglu") is act_mod.REFERENCE
     assert act_mod.activation_kernels(k, torch.ones(2)) is k
     assert act_mod.activation_kernels(act_mod.REFERENCE, torch.ones(2)) is act_mod.REFERENCE
     with torch.autograd.forward_ad.dual_level():

@@ -26,6 +26,7 @@ import importlib
 import inspect
 import re
 import threading
+import types
 import warnings
 import weakref
 from unittest import mock
@@ -1346,3 +1347,25 @@ def test_fallback_warning_points_at_the_callers_line():
         line = __import__("inspect").currentframe().f_lineno - 1
     (w,) = [c for c in caught if "use_grouped_tensor=True" in str(c.message)]
     assert w.filename == __file__ and w.lineno == line
+
+
+def test_route_serves_the_activation_kernels():
+    """``plan.route(..., reference=)``, the MLP's activation kernels: the fused ones on plain
+    operands, the reference under forward-mode AD, on functorch's wrappers and where autograd
+    would record the step (stricter than the GEMMs, whose kernels stay under forward-mode AD
+    without wrappers); ``grouped`` passes through."""
+    from functional_dw.plan import route
+
+    fused, ref, gemms = types.SimpleNamespace(name="triton"), types.SimpleNamespace(name="torch"), object()
+    x, tracked = torch.ones(2), torch.ones(2, requires_grad=True)
+    assert route(fused, True, x, reference=ref) == (fused, True)
+    assert route(ref, False, x, reference=ref)[0] is ref
+    with torch.autograd.forward_ad.dual_level():
+        assert route(fused, False, x, reference=ref)[0] is ref
+        assert route(gemms, True, x) == (gemms, True)
+    assert route(fused, False, x, tracked, reference=ref)[0] is ref
+    with torch.no_grad():
+        assert route(fused, False, tracked, reference=ref)[0] is fused
+    seen = []
+    torch.func.vmap(lambda t: seen.append(route(fused, False, t, reference=ref)[0]) or t)(torch.ones(3, 2))
+    assert seen == [ref]

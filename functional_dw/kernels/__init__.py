@@ -13,7 +13,8 @@ The modules, in the order a layer meets them:
   and :mod:`.torch_ops` (its split path as custom ops, for ``torch.compile``); :mod:`.te`
   (Transformer Engine) with :mod:`.te_fp8`, :mod:`.te_fp8_checks` and :mod:`.te_ops`; the
   Triton kernels :mod:`.triton_splits` and :mod:`.triton_rowwise`.
-- The expert MLP's elementwise steps: :mod:`.activation` (the seam, the reference, ``select``),
+- The expert MLP's elementwise steps: :mod:`.activation` (the seam, ``select``), the reference
+  :mod:`.torch_activation` (each activation's math from its record in ``functional_dw/activations.py``),
   the Triton kernels :mod:`.triton_activation`, and :mod:`.triton_math` (the activation's math,
   shared with :mod:`.triton_rowwise`, which can run it as its load).
 

@@ -29,8 +29,9 @@ try:
 except ImportError:  # CPU-only torch builds ship no Triton
     triton = None
 
-from .activation import ACTIVATIONS, TorchActivation
-from .triton_math import _interpreting, h_tile, silu, silu_grad, gelu, gelu_grad
+from ..activations import get
+from .torch_activation import TorchActivation
+from .triton_math import act, act_grad, h_tile, interpreting
 
 __all__ = ["TritonActivation", "available"]
 
@@ -60,18 +61,19 @@ if triton is not None:
         T,
         F,
         ACT: tl.constexpr,
+        GATED: tl.constexpr,
         HAS_P: tl.constexpr,
         BT: tl.constexpr,
         BF: tl.constexpr,
         INTERP: tl.constexpr,
     ):
-        """``h [T, F] = act(fc1_out) * probs`` for one ``[BT, BF]`` tile (ACT: 0 swiglu, 1 gelu, 2 silu)."""
+        """``h [T, F] = act(fc1_out) * probs`` for one ``[BT, BF]`` tile (ACT, GATED: ``triton_math.py``)."""
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
         cols = tl.program_id(1) * BF + tl.arange(0, BF)
         rmask = rows < T
         m = rmask[:, None] & (cols < F)[None, :]
         rows64 = rows.to(tl.int64)
-        a = h_tile(z_ptr, stride_z, rows, rmask, cols, cols < F, p_ptr, F, ACT, HAS_P, INTERP)
+        a = h_tile(z_ptr, stride_z, rows, rmask, cols, cols < F, p_ptr, F, ACT, GATED, HAS_P, INTERP)
         tl.store(h_ptr + rows64[:, None] * F + cols[None, :], a.to(h_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -87,6 +89,7 @@ if triton is not None:
         T,
         F,
         ACT: tl.constexpr,
+        GATED: tl.constexpr,
         HAS_P: tl.constexpr,
         HAS_DP_IN: tl.constexpr,
         BT: tl.constexpr,
@@ -98,7 +101,7 @@ if triton is not None:
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
         rmask = rows < T
         rows64 = rows.to(tl.int64)
-        W = F * 2 if ACT == 0 else F  # dfc1_out's row stride
+        W = F * 2 if GATED else F  # dfc1_out's row stride
         if HAS_P:
             p = tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         dp = tl.zeros([BT], dtype=tl.float32)
@@ -109,26 +112,19 @@ if triton is not None:
             dz_at = dz_ptr + rows64[:, None] * W + cols[None, :]
             g = tl.load(dh_ptr + rows64[:, None] * stride_dh + cols[None, :], mask=m, other=0.0).to(tl.float32)
             z = tl.load(z_at, mask=m, other=0.0).to(tl.float32)
-            if ACT == 0:
+            if GATED:
                 up = tl.load(z_at + F, mask=m, other=0.0).to(tl.float32)
-                s = silu(z, INTERP)
+                s = act(z, ACT, INTERP)
                 if HAS_P:
                     dp += tl.sum(s * up * g, axis=1)
                     g = g * p[:, None]
-                tl.store(dz_at, (g * silu_grad(z, INTERP) * up).to(dz_ptr.dtype.element_ty), mask=m)
+                tl.store(dz_at, (g * act_grad(z, ACT, INTERP) * up).to(dz_ptr.dtype.element_ty), mask=m)
                 tl.store(dz_at + F, (g * s).to(dz_ptr.dtype.element_ty), mask=m)
             else:
                 if HAS_P:
-                    if ACT == 1:
-                        dp += tl.sum(gelu(z, INTERP) * g, axis=1)
-                    else:
-                        dp += tl.sum(silu(z, INTERP) * g, axis=1)
+                    dp += tl.sum(act(z, ACT, INTERP) * g, axis=1)
                     g = g * p[:, None]
-                if ACT == 1:
-                    dz = g * gelu_grad(z, INTERP)
-                else:
-                    dz = g * silu_grad(z, INTERP)
-                tl.store(dz_at, dz.to(dz_ptr.dtype.element_ty), mask=m)
+                tl.store(dz_at, (g * act_grad(z, ACT, INTERP)).to(dz_ptr.dtype.element_ty), mask=m)
         if HAS_P:
             if HAS_DP_IN:
                 dp = dp + tl.load(dp_in_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -148,7 +144,7 @@ def act_fwd(fc1_out: torch.Tensor, probs: torch.Tensor | None, activation: str) 
     :class:`TritonActivation` for when it runs)."""
     z, probs = _rowmajor(fc1_out), None if probs is None else _rowmajor(probs)
     T, W = z.shape
-    F = W // 2 if activation == "swiglu" else W
+    F = W // 2 if get(activation).gated else W
     h = torch.empty(T, F, dtype=z.dtype, device=z.device)
     if T and F:
         c = CONFIG
@@ -161,11 +157,12 @@ def act_fwd(fc1_out: torch.Tensor, probs: torch.Tensor | None, activation: str) 
                 h,
                 T,
                 F,
-                ACT=ACTIVATIONS.index(activation),
+                ACT=get(activation).triton,
+                GATED=get(activation).gated,
                 HAS_P=probs is not None,
                 BT=c["FWD_BT"],
                 BF=c["FWD_BF"],
-                INTERP=_interpreting(),
+                INTERP=interpreting(),
                 num_warps=c["FWD_WARPS"],
                 enable_fp_fusion=False,
             )
@@ -202,12 +199,13 @@ def act_bwd(
                 z if dprobs is None else dprobs,
                 T,
                 F,
-                ACT=ACTIVATIONS.index(activation),
+                ACT=get(activation).triton,
+                GATED=get(activation).gated,
                 HAS_P=probs is not None,
                 HAS_DP_IN=dprobs_in is not None,
                 BT=c["BWD_BT"],
                 BF=c["BWD_BF"],
-                INTERP=_interpreting(),
+                INTERP=interpreting(),
                 num_warps=c["BWD_WARPS"],
                 enable_fp_fusion=False,
             )
@@ -216,7 +214,8 @@ def act_bwd(
 
 class TritonActivation(TorchActivation):
     """``act_fwd``/``act_bwd`` as one Triton kernel each on CUDA (bf16/fp16/fp32 operands:
-    :func:`available`); the reference's for anything else (float64) and the two bias methods."""
+    :func:`available`) for activations with Triton code; the reference's for anything else
+    (float64, an activation whose record's ``triton`` is None) and the two bias methods."""
 
     name = "triton"
 
@@ -224,7 +223,7 @@ class TritonActivation(TorchActivation):
         return "TritonActivation()"
 
     def act_fwd(self, fc1_out: torch.Tensor, probs: torch.Tensor | None, activation: str) -> torch.Tensor:
-        if not available(fc1_out):
+        if not available(fc1_out) or get(activation).triton is None:
             return super().act_fwd(fc1_out, probs, activation)
         return act_fwd(fc1_out, probs, activation)
 
@@ -237,7 +236,7 @@ class TritonActivation(TorchActivation):
         *,
         dprobs_in: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not (available(fc1_out) and available(dh)):
+        if not (available(fc1_out) and available(dh)) or get(activation).triton is None:
             return super().act_bwd(fc1_out, probs, dh, activation, dprobs_in=dprobs_in)
         return act_bwd(fc1_out, probs, dh, activation, dprobs_in=dprobs_in)
 

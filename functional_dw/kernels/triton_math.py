@@ -6,6 +6,10 @@ Each is the fp32 expression of ``activation.py``'s contract in the reference's o
 libdevice's ``expf``/``erff`` (torch's CUDA ``exp``/``erf``) and IEEE division ``div_rn``; the
 kernels launch with ``enable_fp_fusion=False`` (no contraction into FMAs), so on a GPU they
 give the reference's bits. ``INTERP``: Triton's CPU interpreter (no libdevice: numpy's).
+``ACT``: the activation's record's ``triton`` code (``functional_dw/activations.py``: 0 swiglu,
+1 gelu, 2 silu; -1 none, in ``triton_rowwise.py``), which :func:`act` and :func:`act_grad`
+switch on, the one place the kernels tell activations apart; ``GATED``: its record's ``gated``
+(``h = act(gate) * up``, the up half ``F`` columns on). A new code's branch goes in those two.
 """
 
 from __future__ import annotations
@@ -26,12 +30,10 @@ except ImportError:  # CPU-only torch builds ship no Triton
 # ulp is a large relative difference of a small value (absolutely at most ``|z| * 2^-24`` in h).
 # Neither is more accurate. SwiGLU's and SiLU's (expf, division) are bitwise the reference's.
 
-__all__ = ["ACT_CODES", "h_tile"]
-
-ACT_CODES = {"swiglu": 0, "gelu": 1, "silu": 2}  # the kernels' ACT constexpr (-1: no activation)
+__all__ = ["interpreting", "act", "act_grad", "h_tile"]
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
     """Whether Triton runs the kernels in its CPU interpreter (NOTE: [Saturating casts])."""
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
 
@@ -77,6 +79,32 @@ if triton is not None:
         return 0.5 * (1.0 + _erf(z * 0.7071067811865476, INTERP)) + z * _exp(-0.5 * z * z, INTERP) * 0.3989422804014327
 
     @triton.jit
+    def act(z, ACT: tl.constexpr, INTERP: tl.constexpr):
+        """The activation (a gated one's: of the gate) in fp32, by its ``triton`` code."""
+        if ACT == 0:  # swiglu's gate
+            a = silu(z, INTERP)
+        elif ACT == 1:
+            a = gelu(z, INTERP)
+        elif ACT == 2:
+            a = silu(z, INTERP)
+        else:
+            tl.static_assert(False, "no Triton branch for this ACT code")
+        return a
+
+    @triton.jit
+    def act_grad(z, ACT: tl.constexpr, INTERP: tl.constexpr):
+        """:func:`act`'s derivative in fp32, by the same code."""
+        if ACT == 0:
+            d = silu_grad(z, INTERP)
+        elif ACT == 1:
+            d = gelu_grad(z, INTERP)
+        elif ACT == 2:
+            d = silu_grad(z, INTERP)
+        else:
+            tl.static_assert(False, "no Triton branch for this ACT code")
+        return d
+
+    @triton.jit
     def h_tile(
         z_ptr,
         stride_z,
@@ -87,6 +115,7 @@ if triton is not None:
         p_ptr,
         F,
         ACT: tl.constexpr,
+        GATED: tl.constexpr,
         HAS_P: tl.constexpr,
         INTERP: tl.constexpr,
     ):
@@ -95,15 +124,12 @@ if triton is not None:
         m = rmask[:, None] & cmask[None, :]
         z_at = z_ptr + rows[:, None].to(tl.int64) * stride_z + cols[None, :]
         z = tl.load(z_at, mask=m, other=0.0).to(tl.float32)
-        if ACT == 0:
-            a = silu(z, INTERP) * tl.load(z_at + F, mask=m, other=0.0).to(tl.float32)
-        elif ACT == 1:
-            a = gelu(z, INTERP)
-        else:
-            a = silu(z, INTERP)
+        a = act(z, ACT, INTERP)
+        if GATED:
+            a = a * tl.load(z_at + F, mask=m, other=0.0).to(tl.float32)
         if HAS_P:
             a = a * tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
         return a
 
 else:  # no Triton: nothing launches the kernels that call these (the importers' names still resolve)
-    sigmoid = silu = silu_grad = gelu = gelu_grad = h_tile = None
+    sigmoid = silu = silu_grad = gelu = gelu_grad = act = act_grad = h_tile = None

@@ -32,7 +32,8 @@ except ImportError:  # CPU-only torch builds ship no Triton
     triton = None
 
 from ..fp8.rowwise import RowwiseActivation, RowwiseWeight, padded_columns
-from .triton_math import ACT_CODES, _interpreting, h_tile
+from ..activations import get as get_activation
+from .triton_math import h_tile, interpreting
 
 __all__ = ["available", "quantize_activation", "quantize_weight"]
 
@@ -114,6 +115,7 @@ if triton is not None:
         BD: tl.constexpr,
         EB: tl.constexpr,
         ACT: tl.constexpr,
+        GATED: tl.constexpr,
         HAS_P: tl.constexpr,
         INTERP: tl.constexpr,
     ):
@@ -140,7 +142,7 @@ if triton is not None:
                     other=0.0,
                 ).to(tl.float32)
             else:  # h's tile from fc1's output, rounded as the activation kernel rounds it, and written
-                h = h_tile(x_ptr, stride_x, rows, rmask, cols, cmask, p_ptr, D, ACT, HAS_P, INTERP)
+                h = h_tile(x_ptr, stride_x, rows, rmask, cols, cmask, p_ptr, D, ACT, GATED, HAS_P, INTERP)
                 h = h.to(h_ptr.dtype.element_ty)
                 tl.store(
                     h_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], h, mask=rmask[:, None] & cmask[None, :]
@@ -269,6 +271,17 @@ if triton is not None:
 CONFIG = dict(RB=256, BT=32, BD=128, CAST_BT=64, AMAX_WARPS=4, CAST_WARPS=4)
 
 
+def _activation(act: tuple[str, torch.Tensor | None] | None, D: int) -> tuple[int, bool, torch.Tensor | None, int]:
+    """The amax kernel's (ACT, GATED), the probs and h's width for ``act`` (activation, probs):
+    from the activation's record (-1: no activation)."""
+    if act is None:
+        return -1, False, None, D
+    record = get_activation(act[0])
+    if record.triton is None:
+        raise ValueError(f"act: activation {act[0]!r} has no Triton code (its record's triton is None)")
+    return record.triton, record.gated, act[1], D // 2 if record.gated else D
+
+
 def _launch(
     t2d: torch.Tensor,
     ends: torch.Tensor,
@@ -290,11 +303,8 @@ def _launch(
     ``g * (col_stride_g - col_shift_g) + feature * col_stride_d + p``). ``act``: (activation,
     probs): ``t2d`` is fc1's output and the tensor quantized is ``h = act(t2d) * probs``."""
     R, D = t2d.shape
-    code, probs, h = -1, None, None
-    if act is not None:
-        code, probs = ACT_CODES[act[0]], act[1]
-        D = D // 2 if act[0] == "swiglu" else D
-        h = torch.empty(R, D, dtype=t2d.dtype, device=t2d.device)
+    code, gated, probs, D = _activation(act, D)
+    h = None if act is None else torch.empty(R, D, dtype=t2d.dtype, device=t2d.device)
     dev = t2d.device
     c = CONFIG
     if c["RB"] % c["BT"]:  # the amax kernel steps BT rows through its RB: a remainder reads the next block
@@ -333,8 +343,9 @@ def _launch(
                     BD=c["BD"],
                     EB=EB,
                     ACT=code,
+                    GATED=gated,
                     HAS_P=probs is not None,
-                    INTERP=_interpreting(),
+                    INTERP=interpreting(),
                     num_warps=c["AMAX_WARPS"],
                     enable_fp_fusion=False,
                 )
@@ -366,7 +377,7 @@ def _launch(
                 BT=c["CAST_BT"],
                 BD=c["BD"],
                 EB=EB,
-                SAT=_interpreting(),
+                SAT=interpreting(),
                 num_warps=c["CAST_WARPS"],
             )
     return row_out, row_sinv, col_sinv  # (None where not asked for)
@@ -387,7 +398,7 @@ def quantize_activation(
     ``h = act(t_TD) * probs`` ``[T, F]`` (as the activation kernel writes it), computed in the
     first kernel (NOTE: [The activation as the load])."""
     T, D = t_TD.shape
-    if act is not None and act[0] == "swiglu":
+    if act is not None and get_activation(act[0]).gated:
         D //= 2
     E = ends_E.shape[0]
     t = t_TD if t_TD.stride(-1) == 1 else t_TD.contiguous()
