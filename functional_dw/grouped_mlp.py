@@ -3,7 +3,7 @@
     h = act(x W1_e^T + b1_e) * probs          (per expert e on its rows; SwiGLU: silu(gate) * up)
     y = h W2_e^T + b2_e * probs                (fc2's bias weighted by probs, as Megatron's _apply_bias)
 
-``grouped_mlp_fwd`` runs fc1's and fc2's own forward (``grouped_linear``'s ``_prepare``/``_forward``,
+``grouped_mlp_fwd`` runs fc1's and fc2's own forward (``grouped_linear``'s ``prepare``/``_forward``,
 the options path of ``grouped_linear_fwd``) with the activation in between, and its residual
 record NESTS theirs: ``res.fc1`` and ``res.fc2`` are the two layers' ``GroupedLinearResiduals``.
 ``grouped_mlp_bwd`` is fc2's ``grouped_linear_bwd``, the activation's backward, then fc1's
@@ -49,23 +49,15 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from . import _amp, _checks, _fp8, distributed_weight as dwp
 from .custom_vjp import custom_vjp
-from .grouped_linear import GroupedLinearResiduals, SplitsArg, WeightsArg, grouped_linear_bwd
-from .grouped_linear import _jvp as grouped_linear_jvp
-from .grouped_linear import (  # fc1's and fc2's own steps
-    _check_bias,
-    _dy_TN,
-    _forward,
-    _fprop,
-    _normalized,
-    _one_buffer,
-    _prepare,
-    _x_TK,
-)
+from .grouped_linear import GroupedLinearResiduals, check_dy, forward, fprop, grouped_linear_bwd, one_buffer, prepare
+from .grouped_linear import jvp as grouped_linear_jvp
+from .grouped_linear import saved_x
+from .grouped_plan import SplitsArg, WeightsArg, check_bias, normalize_args
 from .kernels import Kernels, stacked
 from .kernels.activation import ACTIVATIONS, ActivationKernels, act_fwd, act_jvp, activation_kernels, glu_width
 from .kernels.activation import probs_bias_fwd, select
 from .plan import Options, route
-from .residuals import _describe_value, _nbytes, any_needed, needed, residuals, saved, saved_activations
+from .residuals import any_needed, describe_value, nbytes, needed, residuals, saved, saved_activations
 
 __all__ = ["GroupedMLPResiduals", "MLPGrads", "POLICIES", "grouped_mlp", "grouped_mlp_fwd", "grouped_mlp_bwd"]
 
@@ -132,7 +124,7 @@ def _describe(self: GroupedMLPResiduals) -> str:
         lines += [f"    {line}" for line in inner[1:]]
     width = "2F" if glu_width(self.activation) == 2 else "F"
     if self.fc1_out is not None:
-        lines.append(f"  [saved] fc1_out = {_describe_value(self.fc1_out)}")
+        lines.append(f"  [saved] fc1_out = {describe_value(self.fc1_out)}")
     else:
         lines.append(f"  [recomputed] fc1_out: fc1(x) [T, {width}] again in backward (a GEMM)")
     if self.fc2.x_TK is not None:
@@ -140,11 +132,11 @@ def _describe(self: GroupedMLPResiduals) -> str:
     elif self.h_kept:
         fp8 = ", quantized again by fc2's FP8 plan" if self.fc2.fp8 is not None else ""
         lines.append(f"  [recomputed] h: act(fc1_out) * probs [T, F] in backward, for fc2's wgrad{fp8}")
-    lines.append(f"  [saved] probs = {_describe_value(self.probs)}")
+    lines.append(f"  [saved] probs = {describe_value(self.probs)}")
     lines.append(f"  [ref  ] act = {self.act!r}")
     if self.probs_bias is not None:
         lines.append(f"  [ref  ] probs_bias = bias2 ({self.probs_bias.form}), added as probs * bias2 after fc2")
-    lines.append(f")  # {_nbytes(saved_activations(self))} B through save_for_backward")
+    lines.append(f")  # {nbytes(saved_activations(self))} B through save_for_backward")
     return "\n".join(lines)
 
 
@@ -178,7 +170,9 @@ def _shape(w: Any) -> tuple[int, int] | None:
     return N, K
 
 
-def _check_options(activation: Any, save: Any) -> None:
+def check_options(activation: Any, save: Any) -> None:
+    """ValueError unless ``activation`` is one of :data:`ACTIVATIONS` and ``save`` one of
+    :data:`POLICIES` (also for the modules' constructors)."""
     if not isinstance(activation, str) or activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
     if not isinstance(save, str) or save not in POLICIES:
@@ -247,7 +241,7 @@ def _in_layer(layer: str, fn: Any, *args: Any) -> Any:
 
 def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
     """Forward; with ``keep``, also the residual record (else None)."""
-    _check_options(opts.activation, opts.save)
+    check_options(opts.activation, opts.save)
     _check_args(x, w1, w2, probs, opts.activation)
     if opts.save == "x_only" and opts.fc1.fp8 is not None:
         raise ValueError(
@@ -255,17 +249,17 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
             "use save='default' or 'h' with recipe="
         )
     weighted = probs is not None and bias2 is not None  # fc2's bias times probs, added after fc2
-    c1 = _in_layer("fc1", _prepare, x, w1, splits, bias1, opts.fc1)
+    c1 = _in_layer("fc1", prepare, x, w1, splits, bias1, opts.fc1)
     act = select(c1.plan.kernels, x)  # (fused on CUDA; each step below routes on its own operands)
     if keep:
-        fc1_out, r1 = _forward(c1, x, keep_x=_keep_x(opts.fc1))
+        fc1_out, r1 = forward(c1, x, keep_x=_keep_x(opts.fc1))
     else:
-        fc1_out, r1 = _fprop(c1), None
+        fc1_out, r1 = fprop(c1), None
     k = activation_kernels(act, fc1_out, probs)
     # fc2 is planned on a stand-in with h's shape, so that with FP8 its plan can quantize h
     # straight from fc1_out (NOTE: [The activation as the load]); else h is written and read
     c2 = _in_layer(
-        "fc2", _prepare, _h_like(fc1_out, opts.activation), w2, splits, None if weighted else bias2, opts.fc2, True
+        "fc2", prepare, _h_like(fc1_out, opts.activation), w2, splits, None if weighted else bias2, opts.fc2, True
     )
     keep2 = keep and _keep_x(opts.fc2)
     h = hq = None
@@ -274,15 +268,16 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
             c2.kernels, k, fc1_out, probs, opts.activation, c2.split, rowwise=True, columnwise=keep2
         )
     if hq is None:
-        h = k.act_fwd(fc1_out, probs, opts.activation)
-        c2 = c2._replace(x_TK=_checks.dense(h))  # (a backend's own act_fwd may return any strides)
+        h = k.act_fwd(
+            fc1_out, probs, opts.activation
+        )  # (made dense by fc2: a backend's act_fwd may return any strides)
     if keep:
-        y, r2 = _forward(c2, h, keep_x=_keep_x(opts.fc2), xq=hq)
+        y, r2 = forward(c2, h, keep_x=_keep_x(opts.fc2), xq=hq)
     else:
-        y, r2 = _fprop(c2, xq=hq), None
+        y, r2 = fprop(c2, h, xq=hq), None
     pb = None
     if weighted:
-        form = _in_layer("fc2", _check_bias, bias2, c2.plan.num_experts, c2.plan.out_features, y)
+        form = _in_layer("fc2", check_bias, bias2, c2.plan.num_experts, c2.plan.out_features, y)
         pb = _ProbsBias(bias2, form)
         y = activation_kernels(act, y, probs).probs_bias_fwd(y, _bias_EH(pb), probs, c2.split)
     if not keep:
@@ -374,10 +369,10 @@ def _recompute_fc1(res: GroupedMLPResiduals) -> torch.Tensor:
     kernels, path and split counts (fc1's record), so the same bits. Nothing is planned again;
     a DistributedWeight is gathered for forward again."""
     r1 = res.fc1
-    x_TK = _x_TK(r1)
+    x_TK = saved_x(r1)
     full = dwp.materialize(r1.weights, r1.distributed, for_backward=False, like=x_TK, name="w1", amp=r1.plan.amp)
     dwp.check_materialized(full, r1.weight_shapes, "materialize_group_for_forward()", "w1")
-    w_ENK = full[0] if r1.stacked else _one_buffer(full, r1.plan)
+    w_ENK = full[0] if r1.stacked else one_buffer(full, r1.plan)
     b1 = res.bias1
     b_EN = None if b1 is None else (b1 if r1.plan.bias_form == "stacked" else stacked(b1))
     kernels, grouped = route(r1.kernels, r1.path == "grouped", x_TK, w_ENK)
@@ -469,7 +464,7 @@ def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     fc1_out = res.fc1_out if res.fc1_out is not None and not second else _recompute_fc1(res)
     if (r2.x_TK is None and res.h_kept) or (second and r2.fp8 is None):
         r2 = _with_h(res, r2, fc1_out)
-    dy = _dy_TN(r2, dy)
+    dy = check_dy(r2, dy)
     db2 = dprobs_b = None
     pb = res.probs_bias
     if pb is not None and (any_needed(want_b2) or need_dh):
@@ -562,8 +557,8 @@ def _options(
 ) -> tuple[MLPOptions, tuple]:
     """The call's options (each layer's ``plan.Options``) and its arguments normalized as the
     layers normalize theirs."""
-    w1, splits, bias1 = _normalized(w1, splits, bias1)
-    w2, _, bias2 = _normalized(w2, splits, bias2)
+    w1, splits, bias1 = normalize_args(w1, splits, bias1)
+    w2, _, bias2 = normalize_args(w2, splits, bias2)
     args1 = args2 = None
     if recipe is not None or fp8_state is not None:
         if fp8_state is None:

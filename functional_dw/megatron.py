@@ -584,7 +584,7 @@ def _grouped_mlp_class() -> type:
     from megatron.core.transformer.moe.experts import TEGroupedMLP
     from megatron.core.transformer.moe.moe_utils import skip_routed_expert_padding
 
-    from .grouped_mlp import _check_options
+    from .grouped_mlp import check_options
 
     class GroupedMLP(TEGroupedMLP):
         __doc__ = _GROUPED_MLP_DOC
@@ -621,7 +621,7 @@ def _grouped_mlp_class() -> type:
                     )
             if save is None:  # Megatron's moe_act recompute: h recomputed in backward; else kept, as TE's fc2 keeps it
                 save = "default" if self.activation_recompute else "h"
-            _check_options(activation, save)
+            check_options(activation, save)
             self.activation, self.save = activation, save
 
         def forward(

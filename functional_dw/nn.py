@@ -19,7 +19,7 @@ import torch
 
 from . import _checks, _fp8, fp8
 from .grouped_linear import grouped_linear
-from .grouped_mlp import _check_options, grouped_mlp
+from .grouped_mlp import check_options, grouped_mlp
 from .kernels.activation import glu_width
 from .kernels import packed
 from .linear import linear
@@ -572,7 +572,7 @@ class GroupedMLP(torch.nn.Module):
         recipe: Any = None,
     ) -> None:
         super().__init__()
-        _check_options(activation, save)
+        check_options(activation, save)
         self.activation, self.save = activation, save
         ffn = _size("ffn_hidden_size", ffn_hidden_size)
         kw = dict(

@@ -862,7 +862,7 @@ def _fresh_grouped():
         vmap=gl_mod._vmap,
         name="grouped_linear",
     )
-    return lambda x, ws, bs=None, backend=None: f(x, ws, gl_mod._HostSplits(SPLITS), bs, Options(False, None, backend))
+    return lambda x, ws, bs=None, backend=None: f(x, ws, gl_mod.HostSplits(SPLITS), bs, Options(False, None, backend))
 
 
 def _linear_args(seed=0, grad=True):
