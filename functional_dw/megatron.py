@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 from . import nn
+from .nn_fp8 import reset_state
 from .distributed import ShardedWeight, shard_grouped_weights
 from .grouped_linear import grouped_linear
 
@@ -223,7 +224,7 @@ class GroupedLinear(nn.GroupedLinear):
         """Megatron's initialization (TE's order): each expert's weight by ``init_method``, under
         the expert-parallel RNG tracker when it is initialized; biases zero. (During the base
         constructor nothing is drawn: the weights stay uninitialized until ``init_method`` is set.)"""
-        nn._reset_state(self)
+        reset_state(self)
         init = getattr(self, "_megatron_init", None)
         if init is None:
             return
@@ -658,7 +659,7 @@ def _grouped_mlp_class() -> type:
             manager = off_interface(fc1_off or act_off, x, "expert_fc1" if fc1_off else "moe_act")
             with manager as x:
                 with _route_to_megatron(x, fc1_off, act_off) if fc1_off or act_off else contextlib.nullcontext():
-                    y = nn._run_grouped_mlp(
+                    y = nn.run_grouped_mlp(
                         self.linear_fc1, self.linear_fc2, x, splits, probs, activation=self.activation, save=self.save
                     )
             y = manager.group_offload(

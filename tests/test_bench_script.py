@@ -489,7 +489,7 @@ def _fake_te(mp, moe):
         "torchao.prototype.moe_training": moe_training,
     }.items():
         mp.setitem(sys.modules, name, mod)
-    mp.setattr(fd.nn, "_TE_MANAGER", [])  # (fd.nn remembers the TE it saw: not this one, after the test)
+    mp.setattr(fd.nn_fp8, "_TE_MANAGER", [])  # (fd.nn_fp8 remembers the TE it saw: not this one, after the test)
 
     class Graphed:
         def __init__(self, step, *inputs, params=(), warmup=1):
