@@ -54,14 +54,13 @@ from .grouped_linear import jvp as grouped_linear_jvp
 from .grouped_linear import saved_x
 from .grouped_plan import SplitsArg, WeightsArg, check_bias, normalize_args
 from .kernels import Kernels, stacked
-from .kernels.activation import ACTIVATIONS, ActivationKernels, act_fwd, act_jvp, activation_kernels, glu_width
+from .mlp_checks import POLICIES, check_call, in_layer
+from .kernels.activation import ActivationKernels, act_fwd, act_jvp, activation_kernels, glu_width
 from .kernels.activation import probs_bias_fwd, select
 from .plan import Options, route
 from .residuals import any_needed, describe_value, nbytes, needed, residuals, saved, saved_activations
 
 __all__ = ["GroupedMLPResiduals", "MLPGrads", "POLICIES", "grouped_mlp", "grouped_mlp_fwd", "grouped_mlp_bwd"]
-
-POLICIES = ("default", "h", "x_only")
 
 
 class MLPOptions(NamedTuple):
@@ -143,113 +142,14 @@ def _describe(self: GroupedMLPResiduals) -> str:
 GroupedMLPResiduals.__repr__ = _describe  # type: ignore[method-assign]
 
 
-# --- checks ---------------------------------------------------------------------------------------
-
-
-def _experts(name: str, w: Any) -> int | None:
-    """The number of experts of a weights argument (None where the layer's own checks will say
-    what is wrong with it)."""
-    if isinstance(w, torch.Tensor):
-        if w.dim() != 3:
-            raise ValueError(
-                f"{name} must be E [out, in] tensors or one [E, out, in] tensor, got one tensor of "
-                f"shape {tuple(w.shape)}"
-            )
-        return w.shape[0]
-    ws = _checks.sequence(w)
-    return None if not ws else len(ws)
-
-
-def _shape(w: Any) -> tuple[int, int] | None:
-    """(out, in) of a plain group's first weight (None: a DistributedWeight, whose shard is not
-    the shape the GEMMs see, or something the layer's checks will name)."""
-    w0 = w if isinstance(w, torch.Tensor) else (_checks.sequence(w) or [None])[0]
-    if not isinstance(w0, torch.Tensor) or w0.dim() < 2 or dwp.is_distributed_weight(w0):
-        return None
-    N, K = w0.shape[-2:]
-    return N, K
-
-
-def check_options(activation: Any, save: Any) -> None:
-    """ValueError unless ``activation`` is one of :data:`ACTIVATIONS` and ``save`` one of
-    :data:`POLICIES` (also for the modules' constructors)."""
-    if not isinstance(activation, str) or activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
-    if not isinstance(save, str) or save not in POLICIES:
-        raise ValueError(
-            f"save must be one of {', '.join(map(repr, POLICIES))} (what forward keeps for backward), got {save!r}"
-        )
-
-
-def _check_args(x: Any, w1: Any, w2: Any, probs: Any, activation: str) -> None:
-    """The MLP's own checks, before any GEMM: each names the argument and the fix."""
-    _checks.tensor("x", x, ndim=2)
-    E1, E2 = _experts("w1", w1), _experts("w2", w2)
-    if E1 is not None and E2 is not None and E1 != E2:
-        raise ValueError(
-            f"w1 has {E1} experts but w2 has {E2}: fc1 and fc2 need one weight per expert each "
-            f"(w1: E x [{glu_width(activation)}F, H], w2: E x [H, F])"
-        )
-    s1, s2 = _shape(w1), _shape(w2)
-    if s1 is not None and s2 is not None:
-        (N1, K1), (_, F) = s1, s2
-        if x.shape[1] != K1:
-            raise ValueError(
-                f"x has {x.shape[1]} features but w1 is [{N1}, {K1}] per expert: x must be [T, {K1}], "
-                f"or w1 [{N1}, {x.shape[1]}]"
-            )
-        want = glu_width(activation) * F
-        if N1 != want:
-            if activation == "swiglu":
-                raise ValueError(
-                    f"w1 is [{N1}, {K1}] per expert but activation='swiglu' needs 2 * F = {want} out-features "
-                    f"(the gate half, then the up half; F = {F} is w2's in-features): make w1 [{want}, {K1}], or "
-                    f"use activation='gelu' or 'silu' with w1 [{F}, {K1}]"
-                )
-            hint = f" (a [{2 * F}, {K1}] w1 is for activation='swiglu')" if N1 == 2 * F else ""
-            raise ValueError(
-                f"w1 is [{N1}, {K1}] per expert but activation={activation!r} needs F = {F} "
-                f"out-features (w2's in-features): make w1 [{F}, {K1}]{hint}"
-            )
-    if probs is not None:
-        _checks.tensor("probs", probs)
-        T = x.shape[0]
-        if probs.dim() != 1 or probs.shape[0] != T:
-            fix = " (probs.reshape(-1))" if probs.numel() == T else ""
-            raise ValueError(
-                f"probs must be [T] = [{T}], one router weight per row of x, got shape "
-                f"{tuple(probs.shape)}: pass a 1-D tensor of {T} values{fix}"
-            )
-        if probs.device != x.device:
-            raise ValueError(f"probs is on {probs.device} but x is on {x.device}; move them to one device")
-
-
-def _in_layer(layer: str, fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` for fc1 or fc2, its argument errors prefixed with the layer and what its
-    arguments are called here."""
-    try:
-        return fn(*args)
-    except (ValueError, TypeError) as e:
-        names = ("x", "w1", "bias1") if layer == "fc1" else ("h = act(fc1_out) * probs", "w2", "bias2")
-        raise type(e)(
-            f"grouped_mlp's {layer} (its x is {names[0]}, its weights {names[1]}, its bias {names[2]}): {e}"
-        ) from e
-
-
 # --- forward --------------------------------------------------------------------------------------
 
 
 def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
     """Forward; with ``keep``, also the residual record (else None)."""
-    check_options(opts.activation, opts.save)
-    _check_args(x, w1, w2, probs, opts.activation)
-    if opts.save == "x_only" and opts.fc1.fp8 is not None:
-        raise ValueError(
-            "save='x_only' recomputes fc1's output from x, but with FP8 fc1 keeps only x's FP8 copy: "
-            "use save='default' or 'h' with recipe="
-        )
+    check_call(x, w1, w2, probs, opts.activation, opts.save, fp8=opts.fc1.fp8 is not None)
     weighted = probs is not None and bias2 is not None  # fc2's bias times probs, added after fc2
-    c1 = _in_layer("fc1", prepare, x, w1, splits, bias1, opts.fc1)
+    c1 = in_layer("fc1", prepare, x, w1, splits, bias1, opts.fc1)
     act = select(c1.plan.kernels, x)  # (fused on CUDA; each step below routes on its own operands)
     if keep:
         fc1_out, r1 = forward(c1, x, keep_x=_keep_x(opts.fc1))
@@ -258,7 +158,7 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
     k = activation_kernels(act, fc1_out, probs)
     # fc2 is planned on a stand-in with h's shape, so that with FP8 its plan can quantize h
     # straight from fc1_out (NOTE: [The activation as the load]); else h is written and read
-    c2 = _in_layer(
+    c2 = in_layer(
         "fc2", prepare, _h_like(fc1_out, opts.activation), w2, splits, None if weighted else bias2, opts.fc2, True
     )
     keep2 = keep and _keep_x(opts.fc2)
@@ -277,7 +177,7 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
         y, r2 = fprop(c2, h, xq=hq), None
     pb = None
     if weighted:
-        form = _in_layer("fc2", check_bias, bias2, c2.plan.num_experts, c2.plan.out_features, y)
+        form = in_layer("fc2", check_bias, bias2, c2.plan.num_experts, c2.plan.out_features, y)
         pb = _ProbsBias(bias2, form)
         y = activation_kernels(act, y, probs).probs_bias_fwd(y, _bias_EH(pb), probs, c2.split)
     if not keep:
@@ -582,6 +482,15 @@ def _options(
     return opts, (w1, w2, splits, bias1, bias2)
 
 
+def _keep_x_args(w1: Any, w2: Any, recipe: Any, fp8_state: Any) -> tuple[bool, bool]:
+    """Whether fc1 and fc2 keep their x's FP8 copy (only where a weight may get a grad); FP8
+    refused while compiling, as the layers refuse it."""
+    if recipe is None and fp8_state is None:
+        return True, True
+    _fp8.refuse_compile(recipe)
+    return _fp8.wgrad_possible(w1), _fp8.wgrad_possible(w2)
+
+
 def grouped_mlp(
     x: torch.Tensor,
     w1: WeightsArg,
@@ -627,10 +536,7 @@ def grouped_mlp(
     given), the grads come in their inputs' dtypes (NOTE: [Autocast] in ``_amp.py``).
     """
     fuse = _checks.fuse_flag(fuse_wgrad_accumulation)
-    keep_x = (True, True)
-    if recipe is not None or fp8_state is not None:
-        _fp8.refuse_compile(recipe)
-        keep_x = (_fp8.wgrad_possible(w1), _fp8.wgrad_possible(w2))
+    keep_x = _keep_x_args(w1, w2, recipe, fp8_state)
     amp = _amp.dtype(x)
     args = (w1, w2, splits, bias1, bias2)
     opts, (w1, w2, splits, bias1, bias2) = _options(

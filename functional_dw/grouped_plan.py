@@ -18,7 +18,7 @@ import torch
 from . import _checks, _fp8
 from ._checks import PLAIN_TYPES
 from .kernels import Kernels, get_kernels, packed as packed_view
-from .plan import Options, PlanCache, choose_path, eager_plain, tensor_key, weights_key
+from .plan import Options, PlanCache, choose_path, eager_plain, options_key, tensor_key, weights_key
 
 __all__ = [
     "GroupedPlan",
@@ -241,8 +241,7 @@ def _kernels_and_path(x: torch.Tensor, w_ENK: WeightsArg, opts: Options) -> tupl
 
 def plan_key(x: Any, weights: Any, splits: Any, bias: Any, opts: Options) -> Any:
     """The cache key of a plain eager call (NOTE: [Plan once, run lean]): what :func:`make_plan`
-    reads of each argument, and every option (by type and value: ``True`` is not ``1``; the FP8
-    arguments by :func:`_fp8.plan_key`). None: plan afresh."""
+    reads of each argument, and every option (:func:`plan.options_key`). None: plan afresh."""
     if type(x) not in PLAIN_TYPES or x.is_nested or x.layout != torch.strided or not eager_plain():
         return None  # (T is data: x's key is its other dims)
     wk = _group_key(weights)
@@ -259,7 +258,7 @@ def plan_key(x: Any, weights: Any, splits: Any, bias: Any, opts: Options) -> Any
     fk = _fp8.plan_key(opts.fp8)
     if (bias is not None and bk is None) or sk is None or (opts.fp8 is not None and fk is None):
         return None
-    return x.shape[1:], x.dtype, x.device, wk, bk, sk, tuple((type(v), v) for v in opts._replace(fp8=fk))
+    return x.shape[1:], x.dtype, x.device, wk, bk, sk, options_key(opts, fk)
 
 
 def _group_key(ts: Any) -> Any:

@@ -19,10 +19,11 @@ import torch
 
 from . import _checks, _fp8, fp8
 from .grouped_linear import grouped_linear
-from .grouped_mlp import check_options, grouped_mlp
+from .grouped_mlp import grouped_mlp
 from .kernels.activation import glu_width
 from .kernels import packed
 from .linear import linear
+from .mlp_checks import check_options
 from .nn_fp8 import FP8Module, reset_state, te_autocast_recipe  # noqa: F401  (te_autocast_recipe: nn's name)
 
 __all__ = ["Linear", "GroupedLinear", "GroupedMLP", "remap_layouts"]

@@ -428,8 +428,8 @@ def _fake_te(mp, moe):
     from functional_dw import fp8
     from functional_dw.kernels import get_kernels as real_get
 
-    gl = sys.modules["functional_dw.grouped_linear"]
-    mp.setattr(gl, "get_kernels", lambda backend, x, w=None: real_get("torch" if backend == "te" else backend, x, w))
+    gp = sys.modules["functional_dw.grouped_plan"]  # (where grouped_linear's plan picks its kernels)
+    mp.setattr(gp, "get_kernels", lambda backend, x, w=None: real_get("torch" if backend == "te" else backend, x, w))
 
     class Manager:
         recipe = None

@@ -858,7 +858,7 @@ def _fresh_grouped():
         gl_mod._bwd,
         nondiff_argnums=(4,),
         primal=gl_mod._primal,
-        jvp=gl_mod._jvp,
+        jvp=gl_mod.jvp,
         vmap=gl_mod._vmap,
         name="grouped_linear",
     )

@@ -39,6 +39,7 @@ import functional_dw as fd
 from functional_dw import fp8
 from functional_dw._bridge_residuals import ctx_residuals
 from functional_dw.grouped_plan import PLANS
+from functional_dw.plan import Options
 from functional_dw.kernels import packed
 
 gl = importlib.import_module("functional_dw.grouped_linear")  # (fd.grouped_linear is the function)
@@ -1347,3 +1348,62 @@ def test_fallback_warning_points_at_the_callers_line():
         line = __import__("inspect").currentframe().f_lineno - 1
     (w,) = [c for c in caught if "use_grouped_tensor=True" in str(c.message)]
     assert w.filename == __file__ and w.lineno == line
+
+
+# --- linear's plan, the options in every key, grouped_linear's seam ------------------------------
+
+lin = importlib.import_module("functional_dw.linear")  # (fd.linear is the function)
+
+
+def test_linear_makes_one_plan_per_signature_and_skips_no_check():
+    """linear plans as grouped_linear does: x's leading dims are data (one plan for a training
+    loop), anything the plan reads makes a new one, and a call its checks refuse is refused
+    after a cached call too."""
+    lin.PLANS.clear()
+    w = torch.randn(N, K, requires_grad=True)
+    b = torch.randn(N, requires_grad=True)
+    for lead in ((4,), (2, 7), (16,)):
+        x = torch.randn(*lead, K, requires_grad=True)
+        y = fd.linear(x, w, b)
+        y.sum().backward()
+        torch.testing.assert_close(y, x @ w.T + b)
+    assert len(lin.PLANS) == 1
+    fd.linear(torch.randn(3, K, dtype=torch.float64), w.detach().double())  # another dtype, no bias
+    assert len(lin.PLANS) == 2
+    with pytest.raises(ValueError, match=r"bias must have shape \(48,\), got \(47,\)"):
+        fd.linear(torch.randn(3, K), w, torch.randn(N - 1))
+    with pytest.raises(ValueError, match="x has 31 features but weight is"):
+        fd.linear(torch.randn(3, K - 1), w)
+    assert len(lin.PLANS) == 2
+    lin.PLANS.clear()
+
+
+@pytest.mark.parametrize("layer", ["linear", "grouped_linear"])
+def test_an_option_is_keyed_by_its_type_too(layer):
+    """``0 == False`` (and their hashes agree), but only a bool passes the flag's check: a key of
+    values alone would hand a cached plan to a call its check refuses (plan.options_key)."""
+    w = torch.randn(N, K)
+    if layer == "linear":
+        call = lambda fuse: fd.linear_fwd(torch.randn(4, K), w, fuse_wgrad_accumulation=fuse)
+    else:
+        call = lambda fuse: fd.grouped_linear_fwd(torch.randn(T, K), [w] * E, SPLITS, fuse_wgrad_accumulation=fuse)
+    call(False)  # planned and cached
+    with pytest.raises(TypeError, match="fuse_wgrad_accumulation must be a bool, got int"):
+        call(0)
+    lin.PLANS.clear()
+
+
+def test_a_call_prepared_from_a_stand_in_runs_on_the_x_it_is_given():
+    """grouped_linear's seam (NOTE: [The layer's seam]): a call prepared from a stand-in with x's
+    shape holds no input; fprop and forward compute on the x they are given, and the residuals
+    save that x as given (grouped_mlp's fc2 runs so on h)."""
+    x = torch.randn(T, 2 * K)[:, ::2]  # not contiguous: the GEMMs read a dense copy
+    ws = [torch.randn(N, K) for _ in range(E)]
+    opts = Options()
+    c = gl.prepare(torch.zeros(T, K), ws, gl.HostSplits(SPLITS), None, opts, stand_in=True)
+    assert c.x_TK is None
+    want, _ = fd.grouped_linear_fwd(x, ws, SPLITS)
+    torch.testing.assert_close(want, ref_grouped(x, ws, list(SPLITS)))
+    y, res = gl.forward(c, x, keep_x=True)
+    assert torch.equal(y, want) and res.x_TK is x
+    assert torch.equal(gl.fprop(c, x), want)
