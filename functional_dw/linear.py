@@ -81,7 +81,10 @@ def make_plan(x: torch.Tensor, w_NK: torch.Tensor, distributed: bool, bias: Any,
         _checks.shape("bias", bias, (N,))
         _checks.like("bias", bias, x)
     kernels = get_kernels(opts.backend, x)
-    fp8_plan = _fp8.plan(*_fp8.unpack_args(opts.fp8), 1, x, kernels, grouped=False)
+    recipe, fp8_state = _fp8.unpack_args(opts.fp8)
+    fp8_plan = None
+    if recipe is not None or fp8_state is not None:
+        fp8_plan = _fp8.plan(recipe, fp8_state, 1, x, kernels, grouped=False)
     return LinearPlan(kernels, distributed, N, K, opts.fuse_wgrad_accumulation, fp8_plan, opts.amp)
 
 
