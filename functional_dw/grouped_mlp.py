@@ -3,8 +3,8 @@
     h = act(x W1_e^T + b1_e) * probs          (per expert e on its rows; SwiGLU: silu(gate) * up)
     y = h W2_e^T + b2_e * probs                (fc2's bias weighted by probs, as Megatron's _apply_bias)
 
-``grouped_mlp_fwd`` runs fc1's and fc2's own forward (``grouped_linear``'s ``prepare``/``_forward``,
-the options path of ``grouped_linear_fwd``) with the activation in between, and its residual
+``grouped_mlp_fwd`` runs fc1's and fc2's own forward (``grouped_linear``'s ``prepare``/``forward``,
+the options path of ``grouped_linear_fwd``: NOTE: [The layer's seam]) with the activation in between, and its residual
 record NESTS theirs: ``res.fc1`` and ``res.fc2`` are the two layers' ``GroupedLinearResiduals``.
 ``grouped_mlp_bwd`` is fc2's ``grouped_linear_bwd``, the activation's backward, then fc1's
 ``grouped_linear_bwd``. ``grouped_mlp`` joins the pair through the one bridge, ``custom_vjp``,
@@ -168,9 +168,8 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
             c2.kernels, k, fc1_out, probs, opts.activation, c2.split, rowwise=True, columnwise=keep2
         )
     if hq is None:
-        h = k.act_fwd(
-            fc1_out, probs, opts.activation
-        )  # (made dense by fc2: a backend's act_fwd may return any strides)
+        # (fc2 reads it dense: a backend's own act_fwd may return any strides)
+        h = k.act_fwd(fc1_out, probs, opts.activation)
     if keep:
         y, r2 = forward(c2, h, keep_x=_keep_x(opts.fc2), xq=hq)
     else:
