@@ -173,7 +173,7 @@ def prepare(x, weights, splits, bias, opts: Options, stand_in: bool = False) -> 
     w_ENK = _weights_view(plan, params, w_ENK, cached=key is not None)
     split = _as_splits(splits, plan.num_experts, x)
     b_EN = None if bias is None else (bias if plan.bias_form == "stacked" else stacked(bias))
-    path = _fp8_path(plan, split, x.shape[0], opts)
+    path = _path_for_counts(plan, split, x.shape[0], opts)
     x_TK = None if stand_in else _checks.dense(x)
     kernels, grouped = route(
         plan.kernels, path == "grouped", x if stand_in else x_TK, w_ENK, one_path=_one_path(plan.fp8)
@@ -195,7 +195,7 @@ def _weights_view(plan: GroupedPlan, params: tuple, w_ENK: WeightsArg, cached: b
     return w_ENK
 
 
-def _fp8_path(plan: GroupedPlan, split: Splits, T: int, opts: Options) -> str:
+def _path_for_counts(plan: GroupedPlan, split: Splits, T: int, opts: Options) -> str:
     """The plan's path, checked against the split counts (data): the split path's host sizes;
     with FP8, split where the recipe cannot quantize these counts grouped, and the counts'
     multiples (device-only counts: not checked, a sync)."""
