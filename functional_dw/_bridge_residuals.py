@@ -4,7 +4,7 @@ gradients]), rebound to each torch.func level's own weights (NOTE: [Context per 
 for a call vmap ran once per element, each element's own (:func:`per_element`, NOTE: [vmap] in
 ``custom_vjp.py``).
 
-``call`` below is the bridge's ``_Call`` (its ``rules``, ``in_spec``, ``out_spec``, ``plan``,
+``call`` below is the bridge's ``_BridgeCall`` (its ``rules``, ``in_spec``, ``out_spec``, ``sources``,
 ``res_spec``, ``elements``, ``in_ids``, ``level``; ``resolve()``), read, never written.
 """
 
@@ -46,10 +46,10 @@ def live(t: torch.Tensor) -> torch.Tensor:
 
 
 def rebuild(call: Any, saved: Any, mask: Any) -> Any:
-    """``call``'s residuals from its saved tensors, in plan order, and its by-reference leaves;
-    ``mask``: autograd's ``needs_input_grad`` less the _Call's slot, or None."""
+    """``call``'s residuals from its saved tensors, in ``sources`` order, and its by-reference leaves;
+    ``mask``: autograd's ``needs_input_grad`` less the _BridgeCall's slot, or None."""
     saved = iter(saved)
-    leaves = [value if kind == "ref" else next(saved) for kind, value in call.plan]
+    leaves = [value if kind == "ref" else next(saved) for kind, value in call.sources]
     spec = call.res_spec
     if isinstance(spec, RecordSpec):
         return spec.unflatten(leaves, _needs(call, mask, spec.cls))
@@ -84,7 +84,7 @@ def _needs(call: Any, mask: Any, cls: type) -> Any:
 #   So ``setup_context``, under a transform, maps each tensor the context holds to the level's
 #   input that wraps it (``ctx.rebind``: id -> the level's tensor; weights, which outlive the
 #   graph; never an activation, which goes through ``save_for_backward``), and
-#   :func:`_residuals` rebinds the record to them. (A vmap fold rule's element plan runs ``fwd``
+#   :func:`_residuals` rebinds the record to them. (A vmap fold rule's element sources run ``fwd``
 #   on that level's inputs: its context may hold a lower level's wrapper, which is matched the
 #   same way, anywhere in the input's chain of wrappers.) Saved tensors need nothing: autograd
 #   hands each level its own. A call vmap ran per element keeps each element's own context

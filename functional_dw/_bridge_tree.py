@@ -36,7 +36,7 @@ __all__ = [
     "is_tensor",
     "output_leaves",
     "pair",
-    "residual_plan",
+    "residual_sources",
     "tree_of",
     "unflatten_out",
 ]
@@ -195,7 +195,7 @@ def output_leaves(out: Any, spec: Any) -> list:
     return [out] if spec is None else spec.flatten_up_to(out)
 
 
-def residual_plan(
+def residual_sources(
     res: Any, in_leaves: tuple, tree: Any, out_leaves: tuple = ()
 ) -> tuple[list, list[torch.Tensor], Any]:
     """How each residual leaf is kept: ("in", i) an input, ("y", j) fwd's output j (saved as
@@ -205,29 +205,29 @@ def residual_plan(
     A residual record splits itself (no pytree walk), except in a traced graph."""
     parts = None if torch.compiler.is_compiling() else split(res)
     leaves, spec = parts if parts is not None else tree.tree_flatten(res)
-    plan, extra = [], []
+    sources, extra = [], []
     for leaf in leaves:
         if not is_tensor(leaf):
-            plan.append(("ref", leaf))
+            sources.append(("ref", leaf))
             continue
         for i, t in enumerate(in_leaves):
             if t is leaf:
-                plan.append(("in", i))
+                sources.append(("in", i))
                 break
         else:
             for j, t in enumerate(out_leaves):
                 if t is leaf:
-                    plan.append(("y", j))
+                    sources.append(("y", j))
                     break
             else:
-                plan.append(("out", len(extra)))
+                sources.append(("out", len(extra)))
                 # NOTE: [Closed-over tensors] A residual fwd did not make (it closed over a
                 # Parameter or a non-leaf: fwd runs under no_grad, so only such a tensor requires
                 # grad) is saved as a constant: a detached alias, because autograd detaches a
                 # non-differentiable output in place, which would freeze the caller's Parameter
                 # or cut its non-leaf from the graph.
                 extra.append(leaf.detach() if leaf.requires_grad else leaf)
-    return plan, extra, spec
+    return sources, extra, spec
 
 
 # NOTE: [Outputs are new tensors] autograd attaches the node to each output tensor object in

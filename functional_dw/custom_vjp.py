@@ -25,7 +25,7 @@ Example::
     sin = custom_vjp(sin_fwd, sin_bwd)
     torch.func.grad(lambda x: sin(x).sum())(torch.ones(3))   # cos(1) three times
 
-The pieces below, one at a time: :class:`_Call` (one call's structure), :class:`_Bridge` (the
+The pieces below, one at a time: :class:`_BridgeCall` (one call's structure), :class:`_Bridge` (the
 Function: ``forward``, ``setup_context``, ``backward``, ``jvp``, ``vmap``, ``apply``), the
 transform rules (:func:`_vmap_rule`), and :func:`custom_vjp`, which picks the entry per mode.
 Two modules hold the rest: ``_bridge_tree.py`` (arguments, outputs, residuals and cotangents as
@@ -58,7 +58,7 @@ from ._bridge_tree import (
     is_tensor,
     output_leaves,
     pair,
-    residual_plan,
+    residual_sources,
     tree_of,
     unflatten_out,
 )
@@ -83,13 +83,13 @@ __all__ = ["custom_vjp"]
 #   Every mode (eager autograd, ``torch.func``, ``torch.compile``) runs the same setup_context
 #   style Function, :class:`_Bridge` (one subclass per pair, named after it). Its ``forward``
 #   cannot see ``ctx``, so the structure it learns (the output's pytree spec, how to rebuild
-#   the residuals) travels on a :class:`_Call` object, the Function's first input, which
+#   the residuals) travels on a :class:`_BridgeCall` object, the Function's first input, which
 #   ``setup_context`` then keeps on ``ctx``. One rule per mode: NOTE: [autograd], NOTE:
 #   [torch.func grad and vjp], NOTE: [jvp], NOTE: [vmap], NOTE: [torch.compile].
 
 # NOTE: [nondiff_argnums]
 #   Arguments named by ``nondiff_argnums`` (a layer's options: flags, backend, FP8 recipe) ride
-#   on the :class:`_Call` by reference: they are not leaves of the Function (no flattening, no
+#   on the :class:`_BridgeCall` by reference: they are not leaves of the Function (no flattening, no
 #   autograd input), and ``bwd`` returns one cotangent per *other* argument, so a layer's
 #   backward returns ``(dx, dw, dsplits, dbias)``, not a tuple padded with a None per option.
 #   Example: ``custom_vjp(f_fwd, f_bwd, nondiff_argnums=(2,))`` for ``f(x, w, opts)``: ``f_bwd``
@@ -152,13 +152,13 @@ class _Rules:
         self.Traced = type(f"CustomVJP_{tag}_traced", (self.Function,), {"jvp": default_jvp})
 
 
-class _Call:
+class _BridgeCall:
     """One call's structure, the Function's first input (NOTE: [One Function]).
 
     The caller sets ``rules``, ``in_spec`` (the differentiable arguments' structure: the
     Function's other inputs are its leaves) and ``static`` (the nondiff arguments, by reference). ``forward`` sets ``out_spec`` (None: one tensor), ``n_out`` (the
-    outputs before the extra ones) and ``plan``/``res_spec`` (how ``backward`` rebuilds the
-    residuals). A vmap rule may leave ``pending``, which makes the plan when first asked
+    outputs before the extra ones) and ``sources``/``res_spec`` (where each residual leaf comes from, and how ``backward``
+    rebuilds the residuals). A vmap rule may leave ``pending``, which makes them when first asked
     (NOTE: [vmap])."""
 
     __slots__ = (
@@ -167,7 +167,7 @@ class _Call:
         "static",
         "out_spec",
         "n_out",
-        "plan",
+        "sources",
         "res_spec",
         "pending",
         "out_meta",
@@ -178,7 +178,7 @@ class _Call:
 
     def __init__(self, rules: _Rules, in_spec: Any, static: tuple = ()) -> None:
         self.rules, self.in_spec, self.static, self.pending, self.out_meta = rules, in_spec, static, None, None
-        self.elements: list[_Call] | None = None  # vmap ran one call per element: theirs (NOTE: [vmap])
+        self.elements: list[_BridgeCall] | None = None  # vmap ran one call per element: theirs (NOTE: [vmap])
         self.in_ids: tuple = ()  # such an element's input leaves' bottom tensors, by id (NOTE: [Context per level])
         self.level: int | None = None  # with elements: the functorch level just below that vmap's
 
@@ -188,16 +188,21 @@ class _Call:
         values = self.static if static is True else (static,) * len(self.static)
         return _join(self.rules, self.in_spec.unflatten(leaves), values)
 
-    def adopt(self, inner: "_Call", pending: Any = None) -> None:
+    def adopt(self, inner: "_BridgeCall", pending: Any = None) -> None:
         """Take the structure of ``inner``, a call a vmap rule made for this one."""
-        self.out_spec, self.n_out, self.plan, self.res_spec = inner.out_spec, inner.n_out, inner.plan, inner.res_spec
+        self.out_spec, self.n_out, self.sources, self.res_spec = (
+            inner.out_spec,
+            inner.n_out,
+            inner.sources,
+            inner.res_spec,
+        )
         self.pending = pending
 
     def resolve(self) -> list:
         if self.pending is not None:
-            self.plan, self.res_spec = self.pending()
+            self.sources, self.res_spec = self.pending()
             self.pending = None
-        return self.plan
+        return self.sources
 
 
 def _split(rules: _Rules, args: tuple) -> tuple[tuple, tuple]:
@@ -255,7 +260,7 @@ def _run(rules: _Rules, args: tuple, tree: Any, function: type, gate: bool) -> A
     in_leaves, in_spec = flatten_args(diff, tree)
     if gate and not _needs_grad(in_leaves):
         return rules.primal(*args)
-    call = _Call(rules, in_spec, static)
+    call = _BridgeCall(rules, in_spec, static)
     flat = function.apply(call, *in_leaves)
     return unflatten_out(flat[: call.n_out], call.out_spec)
 
@@ -265,16 +270,16 @@ def _run(rules: _Rules, args: tuple, tree: Any, function: type, gate: bool) -> A
 
 class _Bridge(torch.autograd.Function):
     """The bridge as one setup_context style Function; :class:`_Rules` subclasses it per pair.
-    Inputs: a :class:`_Call`, then the leaves of ``fwd``'s arguments. Outputs: the leaves of
+    Inputs: a :class:`_BridgeCall`, then the leaves of ``fwd``'s arguments. Outputs: the leaves of
     ``fwd``'s output, then the intermediate residuals (NOTE: [What goes where])."""
 
     @staticmethod
-    def forward(call: _Call, *in_leaves: Any) -> tuple:  # type: ignore[override]
+    def forward(call: _BridgeCall, *in_leaves: Any) -> tuple:  # type: ignore[override]
         rules = call.rules
         tree = tree_of(call.in_spec)
         out, res = pair(rules.fwd(*call.args(in_leaves)), rules.name)
         out_leaves, call.out_spec = flatten_out(out, tree, rules.name)
-        call.plan, extra, call.res_spec = residual_plan(res, in_leaves, tree, out_leaves)
+        call.sources, extra, call.res_spec = residual_sources(res, in_leaves, tree, out_leaves)
         call.n_out = len(out_leaves)
         return (*fresh_outputs(out_leaves, in_leaves), *extra)
 
@@ -327,11 +332,11 @@ class _Bridge(torch.autograd.Function):
             t_out = per_element(ctx, "jvp", tangents)
         else:
             t_out = output_leaves(call.rules.jvp(ctx_residuals(ctx), call.in_spec.unflatten(tangents)), call.out_spec)
-        n_extra = sum(kind == "out" for kind, _ in call.plan)
+        n_extra = sum(kind == "out" for kind, _ in call.sources)
         return (*t_out, *[None] * n_extra)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, call: _Call, *in_leaves: Any) -> tuple:
+    def vmap(info: Any, in_dims: tuple, call: _BridgeCall, *in_leaves: Any) -> tuple:
         return _vmap_rule(info.batch_size, in_dims[1:], call, in_leaves)
 
     # NOTE: [Fast apply] torch's ``Function.apply`` binds the arguments to ``forward``'s
@@ -358,7 +363,7 @@ class _Bridge(torch.autograd.Function):
 # there is none (hence not materialized); the extra outputs get no tangent. Only when
 # forward mode is on at forward time does ``setup_context`` keep the residuals for it
 # (``save_for_forward``: a strong ref, which would defeat offloading).
-def _grads_as_given(ctx: Any, call: _Call, saved: list, output: tuple) -> None:
+def _grads_as_given(ctx: Any, call: _BridgeCall, saved: list, output: tuple) -> None:
     """Grads and tangents not materialized: backward fills a missing output grad with zeros
     itself, and gets no zeros for the extra outputs (activation-sized intermediates), which it
     ignores. (Dynamo has neither this nor forward mode: a compiled graph's grads are tensors.)
@@ -381,11 +386,11 @@ _JVP_OF_JVP = (
 # --- the transform rules -------------------------------------------------------------------------
 
 
-def _apply_inner(rules: _Rules, args: Any) -> tuple[tuple, _Call]:
+def _apply_inner(rules: _Rules, args: Any) -> tuple[tuple, _BridgeCall]:
     """One call of the Function from inside a vmap rule: (all outputs, its structure)."""
     diff, static = _split(rules, args)
     in_leaves, in_spec = flatten_args(diff, fast_pytree)
-    inner = _Call(rules, in_spec, static)
+    inner = _BridgeCall(rules, in_spec, static)
     return rules.Function.apply(inner, *in_leaves), inner
 
 
@@ -395,8 +400,8 @@ def _apply_inner(rules: _Rules, args: Any) -> tuple[tuple, _Call]:
 #
 # Under ``vmap(grad(f))`` the grad level then runs ``setup_context`` on our outputs with
 # per-element semantics. A folded call's residuals hold folded context (e.g. splits * B),
-# so the grad level gets the plan of one element instead: ``fwd`` on element 0, run only
-# when asked (:func:`_element_plan`; plain ``vmap`` never asks). A fold shares the weights
+# so the grad level gets the residual sources of one element instead: ``fwd`` on element 0, run only
+# when asked (:func:`_element_sources`; plain ``vmap`` never asks). A fold shares the weights
 # and splits across the batch, so element 0's context is every element's.
 #
 # A call run per element (batched weights: an ensemble; batched splits) keeps each element's
@@ -406,7 +411,7 @@ def _apply_inner(rules: _Rules, args: Any) -> tuple[tuple, _Call]:
 # and the level's weights (NOTE: [Context per level]) and runs each element's rule on that
 # element's residuals; at any other vmap level (jacrev's basis) it applies itself once per
 # that level's element. Differentiating that backward once more is refused.
-def _vmap_rule(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> tuple:
+def _vmap_rule(batch_size: int, dims: tuple, call: _BridgeCall, in_leaves: tuple) -> tuple:
     """The Function's vmap rule: one call with the batch folded in by the pair's ``vmap`` rule,
     else one call per batch element (NOTE: [vmap])."""
     rules = call.rules
@@ -415,14 +420,14 @@ def _vmap_rule(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> t
         return _vmap_loop(batch_size, dims, call, in_leaves)
     new_args, unfold = folded
     flat, inner = _apply_inner(rules, new_args)
-    call.adopt(inner, functools.partial(_element_plan, call, in_leaves, dims))
+    call.adopt(inner, functools.partial(_element_sources, call, in_leaves, dims))
     out, out_dims = unfold(unflatten_out(flat[: inner.n_out], inner.out_spec))
     n_extra = len(flat) - inner.n_out
     out_leaves, dims_out = output_leaves(out, inner.out_spec), output_leaves(out_dims, inner.out_spec)
     return (*out_leaves, *flat[inner.n_out :]), (*dims_out, *[None] * n_extra)
 
 
-def _vmap_loop(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> tuple:
+def _vmap_loop(batch_size: int, dims: tuple, call: _BridgeCall, in_leaves: tuple) -> tuple:
     """One call per batch element; every output stacked along dim 0. ``call`` keeps every
     element's call: each element's backward and jvp read its own context (NOTE: [vmap])."""
     results, elements = [], []
@@ -444,16 +449,16 @@ def _vmap_loop(batch_size: int, dims: tuple, call: _Call, in_leaves: tuple) -> t
     return flat, (0,) * len(flat)
 
 
-def _element_plan(call: _Call, in_leaves: tuple, dims: tuple) -> tuple[list, Any]:
-    """The residual plan of batch element 0 (see NOTE: [vmap])."""
+def _element_sources(call: _BridgeCall, in_leaves: tuple, dims: tuple) -> tuple[list, Any]:
+    """The residual sources of batch element 0 (see NOTE: [vmap])."""
     rules = call.rules
     sliced = tuple(t if d is None else t.select(d, 0) for t, d in zip(in_leaves, dims))
     with torch.no_grad():
         _, res = pair(rules.fwd(*call.args(sliced)), rules.name)
-    plan, extra, res_spec = residual_plan(res, sliced, tree_of(call.in_spec))
+    sources, extra, res_spec = residual_sources(res, sliced, tree_of(call.in_spec))
     if extra:
         raise NotImplementedError(f"custom_vjp({rules.name}): a vmap fold rule needs residuals that are inputs")
-    return plan, res_spec
+    return sources, res_spec
 
 
 # --- the bridge ----------------------------------------------------------------------------------
@@ -470,7 +475,7 @@ def _element_plan(call: _Call, in_leaves: tuple, dims: tuple) -> tuple[list, Any
 # mode: NOTE: [jvp]; vmap: NOTE: [vmap].
 #
 # NOTE: [torch.compile] Dynamo traces ``forward`` and ``setup_context`` as one function
-# (with the writes to the _Call, made inside the traced region) and then ``backward``,
+# (with the writes to the _BridgeCall, made inside the traced region) and then ``backward``,
 # on the Python pytree. It refuses a Function that defines ``jvp``, hence
 # ``rules.Traced``; it has no ``set_materialize_grads`` nor ``save_for_forward``, which
 # only forward mode uses (there is no forward mode in a compiled graph).

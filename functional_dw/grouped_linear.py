@@ -7,10 +7,9 @@ Legend: ``T`` tokens, ``K`` in-features, ``N`` out-features, ``E`` experts.
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -18,9 +17,10 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import _amp, _checks, _fp8, _steps, distributed_weight as dwp
 from .custom_vjp import custom_vjp
-from ._checks import PLAIN_TYPES
-from .kernels import Kernels, Splits, as_one_buffer, check_sizes, get_kernels, packed as packed_view, stacked
-from .plan import Options, PlanCache, choose_path, eager_plain, route, tensor_key, weights_key, wgrad_grouped
+from .grouped_plan import PLANS, GroupedPlan, HostSplits, SplitsArg, WeightsArg, as_params, make_plan
+from .grouped_plan import normalize_args, plan_key
+from .kernels import Kernels, Splits, as_one_buffer, check_sizes, packed as packed_view, stacked
+from .plan import Options, route, wgrad_grouped
 from .kernels.torch_ref import expert_sums
 from .residuals import any_needed, needed, residuals, saved
 
@@ -33,17 +33,15 @@ __all__ = [
     "grouped_linear_bwd_wgrad",
 ]
 
-WeightsArg = Union[Sequence[torch.Tensor], torch.Tensor]
-_SIG = operator.attrgetter("shape", "dtype", "device", "layout")
+# NOTE: [The layer's seam] Besides the pure pair, the layer's steps are public names that its
+# own bridge (``_fwd``, ``_primal``, the jvp rule) and ``grouped_mlp`` (fc1 and fc2) both run:
+# :func:`prepare` (a checked call, :class:`GroupedCall`, from x or from a stand-in with x's
+# shape), :func:`fprop` and :func:`forward` (from x, or from x's ready FP8 copies), and for
+# backward :func:`check_dy`, :func:`saved_x`, :func:`one_buffer` and the jvp rule :func:`jvp`.
+# The per-call-signature plan lives in ``grouped_plan.py``. Nothing else of this module is
+# read from outside it.
+
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-
-
-class _HostSplits(tuple):
-    """Host split sizes as ONE pytree leaf (a tuple subclass is not a registered pytree node),
-    so the autograd bridge does not flatten E ints on every call."""
-
-
-SplitsArg = Union[Sequence[int], torch.Tensor]
 
 
 @residuals
@@ -78,60 +76,6 @@ def _wanted(res: GroupedLinearResiduals) -> tuple[bool, bool, bool]:
         return True, True, True
     x, w, _, b = res.needs[:4]
     return bool(x), any_needed(w), any_needed(b)
-
-
-def _as_params(weights: WeightsArg) -> tuple[tuple[torch.Tensor, ...], bool]:
-    """The parameters autograd sees, and whether they are one stacked ``[E, N, K]`` tensor."""
-    if isinstance(weights, torch.Tensor):
-        _checks.tensor("weights", weights, ndim=3)
-        return (weights,), True
-    ws = _checks.sequence(weights)
-    if not ws:
-        raise TypeError(
-            "weights must be a non-empty sequence of [out, in] tensors or one [E, out, in] tensor, "
-            f"got {type(weights).__name__}{' (empty)' if ws == [] else ''}"
-        )
-    for e, w in enumerate(ws):
-        if not isinstance(w, torch.Tensor):
-            _checks.tensor(f"weights[{e}]", w)  # raises, naming it; the rest is checked once
-    return tuple(ws), False  # materialized (_check_weights)
-
-
-def _check_weights(ws: Sequence[torch.Tensor], ndim: int, x: torch.Tensor) -> None:
-    """One cheap pass over the experts' weights; the slow path names the first bad one."""
-    if ndim == 2 and not torch.compiler.is_compiling() and set(map(type, ws)) <= _checks.PLAIN_TYPES:
-        # (C loops over E experts)
-        try:
-            sigs = set(map(_SIG, ws))
-        except RuntimeError:  # a (strided) nested tensor has no .shape: the slow path names it
-            sigs = ()
-        if len(sigs) == 1:
-            shape, dtype, device, layout = next(iter(sigs))
-            if len(shape) == 2 and dtype == x.dtype and device == x.device and layout == torch.strided:
-                return
-    w0 = ws[0]
-    ok = isinstance(w0, torch.Tensor) and not w0.is_nested and w0.dim() == ndim
-    if ok:
-        shape, dtype, device = w0.shape[-2:], x.dtype, x.device
-        ok = all(
-            isinstance(w, torch.Tensor)
-            and not w.is_nested
-            and w.dim() == ndim
-            and w.shape[-2:] == shape
-            and w.dtype == dtype
-            and w.device == device
-            and w.layout == torch.strided
-            for w in ws
-        )
-    if ok:
-        return
-    for e, w in enumerate(ws):
-        name = "weights" if ndim == 3 else f"weights[{e}]"
-        _checks.tensor(name, w, ndim=ndim)
-        if w.shape[-2:] != ws[0].shape[-2:]:
-            N, K = ws[0].shape[-2:]
-            raise ValueError(f"{name} is {tuple(w.shape)}; every expert's weight must be [{N}, {K}] like weights[0]")
-        _checks.like(name, w, x)
 
 
 def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
@@ -176,27 +120,7 @@ def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
     return Splits(host=host, tensor=tensor, device=x.device, num_tokens=T, num_experts=num_experts)
 
 
-def _check_bias(bias: Any, E: int, N: int, x: torch.Tensor) -> str | None:
-    """The bias's form: None, "stacked" (one ``[E, N]`` tensor) or "list" (E ``[N]`` tensors)."""
-    if bias is None:
-        return None
-    if isinstance(bias, torch.Tensor):
-        _checks.tensor("bias", bias, ndim=2)
-        _checks.shape("bias", bias, (E, N))
-        _checks.like("bias", bias, x)
-        return "stacked"
-    bs = _checks.sequence(bias)
-    if bs is None or len(bs) != E:
-        got = f"{len(bs)} items" if bs is not None else type(bias).__name__
-        raise ValueError(f"bias must be None, a sequence of {E} [{N}] tensors or one [{E}, {N}] tensor; got {got}")
-    for e, b in enumerate(bs):
-        _checks.tensor(f"bias[{e}]", b, ndim=1)
-        _checks.shape(f"bias[{e}]", b, (N,))
-        _checks.like(f"bias[{e}]", b, x)
-    return "list"  # stacked per call: slices of one buffer (nn.GroupedLinear's) as a view, no copy
-
-
-def _one_buffer(ws: Sequence[torch.Tensor], plan: GroupedPlan) -> WeightsArg:
+def one_buffer(ws: Sequence[torch.Tensor], plan: GroupedPlan) -> WeightsArg:
     """Backward's weights as one ``[E, N, K]`` view where forward found them one buffer (NOTE:
     [One buffer]) and they still are, else unchanged. Checked again (:func:`packed`, C loops
     over E): rebinding an expert's ``.data`` between forward and backward changes no version
@@ -207,165 +131,37 @@ def _one_buffer(ws: Sequence[torch.Tensor], plan: GroupedPlan) -> WeightsArg:
     return ws if one is None else one
 
 
-def _weight_shapes(w_ENK: WeightsArg, stacked: bool) -> list[tuple[int, ...]]:
-    return [tuple(w_ENK.shape)] if stacked else [tuple(w.shape) for w in w_ENK]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class GroupedPlan:
-    """What a grouped_linear call decides from metadata (NOTE: [Plan once, run lean] in
-    ``plan.py``): made by :func:`_plan`, cached per call signature, read by the run path."""
-
-    kernels: Kernels
-    path: str  # "grouped" (one kernel per product) or "split" (one GEMM per expert): what every product runs
-    why: str  # the reason for the path
-    warn: str | None  # use_grouped_tensor=True could not be honoured (warned at every call, as Python filters)
-    stacked: bool  # the weights are one [E, N, K] tensor
-    packed: bool  # E weights at consecutive addresses of one buffer: read as one [E, N, K] view (NOTE: [One buffer])
-    distributed: bool
-    shapes: tuple[tuple[int, ...], ...]  # the materialized weights'
-    num_experts: int
-    out_features: int
-    bias_form: str | None  # None, "list" (E x [N]) or "stacked" ([E, N])
-    fuse_wgrad_accumulation: bool
-    fp8: _fp8.Plan | None  # None: no FP8
-    amp: torch.dtype | None  # under autocast, the dtype the weights are cast to where they are
-    # materialized (NOTE: [Autocast] in ``_amp.py``); else None
-
-
-_PLANS = PlanCache()
-
-
-def _plan(
-    x: torch.Tensor, w_ENK: WeightsArg, stacked: bool, distributed: bool, bias: Any, opts: Options
-) -> GroupedPlan:
-    """Every decision of a call that metadata settles: the checks, the kernels, the GEMM path
-    and (with a recipe) the FP8 plan. ``w_ENK``: the materialized weights."""
-    _checks.tensor("x", x, ndim=2)
-    _checks.flag("fuse_wgrad_accumulation", opts.fuse_wgrad_accumulation)
-    use_grouped_tensor, backend, recipe, fp8_state = opts.use_grouped_tensor, opts.backend, *_fp8.unpack_args(opts.fp8)
-    if use_grouped_tensor is not None:
-        _checks.flag("use_grouped_tensor", use_grouped_tensor)
-    _check_weights([w_ENK] if stacked else w_ENK, 3 if stacked else 2, x)
-    shapes = _weight_shapes(w_ENK, stacked)
-    packed = not stacked and packed_view(w_ENK, layout_only=True) is not None  # (autograd: per call, _prepare)
-    E = shapes[0][0] if stacked else len(shapes)
-    N, K = shapes[0][-2:]
-    if E == 0:  # (a list cannot be empty: _as_params)
-        raise ValueError(
-            f"weights is one [0, {N}, {K}] tensor: a group needs at least one expert, [E, {N}, {K}] with E >= 1"
-        )
-    if x.shape[1] != K:
-        what = " (as materialize_group_for_forward() of the DistributedWeight returned them)" if distributed else ""
-        raise ValueError(f"x has {x.shape[1]} features but the weights are [{N}, {K}]{what}: x must be [T, {K}]")
-    bias_form = _check_bias(bias, E, N, x)
-    fixed = None  # (path, why) where the recipe's family fixes the path (RowwiseScaling: its grouped GEMM)
-    if recipe is not None:  # the family's backend (e.g. auto: TE's kernels) and path rules
-        ops = _fp8.family(recipe)
-        backend, fixed = ops.backend(backend), ops.fixed_path(use_grouped_tensor)
-    elif backend == "auto" and opts.fuse_wgrad_accumulation:  # torch's CUDA grouped GEMM cannot write an
-        backend = None  # fp32 main_grad (it writes bf16; TE's can, without a sync): auto is TE's kernels there
-    kernels = get_kernels(backend, x, w_ENK if use_grouped_tensor is not False else None)
-    if fixed is not None:
-        path, why = fixed
-    else:
-        why_not = (
-            kernels.grouped_path_unsupported(x, w_ENK)
-            if recipe is None
-            else kernels.grouped_path_unsupported(x, w_ENK, recipe=recipe)
-        )
-        path, why = choose_path(why_not, use_grouped_tensor)
-    warn = (
-        f"grouped_linear: use_grouped_tensor=True but {why}; running the split path"
-        if use_grouped_tensor and path == "split"
-        else None
-    )
-    fp8_plan = None
-    if recipe is not None or fp8_state is not None:
-        fp8_plan = _fp8.plan(recipe, fp8_state, E, x, kernels)
-        _fp8.check_dims(K, N)
-    return GroupedPlan(
-        kernels,
-        path,
-        why,
-        warn,
-        stacked,
-        packed,
-        distributed,
-        tuple(shapes),
-        E,
-        N,
-        bias_form,
-        opts.fuse_wgrad_accumulation,
-        fp8_plan,
-        opts.amp,
-    )
-
-
-def _plan_key(x: Any, weights: Any, splits: Any, bias: Any, opts: Options) -> Any:
-    """The cache key of a plain eager call (NOTE: [Plan once, run lean]); None: plan afresh."""
-    if type(x) not in PLAIN_TYPES or x.is_nested or x.layout != torch.strided or not eager_plain():
-        return None  # (T is data: x's key is its other dims)
-    if isinstance(weights, torch.Tensor):
-        wk = tensor_key(weights)
-        w0 = weights
-    elif isinstance(weights, (list, tuple)) and weights:
-        wk, w0 = weights_key(weights), weights[0]
-    else:
-        return None
-    if wk is None or getattr(w0, "is_distributed_weight", False):
-        return None
-    if bias is None:
-        bk = None
-    elif isinstance(bias, torch.Tensor):
-        bk = tensor_key(bias)
-    elif isinstance(bias, (list, tuple)) and bias:
-        bk = weights_key(bias)
-    else:
-        return None
-    if isinstance(splits, torch.Tensor):
-        sk = tensor_key(splits)
-    elif isinstance(splits, tuple):  # host ints (_HostSplits): checked per call
-        sk = "host"
-    else:
-        return None
-    fk = _fp8.plan_key(opts.fp8)
-    if (bias is not None and bk is None) or sk is None or (opts.fp8 is not None and fk is None):
-        return None
-    u, f = opts.use_grouped_tensor, opts.fuse_wgrad_accumulation
-    return x.shape[1:], x.dtype, x.device, wk, bk, sk, fk, type(f), f, type(u), u, opts.backend, opts.amp
-
-
-class _Call(NamedTuple):
-    """A checked call: its plan and what forward computes with."""
+class GroupedCall(NamedTuple):
+    """A checked call (NOTE: [The layer's seam]): its plan and what forward computes with."""
 
     plan: GroupedPlan
     params: tuple[torch.Tensor, ...]
     w_ENK: WeightsArg  # the materialized weights the GEMMs read (one [E, N, K] view when packed)
     split: Splits
     b_EN: torch.Tensor | None
-    x_TK: torch.Tensor
+    x_TK: torch.Tensor | None  # x, dense; None for a call prepared from a stand-in (fprop/forward take x)
     kernels: Kernels  # the plan's, or the reference under a transform (NOTE: [Transforms without a rule])
     path: str  # the plan's; split where the FP8 recipe cannot quantize these counts grouped, or routed so
     fp8: _fp8.Plan | None
 
 
-def _prepare(x, weights, splits, bias, opts: Options, stand_in: bool = False) -> _Call:
+def prepare(x, weights, splits, bias, opts: Options, stand_in: bool = False) -> GroupedCall:
     """The call's plan (cached: NOTE: [Plan once, run lean]), then what depends on data: the
     weights (gathered for a DistributedWeight), the split counts, the bias operand.
     ``stand_in``: x has the shape, dtype and device of the input but not its values (grouped_mlp's
-    fc2 before h exists): not made dense; the caller puts the input (or its FP8 copy) in."""
-    key = _plan_key(x, weights, splits, bias, opts)
-    plan = _PLANS.get(key) if key is not None else None
+    fc2 before h exists): the call holds no input; :func:`fprop`/:func:`forward` are given it (or
+    its FP8 copy)."""
+    key = plan_key(x, weights, splits, bias, opts)
+    plan = PLANS.get(key) if key is not None else None
     if plan is None:
         _checks.tensor("x", x, ndim=2)
-        params, one_tensor = _as_params(weights)
+        params, one_tensor = as_params(weights)
         distributed = dwp.is_distributed_weight(params[0])
         full = dwp.materialize(params, distributed, for_backward=False, like=x, amp=opts.amp)
         w_ENK = full[0] if one_tensor else full
-        plan = _plan(x, w_ENK, one_tensor, distributed, bias, opts)
+        plan = make_plan(x, w_ENK, one_tensor, distributed, bias, opts)
         if key is not None:
-            _PLANS.put(key, plan)
+            PLANS.put(key, plan)
     else:
         params = (weights,) if plan.stacked else tuple(weights)
         w_ENK = weights if plan.stacked else list(params)  # (a list, as materialize gives: the kernels see one form)
@@ -374,17 +170,38 @@ def _prepare(x, weights, splits, bias, opts: Options, stand_in: bool = False) ->
             w_ENK = w_ENK[0] if plan.stacked else w_ENK
     if plan.warn is not None:
         _checks.warn(plan.warn)
-    if plan.packed:  # one [E, N, K] view (NOTE: [One buffer]), unless autograd would have to record it
-        if key is None or plan.amp is not None:  # (cast weights are a buffer of this call's: found again)
-            one = packed_view(w_ENK)
-            w_ENK = w_ENK if one is None else one
-        elif not (torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, params))):
-            w_ENK = as_one_buffer(params)
+    w_ENK = _weights_view(plan, params, w_ENK, cached=key is not None)
     split = _as_splits(splits, plan.num_experts, x)
     b_EN = None if bias is None else (bias if plan.bias_form == "stacked" else stacked(bias))
+    path = _path_for_counts(plan, split, x.shape[0], opts)
+    x_TK = None if stand_in else _checks.dense(x)
+    kernels, grouped = route(
+        plan.kernels, path == "grouped", x if stand_in else x_TK, w_ENK, one_path=_one_path(plan.fp8)
+    )
+    fp8 = None if plan.fp8 is None else plan.fp8.bind(opts.fp8.state)  # NOTE: [The state is bound per call]
+    return GroupedCall(plan, params, w_ENK, split, b_EN, x_TK, kernels, "grouped" if grouped else "split", fp8)
+
+
+def _weights_view(plan: GroupedPlan, params: tuple, w_ENK: WeightsArg, cached: bool) -> WeightsArg:
+    """The weights the GEMMs read: one ``[E, N, K]`` view where the plan found one buffer (NOTE:
+    [One buffer]), unless autograd would have to record it."""
+    if not plan.packed:
+        return w_ENK
+    if not cached or plan.amp is not None:  # (cast weights are a buffer of this call's: found again)
+        one = packed_view(w_ENK)
+        return w_ENK if one is None else one
+    if not (torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, params))):
+        return as_one_buffer(params)
+    return w_ENK
+
+
+def _path_for_counts(plan: GroupedPlan, split: Splits, T: int, opts: Options) -> str:
+    """The plan's path, checked against the split counts (data): the split path's host sizes;
+    with FP8, split where the recipe cannot quantize these counts grouped, and the counts'
+    multiples (device-only counts: not checked, a sync)."""
     path = plan.path
     if path == "split" and split.host is None and not torch.compiler.is_compiling():
-        check_sizes(split.sizes(), x.shape[0])  # the split path syncs for host sizes anyway
+        check_sizes(split.sizes(), T)  # the split path syncs for host sizes anyway
     if plan.fp8 is not None:
         if path == "grouped" and not torch.compiler.is_compiling():
             why_not = plan.fp8.grouped_problem(split)  # data: the counts
@@ -393,27 +210,33 @@ def _prepare(x, weights, splits, bias, opts: Options, stand_in: bool = False) ->
                     _checks.warn(f"grouped_linear: use_grouped_tensor=True but {why_not}; running the split path")
                 path = "split"
         known = split.host if split.host is not None or path == "grouped" else split.sizes()
-        plan.fp8.check_counts(*plan.shapes[0][-2:][::-1], known)  # device-only counts: not checked (a sync)
-    x_TK = x if stand_in else _checks.dense(x)
-    kernels, grouped = route(plan.kernels, path == "grouped", x_TK, w_ENK, one_path=_one_path(plan.fp8))
-    fp8 = None if plan.fp8 is None else plan.fp8.bind(opts.fp8.state)  # NOTE: [The state is bound per call]
-    return _Call(plan, params, w_ENK, split, b_EN, x_TK, kernels, "grouped" if grouped else "split", fp8)
+        plan.fp8.check_counts(*plan.shapes[0][-2:][::-1], known)
+    return path
 
 
-def _fprop(c: _Call, xq: Any = None) -> torch.Tensor:
+def _input(c: GroupedCall, x: torch.Tensor | None) -> torch.Tensor | None:
+    """The dense input the GEMMs read: the call's, or (prepared from a stand-in) x."""
+    return c.x_TK if c.x_TK is not None or x is None else _checks.dense(x)
+
+
+def fprop(c: GroupedCall, x: torch.Tensor | None = None, xq: Any = None) -> torch.Tensor:
+    """y of a checked call, no residuals. ``x``: the input, for a call prepared from a
+    stand-in; ``xq``: with FP8, x already quantized (grouped_mlp's fused h)."""
     if c.fp8 is not None:
-        return _fprop_fp8(c, keep_x=False, keep_w=False, xq=xq)[0]
-    return c.kernels.grouped_fprop(c.x_TK, c.w_ENK, c.b_EN, c.split, c.path == "grouped")
+        return _fprop_fp8(c, _input(c, x), keep_x=False, keep_w=False, xq=xq)[0]
+    return c.kernels.grouped_fprop(_input(c, x), c.w_ENK, c.b_EN, c.split, c.path == "grouped")
 
 
-def _fprop_fp8(c: _Call, keep_x: bool, keep_w: bool, xq: Any = None) -> tuple[torch.Tensor, Any, _fp8.Plan]:
+def _fprop_fp8(
+    c: GroupedCall, x_TK: torch.Tensor | None, keep_x: bool, keep_w: bool, xq: Any = None
+) -> tuple[torch.Tensor, Any, _fp8.Plan]:
     """FP8 forward: x per expert and each weight quantized, the FP8 grouped GEMM; with
     ``keep_x``, also x's columnwise copy for wgrad; with ``keep_w``, the weights' for dgrad (on
-    the plan). ``xq``: x already quantized so (grouped_mlp's fused h). Returns (y, x's copy or
-    None, the call's plan for backward)."""
+    the plan). ``xq``: x already quantized so. Returns (y, x's copy or None, the call's plan for
+    backward)."""
     grouped, kernels, distributed = c.path == "grouped", c.kernels, c.plan.distributed
     if xq is None:
-        xq = c.fp8.quantize_x(kernels, c.x_TK, c.split, grouped, keep=keep_x)
+        xq = c.fp8.quantize_x(kernels, x_TK, c.split, grouped, keep=keep_x)
     wq, plan = c.fp8.quantize_weights(
         kernels, c.w_ENK, keep=keep_w and not distributed, params=None if distributed else c.params
     )
@@ -435,21 +258,23 @@ def grouped_linear_fwd(
 ) -> tuple[torch.Tensor, GroupedLinearResiduals]:
     """``y`` ``[T, N]`` and the residuals. x ``[T, K]``; weights E ``[N, K]`` or ``[E, N, K]``;
     ``recipe``/``fp8_state`` as for :func:`grouped_linear`."""
-    weights, splits, bias = _normalized(weights, splits, bias)
+    weights, splits, bias = normalize_args(weights, splits, bias)
     fp8_args = None if recipe is None and fp8_state is None else _fp8.Args(recipe, fp8_state)
     opts = Options(fuse_wgrad_accumulation, use_grouped_tensor, backend, fp8_args)
     with _amp.off(x):  # (in the dtypes given: NOTE: [Autocast] in _amp.py)
-        return _forward(_prepare(x, weights, splits, bias, opts), x, keep_x=True)
+        return forward(prepare(x, weights, splits, bias, opts), x, keep_x=True)
 
 
-def _forward(c: _Call, x: torch.Tensor | None, keep_x: bool, xq: Any = None):
-    """y and the residuals of a checked call; ``keep_x`` False (FP8, every weight frozen): no
-    FP8 copy of x is made or saved (wgrad, its only reader, never runs). ``xq``: with FP8, x
-    already quantized (both copies with ``keep_x``; x itself may then be None)."""
+def forward(c: GroupedCall, x: torch.Tensor | None, keep_x: bool, xq: Any = None):
+    """y and the residuals of a checked call, which save ``x`` as given (NOTE: [Saved x]; the
+    GEMMs read the call's dense x, or x where the call was prepared from a stand-in).
+    ``keep_x`` False (FP8, every weight frozen): no FP8 copy of x is made or saved (wgrad, its
+    only reader, never runs). ``xq``: with FP8, x already quantized (both copies with
+    ``keep_x``; x itself may then be None)."""
     if c.fp8 is None:
-        y, x_saved, plan = _fprop(c), x, None
+        y, x_saved, plan = fprop(c, x), x, None
     else:
-        y, x_saved, plan = _fprop_fp8(c, keep_x=keep_x, keep_w=True, xq=xq)
+        y, x_saved, plan = _fprop_fp8(c, _input(c, x), keep_x=keep_x, keep_w=True, xq=xq)
     res = GroupedLinearResiduals(
         x_TK=x_saved,
         x_version=_checks.stamp(x) if plan is None else None,
@@ -474,7 +299,8 @@ def _like(res: GroupedLinearResiduals) -> Any:
     return res.x_TK if res.fp8 is None else res.fp8
 
 
-def _dy_TN(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
+def check_dy(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
+    """dy checked against the record (``[T, N]``, x's dtype and device), dense."""
     return _checks.dense(_checks.cotangent("dy", dy, (res.splits.num_tokens, res.out_features), _like(res)))
 
 
@@ -483,7 +309,7 @@ def _dy_TN(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
 # gradient through wgrad (create_graph=True, jacrev of jacrev) would silently lose its x
 # term. Backward makes it dense again (also after an unpack hook that changed strides);
 # for a contiguous x (the usual case) both are no-ops.
-def _x_TK(res: GroupedLinearResiduals) -> torch.Tensor:
+def saved_x(res: GroupedLinearResiduals) -> torch.Tensor:
     """The saved x, dense."""
     return _checks.dense(res.x_TK)
 
@@ -498,7 +324,7 @@ class _Route(NamedTuple):
 def _checked(res: Any, dy: Any, fn: str) -> tuple[torch.Tensor, _Route]:
     """The record, x's and the weights' versions and dy checked once; dy as ``[T, N]``, dense;
     and where backward's products run."""
-    dy_TN = _dy_TN(_check_res(res, fn), dy)
+    dy_TN = check_dy(_check_res(res, fn), dy)
     dwp.check_versions(res.weights, res.weight_version, "weights")
     return dy_TN, _Route(
         *route(res.kernels, res.path == "grouped", dy_TN, res.x_TK, res.weights, one_path=_one_path(res.fp8))
@@ -559,7 +385,7 @@ def _dgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: _Route
     )
     if not _wanted(res)[0]:
         return None
-    w_ENK = full[0] if res.stacked else _one_buffer(full, res.plan)
+    w_ENK = full[0] if res.stacked else one_buffer(full, res.plan)
     if res.fp8 is not None:  # dy and the weights (quantized again) in FP8
         wq = res.fp8.requantize_weights(k.kernels, w_ENK)
         return k.kernels.grouped_dgrad(dyq, wq, res.splits, k.grouped, split_accumulator=res.fp8.acc.dgrad)
@@ -582,7 +408,7 @@ def _wgrad(res: GroupedLinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: _Route
             )[0]
         else:
             dw, db_EN = k.kernels.grouped_wgrad(
-                _x_TK(res), dy_TN, res.splits, grouped, out=out, accumulate=accumulate, with_dbias=with_dbias
+                saved_x(res), dy_TN, res.splits, grouped, out=out, accumulate=accumulate, with_dbias=with_dbias
             )
         return [dw] if res.stacked else list(dw)
 
@@ -608,13 +434,13 @@ def _bias_grads(res: GroupedLinearResiduals, db_EN: torch.Tensor | None) -> Any:
 
 
 def _fwd(x, weights, splits, bias, opts: Options):
-    c = _prepare(x, weights, splits, bias, opts)
-    return _forward(c, x, keep_x=opts.fp8 is None or opts.fp8.keep_x)
+    c = prepare(x, weights, splits, bias, opts)
+    return forward(c, x, keep_x=opts.fp8 is None or opts.fp8.keep_x)
 
 
 def _primal(x, weights, splits, bias, opts: Options) -> torch.Tensor:
     """Forward alone, when no gradient can be taken: checks and GEMMs, no residuals."""
-    return _fprop(_prepare(x, weights, splits, bias, opts))
+    return fprop(prepare(x, weights, splits, bias, opts))
 
 
 def _bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple:
@@ -623,8 +449,9 @@ def _bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple:
     return dx, dweights, None, dbias
 
 
-def _jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
-    """Forward mode, per expert ``dy_e = dx_e W_e^T + x_e dW_e^T + db_e``."""
+def jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
+    """The jvp rule (the bridge's, and grouped_mlp's for fc1 and fc2): forward mode, per expert
+    ``dy_e = dx_e W_e^T + x_e dW_e^T + db_e``."""
     _fp8.no_jvp(res.fp8, "grouped_linear")
     tx, tw, _, tb = tangents[:4]
     kernels, grouped = route(res.kernels, res.path == "grouped", tx, tw, tb, res.x_TK)
@@ -650,7 +477,7 @@ def _jvp(res: GroupedLinearResiduals, tangents: tuple) -> torch.Tensor:
         tw = _checks.dense(tw) if isinstance(tw, torch.Tensor) else [_checks.dense(t) for t in tw]
         if res.plan.amp is not None:  # as forward cast the weights
             tw = _amp.cast(tw, res.plan.amp)
-        dy = dy + kernels.grouped_fprop(_x_TK(res), tw, None, res.splits, grouped)
+        dy = dy + kernels.grouped_fprop(saved_x(res), tw, None, res.splits, grouped)
     return dy
 
 
@@ -669,12 +496,12 @@ def _vmap(batch_size: int, in_dims: tuple, x, weights, splits, bias, opts: Optio
     )
     keys_BT = expert_T[None, :] * B + torch.arange(B, device=x.device)[:, None]
     order = torch.argsort(keys_BT.flatten(), stable=True)
-    new_args = (xb.reshape(B * T, K)[order], weights, _HostSplits(s * B for s in splits), bias, opts)
+    new_args = (xb.reshape(B * T, K)[order], weights, HostSplits(s * B for s in splits), bias, opts)
     return new_args, lambda y: (y[torch.argsort(order)].view(B, T, -1), 0)
 
 
 _grouped_linear = custom_vjp(
-    _fwd, _bwd, nondiff_argnums=(4,), primal=_primal, jvp=_jvp, vmap=_vmap, name="grouped_linear"
+    _fwd, _bwd, nondiff_argnums=(4,), primal=_primal, jvp=jvp, vmap=_vmap, name="grouped_linear"
 )
 _grouped_linear_eager = torch.compiler.disable(_grouped_linear, reason=dwp.NO_COMPILE)
 
@@ -723,7 +550,7 @@ def grouped_linear(
     weights and the biases in the autocast dtype, the grads in their inputs' dtypes (NOTE:
     [Autocast] in ``_amp.py``).
     """
-    weights, splits, bias = _normalized(weights, splits, bias)
+    weights, splits, bias = normalize_args(weights, splits, bias)
     fuse = _checks.fuse_flag(fuse_wgrad_accumulation)  # (under torch.func: refused here, where it is visible)
     fp8_args = None
     if recipe is not None or fp8_state is not None:
@@ -737,16 +564,3 @@ def grouped_linear(
         return run(x, weights, splits, bias, opts)
     with _amp.off(x):  # NOTE: [Autocast] in _amp.py: x and the biases cast here, the weights where materialized
         return run(_amp.cast(x, opts.amp), weights, splits, _amp.cast(bias, opts.amp), opts)
-
-
-def _normalized(weights: Any, splits: Any, bias: Any) -> tuple[Any, Any, Any]:
-    """Sequences as lists (a tuple, an ``nn.ParameterList``: one pytree list), host split counts
-    as ONE leaf (:class:`_HostSplits`)."""
-    if not isinstance(weights, (torch.Tensor, list)):  # a tuple or nn.ParameterList: a pytree list
-        weights = _checks.sequence(weights) or weights
-    if bias is not None and not isinstance(bias, (torch.Tensor, list)):
-        bias = _checks.sequence(bias) or bias
-    if not isinstance(splits, (torch.Tensor, str, bytes, _HostSplits)):
-        items = _checks.sequence(splits)
-        splits = _HostSplits(items) if items is not None else splits
-    return weights, splits, bias

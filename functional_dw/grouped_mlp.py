@@ -3,8 +3,8 @@
     h = act(x W1_e^T + b1_e) * probs          (per expert e on its rows; SwiGLU: silu(gate) * up)
     y = h W2_e^T + b2_e * probs                (fc2's bias weighted by probs, as Megatron's _apply_bias)
 
-``grouped_mlp_fwd`` runs fc1's and fc2's own forward (``grouped_linear``'s ``_prepare``/``_forward``,
-the options path of ``grouped_linear_fwd``) with the activation in between, and its residual
+``grouped_mlp_fwd`` runs fc1's and fc2's own forward (``grouped_linear``'s ``prepare``/``forward``,
+the options path of ``grouped_linear_fwd``: NOTE: [The layer's seam]) with the activation in between, and its residual
 record NESTS theirs: ``res.fc1`` and ``res.fc2`` are the two layers' ``GroupedLinearResiduals``.
 ``grouped_mlp_bwd`` is fc2's ``grouped_linear_bwd``, the activation's backward, then fc1's
 ``grouped_linear_bwd``. ``grouped_mlp`` joins the pair through the one bridge, ``custom_vjp``,
@@ -49,28 +49,18 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from . import _amp, _checks, _fp8, distributed_weight as dwp
 from .custom_vjp import custom_vjp
-from .grouped_linear import GroupedLinearResiduals, SplitsArg, WeightsArg, grouped_linear_bwd
-from .grouped_linear import _jvp as grouped_linear_jvp
-from .grouped_linear import (  # fc1's and fc2's own steps
-    _check_bias,
-    _dy_TN,
-    _forward,
-    _fprop,
-    _normalized,
-    _one_buffer,
-    _prepare,
-    _x_TK,
-)
+from .grouped_linear import GroupedLinearResiduals, check_dy, forward, fprop, grouped_linear_bwd, one_buffer, prepare
+from .grouped_linear import jvp as grouped_linear_jvp
+from .grouped_linear import saved_x
+from .grouped_plan import SplitsArg, WeightsArg, check_bias, normalize_args
 from .kernels import Kernels, stacked
-from .activations import ACTIVATIONS, get as get_activation
+from .mlp_checks import POLICIES, check_call, in_layer
 from .kernels.activation import ActivationKernels, act_fwd, act_jvp, activation_kernels, glu_width
 from .kernels.activation import probs_bias_fwd, select
 from .plan import Options, route
-from .residuals import _describe_value, _nbytes, any_needed, needed, residuals, saved, saved_activations
+from .residuals import any_needed, describe_value, nbytes, needed, residuals, saved, saved_activations
 
 __all__ = ["GroupedMLPResiduals", "MLPGrads", "POLICIES", "grouped_mlp", "grouped_mlp_fwd", "grouped_mlp_bwd"]
-
-POLICIES = ("default", "h", "x_only")
 
 
 class MLPOptions(NamedTuple):
@@ -133,7 +123,7 @@ def _describe(self: GroupedMLPResiduals) -> str:
         lines += [f"    {line}" for line in inner[1:]]
     width = "2F" if glu_width(self.activation) == 2 else "F"
     if self.fc1_out is not None:
-        lines.append(f"  [saved] fc1_out = {_describe_value(self.fc1_out)}")
+        lines.append(f"  [saved] fc1_out = {describe_value(self.fc1_out)}")
     else:
         lines.append(f"  [recomputed] fc1_out: fc1(x) [T, {width}] again in backward (a GEMM)")
     if self.fc2.x_TK is not None:
@@ -141,107 +131,15 @@ def _describe(self: GroupedMLPResiduals) -> str:
     elif self.h_kept:
         fp8 = ", quantized again by fc2's FP8 plan" if self.fc2.fp8 is not None else ""
         lines.append(f"  [recomputed] h: act(fc1_out) * probs [T, F] in backward, for fc2's wgrad{fp8}")
-    lines.append(f"  [saved] probs = {_describe_value(self.probs)}")
+    lines.append(f"  [saved] probs = {describe_value(self.probs)}")
     lines.append(f"  [ref  ] act = {self.act!r}")
     if self.probs_bias is not None:
         lines.append(f"  [ref  ] probs_bias = bias2 ({self.probs_bias.form}), added as probs * bias2 after fc2")
-    lines.append(f")  # {_nbytes(saved_activations(self))} B through save_for_backward")
+    lines.append(f")  # {nbytes(saved_activations(self))} B through save_for_backward")
     return "\n".join(lines)
 
 
 GroupedMLPResiduals.__repr__ = _describe  # type: ignore[method-assign]
-
-
-# --- checks ---------------------------------------------------------------------------------------
-
-
-def _experts(name: str, w: Any) -> int | None:
-    """The number of experts of a weights argument (None where the layer's own checks will say
-    what is wrong with it)."""
-    if isinstance(w, torch.Tensor):
-        if w.dim() != 3:
-            raise ValueError(
-                f"{name} must be E [out, in] tensors or one [E, out, in] tensor, got one tensor of "
-                f"shape {tuple(w.shape)}"
-            )
-        return w.shape[0]
-    ws = _checks.sequence(w)
-    return None if not ws else len(ws)
-
-
-def _shape(w: Any) -> tuple[int, int] | None:
-    """(out, in) of a plain group's first weight (None: a DistributedWeight, whose shard is not
-    the shape the GEMMs see, or something the layer's checks will name)."""
-    w0 = w if isinstance(w, torch.Tensor) else (_checks.sequence(w) or [None])[0]
-    if not isinstance(w0, torch.Tensor) or w0.dim() < 2 or dwp.is_distributed_weight(w0):
-        return None
-    N, K = w0.shape[-2:]
-    return N, K
-
-
-def _check_options(activation: Any, save: Any) -> None:
-    get_activation(activation)  # (ValueError naming the registered ones)
-    if not isinstance(save, str) or save not in POLICIES:
-        raise ValueError(
-            f"save must be one of {', '.join(map(repr, POLICIES))} (what forward keeps for backward), got {save!r}"
-        )
-
-
-def _check_args(x: Any, w1: Any, w2: Any, probs: Any, activation: str) -> None:
-    """The MLP's own checks, before any GEMM: each names the argument and the fix."""
-    _checks.tensor("x", x, ndim=2)
-    E1, E2 = _experts("w1", w1), _experts("w2", w2)
-    if E1 is not None and E2 is not None and E1 != E2:
-        raise ValueError(
-            f"w1 has {E1} experts but w2 has {E2}: fc1 and fc2 need one weight per expert each "
-            f"(w1: E x [{glu_width(activation)}F, H], w2: E x [H, F])"
-        )
-    s1, s2 = _shape(w1), _shape(w2)
-    if s1 is not None and s2 is not None:
-        (N1, K1), (_, F) = s1, s2
-        if x.shape[1] != K1:
-            raise ValueError(
-                f"x has {x.shape[1]} features but w1 is [{N1}, {K1}] per expert: x must be [T, {K1}], "
-                f"or w1 [{N1}, {x.shape[1]}]"
-            )
-        want = glu_width(activation) * F
-        if N1 != want:
-            gated = " or ".join(repr(a.name) for a in ACTIVATIONS.values() if a.gated)
-            if glu_width(activation) == 2:
-                plain = " or ".join(repr(a.name) for a in ACTIVATIONS.values() if not a.gated)
-                raise ValueError(
-                    f"w1 is [{N1}, {K1}] per expert but activation={activation!r} needs 2 * F = {want} out-features "
-                    f"(the gate half, then the up half; F = {F} is w2's in-features): make w1 [{want}, {K1}], or "
-                    f"use activation={plain} with w1 [{F}, {K1}]"
-                )
-            hint = f" (a [{2 * F}, {K1}] w1 is for activation={gated})" if N1 == 2 * F else ""
-            raise ValueError(
-                f"w1 is [{N1}, {K1}] per expert but activation={activation!r} needs F = {F} "
-                f"out-features (w2's in-features): make w1 [{F}, {K1}]{hint}"
-            )
-    if probs is not None:
-        _checks.tensor("probs", probs)
-        T = x.shape[0]
-        if probs.dim() != 1 or probs.shape[0] != T:
-            fix = " (probs.reshape(-1))" if probs.numel() == T else ""
-            raise ValueError(
-                f"probs must be [T] = [{T}], one router weight per row of x, got shape "
-                f"{tuple(probs.shape)}: pass a 1-D tensor of {T} values{fix}"
-            )
-        if probs.device != x.device:
-            raise ValueError(f"probs is on {probs.device} but x is on {x.device}; move them to one device")
-
-
-def _in_layer(layer: str, fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` for fc1 or fc2, its argument errors prefixed with the layer and what its
-    arguments are called here."""
-    try:
-        return fn(*args)
-    except (ValueError, TypeError) as e:
-        names = ("x", "w1", "bias1") if layer == "fc1" else ("h = act(fc1_out) * probs", "w2", "bias2")
-        raise type(e)(
-            f"grouped_mlp's {layer} (its x is {names[0]}, its weights {names[1]}, its bias {names[2]}): {e}"
-        ) from e
 
 
 # --- forward --------------------------------------------------------------------------------------
@@ -249,25 +147,19 @@ def _in_layer(layer: str, fn: Any, *args: Any) -> Any:
 
 def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
     """Forward; with ``keep``, also the residual record (else None)."""
-    _check_options(opts.activation, opts.save)
-    _check_args(x, w1, w2, probs, opts.activation)
-    if opts.save == "x_only" and opts.fc1.fp8 is not None:
-        raise ValueError(
-            "save='x_only' recomputes fc1's output from x, but with FP8 fc1 keeps only x's FP8 copy: "
-            "use save='default' or 'h' with recipe="
-        )
+    check_call(x, w1, w2, probs, opts.activation, opts.save, fp8=opts.fc1.fp8 is not None)
     weighted = probs is not None and bias2 is not None  # fc2's bias times probs, added after fc2
-    c1 = _in_layer("fc1", _prepare, x, w1, splits, bias1, opts.fc1)
+    c1 = in_layer("fc1", prepare, x, w1, splits, bias1, opts.fc1)
     act = select(c1.plan.kernels, x, opts.activation)  # (fused on CUDA; each step below routes on its own operands)
     if keep:
-        fc1_out, r1 = _forward(c1, x, keep_x=_keep_x(opts.fc1))
+        fc1_out, r1 = forward(c1, x, keep_x=_keep_x(opts.fc1))
     else:
-        fc1_out, r1 = _fprop(c1), None
+        fc1_out, r1 = fprop(c1), None
     k = activation_kernels(act, fc1_out, probs)
     # fc2 is planned on a stand-in with h's shape, so that with FP8 its plan can quantize h
     # straight from fc1_out (NOTE: [The activation as the load]); else h is written and read
-    c2 = _in_layer(
-        "fc2", _prepare, _h_like(fc1_out, opts.activation), w2, splits, None if weighted else bias2, opts.fc2, True
+    c2 = in_layer(
+        "fc2", prepare, _h_like(fc1_out, opts.activation), w2, splits, None if weighted else bias2, opts.fc2, True
     )
     keep2 = keep and _keep_x(opts.fc2)
     h = hq = None
@@ -276,15 +168,15 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
             c2.kernels, k, fc1_out, probs, opts.activation, c2.split, rowwise=True, columnwise=keep2
         )
     if hq is None:
+        # (fc2 reads it dense: a backend's own act_fwd may return any strides)
         h = k.act_fwd(fc1_out, probs, opts.activation)
-        c2 = c2._replace(x_TK=_checks.dense(h))  # (a backend's own act_fwd may return any strides)
     if keep:
-        y, r2 = _forward(c2, h, keep_x=_keep_x(opts.fc2), xq=hq)
+        y, r2 = forward(c2, h, keep_x=_keep_x(opts.fc2), xq=hq)
     else:
-        y, r2 = _fprop(c2, xq=hq), None
+        y, r2 = fprop(c2, h, xq=hq), None
     pb = None
     if weighted:
-        form = _in_layer("fc2", _check_bias, bias2, c2.plan.num_experts, c2.plan.out_features, y)
+        form = in_layer("fc2", check_bias, bias2, c2.plan.num_experts, c2.plan.out_features, y)
         pb = _ProbsBias(bias2, form)
         y = activation_kernels(act, y, probs).probs_bias_fwd(y, _bias_EH(pb), probs, c2.split)
     if not keep:
@@ -376,10 +268,10 @@ def _recompute_fc1(res: GroupedMLPResiduals) -> torch.Tensor:
     kernels, path and split counts (fc1's record), so the same bits. Nothing is planned again;
     a DistributedWeight is gathered for forward again."""
     r1 = res.fc1
-    x_TK = _x_TK(r1)
+    x_TK = saved_x(r1)
     full = dwp.materialize(r1.weights, r1.distributed, for_backward=False, like=x_TK, name="w1", amp=r1.plan.amp)
     dwp.check_materialized(full, r1.weight_shapes, "materialize_group_for_forward()", "w1")
-    w_ENK = full[0] if r1.stacked else _one_buffer(full, r1.plan)
+    w_ENK = full[0] if r1.stacked else one_buffer(full, r1.plan)
     b1 = res.bias1
     b_EN = None if b1 is None else (b1 if r1.plan.bias_form == "stacked" else stacked(b1))
     kernels, grouped = route(r1.kernels, r1.path == "grouped", x_TK, w_ENK)
@@ -471,7 +363,7 @@ def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     fc1_out = res.fc1_out if res.fc1_out is not None and not second else _recompute_fc1(res)
     if (r2.x_TK is None and res.h_kept) or (second and r2.fp8 is None):
         r2 = _with_h(res, r2, fc1_out)
-    dy = _dy_TN(r2, dy)
+    dy = check_dy(r2, dy)
     db2 = dprobs_b = None
     pb = res.probs_bias
     if pb is not None and (any_needed(want_b2) or need_dh):
@@ -564,8 +456,8 @@ def _options(
 ) -> tuple[MLPOptions, tuple]:
     """The call's options (each layer's ``plan.Options``) and its arguments normalized as the
     layers normalize theirs."""
-    w1, splits, bias1 = _normalized(w1, splits, bias1)
-    w2, _, bias2 = _normalized(w2, splits, bias2)
+    w1, splits, bias1 = normalize_args(w1, splits, bias1)
+    w2, _, bias2 = normalize_args(w2, splits, bias2)
     args1 = args2 = None
     if recipe is not None or fp8_state is not None:
         if fp8_state is None:
@@ -587,6 +479,15 @@ def _options(
         Options(fuse, use_grouped_tensor, backend, args2, amp),
     )
     return opts, (w1, w2, splits, bias1, bias2)
+
+
+def _keep_x_args(w1: Any, w2: Any, recipe: Any, fp8_state: Any) -> tuple[bool, bool]:
+    """Whether fc1 and fc2 keep their x's FP8 copy (only where a weight may get a grad); FP8
+    refused while compiling, as the layers refuse it."""
+    if recipe is None and fp8_state is None:
+        return True, True
+    _fp8.refuse_compile(recipe)
+    return _fp8.wgrad_possible(w1), _fp8.wgrad_possible(w2)
 
 
 def grouped_mlp(
@@ -635,10 +536,7 @@ def grouped_mlp(
     given), the grads come in their inputs' dtypes (NOTE: [Autocast] in ``_amp.py``).
     """
     fuse = _checks.fuse_flag(fuse_wgrad_accumulation)
-    keep_x = (True, True)
-    if recipe is not None or fp8_state is not None:
-        _fp8.refuse_compile(recipe)
-        keep_x = (_fp8.wgrad_possible(w1), _fp8.wgrad_possible(w2))
+    keep_x = _keep_x_args(w1, w2, recipe, fp8_state)
     amp = _amp.dtype(x)
     args = (w1, w2, splits, bias1, bias2)
     opts, (w1, w2, splits, bias1, bias2) = _options(

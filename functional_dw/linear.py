@@ -5,6 +5,7 @@ Legend: ``T`` tokens (x's leading dims flattened), ``K`` in-features, ``N`` out-
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -12,7 +13,8 @@ import torch
 
 from . import _amp, _checks, _fp8, _steps, distributed_weight as dwp
 from .custom_vjp import custom_vjp
-from .plan import Options, route
+from ._checks import PLAIN_TYPES
+from .plan import Options, PlanCache, eager_plain, options_key, route, tensor_key
 from .kernels import Kernels, get_kernels
 from .kernels.torch_ref import column_sums
 from .residuals import needed, residuals, saved
@@ -46,29 +48,28 @@ def _wanted(res: LinearResiduals) -> tuple[bool, bool, bool]:
     return tuple(bool(n) for n in res.needs[:3])  # type: ignore[return-value]
 
 
-class _Call(NamedTuple):
-    """A checked call: what forward computes with, and what its residuals record."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class LinearPlan:
+    """What a linear call decides from metadata (NOTE: [Plan once, run lean] in ``plan.py``),
+    as grouped_linear's :class:`GroupedPlan`: made by :func:`make_plan`, cached per call
+    signature, read by the run path."""
 
-    distributed: bool
-    w_NK: torch.Tensor  # the materialized weight the GEMM reads
-    x: torch.Tensor  # dense
-    bias: torch.Tensor | None
     kernels: Kernels
+    distributed: bool  # the weight is a DistributedWeight (never cached: its materialized weight is data)
+    out_features: int
+    in_features: int
+    fuse_wgrad_accumulation: bool
     fp8: _fp8.Plan | None  # None: no FP8
-    amp: torch.dtype | None  # the autocast dtype the weight was cast to, or None
+    amp: torch.dtype | None  # the autocast dtype the weight is cast to where it is materialized, or None
 
 
-def _prepare(x, weight, bias, opts: Options) -> _Call:
-    """Check every argument, materialize the weight, pick the kernels and (with a recipe) the
-    FP8 plan. (One GEMM per product: no path to choose, and a host cost that does not grow
-    with experts; not cached, unlike grouped_linear's plan.)"""
-    fuse_wgrad_accumulation, backend = opts.fuse_wgrad_accumulation, opts.backend
-    recipe, fp8_state = _fp8.unpack_args(opts.fp8)
-    _checks.tensor("x", x, ndim=tuple(range(1, 9)))
-    _checks.tensor("weight", weight, ndim=2)
-    _checks.flag("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
-    distributed = dwp.is_distributed_weight(weight)
-    w_NK = dwp.materialize([weight], distributed, for_backward=False, like=x, name="weight", amp=opts.amp)[0]
+PLANS = PlanCache()  # linear's plans, by :func:`plan_key`
+
+
+def make_plan(x: torch.Tensor, w_NK: torch.Tensor, distributed: bool, bias: Any, opts: Options) -> LinearPlan:
+    """Every decision of a call that metadata settles: the checks, the kernels and (with a
+    recipe) the FP8 plan. ``w_NK``: the materialized weight. (One GEMM per product: no path to
+    choose.)"""
     _checks.tensor("weight (materialized)", w_NK, ndim=2)
     N, K = w_NK.shape
     if x.shape[-1] != K:
@@ -79,29 +80,86 @@ def _prepare(x, weight, bias, opts: Options) -> _Call:
         _checks.tensor("bias", bias, ndim=1)
         _checks.shape("bias", bias, (N,))
         _checks.like("bias", bias, x)
-    kernels = get_kernels(backend, x)
-    plan = None
+    kernels = get_kernels(opts.backend, x)
+    recipe, fp8_state = _fp8.unpack_args(opts.fp8)
+    fp8_plan = None
     if recipe is not None or fp8_state is not None:
-        plan = _fp8.plan(recipe, fp8_state, 1, x, kernels, grouped=False).bind(fp8_state)
-        _fp8.check_dims(K, N, tokens=_tokens(x.shape))
+        fp8_plan = _fp8.plan(recipe, fp8_state, 1, x, kernels, grouped=False)
+    return LinearPlan(kernels, distributed, N, K, opts.fuse_wgrad_accumulation, fp8_plan, opts.amp)
+
+
+def plan_key(x: Any, weight: Any, bias: Any, opts: Options) -> Any:
+    """The cache key of a plain eager call (NOTE: [Plan once, run lean]): what :func:`make_plan`
+    reads of each argument (x's features, dtype and device: its leading dims are data, its rank
+    checked here) and every option (:func:`plan.options_key`). None: plan afresh."""
+    if type(x) not in PLAIN_TYPES or x.is_nested or x.layout != torch.strided or not eager_plain():
+        return None
+    if not 1 <= x.dim() <= 8:  # (planned afresh: its check names what is wrong)
+        return None
+    wk = tensor_key(weight) if isinstance(weight, torch.Tensor) else None
+    if wk is None or getattr(weight, "is_distributed_weight", False):
+        return None
+    bk = tensor_key(bias) if isinstance(bias, torch.Tensor) else None
+    fk = _fp8.plan_key(opts.fp8)
+    if (bias is not None and bk is None) or (opts.fp8 is not None and fk is None):
+        return None
+    return x.shape[-1], x.dtype, x.device, wk, bk, options_key(opts, fk)
+
+
+class LinearCall(NamedTuple):
+    """A checked call: its plan and what forward computes with."""
+
+    plan: LinearPlan
+    weight: torch.Tensor  # the parameter (plain or DistributedWeight), by reference
+    w_NK: torch.Tensor  # the materialized weight the GEMM reads
+    x: torch.Tensor  # dense
+    bias: torch.Tensor | None
+    kernels: Kernels  # the plan's, or the reference under a transform (NOTE: [Transforms without a rule])
+    fp8: _fp8.Plan | None  # the plan's, bound to this call's state (NOTE: [The state is bound per call])
+
+
+def prepare(x, weight, bias, opts: Options) -> LinearCall:
+    """The call's plan (cached, as grouped_linear's: NOTE: [Plan once, run lean]), then what
+    depends on data: the weight (gathered for a DistributedWeight, cast under autocast), x's
+    tokens (FP8: a multiple of 8), x dense, the kernels routed on the operands."""
+    key = plan_key(x, weight, bias, opts)
+    plan = PLANS.get(key) if key is not None else None
+    if plan is None:
+        _checks.tensor("x", x, ndim=tuple(range(1, 9)))
+        _checks.tensor("weight", weight, ndim=2)
+        _checks.flag("fuse_wgrad_accumulation", opts.fuse_wgrad_accumulation)
+        distributed = dwp.is_distributed_weight(weight)
+        w_NK = dwp.materialize([weight], distributed, for_backward=False, like=x, name="weight", amp=opts.amp)[0]
+        plan = make_plan(x, w_NK, distributed, bias, opts)
+        if key is not None:
+            PLANS.put(key, plan)
+    elif plan.amp is not None:  # (a plain weight: cast as materialize casts it)
+        w_NK = dwp.materialize([weight], False, for_backward=False, like=x, name="weight", amp=plan.amp)[0]
+    else:
+        w_NK = weight
+    fp8 = None
+    if plan.fp8 is not None:
+        fp8 = plan.fp8.bind(opts.fp8.state)  # NOTE: [The state is bound per call]
+        _fp8.check_dims(plan.in_features, plan.out_features, tokens=_tokens(x.shape))
     x = _checks.dense(x)
-    return _Call(distributed, w_NK, x, bias, route(kernels, False, x, w_NK)[0], plan, opts.amp)
+    return LinearCall(plan, weight, w_NK, x, bias, route(plan.kernels, False, x, w_NK)[0], fp8)
 
 
-def _fprop(c: _Call) -> torch.Tensor:
+def fprop(c: LinearCall) -> torch.Tensor:
+    """y of a checked call, no residuals."""
     if c.fp8 is not None:
         return _fprop_fp8(c, keep_x=False, keep_w=False)[0]
     K, N = c.x.shape[-1], c.w_NK.shape[0]
     return c.kernels.fprop(_checks.dense(c.x, (_tokens(c.x.shape), K)), c.w_NK, c.bias).view(*c.x.shape[:-1], N)
 
 
-def _fprop_fp8(c: _Call, keep_x: bool, keep_w: bool) -> tuple[torch.Tensor, Any, _fp8.Plan]:
+def _fprop_fp8(c: LinearCall, keep_x: bool, keep_w: bool) -> tuple[torch.Tensor, Any, _fp8.Plan]:
     """FP8 forward: x and the weight quantized, the FP8 GEMM; with ``keep_x``, also x's
     columnwise copy for wgrad; with ``keep_w``, the weight's for dgrad (on the plan). Returns
     (y, x's copy or None, the call's plan for backward)."""
     K, N = c.x.shape[-1], c.w_NK.shape[0]
     xq = c.fp8.quantize_x(c.kernels, _checks.dense(c.x, (_tokens(c.x.shape), K)), keep=keep_x)
-    (wq,), plan = c.fp8.quantize_weights(c.kernels, [c.w_NK], keep=keep_w and not c.distributed)
+    (wq,), plan = c.fp8.quantize_weights(c.kernels, [c.w_NK], keep=keep_w and not c.plan.distributed)
     y = c.kernels.fprop(xq, wq, c.bias, split_accumulator=plan.acc.fprop).view(*c.x.shape[:-1], N)
     return y, (xq.with_usage(rowwise=False, columnwise=True) if keep_x else None), plan
 
@@ -121,37 +179,30 @@ def linear_fwd(
     ``torch.autocast`` (NOTE: [Autocast] in ``_amp.py``)."""
     fp8_args = None if recipe is None and fp8_state is None else _fp8.Args(recipe, fp8_state)
     with _amp.off(x):
-        c = _prepare(x, weight, bias, Options(fuse_wgrad_accumulation, None, backend, fp8_args))
-        return _forward(c, x, weight, bias, fuse_wgrad_accumulation, keep_x=True)
+        return forward(prepare(x, weight, bias, Options(fuse_wgrad_accumulation, None, backend, fp8_args)), x, True)
 
 
-def _forward(
-    c: _Call,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    fuse_wgrad_accumulation: bool,
-    keep_x: bool,
-):
-    """y and the residuals of a checked call; ``keep_x`` False (FP8, a frozen weight): no FP8
-    copy of x is made or saved (wgrad, its only reader, never runs)."""
+def forward(c: LinearCall, x: torch.Tensor, keep_x: bool):
+    """y and the residuals of a checked call, which save ``x`` as given (NOTE: [Saved x]);
+    ``keep_x`` False (FP8, a frozen weight): no FP8 copy of x is made or saved (wgrad, its only
+    reader, never runs)."""
     if c.fp8 is None:
-        y, x_saved, plan = _fprop(c), x, None
+        y, x_saved, plan = fprop(c), x, None
     else:
         y, x_saved, plan = _fprop_fp8(c, keep_x=keep_x, keep_w=True)
     res = LinearResiduals(
         x=x_saved,
         x_version=_checks.stamp(x) if plan is None else None,
-        weight=weight,
-        weight_version=dwp.versions([weight]),
-        distributed=c.distributed,
+        weight=c.weight,
+        weight_version=dwp.versions([c.weight]),
+        distributed=c.plan.distributed,
         x_shape=tuple(c.x.shape),
-        out_features=c.w_NK.shape[0],
-        has_bias=bias is not None,
-        fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        out_features=c.plan.out_features,
+        has_bias=c.bias is not None,
+        fuse_wgrad_accumulation=c.plan.fuse_wgrad_accumulation,
         kernels=c.kernels,
         fp8=plan,
-        amp=c.amp,
+        amp=c.plan.amp,
     )
     return y, res
 
@@ -259,13 +310,12 @@ def _bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple:
 
 
 def _fwd(x, weight, bias, opts: Options):  # positional form for custom_vjp
-    c = _prepare(x, weight, bias, opts)
-    return _forward(c, x, weight, bias, opts.fuse_wgrad_accumulation, keep_x=opts.fp8 is None or opts.fp8.keep_x)
+    return forward(prepare(x, weight, bias, opts), x, keep_x=opts.fp8 is None or opts.fp8.keep_x)
 
 
 def _primal(x, weight, bias, opts: Options) -> torch.Tensor:
     """Forward alone, when no gradient can be taken: checks and the GEMM, no residuals."""
-    return _fprop(_prepare(x, weight, bias, opts))
+    return fprop(prepare(x, weight, bias, opts))
 
 
 def _jvp(res: LinearResiduals, tangents: tuple) -> torch.Tensor:

@@ -67,9 +67,10 @@ from typing import Any
 import torch
 
 from . import nn
-from .activations import ACTIVATIONS, from_megatron
+from .nn_fp8 import reset_state
 from .distributed import ShardedWeight, shard_grouped_weights
 from .grouped_linear import grouped_linear
+from .megatron_experts import mlp_activation, pad_probs, refuse_unsupported_mlp, route_to_megatron
 
 # (and GroupedMLP, made on first access, not listed: ``import *`` works without megatron-core)
 __all__ = ["GroupedLinear", "ColumnParallelGroupedLinear", "RowParallelGroupedLinear", "shard_expert_weights"]
@@ -143,6 +144,22 @@ def _device(config: Any) -> torch.device | str:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _check_linear_args(is_expert: bool, parallel_mode: Any, config: Any, init_method: Any) -> None:
+    """The grouped linears' constructor arguments checked, before anything is built."""
+    if not is_expert:
+        raise ValueError(
+            "is_expert=False: functional_dw.megatron's grouped linears serve MoE experts only "
+            "(as TEGroupedLinear); build them through TEGroupedMLP (is_expert=True)"
+        )
+    if parallel_mode not in ("column", "row", None):
+        raise ValueError(f"parallel_mode must be 'column', 'row' or None, got {parallel_mode!r}")
+    if not hasattr(config, "params_dtype"):
+        raise TypeError(f"config must be Megatron's TransformerConfig, got {type(config).__name__}")
+    if not callable(init_method):  # (None would leave the weights as uninitialized memory)
+        raise TypeError(f"init_method must be callable (Megatron passes config.init_method), got {init_method!r}")
+    _refuse_unsupported(config)
+
+
 class GroupedLinear(nn.GroupedLinear):
     """``TEGroupedLinear``'s constructor and forward on :class:`functional_dw.nn.GroupedLinear`
     (see this module's docstring for what each Megatron setting does). Use the column/row
@@ -174,18 +191,7 @@ class GroupedLinear(nn.GroupedLinear):
         weight_shard_group: Any = None,
     ) -> None:
         mc = _megatron()
-        if not is_expert:
-            raise ValueError(
-                "is_expert=False: functional_dw.megatron's grouped linears serve MoE experts only "
-                "(as TEGroupedLinear); build them through TEGroupedMLP (is_expert=True)"
-            )
-        if parallel_mode not in ("column", "row", None):
-            raise ValueError(f"parallel_mode must be 'column', 'row' or None, got {parallel_mode!r}")
-        if not hasattr(config, "params_dtype"):
-            raise TypeError(f"config must be Megatron's TransformerConfig, got {type(config).__name__}")
-        if not callable(init_method):  # (None would leave the weights as uninitialized memory)
-            raise TypeError(f"init_method must be callable (Megatron passes config.init_method), got {init_method!r}")
-        _refuse_unsupported(config)
+        _check_linear_args(is_expert, parallel_mode, config, init_method)
         if pg_collection is None:
             pg_collection = mc["ProcessGroupCollection"].use_mpu_process_groups()
         etp = mc["get_pg_size"](getattr(pg_collection, "expt_tp", None))
@@ -224,7 +230,7 @@ class GroupedLinear(nn.GroupedLinear):
         """Megatron's initialization (TE's order): each expert's weight by ``init_method``, under
         the expert-parallel RNG tracker when it is initialized; biases zero. (During the base
         constructor nothing is drawn: the weights stay uninitialized until ``init_method`` is set.)"""
-        nn._reset_state(self)
+        reset_state(self)
         init = getattr(self, "_megatron_init", None)
         if init is None:
             return
@@ -463,123 +469,9 @@ def shard_expert_weights(module: torch.nn.Module, group: Any = None) -> list[Sha
 # --- the experts module: the whole MLP as one pure pair ---------------------------------------
 
 
-def _func_name(func: Any) -> str:
-    """How a message names an ``activation_func``: ``F.silu`` for torch.nn.functional's."""
-    import torch.nn.functional as F
-
-    short = getattr(func, "__name__", None) or repr(func)
-    if getattr(F, short, None) is func:
-        return f"F.{short}"
-    return f"{getattr(func, '__module__', None) or '?'}.{short}"
-
-
-def _mlp_activation(config: Any) -> str:
-    """grouped_mlp's activation for Megatron's (``gated_linear_unit``, ``activation_func``): the
-    record that maps it (``activations.from_megatron``), or NotImplementedError naming what is set."""
-    func, gated = config.activation_func, bool(config.gated_linear_unit)
-    record = from_megatron(func, gated)
-    if record is None:
-        runs = [
-            f"{a.name!r} (gated_linear_unit={a.gated}, activation_func={_func_name(a.megatron)})"
-            for a in ACTIVATIONS.values()
-            if a.megatron is not None
-        ]
-        raise NotImplementedError(
-            f"config.activation_func={_func_name(func)} with gated_linear_unit={gated}: functional_dw.megatron."
-            f"GroupedMLP runs {', '.join(runs[:-1])} or {runs[-1]}; use TEGroupedMLP for this activation"
-        )
-    activation = record.name
-    if gated:
-        for flag, default in (("glu_linear_offset", 0.0), ("activation_func_clamp_value", None)):
-            if getattr(config, flag, default) != default:
-                raise NotImplementedError(
-                    f"config.{flag}={getattr(config, flag)!r}: functional_dw.megatron.GroupedMLP's {activation!r} "
-                    f"is act(gate) * up; set config.{flag}={default!r} or use TEGroupedMLP"
-                )
-        if getattr(config, "moe_mlp_glu_interleave_size", None) is not None:
-            raise NotImplementedError(
-                f"config.moe_mlp_glu_interleave_size={config.moe_mlp_glu_interleave_size!r}: "
-                "functional_dw.megatron.GroupedMLP reads fc1's output as the gate half, then the up half; "
-                "set it to None or use TEGroupedMLP"
-            )
-    return activation
-
-
-def _refuse_unsupported_mlp(config: Any, submodules: Any) -> None:
-    """NotImplementedError for the TEGroupedMLP settings the fused experts do not implement."""
-    if getattr(config, "use_transformer_engine_op_fuser", False):
-        raise NotImplementedError(
-            "config.use_transformer_engine_op_fuser=True: that is TE's own fused expert MLP; "
-            "functional_dw.megatron.GroupedMLP is the fused one here: set it to False"
-        )
-    if getattr(config, "use_te_activation_func", False) and getattr(submodules, "activation_func", None) is not None:
-        raise NotImplementedError(
-            "config.use_te_activation_func=True with an activation_func submodule: functional_dw.megatron.GroupedMLP "
-            "runs its activation inside the fused pair (from config.activation_func); set use_te_activation_func=False"
-        )
-    if getattr(config, "activation_func_fp8_input_store", False):
-        raise NotImplementedError(
-            "config.activation_func_fp8_input_store=True: Megatron keeps the activation's input in FP8; "
-            "functional_dw.megatron.GroupedMLP keeps fc1's output as its save= policy says (save='x_only' "
-            "keeps the least): set it to False"
-        )
-    offload = [n for n in ("expert_fc1", "moe_act") if _offloads(config, n)]
-    if getattr(config, "fp8", None) and len(offload) == 1:
-        raise NotImplementedError(
-            f"config.fp8 with only {offload[0]!r} of 'expert_fc1'/'moe_act' in config.offload_modules: under FP8 "
-            "the fused MLP's record keeps x's FP8 copy, which its hooks cannot tell from fc1's output; offload "
-            "both (or neither) or run without FP8"
-        )
-
-
-def _offloads(config: Any, name: str) -> bool:
-    return bool(config.fine_grained_activation_offloading) and name in (config.offload_modules or [])
-
-
-def _is(t: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether the saved tensor ``t`` is ``x`` (the same object, or the same memory and layout)."""
-    if t is x:
-        return True
-    try:
-        return (
-            t.device == x.device
-            and t.dtype == x.dtype
-            and t.shape == x.shape
-            and t.stride() == x.stride()
-            and t.data_ptr() == x.data_ptr()
-        )
-    except (RuntimeError, NotImplementedError):  # (a wrapper subclass without storage)
-        return False
-
-
-@contextlib.contextmanager
-def _route_to_megatron(x: torch.Tensor, fc1: bool, act: bool) -> Iterator[None]:
-    """Inside Megatron's offloading context (its saved-tensor hooks entered): hooks that hand
-    Megatron's manager x (fc1's input) when ``fc1`` ('expert_fc1' offloaded) and every other saved
-    activation (fc1's output, probs, h when kept) when ``act`` ('moe_act' offloaded); the rest
-    stays in autograd's record as it is. The fused node's record holds the weights by reference:
-    they never reach a hook."""
-    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
-
-    mgr = PipelineOffloadManager.get_instance()
-    if not getattr(mgr, "inside_context", False):  # (Megatron offloads nothing in this chunk)
-        yield
-        return
-
-    def pack(t: torch.Tensor) -> Any:
-        return mgr.on_save_for_backward(t) if (fc1 if _is(t, x) else act) else t
-
-    def unpack(saved: Any) -> torch.Tensor:
-        return saved if isinstance(saved, torch.Tensor) else mgr.on_get_saved_tensor(saved)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-
-
-def _pad_probs(pad: Any, probs: torch.Tensor, splits: list[int]) -> torch.Tensor:
-    return pad(probs.unsqueeze(-1), splits)[0].squeeze(-1)
-
-
+# Over 60 lines: the class is built inside this function because it subclasses megatron-core's
+# TEGroupedMLP, which is imported only on first access (the module imports without
+# megatron-core); its body is TEGroupedMLP's constructor and forward, each one short piece.
 def _grouped_mlp_class() -> type:
     """functional_dw.megatron.GroupedMLP, made on first use (it subclasses Megatron's TEGroupedMLP)."""
     _megatron()  # (megatron-core missing: the install hint)
@@ -589,7 +481,7 @@ def _grouped_mlp_class() -> type:
     from megatron.core.transformer.moe.experts import TEGroupedMLP
     from megatron.core.transformer.moe.moe_utils import skip_routed_expert_padding
 
-    from .grouped_mlp import _check_options
+    from .mlp_checks import check_options
 
     class GroupedMLP(TEGroupedMLP):
         __doc__ = _GROUPED_MLP_DOC
@@ -606,8 +498,8 @@ def _grouped_mlp_class() -> type:
         ) -> None:
             if not hasattr(config, "params_dtype"):
                 raise TypeError(f"config must be Megatron's TransformerConfig, got {type(config).__name__}")
-            activation = _mlp_activation(config)
-            _refuse_unsupported_mlp(config, submodules)
+            activation = mlp_activation(config)
+            refuse_unsupported_mlp(config, submodules)
             if submodules is None:
                 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules
 
@@ -626,7 +518,7 @@ def _grouped_mlp_class() -> type:
                     )
             if save is None:  # Megatron's moe_act recompute: h recomputed in backward; else kept, as TE's fc2 keeps it
                 save = "default" if self.activation_recompute else "h"
-            _check_options(activation, save)
+            check_options(activation, save)
             self.activation, self.save = activation, save
 
         def forward(
@@ -650,7 +542,7 @@ def _grouped_mlp_class() -> type:
             if (config.fp8 or config.fp4) and not skip_routed_expert_padding(config):  # as TEGroupedMLP
                 unpadded = splits
                 x, splits = self.quantization_padding(x, splits)
-                probs = _pad_probs(self.quantization_padding, probs, unpadded)
+                probs = pad_probs(self.quantization_padding, probs, unpadded)
             if config.moe_apply_probs_on_input:
                 if config.moe_router_topk != 1:
                     raise ValueError(
@@ -662,8 +554,8 @@ def _grouped_mlp_class() -> type:
             fc1_off, act_off = self.offload_expert_fc1, self.offload_moe_act
             manager = off_interface(fc1_off or act_off, x, "expert_fc1" if fc1_off else "moe_act")
             with manager as x:
-                with _route_to_megatron(x, fc1_off, act_off) if fc1_off or act_off else contextlib.nullcontext():
-                    y = nn._run_grouped_mlp(
+                with route_to_megatron(x, fc1_off, act_off) if fc1_off or act_off else contextlib.nullcontext():
+                    y = nn.run_grouped_mlp(
                         self.linear_fc1, self.linear_fc2, x, splits, probs, activation=self.activation, save=self.save
                     )
             y = manager.group_offload(

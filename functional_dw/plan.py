@@ -11,7 +11,17 @@ import torch
 
 from ._checks import PLAIN_TYPES
 
-__all__ = ["Options", "PlanCache", "eager_plain", "weights_key", "tensor_key", "choose_path", "route", "wgrad_grouped"]
+__all__ = [
+    "Options",
+    "PlanCache",
+    "eager_plain",
+    "options_key",
+    "weights_key",
+    "tensor_key",
+    "choose_path",
+    "route",
+    "wgrad_grouped",
+]
 
 
 # NOTE: [Plan once, run lean]
@@ -55,6 +65,13 @@ class Options(NamedTuple):
     backend: Any = None
     fp8: Any = None  # an ``_fp8.Args`` (recipe, state, keep_x) or None
     amp: torch.dtype | None = None  # the autocast dtype the call runs in (NOTE: [Autocast] in ``_amp.py``)
+
+
+def options_key(opts: Options, fp8_key: Hashable) -> tuple:
+    """What a plan reads of the options, for its cache key: every field by type and value
+    (``True`` is not ``1``: a flag's check would be skipped), the FP8 arguments by ``fp8_key``
+    (``_fp8.plan_key``'s). A field added to :class:`Options` is in every layer's key."""
+    return tuple((type(v), v) for v in opts._replace(fp8=fp8_key))
 
 
 def eager_plain() -> bool:

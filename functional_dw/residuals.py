@@ -182,11 +182,13 @@ def saved_activations(res: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(res) if isinstance(t, torch.Tensor)]
 
 
-def _nbytes(v: Any) -> int:
+def nbytes(v: Any) -> int:
+    """The bytes of every tensor in the pytree ``v``."""
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor))
 
 
-def _describe_value(v: Any) -> str:
+def describe_value(v: Any) -> str:
+    """One line for a record's field: a tensor's type, shape, dtype and bytes; else its repr."""
     if isinstance(v, torch.Tensor):
         kind = type(v).__name__
         return f"{kind}{list(v.shape)} {str(v.dtype).removeprefix('torch.')} {v.numel() * v.element_size()} B"
@@ -198,8 +200,8 @@ def _describe_value(v: Any) -> str:
     if any(isinstance(t, torch.Tensor) for t in nested):  # a pytree node holding tensors, e.g. a
         # quantized tensor (its repr says the FP8 dtype and scaling), or a list of them (one per expert)
         if isinstance(v, (list, tuple)):
-            return f"{len(v)} x {type(v[0]).__name__}, e.g. {v[0]!r}: {_nbytes(v)} B"
-        return f"{v!r} {_nbytes(v)} B"
+            return f"{len(v)} x {type(v[0]).__name__}, e.g. {v[0]!r}: {nbytes(v)} B"
+        return f"{v!r} {nbytes(v)} B"
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -208,7 +210,7 @@ def _describe(self: Any) -> str:
     lines = [f"{type(self).__name__}("]
     for f in dataclasses.fields(self):
         tag = "saved" if f.metadata.get(_SAVED) else "ref  "
-        lines.append(f"  [{tag}] {f.name} = {_describe_value(getattr(self, f.name))}")
-    total = _nbytes(saved_activations(self))
+        lines.append(f"  [{tag}] {f.name} = {describe_value(getattr(self, f.name))}")
+    total = nbytes(saved_activations(self))
     lines.append(f")  # {total} B through save_for_backward")
     return "\n".join(lines)

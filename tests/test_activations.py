@@ -19,7 +19,7 @@ from functional_dw import activations
 from functional_dw.activations import ACTIVATIONS, Activation, from_megatron, register, unregister
 from functional_dw.kernels import activation as act_mod
 from functional_dw.kernels import triton_activation, triton_math
-from functional_dw.megatron import _mlp_activation
+from functional_dw.megatron_experts import mlp_activation
 
 E, H, FFN = 3, 12, 8
 SPLITS = [4, 0, 5]
@@ -215,12 +215,12 @@ def test_megatrons_mapping_round_trips(toys):
     assert {a.name for a in mapped} == {"swiglu", "gelu", "silu", "softplus"}
     for a in mapped:
         assert from_megatron(a.megatron, a.gated) is a
-        assert _mlp_activation(SimpleNamespace(activation_func=a.megatron, gated_linear_unit=a.gated)) == a.name
+        assert mlp_activation(SimpleNamespace(activation_func=a.megatron, gated_linear_unit=a.gated)) == a.name
     with pytest.raises(
         NotImplementedError,
         match=r"activation_func=F.gelu with gated_linear_unit=True: .* runs 'swiglu' \(gated_linear_unit=True, activation_func=F.silu\), .*'softplus' \(gated_linear_unit=False, activation_func=F.softplus\); use TEGroupedMLP",
     ):
-        _mlp_activation(SimpleNamespace(activation_func=F.gelu, gated_linear_unit=True))
+        mlp_activation(SimpleNamespace(activation_func=F.gelu, gated_linear_unit=True))
 
 
 def test_the_width_rule():

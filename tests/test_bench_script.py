@@ -428,8 +428,8 @@ def _fake_te(mp, moe):
     from functional_dw import fp8
     from functional_dw.kernels import get_kernels as real_get
 
-    gl = sys.modules["functional_dw.grouped_linear"]
-    mp.setattr(gl, "get_kernels", lambda backend, x, w=None: real_get("torch" if backend == "te" else backend, x, w))
+    gp = sys.modules["functional_dw.grouped_plan"]  # (where grouped_linear's plan picks its kernels)
+    mp.setattr(gp, "get_kernels", lambda backend, x, w=None: real_get("torch" if backend == "te" else backend, x, w))
 
     class Manager:
         recipe = None
@@ -489,7 +489,7 @@ def _fake_te(mp, moe):
         "torchao.prototype.moe_training": moe_training,
     }.items():
         mp.setitem(sys.modules, name, mod)
-    mp.setattr(fd.nn, "_TE_MANAGER", [])  # (fd.nn remembers the TE it saw: not this one, after the test)
+    mp.setattr(fd.nn_fp8, "_TE_MANAGER", [])  # (fd.nn_fp8 remembers the TE it saw: not this one, after the test)
 
     class Graphed:
         def __init__(self, step, *inputs, params=(), warmup=1):

@@ -858,11 +858,11 @@ def _fresh_grouped():
         gl_mod._bwd,
         nondiff_argnums=(4,),
         primal=gl_mod._primal,
-        jvp=gl_mod._jvp,
+        jvp=gl_mod.jvp,
         vmap=gl_mod._vmap,
         name="grouped_linear",
     )
-    return lambda x, ws, bs=None, backend=None: f(x, ws, gl_mod._HostSplits(SPLITS), bs, Options(False, None, backend))
+    return lambda x, ws, bs=None, backend=None: f(x, ws, gl_mod.HostSplits(SPLITS), bs, Options(False, None, backend))
 
 
 def _linear_args(seed=0, grad=True):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from functional_dw import distributed as fdd
+from functional_dw.distributed import sharded
 from support.rank_cases import (
     E,
     F,
@@ -315,7 +316,7 @@ def _failed_backward_leaks_group():
     refs = [weakref.ref(w1[0]._dw), weakref.ref(w2[0]._dw)]
     del w1, w2
     gc.collect()
-    live = [r() for refs_ in fdd._PENDING.values() for r in refs_ if r() is not None]
+    live = [r() for refs_ in sharded._PENDING.values() for r in refs_ if r() is not None]
     alive = [r() is not None for r in refs]
     assert not live and not any(alive), f"pending records of live groups: {len(live)}; groups alive after del: {alive}"
 
@@ -453,7 +454,7 @@ def _chains_grow_per_failed_or_unreached_backward():
             lambda t: (_gl(t, w1, sp), torch.tanh(2.0 * t)), x0.clone().requires_grad_(), use_reentrant=False
         )
         b.sum().backward()  # recomputes layer 1's forward inside this backward; its backward never runs
-        sizes.append(len(fdd._CHAINS))
+        sizes.append(len(sharded._CHAINS))
     assert sizes[0] == sizes[-1], f"len(_CHAINS) after each step: {sizes}"
 
 

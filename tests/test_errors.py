@@ -940,7 +940,7 @@ ERROR_CASES = {
         "weights: finalize_group_grads returned 1 grad(s) for 3 weights",
     ),
     "grouped-dw-jvp": (
-        lambda: gl_mod._jvp(
+        lambda: gl_mod.jvp(
             fdw.grouped_linear_fwd(_rand(MSG_T, MSG_K), _dw_group(), list(MSG_SPLITS))[1],
             (None, [_rand(MSG_N, MSG_K), None, None], None, None),
         ),

@@ -17,6 +17,7 @@ from conftest import assert_same
 from helpers import draws, grouped_module, linear_module
 from functional_dw import fp8
 from functional_dw import nn as fnn
+from functional_dw import nn_fp8
 
 E, K, N = 3, 32, 16
 SPLITS = [16, 0, 32]
@@ -183,7 +184,7 @@ class FakeAutocast:
 
         fake.FP8GlobalStateManager = FP8GlobalStateManager
         monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.quantization", fake)
-        monkeypatch.setattr(fnn, "_TE_MANAGER", [])
+        monkeypatch.setattr(nn_fp8, "_TE_MANAGER", [])
 
     def __call__(self, enabled=True, recipe=None):
         self.enabled, self.recipe = enabled, recipe

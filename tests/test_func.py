@@ -400,11 +400,11 @@ def test_grouped_jvp_with_a_none_tangent_in_a_list():
     res = fd.grouped_linear_fwd(x, ws, list(RULE_SPLITS), bs)[1]
     tw = [None, _rand(N, K, seed=30), None]
     tb = [_rand(N, seed=31), None, None]
-    got = gl_mod._jvp(res, (None, tw, None, tb))
+    got = gl_mod.jvp(res, (None, tw, None, tb))
     zeros_w = [torch.zeros(N, K, dtype=D) if t is None else t for t in tw]
     zeros_b = [torch.zeros(N, dtype=D) if t is None else t for t in tb]
     torch.testing.assert_close(got, ref_grouped(x, zeros_w, RULE_SPLITS, zeros_b))
-    assert torch.equal(gl_mod._jvp(res, (None, [None] * E, None, None)), torch.zeros(RULE_T, N, dtype=D))
+    assert torch.equal(gl_mod.jvp(res, (None, [None] * E, None, None)), torch.zeros(RULE_T, N, dtype=D))
 
 
 @pytest.mark.parametrize("which", _SUBSETS[:-1], ids=lambda s: "v" + "".join("xwb"[i] for i in range(3) if s[i]))

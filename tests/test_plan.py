@@ -2,7 +2,7 @@
 kernel runs (grouped_mm on the grouped path only) and the fallback warning's text and line.
 
 NOTE: [Plan once, run lean] (``functional_dw/plan.py``): ``grouped_linear`` decides its GEMM
-path once, in ``grouped_linear._plan``; the layer routes products under transforms in one
+path once, in ``grouped_plan.make_plan``; the layer routes products under transforms in one
 place (``plan.route``), and the kernels run exactly the path they are told. The first part
 records every product the reference backend runs (its GEMM entry points patched, below the
 layer) together with the ``grouped`` flag each kernel call was given, for every path asked,
@@ -11,7 +11,7 @@ nothing else, (2) forward ran ``res.path`` (the residual record's, read back fro
 where autograd holds it), (3) backward ran what ``plan.route`` decided for it, and (4) both are
 what the mode's rule says (NOTE: [Transforms without a rule]).
 
-The second part holds the plan cache (``grouped_linear._PLANS``) to its contract: one plan
+The second part holds the plan cache (``grouped_plan.PLANS``) to its contract: one plan
 for a training loop, a new one whenever something a plan reads changes, never a skipped
 check, nothing cached under transforms, correct under threads.
 """
@@ -39,6 +39,8 @@ from helpers import randn, ref_grouped
 import functional_dw as fd
 from functional_dw import fp8
 from functional_dw._bridge_residuals import ctx_residuals
+from functional_dw.grouped_plan import PLANS
+from functional_dw.plan import Options
 from functional_dw.kernels import packed
 
 gl = importlib.import_module("functional_dw.grouped_linear")  # (fd.grouped_linear is the function)
@@ -55,9 +57,9 @@ T = sum(SPLITS)
 
 @pytest.fixture(autouse=True)
 def _fresh_plans():
-    gl._PLANS.clear()
+    PLANS.clear()
     yield
-    gl._PLANS.clear()
+    PLANS.clear()
 
 
 # --- the GEMM recorder ---------------------------------------------------------------------------
@@ -75,7 +77,7 @@ class Recording:
     n: int = N
     ran: list = dataclasses.field(default_factory=list)  # every product, in order: (kind, path)
     calls: list = dataclasses.field(default_factory=list)  # KernelCall per grouped_* call (eager only)
-    prepared: list = dataclasses.field(default_factory=list)  # forward's _Call (path after routing)
+    prepared: list = dataclasses.field(default_factory=list)  # forward's GroupedCall (path after routing)
     res: list = dataclasses.field(default_factory=list)  # every residual record forward made
     bwd_routes: list = dataclasses.field(default_factory=list)  # backward's route: "grouped"/"split"
 
@@ -187,8 +189,8 @@ def recording(n: int = N):
             patch(TorchKernels, f"split_{kind}", split(f"split_{kind}", kind))
             patch(TorchKernels, f"grouped_{kind}", told(f"grouped_{kind}", kind))
             patch(rowwise_ops, kind, rowwise(kind))
-        patch(gl, "_prepare", spy("_prepare", rec.prepared.append))
-        patch(gl, "_forward", spy("_forward", lambda out: rec.res.append(out[1])))
+        patch(gl, "prepare", spy("prepare", rec.prepared.append))
+        patch(gl, "forward", spy("forward", lambda out: rec.res.append(out[1])))
         patch(
             gl, "_checked", spy("_checked", lambda out: rec.bwd_routes.append("grouped" if out[1].grouped else "split"))
         )
@@ -363,7 +365,7 @@ def test_kernels_run_the_planned_path(recipe, asked, layout, mode):
     if recipe == "rowwise" and want_bwd == "split":  # one path (its grouped GEMM): route leaves it
         want_bwd = planned
 
-    # forward: every fprop ran what the plan (after routing) said: the _Call's path, res.path
+    # forward: every fprop ran what the plan (after routing) said: the GroupedCall's path, res.path
     assert rec.prepared and {c.path for c in rec.prepared} == {want_fwd}
     assert set(rec.told("fprop")) == {want_fwd}
     # one forward GEMM per call; jvp: and one per tangent (x's, the weights'); vmap: folded into
@@ -395,7 +397,7 @@ def test_rowwise_refuses_the_split_path():
     x, ws = _x(torch.bfloat16), _weights("list", torch.bfloat16)
     with recording() as rec, pytest.raises(ValueError, match="RowwiseScaling runs one grouped GEMM per product"):
         fd.grouped_linear(x, ws, SPLITS, use_grouped_tensor=False, recipe=fp8.RowwiseScaling())
-    assert rec.ran == [] and len(gl._PLANS) == 0
+    assert rec.ran == [] and len(PLANS) == 0
 
 
 def test_grouped_path_unsupported_plans_split_and_the_kernels_obey():
@@ -467,7 +469,7 @@ def test_compiled_graph_runs_the_planned_path(recipe, dtype, asked, want, layout
             y.backward(dy)
             assert rec.ran == [("fprop", want), ("dgrad", want), ("wgrad", want)], (i, rec.ran)
     assert not rec.calls and not rec.res  # (nothing recorded while tracing)
-    assert len(gl._PLANS) == 0  # compiled calls plan every time (while tracing), never cached
+    assert len(PLANS) == 0  # compiled calls plan every time (while tracing), never cached
     if recipe == "none":
         want_y = ref_grouped(x.detach().float(), [w.float() for w in _as_list(ws)], SPLITS)
         torch.testing.assert_close(y.float(), want_y, atol=3e-2 if dtype == torch.bfloat16 else 1e-5, rtol=2e-2)
@@ -528,9 +530,9 @@ def _check(x, ws, splits=FULL, bias=None, **kw):
 
 
 def _plan_count_grows(fn, by: int = 1):
-    before = len(gl._PLANS)
+    before = len(PLANS)
     out = fn()
-    assert len(gl._PLANS) == before + by, (before, len(gl._PLANS))
+    assert len(PLANS) == before + by, (before, len(PLANS))
     return out
 
 
@@ -550,12 +552,12 @@ def test_a_training_loop_makes_one_plan(layout):
         plans.add(id(_check(x, ws, counts).plan))
         with torch.no_grad():
             _check(x, ws, counts)
-        assert len(gl._PLANS) == 1, step
+        assert len(PLANS) == 1, step
     assert len(plans) == 1
     # a splits tensor is another signature (its metadata is in the key): one more plan for all routings
     for counts in ([5, 0, 7], [1, 1, 1]):
         _check(torch.randn(sum(counts), K, generator=g), ws, torch.tensor(counts))
-    assert len(gl._PLANS) == 2
+    assert len(PLANS) == 2
 
 
 @pytest.mark.parametrize("case", ["bias_list", "bias_stacked", "fp8_no_bias", "fp8_bias"])
@@ -570,7 +572,7 @@ def test_a_training_loop_with_a_bias_or_fp8_makes_one_plan(case):
     for step in range(3):
         y = fd.grouped_linear(_x(torch.float32, seed=step).requires_grad_(), m.weights(), FULL, bias, recipe=recipe)
         y.sum().backward()
-    assert len(gl._PLANS) == 1
+    assert len(PLANS) == 1
 
 
 def test_delayed_scaling_plans_on_the_states_metadata_and_keeps_no_state():
@@ -584,11 +586,11 @@ def test_delayed_scaling_plans_on_the_states_metadata_and_keeps_no_state():
     with torch.no_grad():
         states[1].scale_fwd.fill_(2.0**-6)  # other scales: other bits (underflow), if the call used them
     ys = [fd.grouped_linear(x, ws, SPLITS, recipe=recipe, fp8_state=s) for s in states]
-    assert len(gl._PLANS) == 1
+    assert len(PLANS) == 1
     assert not torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
     hist = states[0].amax_history_fwd  # each call recorded its amaxes into its own state
     assert hist.any() and all(torch.equal(s.amax_history_fwd, hist) for s in states[1:])
-    gl._PLANS.clear()
+    PLANS.clear()
     fresh = fp8.init_state(recipe, num_gemms=E)
     with torch.no_grad():
         fresh.scale_fwd.fill_(2.0**-6)
@@ -596,7 +598,7 @@ def test_delayed_scaling_plans_on_the_states_metadata_and_keeps_no_state():
     refs = [weakref.ref(t) for s in states for t in (s, s.amax_history_fwd, s.scale_fwd)]
     del states, ys, hist
     gc.collect()
-    assert len(gl._PLANS) == 1 and all(r() is None for r in refs)
+    assert len(PLANS) == 1 and all(r() is None for r in refs)
 
 
 _FP8_STATE = ("amax_history_fwd", "scale_fwd", "amax_history_bwd", "scale_bwd")
@@ -619,7 +621,7 @@ def test_a_delayed_scaling_module_makes_one_plan_per_layer_and_keeps_nothing_ali
     g = torch.Generator().manual_seed(0)
     for _ in range(100):
         m(torch.randn(T, K, generator=g, requires_grad=True), *extra).square().sum().backward()
-    assert len(gl._PLANS) == plans
+    assert len(PLANS) == plans
     layers = [mod for mod in m.modules() if hasattr(mod, "fp8_state")]
     assert layers and all(mod.fp8_state.amax_history_fwd[-1].any() for mod in layers)  # (the steps ran FP8)
     refs = [weakref.ref(m)] + [weakref.ref(getattr(mod, f"fp8_{n}")) for mod in layers for n in _FP8_STATE]
@@ -644,7 +646,7 @@ def test_weight_data_replaced_makes_a_new_plan(layout, which):
     assert not res.plan.packed  # no longer one buffer: never read as one
     with torch.no_grad():  # the primal (no autograd view) too
         _check(x, ws)
-    assert len(gl._PLANS) == 2
+    assert len(PLANS) == 2
 
 
 @pytest.mark.parametrize("how", ["moved", "cloned"])
@@ -700,8 +702,8 @@ def test_te_recipe_class_attributes_are_in_the_key():
     before = fd.grouped_linear(x, ws, FULL, recipe=r)
     cls.fp8_quant_fwd_inp = obj(qcls, power_2_scale=False, amax_epsilon=1.0)  # x's amax floored at 1.0
     after = fd.grouped_linear(x, ws, FULL, recipe=r)
-    assert len(gl._PLANS) == 2 and not torch.equal(after, before)
-    gl._PLANS.clear()
+    assert len(PLANS) == 2 and not torch.equal(after, before)
+    PLANS.clear()
     assert torch.equal(after, fd.grouped_linear(x, ws, FULL, recipe=r))
 
 
@@ -795,7 +797,7 @@ def test_requires_grad_toggled_reaches_every_expert(layout):
         ws[0].requires_grad_(False)
         ws[2].requires_grad_(False)
         _check(x.detach(), ws)
-    assert len(gl._PLANS) == 1  # (one signature throughout)
+    assert len(PLANS) == 1  # (one signature throughout)
 
 
 def test_new_modules_where_old_ones_were_freed_are_planned_afresh():
@@ -883,7 +885,7 @@ def test_bad_calls_raise_the_same_after_a_cached_success(bad):
     x, ws = _x(torch.float32), _weights("one_buffer", torch.float32)
     fresh = _error(BAD_CALLS[bad], x, ws)  # with nothing cached
     assert fresh[0] in (TypeError, ValueError), fresh
-    gl._PLANS.clear()
+    PLANS.clear()
     # the good calls of these signatures, cached (grad and no_grad, host and tensor splits, FP8)
     with torch.no_grad():
         fd.grouped_linear(x, ws, SPLITS)
@@ -891,7 +893,7 @@ def test_bad_calls_raise_the_same_after_a_cached_success(bad):
         fd.grouped_linear(x, ws, SPLITS, B_LIST, recipe=fp8.Float8CurrentScaling())
         fd.grouped_linear(x, ws, SPLITS, B_LIST, recipe=fp8.RowwiseScaling())
     fd.grouped_linear(x.requires_grad_(), ws, SPLITS).sum().backward()
-    assert len(gl._PLANS) == 4
+    assert len(PLANS) == 4
     assert _error(BAD_CALLS[bad], x.detach(), ws) == fresh
     assert _error(BAD_CALLS[bad], x.detach(), ws) == fresh  # (and again, after whatever it left cached)
 
@@ -909,7 +911,7 @@ def test_weight_narrowed_in_place_still_raises(which):
     fresh_ws[which].data = fresh_ws[which].data[: N // 2]
     fresh = _error(fd.grouped_linear, x, fresh_ws, FULL)  # what an uncached call says
     assert fresh[0] is ValueError and "every expert's weight must be" in fresh[1]
-    gl._PLANS.clear()
+    PLANS.clear()
     ws = _weights("one_buffer", torch.float32, requires_grad=False)
     fd.grouped_linear(x, ws, FULL)  # cached
     ws[which].data = ws[which].data[: N // 2]  # the same address, another shape
@@ -952,12 +954,12 @@ def test_the_stale_cases_are_right_uncached(which):
     ws, x = m.weights(), _x(torch.float32).requires_grad_()
     _check(x, ws)
     ws[which].data = ws[which].data.t()
-    gl._PLANS.clear()
+    PLANS.clear()
     _check(x, ws)
     ws2 = _weights("one_buffer", torch.float32, requires_grad=False)
     fd.grouped_linear(x.detach(), ws2, FULL)
     ws2[which].data = ws2[which].data[: N // 2]
-    gl._PLANS.clear()
+    PLANS.clear()
     with pytest.raises(ValueError, match="every expert's weight must be"):
         fd.grouped_linear(x.detach(), ws2, FULL)
 
@@ -1046,9 +1048,9 @@ def _unplain_calls():
 def test_nothing_is_cached_under_transforms_compile_or_modes(name):
     calls = dict(_unplain_calls())
     calls[name]()
-    assert len(gl._PLANS) == 0, name
+    assert len(PLANS) == 0, name
     calls["plain"]()  # (the control: the count above can fail)
-    assert len(gl._PLANS) == 1
+    assert len(PLANS) == 1
 
 
 @pytest.mark.parametrize("name", ["grad", "vjp", "jacrev", "vmap", "vmap_grad"])
@@ -1056,9 +1058,9 @@ def test_what_torch_func_caches_is_the_plain_calls_plan(name):
     calls = dict(_unplain_calls())
     calls[name]()
     calls[name]()
-    assert len(gl._PLANS) <= 1  # (vmap folds into one plain call of B * T tokens: the same signature)
+    assert len(PLANS) <= 1  # (vmap folds into one plain call of B * T tokens: the same signature)
     calls["plain"]()
-    assert len(gl._PLANS) == 1
+    assert len(PLANS) == 1
 
 
 # (e) threads
@@ -1093,7 +1095,7 @@ def test_threads_share_a_module_correctly():
     for th in threads:
         th.join()
     assert not errors, errors
-    assert len(gl._PLANS) == 3  # one per use_grouped_tensor value, however the threads raced
+    assert len(PLANS) == 3  # one per use_grouped_tensor value, however the threads raced
 
 
 # --- custom_vjp(nondiff_argnums=...) -------------------------------------------------------------
@@ -1369,3 +1371,62 @@ def test_route_serves_the_activation_kernels():
     seen = []
     torch.func.vmap(lambda t: seen.append(route(fused, False, t, reference=ref)[0]) or t)(torch.ones(3, 2))
     assert seen == [ref]
+
+
+# --- linear's plan, the options in every key, grouped_linear's seam ------------------------------
+
+lin = importlib.import_module("functional_dw.linear")  # (fd.linear is the function)
+
+
+def test_linear_makes_one_plan_per_signature_and_skips_no_check():
+    """linear plans as grouped_linear does: x's leading dims are data (one plan for a training
+    loop), anything the plan reads makes a new one, and a call its checks refuse is refused
+    after a cached call too."""
+    lin.PLANS.clear()
+    w = torch.randn(N, K, requires_grad=True)
+    b = torch.randn(N, requires_grad=True)
+    for lead in ((4,), (2, 7), (16,)):
+        x = torch.randn(*lead, K, requires_grad=True)
+        y = fd.linear(x, w, b)
+        y.sum().backward()
+        torch.testing.assert_close(y, x @ w.T + b)
+    assert len(lin.PLANS) == 1
+    fd.linear(torch.randn(3, K, dtype=torch.float64), w.detach().double())  # another dtype, no bias
+    assert len(lin.PLANS) == 2
+    with pytest.raises(ValueError, match=r"bias must have shape \(48,\), got \(47,\)"):
+        fd.linear(torch.randn(3, K), w, torch.randn(N - 1))
+    with pytest.raises(ValueError, match="x has 31 features but weight is"):
+        fd.linear(torch.randn(3, K - 1), w)
+    assert len(lin.PLANS) == 2
+    lin.PLANS.clear()
+
+
+@pytest.mark.parametrize("layer", ["linear", "grouped_linear"])
+def test_an_option_is_keyed_by_its_type_too(layer):
+    """``0 == False`` (and their hashes agree), but only a bool passes the flag's check: a key of
+    values alone would hand a cached plan to a call its check refuses (plan.options_key)."""
+    w = torch.randn(N, K)
+    if layer == "linear":
+        call = lambda fuse: fd.linear_fwd(torch.randn(4, K), w, fuse_wgrad_accumulation=fuse)
+    else:
+        call = lambda fuse: fd.grouped_linear_fwd(torch.randn(T, K), [w] * E, SPLITS, fuse_wgrad_accumulation=fuse)
+    call(False)  # planned and cached
+    with pytest.raises(TypeError, match="fuse_wgrad_accumulation must be a bool, got int"):
+        call(0)
+    lin.PLANS.clear()
+
+
+def test_a_call_prepared_from_a_stand_in_runs_on_the_x_it_is_given():
+    """grouped_linear's seam (NOTE: [The layer's seam]): a call prepared from a stand-in with x's
+    shape holds no input; fprop and forward compute on the x they are given, and the residuals
+    save that x as given (grouped_mlp's fc2 runs so on h)."""
+    x = torch.randn(T, 2 * K)[:, ::2]  # not contiguous: the GEMMs read a dense copy
+    ws = [torch.randn(N, K) for _ in range(E)]
+    opts = Options()
+    c = gl.prepare(torch.zeros(T, K), ws, gl.HostSplits(SPLITS), None, opts, stand_in=True)
+    assert c.x_TK is None
+    want, _ = fd.grouped_linear_fwd(x, ws, SPLITS)
+    torch.testing.assert_close(want, ref_grouped(x, ws, list(SPLITS)))
+    y, res = gl.forward(c, x, keep_x=True)
+    assert torch.equal(y, want) and res.x_TK is x
+    assert torch.equal(gl.fprop(c, x), want)

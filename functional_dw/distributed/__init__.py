@@ -46,7 +46,6 @@ from .sharded import (
     shard_weight,
     wait_for_grads,
 )
-from .sharded import _CHAINS, _PENDING  # noqa: F401  (the prefetch and async bookkeeping, read by tests)
 
 __all__ = [
     "ShardedWeight",

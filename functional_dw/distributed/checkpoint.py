@@ -41,7 +41,7 @@ def checkpoint_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     but only hands the objects back: :func:`load_checkpoint` applies them."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from ..nn import _FP8
+    from ..nn_fp8 import FP8Module
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: checkpoints are taken of a torch.nn.Module, got {type(model).__name__}")
@@ -49,7 +49,7 @@ def checkpoint_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     for name, p in model.named_parameters():
         if isinstance(p, ShardedWeight):
             sd[name] = _as_dtensor(p)
-    for key, _m in _fp8_modules(model, _FP8):
+    for key, _m in _fp8_modules(model, FP8Module):
         if isinstance(sd.get(key), torch.Tensor):
             sd[key] = sd[key].cpu().numpy().tobytes()
     return sd
@@ -76,7 +76,7 @@ def load_checkpoint(model: torch.nn.Module, checkpoint_id: str | os.PathLike, *,
     (a BaseException) holding the error."""
     import torch.distributed.checkpoint as dcp
 
-    from ..nn import _FP8
+    from ..nn_fp8 import FP8Module
 
     class Planner(dcp.DefaultLoadPlanner):
         # DCP's planner raises on keys the checkpoint lacks but ignores the ones the model
@@ -90,7 +90,7 @@ def load_checkpoint(model: torch.nn.Module, checkpoint_id: str | os.PathLike, *,
     sd = checkpoint_state_dict(model)
     planner = Planner(allow_partial_load=not strict)
     dcp.load(sd, checkpoint_id=checkpoint_id, planner=planner)
-    for key, m in _fp8_modules(model, _FP8):
+    for key, m in _fp8_modules(model, FP8Module):
         if key in sd and key not in planner.incompatible.missing_keys:
             m.set_extra_state(sd[key])
     return planner.incompatible

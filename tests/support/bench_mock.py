@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))  # this checkout's package
 import functional_dw as fd  # noqa: E402
 
-gl, ll = sys.modules["functional_dw.grouped_linear"], sys.modules["functional_dw.linear"]
+gp, ll = sys.modules["functional_dw.grouped_plan"], sys.modules["functional_dw.linear"]
 from functional_dw.kernels import get_kernels as real_get  # noqa: E402
 
 # CUDA event times: a fixed cycle of milliseconds, multiples of 0.0005 (a median of two is still
@@ -48,7 +48,7 @@ def fake_get(backend, x, w=None):
     return real_get("torch" if backend == "te" else backend, x, w)
 
 
-gl.get_kernels = ll.get_kernels = fake_get
+gp.get_kernels = ll.get_kernels = fake_get
 te = types.ModuleType("transformer_engine.pytorch")
 
 
