@@ -313,74 +313,91 @@ def _launch(
     # the column amaxes [E, D] the first kernel max-es into (zeros; a 1-element stand-in for absent operands)
     n_col = E * D if columnwise else 0
     amaxes = torch.zeros(n_col + 1, dtype=torch.float32, device=dev)
-    col_amax = row_amax = amaxes
+    row_amax = amaxes
     row_out = torch.empty(R, D, dtype=spec.fp8_dtype, device=dev) if rowwise else None
     row_sinv = torch.empty(R, dtype=torch.float32, device=dev) if rowwise else None
     col_sinv = torch.empty(E, D, dtype=torch.float32, device=dev) if columnwise else None
     if not D and rowwise:  # rows of no features: every amax is 0, scale 1 (as the reference)
         row_sinv.fill_(1.0)
     if D and (R or columnwise):
-        n_part = triton.cdiv(D, c["BD"])
         with torch.cuda.device(dev):
             if R:
-                row_part = torch.empty(R, n_part, dtype=torch.float32, device=dev) if rowwise else amaxes
-                _amax_kernel[(triton.cdiv(R, c["RB"]), n_part)](
-                    t2d,
-                    t2d.stride(0),
-                    ends,
-                    row_part,
-                    col_amax,
-                    R,
-                    D,
-                    E,
-                    n_part,
-                    t2d if probs is None else probs,
-                    t2d if h is None else h,
-                    ROWS=rowwise,
-                    COLS=columnwise,
-                    RB=c["RB"],
-                    BT=c["BT"],
-                    BD=c["BD"],
-                    EB=EB,
-                    ACT=code,
-                    GATED=gated,
-                    HAS_P=probs is not None,
-                    INTERP=interpreting(),
-                    num_warps=c["AMAX_WARPS"],
-                    enable_fp_fusion=False,
-                )
-                if rowwise:  # each row's amax: the max of its blocks' (one small torch reduction)
-                    row_amax = row_part.amax(dim=1)
+                row_amax = _amax_pass(t2d, D, ends, amaxes, E, EB, rowwise, columnwise, code, gated, probs, h)
             src = t2d if h is None else h  # (with act: the h the first kernel wrote)
-            _cast_kernel[(triton.cdiv(max(P if columnwise else R, 1), c["CAST_BT"]), n_part)](
-                src,
-                src.stride(0),
-                ends,
-                pends if columnwise else ends,
-                row_amax,
-                col_amax,
-                amaxes if row_out is None else row_out,
-                amaxes if row_sinv is None else row_sinv,
-                amaxes if col_out is None else col_out,
-                amaxes if col_sinv is None else col_sinv,
-                P if columnwise else R,
-                D,
-                E,
-                col_stride_g,
-                col_stride_d,
-                col_shift_g,
-                spec.fp8_max,
-                float(spec.amax_epsilon),
-                ROWS=rowwise,
-                COLS=columnwise,
-                POW2=spec.power_2_scale,
-                BT=c["CAST_BT"],
-                BD=c["BD"],
-                EB=EB,
-                SAT=interpreting(),
-                num_warps=c["CAST_WARPS"],
+            outs = [amaxes if o is None else o for o in (row_out, row_sinv, col_out, col_sinv)]
+            n = P if columnwise else R
+            shape = (n, E, col_stride_g, col_stride_d, col_shift_g, EB)
+            _cast_pass(
+                src, ends, pends if columnwise else ends, row_amax, amaxes, outs, shape, spec, rowwise, columnwise
             )
     return row_out, row_sinv, col_sinv  # (None where not asked for)
+
+
+def _amax_pass(t2d, D, ends, amaxes, E, EB, rowwise, columnwise, code, gated, probs, h):
+    """The first kernel on ``D`` features (h's, with an activation): the column amaxes max-ed
+    into ``amaxes`` (and ``h`` written); returns the row amaxes ``[R]`` (``amaxes`` when not
+    rowwise)."""
+    c, R = CONFIG, t2d.shape[0]
+    n_part = triton.cdiv(D, c["BD"])
+    row_part = torch.empty(R, n_part, dtype=torch.float32, device=t2d.device) if rowwise else amaxes
+    _amax_kernel[(triton.cdiv(R, c["RB"]), n_part)](
+        t2d,
+        t2d.stride(0),
+        ends,
+        row_part,
+        amaxes,
+        R,
+        D,
+        E,
+        n_part,
+        t2d if probs is None else probs,
+        t2d if h is None else h,
+        ROWS=rowwise,
+        COLS=columnwise,
+        RB=c["RB"],
+        BT=c["BT"],
+        BD=c["BD"],
+        EB=EB,
+        ACT=code,
+        GATED=gated,
+        HAS_P=probs is not None,
+        INTERP=interpreting(),
+        num_warps=c["AMAX_WARPS"],
+        enable_fp_fusion=False,
+    )
+    return row_part.amax(dim=1) if rowwise else amaxes  # each row's: the max of its blocks' (one small reduction)
+
+
+def _cast_pass(src, ends, cends, row_amax, col_amax, outs, shape, spec, rowwise, columnwise):
+    """The second kernel: scale and cast ``src`` into ``outs`` (row data, row inverse scales,
+    column data, column inverse scales; stand-ins where not asked for)."""
+    c, D = CONFIG, src.shape[1]  # (h's width with an activation: src is h)
+    n, E, col_stride_g, col_stride_d, col_shift_g, EB = shape
+    _cast_kernel[(triton.cdiv(max(n, 1), c["CAST_BT"]), triton.cdiv(D, c["BD"]))](
+        src,
+        src.stride(0),
+        ends,
+        cends,
+        row_amax,
+        col_amax,
+        *outs,
+        n,
+        D,
+        E,
+        col_stride_g,
+        col_stride_d,
+        col_shift_g,
+        spec.fp8_max,
+        float(spec.amax_epsilon),
+        ROWS=rowwise,
+        COLS=columnwise,
+        POW2=spec.power_2_scale,
+        BT=c["CAST_BT"],
+        BD=c["BD"],
+        EB=EB,
+        SAT=interpreting(),
+        num_warps=c["CAST_WARPS"],
+    )
 
 
 def quantize_activation(
