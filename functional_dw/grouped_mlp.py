@@ -179,12 +179,16 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
         form = in_layer("fc2", check_bias, bias2, c2.plan.num_experts, c2.plan.out_features, y)
         pb = _ProbsBias(bias2, form)
         y = activation_kernels(act, y, probs).probs_bias_fwd(y, _bias_EH(pb), probs, c2.split)
-    if not keep:
-        return y, None
+    return y, (_record(opts, r1, r2, fc1_out, probs, act, pb, bias1) if keep else None)
+
+
+def _record(opts: MLPOptions, r1, r2, fc1_out, probs, act, pb, bias1) -> GroupedMLPResiduals:
+    """The MLP's residual record, nesting fc1's and fc2's (fc2's without h where the policy
+    recomputes it)."""
     h_kept = r2.x_TK is not None
     if opts.save != "h" and h_kept:  # h is recomputed in backward: fc2's record holds it not
         r2 = dataclasses.replace(r2, x_TK=None, x_version=None)
-    res = GroupedMLPResiduals(
+    return GroupedMLPResiduals(
         fc1=r1,
         fc2=r2,
         fc1_out=None if opts.save == "x_only" else fc1_out,
@@ -196,7 +200,6 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
         bias1=bias1,
         h_kept=h_kept,
     )
-    return y, res
 
 
 def _h_like(fc1_out: torch.Tensor, activation: str) -> torch.Tensor:

@@ -70,7 +70,7 @@ from . import nn
 from .nn_fp8 import reset_state
 from .distributed import ShardedWeight, shard_grouped_weights
 from .grouped_linear import grouped_linear
-from .megatron_experts import mlp_activation, pad_probs, refuse_unsupported_mlp, route_to_megatron
+from .megatron_experts import check_linears, mlp_activation, pad_probs, refuse_unsupported_mlp, route_to_megatron
 
 # (and GroupedMLP, made on first access, not listed: ``import *`` works without megatron-core)
 __all__ = ["GroupedLinear", "ColumnParallelGroupedLinear", "RowParallelGroupedLinear", "shard_expert_weights"]
@@ -509,13 +509,7 @@ def _grouped_mlp_class() -> type:
             if pg_collection is None:
                 pg_collection = _megatron()["ProcessGroupCollection"].use_mpu_process_groups()
             super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
-            for attr, want in (("linear_fc1", ColumnParallelGroupedLinear), ("linear_fc2", RowParallelGroupedLinear)):
-                if not isinstance(getattr(self, attr), GroupedLinear):
-                    raise TypeError(
-                        f"functional_dw.megatron.GroupedMLP: submodules.{attr} built a "
-                        f"{type(getattr(self, attr)).__name__}; the fused MLP reads its parameters, so it must be "
-                        f"functional_dw.megatron.{want.__name__} (or a subclass, or None for it)"
-                    )
+            check_linears(self, GroupedLinear, (ColumnParallelGroupedLinear, RowParallelGroupedLinear))
             if save is None:  # Megatron's moe_act recompute: h recomputed in backward; else kept, as TE's fc2 keeps it
                 save = "default" if self.activation_recompute else "h"
             check_options(activation, save)

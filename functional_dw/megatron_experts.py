@@ -13,7 +13,7 @@ import torch
 
 from .activations import ACTIVATIONS, from_megatron
 
-__all__ = ["mlp_activation", "pad_probs", "refuse_unsupported_mlp", "route_to_megatron"]
+__all__ = ["check_linears", "mlp_activation", "pad_probs", "refuse_unsupported_mlp", "route_to_megatron"]
 
 
 def _func_name(func: Any) -> str:
@@ -56,6 +56,18 @@ def mlp_activation(config: Any) -> str:
                 "set it to None or use TEGroupedMLP"
             )
     return activation
+
+
+def check_linears(mlp: torch.nn.Module, base: type, wants: tuple[type, type]) -> None:
+    """TypeError unless the experts' ``linear_fc1`` and ``linear_fc2`` are ``base`` instances
+    (our GroupedLinears: the fused MLP reads their parameters); ``wants`` names the classes to use."""
+    for attr, want in zip(("linear_fc1", "linear_fc2"), wants):
+        if not isinstance(getattr(mlp, attr), base):
+            raise TypeError(
+                f"functional_dw.megatron.GroupedMLP: submodules.{attr} built a "
+                f"{type(getattr(mlp, attr)).__name__}; the fused MLP reads its parameters, so it must be "
+                f"functional_dw.megatron.{want.__name__} (or a subclass, or None for it)"
+            )
 
 
 def refuse_unsupported_mlp(config: Any, submodules: Any) -> None:
