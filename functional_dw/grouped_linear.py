@@ -266,6 +266,11 @@ def _plan(
     elif backend == "auto" and opts.fuse_wgrad_accumulation:  # torch's CUDA grouped GEMM cannot write an
         backend = None  # fp32 main_grad (it writes bf16; TE's can, without a sync): auto is TE's kernels there
     kernels = get_kernels(backend, x, w_ENK if use_grouped_tensor is not False else None)
+    fp8_plan = None
+    if recipe is not None or fp8_state is not None:  # its kernels: the family's (NOTE: [FP8 kernels by family])
+        fp8_plan = _fp8.plan(recipe, fp8_state, E, x, kernels)
+        _fp8.check_dims(K, N)
+        kernels = fp8_plan.kernels
     if fixed is not None:
         path, why = fixed
     else:
@@ -280,10 +285,6 @@ def _plan(
         if use_grouped_tensor and path == "split"
         else None
     )
-    fp8_plan = None
-    if recipe is not None or fp8_state is not None:
-        fp8_plan = _fp8.plan(recipe, fp8_state, E, x, kernels)
-        _fp8.check_dims(K, N)
     return GroupedPlan(
         kernels,
         path,

@@ -85,6 +85,7 @@ def _prepare(x, weight, bias, opts: Options) -> _Call:
         plan = _fp8.plan(recipe, fp8_state, 1, x, kernels, grouped=False).bind(fp8_state)
         _fp8.check_dims(K, N, tokens=_tokens(x.shape))
     x = _checks.dense(x)
+    kernels = kernels if plan is None else plan.kernels  # (FP8: the family's, NOTE: [FP8 kernels by family])
     return _Call(distributed, w_NK, x, bias, route(kernels, False, x, w_NK)[0], plan, opts.amp)
 
 

@@ -167,7 +167,7 @@ def route(kernels: Any, grouped: bool, *operands: Any, one_path: bool = False) -
     if wrapped:
         from .kernels.torch_ref import TORCH
 
-        return TORCH, False
+        return getattr(kernels, "reference", TORCH), False  # (FP8 on TE: the emulation)
     return kernels, grouped
 
 

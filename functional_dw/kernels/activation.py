@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from . import Splits
-from .torch_ref import _row_expert
+from .splits import row_expert as _row_expert
 
 __all__ = [
     "ACTIVATIONS",
