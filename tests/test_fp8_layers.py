@@ -1010,8 +1010,8 @@ def test_reference_quantize_defaults_and_amaxes():
     assert amax.tolist() == want
 
 
-class _KernelLog(EmulatedKernels):
-    """The reference kernels, logging each GEMM's x shape and options and each quantize's copies."""
+class OneGemmLog:
+    """A mixin for kernels (bf16 or FP8) logging each one-GEMM call's x shape and options."""
 
     def __init__(self):
         self.log = []
@@ -1027,6 +1027,10 @@ class _KernelLog(EmulatedKernels):
     def wgrad(self, x_TK, dy_TN, **kw):
         self.log.append(("wgrad", kw.get("split_accumulator", "default"), kw.get("with_dbias")))
         return super().wgrad(x_TK, dy_TN, **kw)
+
+
+class _KernelLog(OneGemmLog, EmulatedKernels):
+    """The FP8 emulation, logging each GEMM's x shape and options and each quantize's copies."""
 
     def quantize(self, t, spec, **kw):
         self.log.append(("quantize", tuple(t.shape), kw["rowwise"], kw["columnwise"]))
