@@ -148,6 +148,12 @@ def check_quantize(
                 "pad them, or use recipe=None"
             )
         return
+    _check_group(t, spec, scale, amax, columnwise, group, who)
+
+
+def _check_group(t: Any, spec: Any, scale: Any, amax: Any, columnwise: bool, group: tuple, who: str) -> None:
+    """:func:`check_quantize`'s rules for a group's rows (``group``: ``(splits, grouped)``)."""
+    delayed = spec.scaling == "delayed"
     splits, grouped = group
     E = splits.num_experts
     if delayed:
