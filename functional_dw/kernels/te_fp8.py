@@ -448,6 +448,17 @@ def _offsets1(splits, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return splits.cached(("te_fp8_offsets", C), make)
 
 
+def _group_quantize(x: torch.Tensor, splits, spec: fp8.TensorSpec, rowwise: bool, columnwise: bool, with_dbias: bool):
+    """(storage, dbias) of the grouped path: ``tex.group_quantize`` of the whole group (with the
+    fused block-scaling bias grad where it applies: it needs rowwise)."""
+    sizes_E, rows_E1, offs = _offsets1(splits, x.shape[1])
+    q = _quantizer(spec, x.device, rowwise=rowwise, columnwise=columnwise)
+    if with_dbias and spec.scaling == "block" and rowwise:
+        return tex.bgrad_group_quantize(x, q, splits.num_experts, sizes_E, tensor_offsets=offs)
+    st = tex.group_quantize(x, q, splits.num_experts, sizes_E, tensor_offsets=offs)
+    return st, (grouped_dbias(x, splits, rows_E1) if with_dbias else None)
+
+
 def grouped_quantize(
     x: torch.Tensor,
     splits,
@@ -465,29 +476,14 @@ def grouped_quantize(
     scaling only, as ``_forward_grouped_tensor`` / ``_backward_grouped_tensor``)."""
     check_quantize(x, spec, scales, amaxes, rowwise, columnwise, _env(x), (splits, grouped))
     E, x = splits.num_experts, x.detach().contiguous()
+    again = dict(scales=scales, rowwise=rowwise, columnwise=columnwise, grouped=grouped, with_dbias=True)
     later = (
         None
         if with_dbias or spec.role != "grad_output"
-        else functools.partial(
-            grouped_quantize,
-            x,
-            splits,
-            spec,
-            scales=scales,
-            rowwise=rowwise,
-            columnwise=columnwise,
-            grouped=grouped,
-            with_dbias=True,
-        )
+        else functools.partial(grouped_quantize, x, splits, spec, **again)
     )
     if grouped and splits.num_tokens:
-        sizes_E, rows_E1, offs = _offsets1(splits, x.shape[1])
-        q = _quantizer(spec, x.device, rowwise=rowwise, columnwise=columnwise)
-        if with_dbias and spec.scaling == "block" and rowwise:  # the fused block-scaling bgrad needs rowwise
-            st, dbias = tex.bgrad_group_quantize(x, q, E, sizes_E, tensor_offsets=offs)
-        else:
-            st = tex.group_quantize(x, q, E, sizes_E, tensor_offsets=offs)
-            dbias = grouped_dbias(x, splits, rows_E1) if with_dbias else None
+        st, dbias = _group_quantize(x, splits, spec, rowwise, columnwise, with_dbias)
         return TEQ(st, x.shape, x.dtype, dbias, later)
     sizes = host_sizes(splits)
     row, col = _made_usage(spec, rowwise, columnwise, with_dbias)
