@@ -1,438 +1,48 @@
-"""FP8 plumbing for the layers: a :class:`Plan` per call says how it quantizes; its class is
-the recipe's family's.
-
-A layer builds its plan in ``_prepare`` (:func:`plan`; None when ``recipe`` is None, and then
-nothing here runs) and hands each tensor to the kernels' ``quantize``/``grouped_quantize``
-through the plan's methods (the kernels' side: ``kernels/protocol.py``, NOTE: [FP8 operands]):
-
-=================  ===================================  ==========================================
-when               tensor                               copies, scale (delayed scaling)
-=================  ===================================  ==========================================
-forward            x (per expert for a group)           rowwise for fprop + columnwise kept for
-                                                        wgrad; the state's input scale, amax
-                                                        recorded into its history row 0
-forward            each expert's weight                 rowwise; the state's weight scale (a
-                                                        snapshot is kept), amax recorded
-backward           each expert's weight, materialized   columnwise for dgrad; forward's scale
-                   again                                snapshot, no amax recorded (the bits of
-                                                        forward's FP8 weight)
-backward           x recomputed (grouped_mlp's h)       columnwise for wgrad; forward's scale
-                                                        snapshot, no amax recorded (the bits of
-                                                        forward's copy)
-backward           dy (per expert for a group)          rowwise for dgrad, columnwise for wgrad;
-                                                        the state's grad_output scale, amax
-                                                        recorded into the backward history
-=================  ===================================  ==========================================
-
-Current and block scaling compute every scale from the tensor itself (no state, no snapshot).
-
-The plan is context in the residuals (by reference, never saved): the recipe, the three
-:class:`~functional_dw.fp8.TensorSpec`, the split-accumulator flags, the state (the caller's
-object: its amax histories are written in place), the activations' dtype and device, and for
-delayed scaling the forward scales the call quantized with. A plan as :func:`plan` makes it
-(and the layers cache it) holds no state: each call binds its own (:meth:`Plan.bind`, NOTE:
-[The state is bound per call]).
-
-Recipe families. :func:`family` is the one place that looks at the recipe's kind: it maps the
-recipe's class to its family's subclass of :class:`Plan` (``_FAMILIES``), which :func:`plan`
-instantiates (:func:`plan` asks besides whether it is DelayedScaling, whose state it checks).
-The layers read only what the family declares (``one_path``, ``compiles``,
-``grouped_only``, ``backend``, ``fixed_path``, ``grouped_problem``, ``check_counts``):
-
-- ``_fp8_te.py``, :class:`TEPlan`: TE's recipes (DelayedScaling, Float8CurrentScaling), each
-  expert quantized on its own through the kernels' ``quantize``/``quantize_each``/
-  ``grouped_quantize``; :class:`TEBlockPlan` (Float8BlockScaling) adds the grouped path's
-  128-token rule.
-- ``_fp8_rowwise.py``, :class:`RowwisePlan`: functional_dw's RowwiseScaling, the group quantized
-  at once (``kernels.quantize_group``, weights cached per version), one grouped path, any token
-  counts, torch's kernels, compiles.
-
-A new recipe touches: its class in ``fp8/recipe.py`` (listed in ``RECIPES``), its rules in
-``fp8/spec.py`` (``tensor_spec``, ``split_accumulator``; a new ``TensorSpec.scaling`` for a new
-format), its family's class (a new ``_fp8_<name>.py``, or a subclass of a relative) and the
-mapping ``_FAMILIES`` here; a new format also needs the kernels' quantize and FP8 GEMMs
-(``kernels/torch_ref.py``, ``kernels/te_fp8.py``), and a recipe with a state ``nn.py``'s state
-handling.
+"""The layers' FP8 entry point: a call's FP8 arguments (:class:`Args`), the autograd rules of an
+FP8 layer (:func:`no_jvp`, :func:`check_first_order`), and :mod:`.fp8_plan`'s API (the
+:class:`Plan` base, :func:`plan`, :func:`family`, the checks), with the built-in recipe families
+registered by importing their modules (``fp8_te_plan.py``, ``fp8_rowwise_plan.py``; NOTE: [FP8
+kernels by family]).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from . import fp8
-from .fp8.state import BWD_PER_GEMM, FWD_PER_GEMM
-
-__all__ = [
-    "Plan",
-    "plan",
-    "family",
-    "with_usage",
-    "check_dims",
-    "check_first_order",
-    "no_jvp",
-    "Args",
-    "unpack_args",
-    "plan_key",
-]
-
-_ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
-FEATURE_MULTIPLE = 16  # K and N (TE: assert_dim_for_fp8_exec's last dim; cuBLASLt's FP8 leading dims)
-LINEAR_TOKEN_MULTIPLE = 8  # TE 2.20 utils.py: assert_dim_for_fp8_exec, product of the leading dims
-GROUP_TOKEN_MULTIPLE = 16  # TE 2.20 quantization.py: get_align_size_for_quantization (what Fp8Padding pads to)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Plan:
-    """How one call quantizes (see the module docstring): the base of the families' classes,
-    made by :func:`plan`. ``dtype``/``device`` are the activations' (the record stands in for x
-    where the layer checks dy: ``like=``). Immutable and shared (the layers cache plans): a call
-    changes it with ``dataclasses.replace``, which keeps the family's class.
-
-    The class attributes and classmethods are the family's rules, which the layers read (some
-    before a plan exists); the defaults are TE's recipes'."""
-
-    one_path: ClassVar[bool] = False  # the products have one grouped path (no per-expert path to route to)
-    compiles: ClassVar[bool] = False  # runs under torch.compile (else refused: refuse_compile)
-    grouped_only: ClassVar[bool] = False  # a GroupedLinear's only: a Linear is refused with not_for_linear
-    not_for_linear: ClassVar[str] = ""
-
-    recipe: fp8.Recipe
-    x: fp8.TensorSpec
-    w: fp8.TensorSpec
-    dy: fp8.TensorSpec
-    acc: fp8.SplitAccumulator
-    state: fp8.DelayedScalingState | None  # delayed: the call's (bind); None as planned
-    num_gemms: int
-    dtype: torch.dtype
-    device: torch.device
-    scales: torch.Tensor | None = None  # delayed: the state's scale_fwd when the call began (a clone, bind)
-    w_dgrad: Any = None  # forward's FP8 weights, columnwise (NOTE: [FP8 weights for dgrad])
-
-    @property
-    def delayed(self) -> bool:
-        return isinstance(self.recipe, fp8.DelayedScaling)
-
-    # NOTE: [The state is bound per call]
-    #   What a plan reads of a delayed-scaling state is metadata (its type, GEMMs, history rows and
-    #   device: :func:`_check_state`), so the plan cache keys on that (:func:`plan_key`) and a plan
-    #   as planned holds no state. A call binds its own state, and a snapshot of the forward scales
-    #   it quantizes with, to the plan it runs (:meth:`bind`; the record keeps it). Hence:
-    #   - a module's state may be a new record over its buffers at every access: its calls share
-    #     one cached plan, and no cached plan keeps a deleted module's histories alive;
-    #   - backward re-quantizes with forward's scales and records no amax (forward recorded
-    #     them): the weights (:meth:`requantize_weights`) and a recomputed input
-    #     (:meth:`requantize_x`, grouped_mlp's h under ``save="default"``). A state update or
-    #     another forward between a forward and its backward (pipeline schedules) changes
-    #     neither backward's bits nor the later forward's history row (as TE's
-    #     ``te.checkpoint`` restores forward's scales for its recompute).
-    #   The snapshot is one clone of ``scale_fwd`` per call (the weights' scale snapshot it
-    #   replaces cost the same); forward itself reads the state's scales (TE's quantizers are
-    #   cached by their addresses: NOTE: [Delayed quantizers by address]).
-    def bind(self, state: Any) -> Plan:
-        """This call's plan: for delayed scaling, with ``state`` (checked as planned: the plan
-        cache keys on its metadata) and a snapshot of its forward scales; else the plan itself."""
-        if not self.delayed:
-            return self
-        return dataclasses.replace(self, state=state, scales=state.scale_fwd.clone())
-
-    def _forward_scales(self, role: str) -> torch.Tensor | None:
-        """The ``[E]`` scales ``role`` (input or weight) was quantized with in forward (strided
-        views of the snapshot), or None without delayed scaling."""
-        if self.scales is None:
-            return None
-        return self.scales[fp8.slot(role, 0)[1] :: FWD_PER_GEMM]
-
-    def __repr__(self) -> str:
-        names = "/".join(str(s.fp8_dtype).removeprefix("torch.float8_") for s in (self.x, self.w, self.dy))
-        return f"FP8({type(self.recipe).__name__}, x/w/dy {names}{', state' if self.delayed else ''})"
-
-    # --- the family's rules ----------------------------------------------------------------------
-    @classmethod
-    def backend(cls, asked: Any) -> Any:
-        """The backend a GroupedLinear runs for ``backend=asked``: "auto" is TE's kernels (None),
-        as FP8 on torch's kernels is the CPU emulation."""
-        return None if asked == "auto" else asked
-
-    @classmethod
-    def fixed_path(cls, use_grouped_tensor: bool | None) -> tuple[str, str] | None:
-        """(path, why) where the family fixes a GroupedLinear's GEMM path (raising for a
-        ``use_grouped_tensor`` it cannot honour); None: the kernels' verdict decides."""
-        return None
-
-    @classmethod
-    def check_kernels(cls, kernels: Any) -> None:
-        """Raise unless ``kernels`` can quantize for this family."""
-        if not callable(getattr(kernels, "quantize", None)) or not callable(getattr(kernels, "grouped_quantize", None)):
-            raise TypeError(
-                f"backend {kernels!r} has no FP8 support (no quantize/grouped_quantize methods): use "
-                "backend='torch' (the reference) or 'te'"
-            )
-
-    @classmethod
-    def check_x(cls, x: torch.Tensor) -> None:
-        """Raise where the family cannot run on x's device or dtype (beyond :func:`plan`'s checks)."""
-
-    def grouped_problem(self, splits: Any) -> str | None:
-        """Why the grouped path cannot quantize these per-expert counts (a ``Splits``; the layer
-        then runs the split path), or None."""
-        return None
-
-    def check_counts(self, K: int, N: int, splits: Sequence[int] | None) -> None:
-        """Raise for sizes the FP8 GEMMs do not take (:func:`check_dims`); ``splits`` None:
-        counts known only on the device (not checked)."""
-        check_dims(K, N, splits=splits)
-
-    # --- delayed scaling: views into the state -------------------------------------------------
-    def _views(self, role: str, gemm: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(scale, amax) views into the state for ``role``: 0-d for one GEMM, strided ``[E]`` for
-        all (``gemm=None``); (None, None) without delayed scaling."""
-        if not self.delayed:
-            return None, None
-        side, first = fp8.slot(role, 0)
-        scale = getattr(self.state, f"scale_{side}")
-        amax = getattr(self.state, f"amax_history_{side}")[0]
-        if gemm is not None:
-            col = first + gemm * (FWD_PER_GEMM if side == "fwd" else BWD_PER_GEMM)
-            return scale[col], amax[col]
-        cols = slice(first, None, FWD_PER_GEMM if side == "fwd" else BWD_PER_GEMM)
-        return scale[cols], amax[cols]
-
-    # --- forward ---------------------------------------------------------------------------------
-    def quantize_x(
-        self, kernels: Any, x_TK: torch.Tensor, splits: Any = None, grouped: bool = False, *, keep: bool
-    ) -> Any:
-        """x for fprop (rowwise), plus the columnwise copy wgrad reads when ``keep``. ``splits``
-        None: one GEMM (``quantize``), else per expert (``grouped_quantize``)."""
-        return self._quantize(kernels, "input", self.x, x_TK, splits, grouped, rowwise=True, columnwise=keep)
-
-    def quantize_activated(
-        self,
-        kernels: Any,
-        act: Any,
-        fc1_out: torch.Tensor,
-        probs: Any,
-        activation: str,
-        splits: Any,
-        *,
-        rowwise: bool,
-        columnwise: bool,
-    ) -> Any:
-        """grouped_mlp's fc2 input ``h = act(fc1_out) * probs``, the copies asked for, bitwise as
-        :meth:`quantize_x` would quantize the written h, but computed inside the quantization
-        (``act``: the call's activation kernels); None where this family and these kernels
-        cannot: then the caller writes h and quantizes it."""
-        return None
-
-    # NOTE: [FP8 weights for dgrad] With ``keep`` (plain weights; the layer checks their
-    # versions in backward, so a cached copy is never stale) forward quantizes each weight
-    # both ways in one pass and the plan holds the columnwise copies by reference, as TE's
-    # module keeps its FP8 weights: backward runs no weight quantization. They live on the
-    # residual record's context, never through ``save_for_backward`` (hooks see no weight).
-    # A DistributedWeight is re-materialized and re-quantized in backward instead (its hooks
-    # fire as without FP8); so is a weight whose copy was not kept.
-    def quantize_weights(
-        self, kernels: Any, w_ENK: Any, *, keep: bool = False, params: Sequence[torch.Tensor] | None = None
-    ) -> tuple[Any, Plan]:
-        """Each expert's weight for fprop (rowwise; delayed scaling: the state's scales, amaxes
-        recorded), and the plan for backward: with ``keep``, it also holds the columnwise copies
-        dgrad reads, by reference.
-        ``params``: the plain parameters the weights are (a family may cache by them).
-
-        With ``keep``, backward runs no weight quantization (NOTE: [FP8 weights for dgrad])."""
-        raise NotImplementedError
-
-    # --- backward --------------------------------------------------------------------------------
-    def requantize_weights(self, kernels: Any, w_ENK: Any) -> Any:
-        """The weights for dgrad (columnwise): forward's copies when kept, else quantized again
-        (materialized again) with forward's scales and no amax recorded: for an unchanged
-        weight, forward's FP8 bits."""
-        raise NotImplementedError
-
-    def requantize_x(self, kernels: Any, x_TK: torch.Tensor, splits: Any, grouped: bool) -> Any:
-        """x's columnwise copy (wgrad's) of an x recomputed in backward, per expert: with the
-        scales forward quantized it with and no amax recorded (NOTE: [The state is bound per
-        call]): for the same x, forward's copy, bit for bit."""
-        return kernels.grouped_quantize(
-            x_TK,
-            splits,
-            self.x,
-            scales=self._forward_scales("input"),
-            amaxes=None,
-            rowwise=False,
-            columnwise=True,
-            grouped=grouped,
-        )
-
-    def quantize_dy(
-        self, kernels: Any, dy_TN: torch.Tensor, splits: Any = None, grouped: bool = False, *, dgrad: bool, wgrad: bool
-    ) -> Any:
-        """dy for dgrad (rowwise) and wgrad (columnwise), as asked; None when neither GEMM runs."""
-        if not (dgrad or wgrad):
-            return None
-        return self._quantize(kernels, "grad_output", self.dy, dy_TN, splits, grouped, rowwise=dgrad, columnwise=wgrad)
-
-    def _quantize(
-        self,
-        kernels: Any,
-        role: str,
-        spec: fp8.TensorSpec,
-        t: torch.Tensor,
-        splits: Any,
-        grouped: bool,
-        *,
-        rowwise: bool,
-        columnwise: bool,
-    ) -> Any:
-        """An activation (x or dy) through the kernels: one GEMM's (``splits`` None) or per expert,
-        with the state's scale/amax views for ``role`` (None without delayed scaling)."""
-        if splits is None:
-            scale, amax = self._views(role, 0)
-            return kernels.quantize(t, spec, scale=scale, amax=amax, rowwise=rowwise, columnwise=columnwise)
-        scales, amaxes = self._views(role, None)
-        return kernels.grouped_quantize(
-            t, splits, spec, scales=scales, amaxes=amaxes, rowwise=rowwise, columnwise=columnwise, grouped=grouped
-        )
-
-
-def with_usage(q: Any, *, rowwise: bool, columnwise: bool) -> Any:
-    """``q`` (a quantized tensor, or a group of them: a list per expert, or a backend's grouped
-    object) with only the copies asked for."""
-    if isinstance(q, (list, tuple)):
-        return [m.with_usage(rowwise=rowwise, columnwise=columnwise) for m in q]
-    return q.with_usage(rowwise=rowwise, columnwise=columnwise)
-
-
-def family(recipe: Any) -> type[Plan]:
-    """The :class:`Plan` subclass of ``recipe``'s family (``_FAMILIES``): the one place the
-    recipe's kind is looked at. Anything else (TE's recipe objects, which :func:`plan` converts,
-    or what it refuses) gets :class:`TEPlan`'s rules."""
-    for cls, ops in _FAMILIES.items():
-        if isinstance(recipe, cls):
-            return ops
-    return TEPlan
-
-
-def plan(
-    recipe: Any, fp8_state: Any, num_gemms: int, x: torch.Tensor, kernels: Any, grouped: bool = True
-) -> Plan | None:
-    """The checked plan of a call, of the recipe's family's class, or None for ``recipe=None``
-    (no FP8: nothing else here runs). It holds no state (``fp8_state`` is checked): a call runs
-    ``plan(...).bind(fp8_state)`` (NOTE: [The state is bound per call]).
-
-    ``grouped``: a GroupedLinear's call (a ``grouped_only`` family runs only there).
-    Raises TypeError for a recipe that is not one, float64 activations or a backend without FP8;
-    ValueError for MXFP8/NVFP4 (from :func:`fp8.as_recipe`), ``backward_override``, a delayed
-    recipe without its state, or a state of another size or device."""
-    if recipe is None:
-        if fp8_state is not None:
-            raise ValueError("fp8_state was given without a recipe: pass recipe=fp8.DelayedScaling(...) too")
-        return None
-    r = fp8.as_recipe(recipe)
-    refuse_compile(r)
-    ops = family(r)
-    if r.backward_override is not None:
-        raise ValueError(
-            f"{type(r).__name__}(backward_override={r.backward_override!r}) is not supported: "
-            "backward runs the FP8 GEMMs of the recipe (set backward_override=None)"
-        )
-    if x.dtype not in _ACTIVATIONS:
-        raise TypeError(
-            f"FP8 ({type(r).__name__}) takes float32, bfloat16 or float16 activations (what TE "
-            f"quantizes); x is {x.dtype}: cast x and the weights (e.g. .to(torch.bfloat16)), or "
-            "pass recipe=None"
-        )
-    ops.check_kernels(kernels)
-    delayed = isinstance(r, fp8.DelayedScaling)
-    if delayed:
-        _check_state(fp8_state, r, num_gemms, x.device)
-    elif fp8_state is not None:
-        raise ValueError(
-            f"fp8_state is delayed scaling's; {type(r).__name__} computes its scales from each "
-            "tensor and keeps no state: pass fp8_state=None"
-        )
-    if ops.grouped_only and not grouped:
-        raise ValueError(ops.not_for_linear)
-    ops.check_x(x)
-    specs = [fp8.tensor_spec(r, role) for role in fp8.ROLES]
-    return ops(r, *specs, fp8.split_accumulator(r), None, num_gemms, x.dtype, x.device)
-
-
-def _check_state(state: Any, recipe: fp8.DelayedScaling, num_gemms: int, device: torch.device) -> None:
-    make = f"fp8.init_state(recipe, num_gemms={num_gemms}, device={str(device)!r})"
-    if state is None:
-        raise ValueError(
-            "DelayedScaling quantizes with scales from amaxes of earlier steps, kept in a state: "
-            f"make one with {make}, pass it as fp8_state=..., and call fp8.update_state_(state, "
-            "recipe) between steps"
-        )
-    if not isinstance(state, fp8.DelayedScalingState):
-        raise TypeError(f"fp8_state must be a DelayedScalingState (made by {make}), got {type(state).__name__}")
-    if state.num_gemms != num_gemms:
-        raise ValueError(
-            f"fp8_state is for {state.num_gemms} GEMM(s) but this layer runs {num_gemms}: make it with {make}"
-        )
-    if state.scale_fwd.device != device:
-        raise ValueError(
-            f"fp8_state is on {state.scale_fwd.device} but x is on {device}: make it with {make} (or move its tensors)"
-        )
-    if state.history_len != recipe.amax_history_len:
-        raise ValueError(
-            f"fp8_state has {state.history_len} history rows but recipe.amax_history_len is "
-            f"{recipe.amax_history_len}: fp8.adjust_history_len(state, {recipe.amax_history_len})"
-        )
-
-
-def check_dims(K: int, N: int, *, tokens: int | None = None, splits: Sequence[int] | None = None) -> None:
-    """The sizes TE's FP8 GEMMs take (checked on every backend, so the CPU refuses what the GPU
-    would): in/out features multiples of 16; a Linear's tokens a multiple of 8 (TE's
-    ``assert_dim_for_fp8_exec``); a group's tokens per expert multiples of 16 (TE's FP8 alignment
-    for grouped GEMMs, ``get_align_size_for_quantization``; pad with ``te.Fp8Padding`` or
-    Megatron's ``moe_router_padding_for_fp8``). ``splits`` None: counts known only on the device
-    (not checked: that would sync)."""
-    for name, n in (("in_features (x's last dim, K)", K), ("out_features (the weight's rows, N)", N)):
-        if n % FEATURE_MULTIPLE:
-            raise ValueError(f"FP8 GEMMs need {name} to be a multiple of {FEATURE_MULTIPLE}, got {n}")
-    if tokens is not None and tokens % LINEAR_TOKEN_MULTIPLE:
-        raise ValueError(
-            f"FP8 GEMMs need x's tokens (the product of its leading dims) to be a multiple of "
-            f"{LINEAR_TOKEN_MULTIPLE} (TE's assert_dim_for_fp8_exec), got {tokens}"
-        )
-    if splits is not None:
-        for e, s in enumerate(splits):
-            if s % GROUP_TOKEN_MULTIPLE:
-                raise ValueError(
-                    f"FP8 grouped GEMMs need each expert's tokens to be a multiple of "
-                    f"{GROUP_TOKEN_MULTIPLE}; splits[{e}] is {s} (pad the routing: te.Fp8Padding, "
-                    "Megatron's moe_router_padding_for_fp8)"
-                )
-
-
-_NO_COMPILE = (
-    "FP8 layers do not run under torch.compile yet (per-expert quantization reads host split sizes, and "
-    "the reference GEMMs on quantized operands have no custom ops): run them eager, or compile with "
-    "recipe=None"
+from . import fp8_rowwise_plan, fp8_te_plan  # noqa: F401  (each registers its recipes' family)
+from .fp8_plan import (
+    FAMILIES,
+    Plan,
+    as_recipe,
+    check_dims,
+    family,
+    plan,
+    plan_key,
+    refuse_compile,
+    register_family,
+    with_usage,
 )
 
-
-@functools.partial(torch.compiler.disable, reason=_NO_COMPILE)
-def fp8_layers_do_not_run_under_torch_compile() -> None:
-    """Raises :data:`_NO_COMPILE`, eagerly: dynamo does not trace a disabled function, so without
-    ``fullgraph`` the graph breaks here and the user sees this error; with ``fullgraph`` dynamo's
-    own error names this function."""
-    raise NotImplementedError(_NO_COMPILE)
-
-
-def refuse_compile(recipe: Any = None) -> None:
-    """FP8 under torch.compile: a clear error, from the public wrappers before the autograd
-    Function (a raise traced inside its forward surfaces as dynamo's own error instead); not for
-    a family that ``compiles`` (RowwiseScaling: NOTE: [RowwiseScaling under torch.compile])."""
-    if torch.compiler.is_compiling() and not family(recipe).compiles:
-        fp8_layers_do_not_run_under_torch_compile()
+__all__ = [
+    "FAMILIES",
+    "Args",
+    "Plan",
+    "as_recipe",
+    "check_dims",
+    "check_first_order",
+    "family",
+    "no_jvp",
+    "plan",
+    "plan_key",
+    "refuse_compile",
+    "register_family",
+    "unpack_args",
+    "wgrad_possible",
+    "with_usage",
+]
 
 
 class Args:
@@ -465,26 +75,6 @@ def wgrad_possible(weights: Any) -> bool:
 def unpack_args(args: Args | None) -> tuple[Any, Any]:
     """(recipe, fp8_state) of an :class:`Args` (None, None without one)."""
     return (None, None) if args is None else (args.recipe, args.state)
-
-
-def plan_key(args: Args | None) -> Any:
-    """What an FP8 plan reads of ``args``, for the plan cache (NOTE: [Plan once, run lean]):
-    the recipe's value (functional_dw's recipes are frozen; another object, e.g. TE's recipe,
-    by the recipe it converts to: what the plan reads, class attributes included) and the
-    state's metadata, not its identity (a plan holds no state: NOTE: [The state is bound per
-    call]); None without FP8, or where the recipe does not convert or a field cannot be hashed
-    (then the call plans afresh, and its checks say what is wrong)."""
-    if args is None:
-        return None
-    r, state = args.recipe, args.state
-    try:
-        rk = r if type(r) in fp8.RECIPES else (type(r), fp8.as_recipe(r))
-        sk = None if state is None else (type(state), state.num_gemms, state.history_len, state.scale_fwd.device)
-        key = (rk, sk)
-        hash(key)
-    except (TypeError, ValueError, AttributeError):
-        return None
-    return key
 
 
 def no_jvp(p: Plan | None, layer: str) -> None:
@@ -539,16 +129,3 @@ def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tens
             "grad of grad, jacrev of jacrev): quantization has no derivative, so second-order terms would "
             "be silently missing. Take first-order gradients, or use recipe=None"
         )
-
-
-# The families (after Plan: they subclass it) and the recipe classes they run.
-from ._fp8_rowwise import RowwisePlan  # noqa: E402
-from ._fp8_te import TEBlockPlan, TEPlan  # noqa: E402
-
-_FAMILIES: dict[type, type[Plan]] = {
-    fp8.DelayedScaling: TEPlan,
-    fp8.Float8CurrentScaling: TEPlan,
-    fp8.Float8BlockScaling: TEBlockPlan,
-    fp8.RowwiseScaling: RowwisePlan,
-}
-ROWWISE_NOT_FOR_LINEAR = RowwisePlan.not_for_linear  # (nn.Linear refuses RowwiseScaling with it)

@@ -166,17 +166,12 @@ def make_plan(
     and (with a recipe) the FP8 plan. ``w_ENK``: the materialized weights."""
     shapes, E, N, K = _check_call(x, w_ENK, stacked, distributed, opts)
     bias_form = check_bias(bias, E, N, x)
-    kernels, path, why = _kernels_and_path(x, w_ENK, opts)
+    kernels, fp8_plan, path, why = _kernels_and_path(x, w_ENK, E, N, K, opts)
     warn = (
         f"grouped_linear: use_grouped_tensor=True but {why}; running the split path"
         if opts.use_grouped_tensor and path == "split"
         else None
     )
-    fp8_plan = None
-    recipe, fp8_state = _fp8.unpack_args(opts.fp8)
-    if recipe is not None or fp8_state is not None:
-        fp8_plan = _fp8.plan(recipe, fp8_state, E, x, kernels)
-        _fp8.check_dims(K, N)
     packed = not stacked and packed_view(w_ENK, layout_only=True) is not None  # (autograd: per call, prepare)
     return GroupedPlan(
         kernels,
@@ -218,10 +213,13 @@ def _check_call(
     return shapes, E, N, K
 
 
-def _kernels_and_path(x: torch.Tensor, w_ENK: WeightsArg, opts: Options) -> tuple[Kernels, str, str]:
-    """(kernels, path, why): the backend's kernels (with a recipe, its family's backend) and the
-    GEMM path every product runs, with the reason."""
-    use_grouped_tensor, backend, recipe = opts.use_grouped_tensor, opts.backend, _fp8.unpack_args(opts.fp8)[0]
+def _kernels_and_path(
+    x: torch.Tensor, w_ENK: WeightsArg, E: int, N: int, K: int, opts: Options
+) -> tuple[Kernels, Any, str, str]:
+    """(kernels, FP8 plan, path, why): the backend's kernels (with FP8, its family's for the
+    backend: NOTE: [FP8 kernels by family]), the FP8 plan (None without a recipe or a state) and
+    the GEMM path every product runs, with the reason."""
+    use_grouped_tensor, backend, (recipe, fp8_state) = opts.use_grouped_tensor, opts.backend, _fp8.unpack_args(opts.fp8)
     fixed = None  # (path, why) where the recipe's family fixes the path (RowwiseScaling: its grouped GEMM)
     if recipe is not None:  # the family's backend (e.g. auto: TE's kernels) and path rules
         ops = _fp8.family(recipe)
@@ -229,14 +227,19 @@ def _kernels_and_path(x: torch.Tensor, w_ENK: WeightsArg, opts: Options) -> tupl
     elif backend == "auto" and opts.fuse_wgrad_accumulation:  # torch's CUDA grouped GEMM cannot write an
         backend = None  # fp32 main_grad (it writes bf16; TE's can, without a sync): auto is TE's kernels there
     kernels = get_kernels(backend, x, w_ENK if use_grouped_tensor is not False else None)
+    fp8_plan = None
+    if recipe is not None or fp8_state is not None:
+        fp8_plan = _fp8.plan(recipe, fp8_state, E, x, kernels)
+        _fp8.check_dims(K, N)
+        kernels = fp8_plan.kernels
     if fixed is not None:
-        return kernels, *fixed
+        return kernels, fp8_plan, *fixed
     why_not = (
         kernels.grouped_path_unsupported(x, w_ENK)
         if recipe is None
         else kernels.grouped_path_unsupported(x, w_ENK, recipe=recipe)
     )
-    return kernels, *choose_path(why_not, use_grouped_tensor)
+    return kernels, fp8_plan, *choose_path(why_not, use_grouped_tensor)
 
 
 def plan_key(x: Any, weights: Any, splits: Any, bias: Any, opts: Options) -> Any:

@@ -85,6 +85,7 @@ def make_plan(x: torch.Tensor, w_NK: torch.Tensor, distributed: bool, bias: Any,
     fp8_plan = None
     if recipe is not None or fp8_state is not None:
         fp8_plan = _fp8.plan(recipe, fp8_state, 1, x, kernels, grouped=False)
+        kernels = fp8_plan.kernels  # (the family's: NOTE: [FP8 kernels by family])
     return LinearPlan(kernels, distributed, N, K, opts.fuse_wgrad_accumulation, fp8_plan, opts.amp)
 
 

@@ -75,8 +75,9 @@ class Linear(FP8Module, torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **kw))
         self.bias = torch.nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.fuse_wgrad_accumulation, self.backend = fuse_wgrad_accumulation, backend
-        if isinstance(fp8.as_recipe(recipe), fp8.RowwiseScaling):
-            raise ValueError(_fp8.ROWWISE_NOT_FOR_LINEAR)
+        ops = _fp8.family(_fp8.as_recipe(recipe))  # (its family's rule: RowwiseScaling is grouped only)
+        if ops.grouped_only:
+            raise ValueError(ops.not_for_linear)
         self._init_fp8(recipe, 1, self.weight.device)
         self.reset_parameters()
 

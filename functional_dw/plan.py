@@ -194,7 +194,7 @@ def route(
     if wrapped:
         from .kernels.torch_ref import TORCH
 
-        return TORCH, False
+        return getattr(kernels, "reference", TORCH), False  # (FP8 on TE: the emulation)
     return kernels, grouped
 
 

@@ -28,6 +28,8 @@ import functional_dw as fd
 from conftest import BWD_SCALE, FWD_SCALE, HOOKS, FakeDW, Recorder, assert_same
 from helpers import randn
 from functional_dw import _fp8, fp8
+from functional_dw.kernels.emulated import EmulatedKernels
+from functional_dw.kernels.rowwise import RowwiseKernels
 from functional_dw.kernels.torch_ref import TorchKernels
 
 ref_mod = importlib.import_module("functional_dw.kernels.torch_ref")
@@ -321,7 +323,7 @@ def test_residuals_are_a_pytree_with_nested_quantized_tensors(name, layer, path)
     assert_same(list(bwd(copy, dy)), list(bwd(res, dy)))
 
 
-class QuantizeLog(TorchKernels):
+class QuantizeLog(EmulatedKernels):
     """The reference kernels, logging each quantize call: (role, rowwise, columnwise, scale given,
     amax given, experts)."""
 
@@ -398,18 +400,40 @@ def _names(tree):
 
 
 def test_the_layers_never_branch_on_the_recipe_kind():
-    """grouped_linear.py and linear.py name no recipe class and read no spec's ``scaling``; in
-    _fp8.py (the families' base) RowwiseScaling and Float8BlockScaling appear only in the
-    factory's mapping, and no ``scaling`` is read either: each kind's behaviour is its class's."""
+    """grouped_linear.py and linear.py name no recipe class and read no spec's ``scaling``; the
+    families' base (fp8_plan.py) and the layers' entry (_fp8.py) name neither RowwiseScaling nor
+    Float8BlockScaling and read no ``scaling``: each family's module registers its recipes
+    (``register_family``), and each kind's behaviour is its class's."""
     pkg = Path(fd.__file__).parent
     for name in ("grouped_linear.py", "linear.py"):
         used = _names(ast.parse((pkg / name).read_text()))
         assert not used & (_RECIPE_KINDS | {"scaling"}), (name, used & (_RECIPE_KINDS | {"scaling"}))
-    tree = ast.parse((pkg / "_fp8.py").read_text())
-    mapping = [n for n in tree.body if isinstance(n, ast.AnnAssign) and n.target.id == "_FAMILIES"]
-    assert len(mapping) == 1 and {"RowwiseScaling", "Float8BlockScaling"} <= _names(mapping[0])
-    rest = ast.Module([n for n in tree.body if n is not mapping[0]], [])
-    assert not _names(rest) & {"RowwiseScaling", "Float8BlockScaling", "scaling"}
+    for name in ("fp8_plan.py", "_fp8.py"):
+        used = _names(ast.parse((pkg / name).read_text()))
+        assert not used & {"RowwiseScaling", "Float8BlockScaling", "scaling"}, (name, used)
+    registered = {
+        name: {
+            n.args[0].attr
+            for n in ast.walk(ast.parse((pkg / name).read_text()))
+            if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "register_family"
+        }
+        for name in ("fp8_te_plan.py", "fp8_rowwise_plan.py")
+    }
+    assert registered == {
+        "fp8_te_plan.py": {"DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"},
+        "fp8_rowwise_plan.py": {"RowwiseScaling"},
+    }
+
+
+def test_the_bf16_kernels_take_no_fp8_operands():
+    """The bf16 kernel classes (torch_ref.TorchKernels, te.TEKernels) ask no operand's type and
+    no recipe's kind: FP8 operands go to their family's kernels (NOTE: [FP8 kernels by family])."""
+    pkg = Path(fd.__file__).parent / "kernels"
+    fp8_names = {"QTensor", "RowwiseActivation", "RowwiseWeight", "TEQ", "TEQGroup", "is_fp8", "te_fp8", "recipe"}
+    fp8_names |= _RECIPE_KINDS | {"RowwiseScaling", "quantize", "grouped_quantize", "rowwise"}
+    for name in ("torch_ref.py", "te.py"):
+        used = _names(ast.parse((pkg / name).read_text()))
+        assert not used & fp8_names, (name, used & fp8_names)
 
 
 _FAMILY = {
@@ -434,7 +458,7 @@ def test_plan_maps_each_recipe_to_its_family(kind):
     assert (p.one_path, p.compiles, p.grouped_only) == (rowwise,) * 3
     assert type(p).backend("auto") == ("torch" if rowwise else None)
     assert (type(p).fixed_path(None) is not None) == rowwise
-    assert set(_fp8._FAMILIES) == set(fp8.RECIPES)  # every recipe has its family
+    assert set(_fp8.FAMILIES) == set(fp8.RECIPES)  # every recipe has its family
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.w_dgrad = ()
     _, res = fd.grouped_linear_fwd(x, ws, SPLITS, bs, recipe=recipe, fp8_state=state)
@@ -883,14 +907,14 @@ def _both(t):
     """Both copies, of ``t`` with every other column 2^-12 smaller: a row's tile then holds values
     that underflow, a column's tile does not, so the copies differ in value."""
     t = t * torch.tensor([1.0, 2.0**-12]).repeat(t.shape[1])[: t.shape[1]].to(t.dtype)
-    return TorchKernels().quantize(t, _ROWS, rowwise=True, columnwise=True)
+    return EmulatedKernels().quantize(t, _ROWS, rowwise=True, columnwise=True)
 
 
 def test_reference_fp8_gemms_read_the_copies_each_operand_needs_and_round_once():
     """fprop reads x's and W's rowwise copies, dgrad dy's rowwise and W's columnwise, wgrad the
     columnwise copies of x and dy; each product is fp32 (bias added in fp32) rounded once to the
     activations' dtype, or written into ``out`` in its dtype (overwritten unless ``accumulate``)."""
-    k = TorchKernels()
+    k = EmulatedKernels()
     x, w, dy = _rand(32, K, seed=1), _rand(N, K, seed=2, scale=0.1), _rand(32, N, seed=3, scale=0.01)
     xq, wq, dyq = _both(x), _both(w), _both(dy)
     rows, cols = (lambda q: q.dequantize(columnwise=False)), (lambda q: q.dequantize(columnwise=True))
@@ -920,7 +944,7 @@ def test_reference_fp8_gemms_read_the_copies_each_operand_needs_and_round_once()
 
 def test_reference_fp8_fprop_adds_the_bias_in_fp32():
     """As cuBLASLt's epilogue: a float64 bias is rounded to fp32 and added to the fp32 product."""
-    k = TorchKernels()
+    k = EmulatedKernels()
     spec = fp8.tensor_spec(RECIPES["current"], "input")
     x, w = _rand(64, K, seed=1, dtype=torch.float32), _rand(N, K, seed=2, dtype=torch.float32, scale=0.1)
     b = _rand(N, seed=3, dtype=torch.float64) * 37
@@ -940,7 +964,7 @@ def _splits(sizes):
 def test_reference_grouped_fp8_gemms_read_the_right_copies_on_either_path(grouped):
     """The grouped GEMMs on E QTensors per operand: the same copies as the single GEMMs, fp32
     products rounded once; ``grouped=True`` runs one grouped_mm per GEMM, False none."""
-    k = TorchKernels()
+    k = EmulatedKernels()
     sizes = [16, 0, 32]
     x, dy = _rand(48, K, seed=1), _rand(48, N, seed=2, scale=0.01)
     ws, bs = [_rand(N, K, seed=3 + e, scale=0.1) for e in range(3)], _rand(3, N, seed=9)
@@ -968,7 +992,7 @@ def test_reference_grouped_fp8_gemms_read_the_right_copies_on_either_path(groupe
 def test_reference_quantize_defaults_and_amaxes():
     """``quantize``/``grouped_quantize`` default to the rowwise copy only and honour
     ``rowwise=False``; ``amaxes`` given as E views each get their expert's amax maxed in."""
-    k = TorchKernels()
+    k = EmulatedKernels()
     spec = fp8.tensor_spec(RECIPES["current"], "input")
     x = _rand(48, K, seed=1)
     q = k.quantize(x, spec)
@@ -986,8 +1010,8 @@ def test_reference_quantize_defaults_and_amaxes():
     assert amax.tolist() == want
 
 
-class _KernelLog(TorchKernels):
-    """The reference kernels, logging each GEMM's x shape and options and each quantize's copies."""
+class OneGemmLog:
+    """A mixin for kernels (bf16 or FP8) logging each one-GEMM call's x shape and options."""
 
     def __init__(self):
         self.log = []
@@ -1003,6 +1027,10 @@ class _KernelLog(TorchKernels):
     def wgrad(self, x_TK, dy_TN, **kw):
         self.log.append(("wgrad", kw.get("split_accumulator", "default"), kw.get("with_dbias")))
         return super().wgrad(x_TK, dy_TN, **kw)
+
+
+class _KernelLog(OneGemmLog, EmulatedKernels):
+    """The FP8 emulation, logging each GEMM's x shape and options and each quantize's copies."""
 
     def quantize(self, t, spec, **kw):
         self.log.append(("quantize", tuple(t.shape), kw["rowwise"], kw["columnwise"]))
@@ -1059,7 +1087,7 @@ def test_reference_grouped_fp8_fprop_under_vmap_is_routed_per_expert():
     obeys, and the result equals the per-element results. (Plain operands: grouped.)"""
     from functional_dw.plan import route
 
-    k = TorchKernels()
+    k = EmulatedKernels()
     spec = fp8.tensor_spec(RECIPES["current"], "input")
     sizes = [16, 0, 32]
     wq = [k.quantize(_rand(N, K, seed=3 + e, dtype=torch.float32, scale=0.1), spec) for e in range(3)]
@@ -1097,7 +1125,7 @@ def test_grouped_fp8_forward_without_grad_quantizes_weights_rowwise_only(path):
 def test_reference_grouped_fp8_wgrad_into_out_one_expert_and_missing_copies():
     """One expert; ``out`` overwritten by default, else the product in out's dtype added; dgrad
     needs dy's rowwise copy; with_dbias is refused on both FP8 paths (RowwiseScaling too)."""
-    k = TorchKernels()
+    k = EmulatedKernels()
     x, dy, w = _rand(32, K, seed=1), _rand(32, N, seed=2, scale=0.01), _rand(N, K, seed=3, scale=0.1)
     xq, dyq, wq = [_both(x)], [_both(dy)], [_both(w)]
     cols = lambda q: q.dequantize(columnwise=True)
@@ -1118,11 +1146,11 @@ def test_reference_grouped_fp8_wgrad_into_out_one_expert_and_missing_copies():
         dy_cols = [k.quantize(dy, _ROWS, rowwise=False, columnwise=True)]
         with pytest.raises(ValueError, match="^this QTensor holds no rowwise data$"):
             k.grouped_dgrad(dy_cols, wq, _splits([32]), grouped)
-    spec = fp8.tensor_spec(fp8.RowwiseScaling(), "input")
-    xr = k.grouped_quantize(x, _splits([32]), spec, rowwise=True, columnwise=True)
-    dyr = k.grouped_quantize(dy, _splits([32]), spec, rowwise=True, columnwise=True)
+    spec, rk = fp8.tensor_spec(fp8.RowwiseScaling(), "input"), RowwiseKernels()
+    xr = rk.grouped_quantize(x, _splits([32]), spec, rowwise=True, columnwise=True)
+    dyr = rk.grouped_quantize(dy, _splits([32]), spec, rowwise=True, columnwise=True)
     with pytest.raises(ValueError, match=f"^{re.escape(_DBIAS_MSG)}$"):
-        k.grouped_wgrad(xr, dyr, _splits([32]), True, with_dbias=True)
+        rk.grouped_wgrad(xr, dyr, _splits([32]), True, with_dbias=True)
 
 
 # --- torch.compile, activation checkpointing, frozen weights -----------------------------------

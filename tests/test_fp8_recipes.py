@@ -325,3 +325,170 @@ def test_split_accumulator():
         False,
     )
     assert split_accumulator(Float8BlockScaling()) == (True, True, True)
+
+
+# ---- a toy format, added the way docs/design.md "Add an FP8 format" says ---------------------
+# (1. the recipe; 2. its kernels and quantized tensor; 3. its family, registered; 4. in the
+# package, _fp8.py would import the family's module: here the test registers it itself.)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pow2Half:
+    """1. The recipe: each tensor scaled by the power of two that brings its amax into [1, 2),
+    stored in float16 (a toy: what is quantized how, nothing about which code multiplies)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ToySpec:
+    role: str
+
+
+class ToyQ:
+    """2. Its quantized tensor: float16 data and a power-of-two inverse scale (one copy serves
+    both usages); a pytree node whose leaves are its tensors."""
+
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> None:
+        self.data, self.scale_inv, self.dtype = data, scale_inv, dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    def with_usage(self, *, rowwise: bool, columnwise: bool) -> ToyQ:
+        return self
+
+    def value(self) -> torch.Tensor:
+        return self.data.float() * self.scale_inv
+
+
+torch.utils._pytree.register_pytree_node(
+    ToyQ, lambda q: ([q.data, q.scale_inv], q.dtype), lambda leaves, dtype: ToyQ(*leaves, dtype)
+)
+
+
+def _toy_quantize(t: torch.Tensor) -> ToyQ:
+    amax = t.detach().abs().float().amax() if t.numel() else torch.tensor(1.0)
+    scale_inv = torch.exp2(torch.floor(torch.log2(amax))) if amax > 0 else torch.tensor(1.0)
+    return ToyQ((t.detach().float() / scale_inv).half(), scale_inv, t.dtype)
+
+
+class ToyKernels:
+    """2. Its kernels on torch's backend: the protocol's methods on ToyQ operands, products in fp32
+    rounded once to the activations' dtype (``grouped`` is not read: always per expert)."""
+
+    name = "toy"
+
+    def quantize(self, t, spec, *, scale=None, amax=None, rowwise=True, columnwise=False):
+        return _toy_quantize(t)
+
+    def grouped_quantize(
+        self, x, splits, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False, grouped=False
+    ):
+        return [_toy_quantize(p) for p in x.split(splits.sizes())]
+
+    def grouped_path_unsupported(self, x, w, recipe=None):
+        return None
+
+    def fprop(self, x, w, b, *, split_accumulator=False):
+        y = x.value() @ w.value().t()
+        return (y if b is None else y + b.float()).to(x.dtype)
+
+    def dgrad(self, dy, w, *, split_accumulator=False):
+        return (dy.value() @ w.value()).to(dy.dtype)
+
+    def wgrad(self, x, dy, *, out=None, accumulate=False, with_dbias=False, split_accumulator=False):
+        dw = dy.value().t() @ x.value()
+        if out is None:
+            return dw.to(x.dtype), None
+        return (out.add_(dw.to(out.dtype)) if accumulate else out.copy_(dw.to(out.dtype))), None
+
+    def grouped_fprop(self, xs, ws, b, splits, grouped, *, split_accumulator=False):
+        return torch.cat([self.fprop(x, ws[e], None if b is None else b[e]) for e, x in enumerate(xs)])
+
+    def grouped_dgrad(self, dys, ws, splits, grouped, *, split_accumulator=False):
+        return torch.cat([self.dgrad(dy, ws[e]) for e, dy in enumerate(dys)])
+
+    def grouped_wgrad(self, xs, dys, splits, grouped, *, out=None, accumulate=False, with_dbias=False, **kw):
+        if out is None:
+            return torch.stack([self.wgrad(x, dy)[0] for x, dy in zip(xs, dys)]), None
+        for e, (x, dy) in enumerate(zip(xs, dys)):
+            self.wgrad(x, dy, out=out[e], accumulate=accumulate)
+        return out, None
+
+
+TOY = ToyKernels()
+
+
+@pytest.fixture
+def toy_family():
+    """3. Its family: a Plan subclass declaring its kernels per backend and its specs, registered
+    for the recipe (unregistered after the test)."""
+    from functional_dw import fp8_plan
+
+    class ToyPlan(fp8_plan.Plan):
+        KERNELS = {"torch": lambda: TOY}
+
+        @classmethod
+        def specs(cls, recipe):
+            return tuple(ToySpec(role) for role in fp8.ROLES)
+
+        @classmethod
+        def split_accumulator(cls, recipe):
+            return fp8.SplitAccumulator(False, False, False)
+
+    fp8_plan.register_family(Pow2Half, ToyPlan)
+    try:
+        yield ToyPlan
+    finally:
+        del fp8_plan.FAMILIES[Pow2Half]
+
+
+def _toy(t: torch.Tensor) -> torch.Tensor:
+    """The toy's own plain-torch math: t scaled into [1, 2) by a power of two, through float16, back."""
+    if not t.numel():
+        return t.float()
+    s = 2.0 ** torch.floor(torch.log2(t.detach().abs().float().max()))
+    return (t.detach().float() / s).half().float() * s
+
+
+def _toy_reference(xs, ws, bs, dys):
+    """Per expert (a Linear: one): y, dx, dw, db of the toy's math, in the activations' dtype."""
+    dt = xs[0].dtype
+    ys = [(_toy(x) @ _toy(w).t() + b.float()).to(dt) for x, w, b in zip(xs, ws, bs)]
+    dxs = [(_toy(dy) @ _toy(w)).to(dt) for dy, w in zip(dys, ws)]
+    dws = [(_toy(dy).t() @ _toy(x)).to(dt) for x, dy in zip(xs, dys)]
+    dbs = [dy.float().sum(0).to(dt) for dy in dys]
+    return ys, dxs, dws, dbs
+
+
+def _close_all(got, want):
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=2.0**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_grouped_tensor", [None, False], ids=["grouped", "split"])
+def test_a_toy_format_in_four_places(toy_family, use_grouped_tensor):
+    """A format defined outside the package (recipe, kernels, family, registration) runs through
+    grouped_linear (an expert without tokens included) and linear, forward and backward, as its
+    own plain-torch math says; the plan is the family's class and carries the family's kernels."""
+    import functional_dw as fd
+
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(torch.bfloat16).requires_grad_()  # noqa: E731
+    sizes, K_, N_ = [16, 0, 32], 32, 16
+    x, dy = rand(sum(sizes), K_), rand(sum(sizes), N_, scale=0.1)
+    ws, bs = [rand(N_, K_, scale=0.2) for _ in sizes], [rand(N_) for _ in sizes]
+    _, res = fd.grouped_linear_fwd(x, ws, sizes, bs, recipe=Pow2Half())
+    assert type(res.fp8) is toy_family and res.fp8.kernels is TOY and res.kernels is TOY
+    y = fd.grouped_linear(x, ws, sizes, bs, use_grouped_tensor=use_grouped_tensor, recipe=Pow2Half())
+    y.backward(dy)
+    ys, dxs, dws, dbs = _toy_reference(x.split(sizes), ws, bs, dy.split(sizes))
+    _close_all([y, x.grad], [torch.cat(ys), torch.cat(dxs)])
+    _close_all([w.grad for w in ws] + [b.grad for b in bs], dws + dbs)
+    assert torch.count_nonzero(ws[1].grad) == 0  # the empty expert's
+
+    x1, w1, b1, dy1 = rand(16, K_), rand(N_, K_, scale=0.2), rand(N_), rand(16, N_, scale=0.1)
+    y1 = fd.linear(x1, w1, b1, recipe=Pow2Half())
+    y1.backward(dy1)
+    ys, dxs, dws, dbs = _toy_reference([x1], [w1], [b1], [dy1])
+    _close_all([y1, x1.grad, w1.grad, b1.grad], ys + dxs + dws + dbs)

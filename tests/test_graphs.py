@@ -30,13 +30,13 @@ def test_device_splits_on_the_split_path_raise_clearly_under_capture(capturing):
 
 def test_host_splits_copied_to_the_gpu_raise_clearly_under_capture(capturing):
     with pytest.raises(RuntimeError, match="splits given on the host .* cannot be captured"):
-        kernels._to_device([1, 2], torch.int64, torch.device("cuda"))
+        kernels.to_device([1, 2], torch.int64, torch.device("cuda"))
 
 
 def test_host_splits_outside_capture_are_untouched(capturing):
     s = Splits(host=(1, 3), tensor=None, device=torch.device("cpu"), num_tokens=4, num_experts=2)
     assert s.sizes() == (1, 3)  # host sizes need no device: nothing to refuse
-    assert kernels._to_device([1, 2], torch.int64, torch.device("cpu")).tolist() == [1, 2]
+    assert kernels.to_device([1, 2], torch.int64, torch.device("cpu")).tolist() == [1, 2]
 
 
 # --- functional_dw.graphs: argument errors (checked before CUDA is needed) -------------------

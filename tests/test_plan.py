@@ -49,6 +49,8 @@ custom_vjp = cv.custom_vjp
 ref_mod = importlib.import_module("functional_dw.kernels.torch_ref")
 rowwise_ops = importlib.import_module("functional_dw.kernels.rowwise")
 TorchKernels = ref_mod.TorchKernels
+RowwiseKernels = rowwise_ops.RowwiseKernels
+EmulatedKernels = importlib.import_module("functional_dw.kernels.emulated").EmulatedKernels
 
 E, K, N = 3, 32, 48  # N != K: a grouped GEMM's kind is read off its operands' shapes
 SPLITS = (16, 0, 32)  # FP8: each expert's tokens a multiple of 16 (an empty expert included)
@@ -145,8 +147,8 @@ def recording(n: int = N):
 
         return run
 
-    def told(name: str, kind: str):
-        f = getattr(TorchKernels, name)
+    def told(cls: type, name: str, kind: str):
+        f = getattr(cls, name)
         sig = inspect.signature(f)
 
         def run(self, *args, **kwargs):
@@ -161,7 +163,7 @@ def recording(n: int = N):
 
         return run
 
-    def rowwise(name: str):  # RowwiseScaling: one grouped GEMM per product (torch_ref calls rowwise_ops.<name>)
+    def rowwise(name: str):  # RowwiseScaling: one grouped GEMM per product (RowwiseKernels calls rowwise_ops.<name>)
         f = getattr(rowwise_ops, name)
 
         def run(*args, **kwargs):
@@ -187,7 +189,8 @@ def recording(n: int = N):
         patch(ref_mod, "_torch_grouped_mm", grouped_mm)
         for kind in ("fprop", "dgrad", "wgrad"):
             patch(TorchKernels, f"split_{kind}", split(f"split_{kind}", kind))
-            patch(TorchKernels, f"grouped_{kind}", told(f"grouped_{kind}", kind))
+            for cls in (TorchKernels, EmulatedKernels, RowwiseKernels):  # bf16, and each FP8 family's on torch
+                patch(cls, f"grouped_{kind}", told(cls, f"grouped_{kind}", kind))
             patch(rowwise_ops, kind, rowwise(kind))
         patch(gl, "prepare", spy("prepare", rec.prepared.append))
         patch(gl, "forward", spy("forward", lambda out: rec.res.append(out[1])))
@@ -377,7 +380,9 @@ def test_kernels_run_the_planned_path(recipe, asked, layout, mode):
     else:
         assert rec.res and {r.path for r in rec.res} == {want_fwd}
         assert all(r.plan.path == planned for r in rec.res)  # the plan's own path, before routing
-        assert all(r.kernels is ref_mod.TORCH for r in rec.res)
+        # the family's kernels on torch's backend (NOTE: [FP8 kernels by family])
+        want_k = {"none": ref_mod.TORCH, "current": EmulatedKernels, "rowwise": RowwiseKernels}[recipe]
+        assert all(r.kernels is want_k or type(r.kernels) is want_k for r in rec.res)
     if graph_res is not None:  # the record rebuilt from the graph is forward's
         assert isinstance(graph_res, fd.GroupedLinearResiduals)
         assert graph_res.path == want_fwd and graph_res.plan is rec.res[-1].plan

@@ -266,7 +266,12 @@ def test_linear_pure_fwd_bwd_use_bias_backend_and_hand_kernels_token_rows():
     """linear_fwd with a bias and a backend: y has the bias, the record keeps that backend, whose
     fprop gets x as [T, K] rows (also in the no-grad primal path); a record without bias gets no
     bias grad, and a direct record (needs None) gets every other gradient."""
-    from test_fp8_layers import _KernelLog
+    from test_fp8_layers import OneGemmLog
+
+    from functional_dw.kernels.torch_ref import TorchKernels
+
+    class _KernelLog(OneGemmLog, TorchKernels):  # the reference kernels, logging each GEMM
+        pass
 
     g = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 3, 4), (5, 4), (5,)))

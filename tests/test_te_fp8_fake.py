@@ -35,11 +35,11 @@ import torch
 from functional_dw import fp8
 from functional_dw.kernels import Splits
 from functional_dw.kernels import te as te_mod
-from functional_dw.kernels import te_fp8
-TE = te_mod.TE
-TE.prepare = lambda *a, **k: None
+from functional_dw.kernels import te_fp8, te_fp8_gemm
+TE = te_fp8_gemm.TE_FP8
+te_mod.prepare = te_fp8_gemm.prepare = lambda *a, **k: None
 te_fp8._env = lambda t: ((9, 0), 131000, (12, 9))
-te_mod._te_env = lambda i: ((9, 0), 131000)
+te_mod.te_env = te_fp8_gemm.te_env = lambda i: ((9, 0), 131000)
 torch.manual_seed(0)
 """
 

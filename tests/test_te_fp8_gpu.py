@@ -38,7 +38,7 @@ te = pytest.importorskip("transformer_engine.pytorch", reason="needs Transformer
 import functional_dw as fd  # noqa: E402
 from functional_dw import fp8  # noqa: E402
 from functional_dw.kernels import Splits  # noqa: E402
-from functional_dw.kernels.te import TE  # noqa: E402
+from functional_dw.kernels.te_fp8_gemm import TE_FP8 as TE  # noqa: E402  (TE's FP8 kernels)
 from helpers import randn  # noqa: E402
 from transformer_engine.common import recipe as te_recipes  # noqa: E402
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: E402

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from .recipe import DelayedScaling, Format, MMParams, QParams, _FormatHelper, as_recipe
+from .recipe import DelayedScaling, Format, FormatHelper, MMParams, QParams, as_recipe
 from .state import FWD_PER_GEMM, DelayedScalingState
 
 __all__ = ["read_extra_state", "state_from_extra_state", "state_to_extra_state"]
@@ -94,7 +94,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("copyreg", "_reconstructor"): copyreg._reconstructor,
     ("builtins", "object"): object,
     (_RECIPE_MODULE, "Format"): Format,
-    (_RECIPE_MODULE, "_FormatHelper"): _FormatHelper,
+    (_RECIPE_MODULE, "_FormatHelper"): FormatHelper,
 }
 
 
@@ -191,7 +191,7 @@ def state_from_extra_state(extra: Any, num_gemms: int, *, device: Any = None) ->
 _TE_NAMES = {
     DelayedScaling: "DelayedScaling",
     Format: "Format",
-    _FormatHelper: "_FormatHelper",
+    FormatHelper: "_FormatHelper",
     MMParams: "MMParams",
     QParams: "QParams",
 }

@@ -124,6 +124,46 @@ def _check_input(t: Any, name: str) -> torch.Tensor:
     return t
 
 
+def _check_quantize(t: Any, spec: Any, scale: Any, rowwise: bool, columnwise: bool) -> None:
+    """:func:`quantize`'s argument checks (TypeError/ValueError naming the argument)."""
+    _check_input(t, "t")
+    if not isinstance(spec, TensorSpec):
+        raise TypeError(f"spec must be a TensorSpec (see tensor_spec), got {type(spec).__name__}")
+    if not (rowwise or columnwise):
+        raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
+    if spec.scaling == "rowwise":
+        raise ValueError(
+            "RowwiseScaling quantizes a whole group (its columnwise scales span each expert's tokens): "
+            "use functional_dw.fp8.rowwise.quantize_activation / quantize_weight"
+        )
+    if (spec.scaling == "delayed") != (scale is not None):
+        raise ValueError(
+            "delayed scaling quantizes with the state's scale: pass scale="
+            if scale is None
+            else f"scale= is for delayed scaling only; {spec.scaling} scaling computes its own"
+        )
+
+
+def _quantize_blocks(t: torch.Tensor, x: torch.Tensor, spec: TensorSpec, rowwise: bool, columnwise: bool) -> QTensor:
+    """Block scaling: one scale per tile of ``spec.block`` (``x``: ``t`` as fp32 ``[rows, K]``);
+    the columnwise copy tiled over the transpose."""
+    shape = tuple(t.shape)
+    col_shape = (shape[-1], *shape[:-1])
+    row = _block_quantize(x, spec, torch.finfo(t.dtype).max) if rowwise else (None, None)
+    col = _block_quantize(x.t(), spec, torch.finfo(t.dtype).max) if columnwise else (None, None)
+    return QTensor(
+        row[0] if row[0] is None else row[0].reshape(shape),
+        row[1],
+        col[0] if col[0] is None else col[0].reshape(col_shape),
+        col[1],
+        None,
+        shape,
+        t.dtype,
+        spec.fp8_dtype,
+        spec.block,
+    )
+
+
 def quantize(
     t: torch.Tensor,
     spec: TensorSpec,
@@ -143,39 +183,12 @@ def quantize(
     ``t`` is float32, bfloat16 or float16 of any shape ``[*lead, K]``; it is not differentiated
     through. A tensor with no elements gets scale 1 (TE leaves its scale unwritten).
     """
-    _check_input(t, "t")
-    if not isinstance(spec, TensorSpec):
-        raise TypeError(f"spec must be a TensorSpec (see tensor_spec), got {type(spec).__name__}")
-    if not (rowwise or columnwise):
-        raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
-    if spec.scaling == "rowwise":
-        raise ValueError(
-            "RowwiseScaling quantizes a whole group (its columnwise scales span each expert's tokens): "
-            "use functional_dw.fp8.rowwise.quantize_activation / quantize_weight"
-        )
-    if (spec.scaling == "delayed") != (scale is not None):
-        raise ValueError(
-            "delayed scaling quantizes with the state's scale: pass scale="
-            if scale is None
-            else f"scale= is for delayed scaling only; {spec.scaling} scaling computes its own"
-        )
+    _check_quantize(t, spec, scale, rowwise, columnwise)
     shape = tuple(t.shape)
     x = t.detach().reshape(math.prod(shape[:-1]), shape[-1]).to(torch.float32)
     col_shape = (shape[-1], *shape[:-1])
     if spec.scaling == "block":
-        row = _block_quantize(x, spec, torch.finfo(t.dtype).max) if rowwise else (None, None)
-        col = _block_quantize(x.t(), spec, torch.finfo(t.dtype).max) if columnwise else (None, None)
-        return QTensor(
-            row[0] if row[0] is None else row[0].reshape(shape),
-            row[1],
-            col[0] if col[0] is None else col[0].reshape(col_shape),
-            col[1],
-            None,
-            shape,
-            t.dtype,
-            spec.fp8_dtype,
-            spec.block,
-        )
+        return _quantize_blocks(t, x, spec, rowwise, columnwise)
     amax = amax_of(x).reshape(1)
     if spec.scaling == "current":
         s = compute_scale_from_amax(amax, spec.fp8_max, power_2_scale=spec.power_2_scale, epsilon=spec.amax_epsilon)

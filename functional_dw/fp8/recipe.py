@@ -31,6 +31,7 @@ __all__ = [
     "Float8BlockScaling",
     "RowwiseScaling",
     "Recipe",
+    "FormatHelper",
     "as_recipe",
     "HOPPER_RECIPES",
     "RECIPES",
@@ -61,8 +62,9 @@ _ENV_CS_POW2 = os.getenv("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "0") == "1"
 _ENV_BLOCK_F32 = os.getenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1"
 
 
-class _FormatHelper(NamedTuple):
-    """The largest finite value of the forward and backward formats (TE's ``_FormatHelper``)."""
+class FormatHelper(NamedTuple):
+    """The largest finite value of the forward and backward formats (TE's ``_FormatHelper``, which
+    ``fp8/extra_state.py`` reads and writes as this class)."""
 
     max_fwd: float
     max_bwd: float
@@ -73,10 +75,10 @@ class Format(Enum):
     E5M2 for gradients). ``E2M1`` is TE's FP4 format, listed so TE's values map one to one;
     no recipe here accepts it. The values (and so the pickled form) are TE's."""
 
-    E2M1 = _FormatHelper(max_fwd=6, max_bwd=6)
-    E4M3 = _FormatHelper(max_fwd=448, max_bwd=448)
-    E5M2 = _FormatHelper(max_fwd=57344, max_bwd=57344)
-    HYBRID = _FormatHelper(max_fwd=448, max_bwd=57344)
+    E2M1 = FormatHelper(max_fwd=6, max_bwd=6)
+    E4M3 = FormatHelper(max_fwd=448, max_bwd=448)
+    E5M2 = FormatHelper(max_fwd=57344, max_bwd=57344)
+    HYBRID = FormatHelper(max_fwd=448, max_bwd=57344)
 
 
 def _fail(owner: str, field: str, want: str, value: Any) -> ValueError:

@@ -246,14 +246,14 @@ def dequantize_columns(q: RowwiseActivation, ends_E: torch.Tensor, pends_E: torc
 # cached: DistributedWeights (quantized once per materialize, which gathers anew), inference
 # tensors (no version counter), tensors a transform wraps, and anything while compiling. The
 # cache holds one FP8 copy of each weight both ways (as many bytes as the bf16 weight). The
-# layers' side: ``_fp8_rowwise._rowwise_weights``.
+# layers' side: ``fp8_rowwise_plan._rowwise_weights``.
 WEIGHT_CACHE = WeakIdKeyDictionary()  # (tensors compare elementwise: keyed by identity)
 OPTIMIZER_STEPS = [0]  # steps of any torch.optim optimizer while the hook is installed (a key part: NOTE above)
 
 # NOTE: [The optimizer hook] Importing functional_dw changes nothing global: the post-step hook
 # that counts optimizer steps (``torch.optim.optimizer.register_optimizer_step_post_hook``,
 # every optimizer's steps) is installed by the weight cache's first use
-# (:func:`install_optimizer_hook`, from ``_fp8_rowwise._rowwise_weights``), before the cache
+# (:func:`install_optimizer_hook`, from ``fp8_rowwise_plan._rowwise_weights``), before the cache
 # holds anything, so every step after an entry was made is counted. :func:`remove_optimizer_hook`
 # takes it away and empties the cache (an entry kept without the count could outlive a fused
 # step); the cache's next use installs it again.

@@ -29,7 +29,7 @@ from ..fp8 import state as _fp8_state
 from .packing import Weights, as_one_buffer, out_in, packed, per_expert, stacked
 from .protocol import Kernels
 from .resolve import get_kernels, te_available, te_update_delayed
-from .splits import Splits, _to_device, check_sizes  # noqa: F401  (_to_device: tests call it)
+from .splits import Splits, check_sizes, to_device
 
 _fp8_state.set_fused_kernel(te_update_delayed)
 
@@ -46,4 +46,5 @@ __all__ = [
     "stacked",
     "te_available",
     "te_update_delayed",
+    "to_device",
 ]

@@ -19,8 +19,10 @@ grouped_*      the same per expert     rows of x/dy split by ``splits``;
 ``grouped_wgrad`` returns ``(dw, db_EN)``: ``dw`` is ``out`` when given (filled in place),
 else a fresh ``[E, N, K]`` tensor.
 
-FP8: ``quantize``/``grouped_quantize`` make quantized operands, which every GEMM method takes in
-place of tensors (NOTE: [FP8 operands]).
+FP8: a recipe family's kernels (``emulated.py``, ``te_fp8_gemm.py``, ``rowwise.py``; chosen by
+the family per backend: NOTE: [FP8 kernels by family] in ``fp8_plan.py``) add ``quantize``/
+``grouped_quantize``, which make quantized operands, and their GEMM methods take those in place
+of tensors (NOTE: [FP8 operands]). ``tests/test_kernels_conformance.py`` runs every backend.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ __all__ = ["Kernels"]
 #   Optional: ``quantize_each(ts, spec, *, scales, amaxes, rowwise, columnwise) -> list[Q]``,
 #   ``quantize`` of each of E tensors of one shape (a group's weights) with one check (the
 #   layers fall back to ``quantize`` per tensor).
-#   Every GEMM method takes ``Q`` operands (both, or neither) in place of tensors, reading
+#   An FP8 family's kernels' GEMM methods take ``Q`` operands (both) in place of tensors, reading
 #   fprop's x and W rowwise, dgrad's dy rowwise and W columnwise, wgrad's x and dy columnwise,
 #   and a keyword ``split_accumulator`` (read only with ``Q`` operands); outputs are in the
 #   activations' dtype, ``out``/``accumulate`` work as without FP8, and ``with_dbias`` is False
@@ -56,7 +58,9 @@ __all__ = ["Kernels"]
 
 
 class Kernels(Protocol):
-    """The backend interface. Implementations: ``torch_ref.TorchKernels``, ``te.TEKernels``."""
+    """The backend interface. Implementations: ``torch_ref.TorchKernels``, ``te.TEKernels`` (bf16,
+    fp16, fp32); FP8, per recipe family: ``emulated.EmulatedKernels``, ``te_fp8_gemm.TEFP8Kernels``,
+    ``rowwise.RowwiseKernels``."""
 
     name: str
 

@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .packing import Weights
 from .protocol import Kernels
 
-__all__ = ["get_kernels", "te_available", "te_update_delayed"]
+__all__ = ["builtin_backend", "get_kernels", "te_available", "te_update_delayed"]
 
 
 _TE_AVAILABLE: list[bool] = []  # filled once; a plain global read under torch.compile
@@ -103,3 +103,20 @@ def _torch() -> Kernels:
 
         _EAGER_TORCH.append(TORCH)
     return _EAGER_TORCH[0]
+
+
+# functional_dw's own bf16 kernels, by class: an FP8 family maps these to its kernels on the
+# same backend (NOTE: [FP8 kernels by family]); TracedTEKernels is not one (its quantize
+# refuses FP8 under torch.compile, as it always did)
+_BUILTIN = {
+    ("functional_dw.kernels.torch_ref", "TorchKernels"),
+    ("functional_dw.kernels.torch_ops", "TracedTorchKernels"),
+    ("functional_dw.kernels.te", "TEKernels"),
+}
+
+
+def builtin_backend(kernels: object) -> str | None:
+    """The backend name (``"torch"``, ``"te"``) of functional_dw's own bf16 kernels, None for
+    any other object (a user's Kernels or a subclass, kernels an FP8 family already chose)."""
+    cls = type(kernels)
+    return getattr(kernels, "name", None) if (cls.__module__, cls.__qualname__) in _BUILTIN else None

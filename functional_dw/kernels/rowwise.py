@@ -22,10 +22,12 @@ import torch
 from ..fp8 import rowwise as ref
 from ..fp8.rowwise import RowwiseActivation, RowwiseWeight
 from .packing import Weights, packed
-from .splits import Splits, _to_device
+from .splits import Splits, row_expert, to_device
 from . import triton_rowwise
 
 __all__ = [
+    "ROWWISE",
+    "RowwiseKernels",
     "fast",
     "check_device",
     "quantize_activation",
@@ -78,7 +80,7 @@ def _ends(splits: Splits) -> tuple[torch.Tensor, torch.Tensor]:
 
     def padded() -> torch.Tensor:
         if splits.host is not None:
-            return _to_device(
+            return to_device(
                 itertools.accumulate(-(-s // ref.PAD) * ref.PAD for s in splits.host), torch.int32, splits.device
             )
         return ref.padded_ends(splits.on_device())
@@ -151,9 +153,7 @@ def _per_expert(a32: torch.Tensor, b32_E: torch.Tensor, splits: Splits, transpos
 def _row_bias(b_EN: torch.Tensor, splits: Splits) -> torch.Tensor:
     """Each token row's expert's bias (the reference's row -> expert index, cached on the record:
     backward's bias sums read the same one)."""
-    from .torch_ref import _row_expert  # (torch_ref imports this module)
-
-    return b_EN[_row_expert(splits)]
+    return b_EN[row_expert(splits)]
 
 
 def fprop(
@@ -269,6 +269,85 @@ def wgrad(
         if out is None:
             dw = dw.to(xq.dtype)
     return _written(dw, out, accumulate)
+
+
+class RowwiseKernels:
+    """RowwiseScaling's FP8 kernels (NOTE: [FP8 kernels by family] in ``fp8_plan.py``): the group
+    quantized at once (:func:`quantize_activation`, :func:`quantize_weight`) and one grouped GEMM
+    per product (:func:`fprop`, :func:`dgrad`, :func:`wgrad`; Triton and torch's scaled grouped
+    GEMM on an sm_90 GPU, the emulation elsewhere). A grouped (expert) recipe: there is no one-GEMM
+    product and no per-expert path, and ``grouped`` is not read. ``name`` is its backend's, which
+    ``plan.route`` reads."""
+
+    name = "torch"
+
+    def __repr__(self) -> str:
+        return "RowwiseKernels()"
+
+    def grouped_path_unsupported(self, x_TK: torch.Tensor, w_ENK: Weights, recipe: Any = None) -> str | None:
+        """Never: the products have one grouped path (the family fixes it)."""
+        return None
+
+    def quantize(self, t: torch.Tensor, spec: Any, **kwargs: Any) -> Any:
+        raise ValueError(_NO_ONE_GEMM)
+
+    def grouped_quantize(
+        self, x_TK, splits, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False, grouped=True
+    ) -> RowwiseActivation:
+        """The whole group at once (no sync); RowwiseScaling has no state (no scales, no amaxes)."""
+        return quantize_activation(x_TK, splits, spec, rowwise=rowwise, columnwise=columnwise)
+
+    def quantize_activated(self, fc1_out, probs, activation, splits, spec, *, rowwise: bool, columnwise: bool):
+        """grouped_mlp's h quantized from fc1's output in the quantization's own pass (on CUDA:
+        :func:`quantize_activated`); None where this cannot: the caller writes h and quantizes it."""
+        return quantize_activated(fc1_out, probs, activation, splits, spec, rowwise=rowwise, columnwise=columnwise)
+
+    def quantize_group(self, w_ENK: Weights, spec: Any, *, rowwise: bool, columnwise: bool) -> RowwiseWeight:
+        """A group's weights quantized together (:func:`quantize_weight`)."""
+        return quantize_weight(w_ENK, spec, rowwise=rowwise, columnwise=columnwise)
+
+    def fprop(self, x_TK, w_NK, b_N, *, split_accumulator: bool = False):
+        raise ValueError(_NO_ONE_GEMM)
+
+    def dgrad(self, dy_TN, w_NK, *, split_accumulator: bool = False):
+        raise ValueError(_NO_ONE_GEMM)
+
+    def wgrad(self, x_TK, dy_TN, **kwargs: Any):
+        raise ValueError(_NO_ONE_GEMM)
+
+    def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped=True, *, split_accumulator=False):
+        return fprop(x_TK, w_ENK, b_EN, splits, split_accumulator=split_accumulator)
+
+    def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped=True, *, split_accumulator=False):
+        return dgrad(dy_TN, w_ENK, splits, split_accumulator=split_accumulator)
+
+    def grouped_wgrad(
+        self,
+        x_TK,
+        dy_TN,
+        splits,
+        grouped=True,
+        *,
+        out=None,
+        accumulate=False,
+        with_dbias=False,
+        split_accumulator=False,
+    ):
+        if with_dbias:
+            raise ValueError(
+                "with_dbias=True needs dy in high precision; with FP8 operands the layer sums the bias "
+                "grad from its high-precision dy itself"
+            )
+        return wgrad(x_TK, dy_TN, splits, out=out, accumulate=accumulate, split_accumulator=split_accumulator), None
+
+
+_NO_ONE_GEMM = (
+    "RowwiseScaling is a grouped (expert) recipe: its kernels multiply a group (grouped_fprop, "
+    "grouped_dgrad, grouped_wgrad), not one GEMM"
+)
+
+
+ROWWISE = RowwiseKernels()
 
 
 def _written(dw: torch.Tensor, out: Weights | None, accumulate: bool) -> Weights:

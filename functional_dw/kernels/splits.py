@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["CAPTURE_DEVICE_SPLITS", "CAPTURE_HOST_SPLITS", "Splits", "check_sizes"]
+__all__ = ["CAPTURE_DEVICE_SPLITS", "CAPTURE_HOST_SPLITS", "Splits", "check_sizes", "row_expert", "to_device", "write"]
 
 
 # NOTE: [Splits under torch.compile]
@@ -91,7 +91,7 @@ class Splits:
 
         def make() -> torch.Tensor:
             if self.host is not None:
-                return _to_device(self.host, torch.int64, self.device)
+                return to_device(self.host, torch.int64, self.device)
             fused = self._fused()
             if fused is not None:
                 return fused[0]
@@ -117,7 +117,7 @@ class Splits:
 
         def make() -> torch.Tensor:
             if self.host is not None:
-                return _to_device(itertools.accumulate(self.host), dtype, self.device)
+                return to_device(itertools.accumulate(self.host), dtype, self.device)
             fused = self._fused() if dtype == torch.int32 else None
             if fused is not None:
                 return fused[1]
@@ -165,6 +165,24 @@ class Splits:
         return value
 
 
+def row_expert(splits: Splits) -> torch.Tensor:
+    """For each token row, its expert index (device-side, no sync; cached on the record, so
+    forward's bias add and backward's bias sums read the same one)."""
+    E, T = splits.num_experts, splits.num_tokens
+
+    def make() -> torch.Tensor:
+        experts = torch.arange(E, device=splits.device)
+        return torch.repeat_interleave(experts, splits.on_device(), output_size=T)
+
+    return splits.cached("ref_rows", make)
+
+
+def write(out: torch.Tensor, value: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    """``out += value`` when ``accumulate``, else ``out = value``, in place (a main_grad is only
+    written elementwise: NOTE: [main_grad is written elementwise]); returns ``out``."""
+    return out.add_(value) if accumulate else out.copy_(value)
+
+
 def check_sizes(sizes: Sequence[int], T: int) -> None:
     """Host split sizes are non-negative and sum to the tokens (ValueError otherwise)."""
     if sizes and min(sizes) < 0:
@@ -176,7 +194,7 @@ def check_sizes(sizes: Sequence[int], T: int) -> None:
 _ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
 
 
-def _to_device(values: Iterable[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: Iterable[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host ints as a tensor on ``device`` without a host sync: a CUDA copy goes through pinned
     memory, asynchronously (``torch.tensor(..., device="cuda")`` waits for the stream). Eagerly,
     with no dispatch mode active, the CPU tensor wraps a fresh ``array`` (about 3 us less than

@@ -7,7 +7,8 @@
 * :class:`TEQ`: a TE storage (one tensor, or on the grouped path the ``GroupedTensorStorage`` of
   ``tex.group_quantize``); :class:`TEQGroup`: E ``TEQ`` (split path). Both are pytree nodes whose
   leaves are the storages' tensors, so they go through ``save_for_backward`` and its hooks.
-* :func:`quantize`, :func:`grouped_quantize`, and the FP8 forms of ``TEKernels``' GEMMs.
+* :func:`quantize`, :func:`quantize_each`, :func:`grouped_quantize`; the GEMMs on these operands are
+  ``te_fp8_gemm.TEFP8Kernels``'.
 """
 
 from __future__ import annotations
@@ -19,22 +20,26 @@ import torch
 import torch.utils._pytree as pytree
 import transformer_engine.pytorch  # noqa: F401  (loads libtransformer_engine before the extension)
 import transformer_engine_torch as tex
-from transformer_engine.pytorch.cpp_extensions.gemm import (
-    general_gemm,
-    general_grouped_gemm,
-    general_grouped_gemm_for_grouped_tensor,
-)
 from transformer_engine.pytorch.tensor import Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer
 from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import Float8BlockwiseQTensorStorage
 from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
 from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage
 
 from .. import fp8
-from . import te as _te
 from .packing import per_expert
-from .te_fp8_checks import MAX_LIST, _per, check_quantize, env_of
+from .te_shared import grouped_dbias, host_sizes, te_env
+from .te_fp8_checks import check_per_expert, check_quantize, env_of
 
-__all__ = ["TEQ", "TEQGroup", "quantizer", "quantize", "quantize_each", "grouped_quantize", "is_fp8"]
+__all__ = [
+    "TEQ",
+    "TEQGroup",
+    "TEQuantized",
+    "quantizer",
+    "quantize",
+    "quantize_each",
+    "grouped_quantize",
+    "update_delayed_",
+]
 
 
 # NOTE: [dbias under FP8] TE takes the bias grad from the high-precision dy while quantizing it:
@@ -152,7 +157,7 @@ def _join_meta(tensors: list, ctx: tuple) -> Any:
     return cls(**dict(others), **dict(zip(names, tensors)))
 
 
-class _Q:
+class TEQuantized:
     """What both wrappers share: the source's ``shape``/``dtype``, and for dy its bias grad
     (``dbias``, or ``redo`` to recompute it; see the module NOTE)."""
 
@@ -167,7 +172,7 @@ class _Q:
         return self._redo().dbias
 
 
-class TEQ(_Q):
+class TEQ(TEQuantized):
     """A tensor quantized by TE. ``storage``: ``Float8TensorStorage`` (delayed, current scaling),
     ``Float8BlockwiseQTensorStorage`` (block), or on the grouped-tensor path the
     ``GroupedTensorStorage`` of ``tex.group_quantize`` (a whole group's rows: :attr:`is_grouped`)."""
@@ -188,7 +193,7 @@ class TEQ(_Q):
         return f"TEQ({type(self.storage).__name__}, {list(self.shape)}, {self.dtype})"
 
 
-class TEQGroup(_Q):
+class TEQGroup(TEQuantized):
     """A group's rows on the split path: ``parts``, one :class:`TEQ` per expert (also as a sequence)."""
 
     def __init__(self, parts: list, shape: tuple, dtype: torch.dtype, dbias=None, redo=None) -> None:
@@ -210,7 +215,7 @@ class TEQGroup(_Q):
         return f"TEQGroup({len(self.parts)} experts, {list(self.shape)}, {self.dtype})"
 
 
-def _flatten(q: _Q):
+def _flatten(q: TEQuantized):
     """Leaves: the storage's tensors (a TEQGroup: its parts), then dbias if any."""
     children, ctx = _split_meta(q.storage) if isinstance(q, TEQ) else (list(q.parts), None)
     return children + ([q.dbias] if q.dbias is not None else []), (
@@ -224,7 +229,7 @@ def _flatten(q: _Q):
 
 
 def _unflatten(cls: type):
-    def unflatten(children, context) -> _Q:
+    def unflatten(children, context) -> TEQuantized:
         ctx, n, shape, dtype, has_db, redo = context
         children = list(children)
         first = _join_meta(children[:n], ctx) if cls is TEQ else children[:n]
@@ -344,7 +349,7 @@ def _env(t: Any) -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def _device_env(index: int) -> tuple:
-    return env_of(*_te._te_env(index))
+    return env_of(*te_env(index))
 
 
 def _made_usage(spec, rowwise: bool, columnwise: bool, with_dbias: bool) -> tuple[bool, bool]:
@@ -406,9 +411,9 @@ def quantize_each(
             f"{tuple(t0.shape)} {t0.dtype} on {t0.device}); quantize others one by one"
         )
     if scales is not None:  # (check_quantize counts them only for a group of rows)
-        _per(scales, len(ts), "scales")
+        check_per_expert(scales, len(ts), "scales")
         if amaxes is not None:
-            _per(amaxes, len(ts), "amaxes")
+            check_per_expert(amaxes, len(ts), "amaxes")
     per = per_expert(scales, amaxes, len(ts))
     row, col = _made_usage(spec, rowwise, columnwise, False)
     trim = (row, col) != (rowwise, columnwise)
@@ -443,6 +448,17 @@ def _offsets1(splits, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return splits.cached(("te_fp8_offsets", C), make)
 
 
+def _group_quantize(x: torch.Tensor, splits, spec: fp8.TensorSpec, rowwise: bool, columnwise: bool, with_dbias: bool):
+    """(storage, dbias) of the grouped path: ``tex.group_quantize`` of the whole group (with the
+    fused block-scaling bias grad where it applies: it needs rowwise)."""
+    sizes_E, rows_E1, offs = _offsets1(splits, x.shape[1])
+    q = _quantizer(spec, x.device, rowwise=rowwise, columnwise=columnwise)
+    if with_dbias and spec.scaling == "block" and rowwise:
+        return tex.bgrad_group_quantize(x, q, splits.num_experts, sizes_E, tensor_offsets=offs)
+    st = tex.group_quantize(x, q, splits.num_experts, sizes_E, tensor_offsets=offs)
+    return st, (grouped_dbias(x, splits, rows_E1) if with_dbias else None)
+
+
 def grouped_quantize(
     x: torch.Tensor,
     splits,
@@ -460,31 +476,16 @@ def grouped_quantize(
     scaling only, as ``_forward_grouped_tensor`` / ``_backward_grouped_tensor``)."""
     check_quantize(x, spec, scales, amaxes, rowwise, columnwise, _env(x), (splits, grouped))
     E, x = splits.num_experts, x.detach().contiguous()
+    again = dict(scales=scales, rowwise=rowwise, columnwise=columnwise, grouped=grouped, with_dbias=True)
     later = (
         None
         if with_dbias or spec.role != "grad_output"
-        else functools.partial(
-            grouped_quantize,
-            x,
-            splits,
-            spec,
-            scales=scales,
-            rowwise=rowwise,
-            columnwise=columnwise,
-            grouped=grouped,
-            with_dbias=True,
-        )
+        else functools.partial(grouped_quantize, x, splits, spec, **again)
     )
     if grouped and splits.num_tokens:
-        sizes_E, rows_E1, offs = _offsets1(splits, x.shape[1])
-        q = _quantizer(spec, x.device, rowwise=rowwise, columnwise=columnwise)
-        if with_dbias and spec.scaling == "block" and rowwise:  # the fused block-scaling bgrad needs rowwise
-            st, dbias = tex.bgrad_group_quantize(x, q, E, sizes_E, tensor_offsets=offs)
-        else:
-            st = tex.group_quantize(x, q, E, sizes_E, tensor_offsets=offs)
-            dbias = _te._grouped_dbias(x, splits, rows_E1) if with_dbias else None
+        st, dbias = _group_quantize(x, splits, spec, rowwise, columnwise, with_dbias)
         return TEQ(st, x.shape, x.dtype, dbias, later)
-    sizes = _te._host_sizes(splits)
+    sizes = host_sizes(splits)
     row, col = _made_usage(spec, rowwise, columnwise, with_dbias)
     qs = [
         _quantizer(spec, x.device, scale=scale, amax=amax, rowwise=row, columnwise=col)
@@ -509,191 +510,3 @@ def update_delayed_(
     ``te.autocast`` runs): ``last`` this step's amaxes (after any reduction), ``hist`` ``[H, C]``
     and ``scale`` ``[C]`` (``fp8.state``, NOTE: [The update rule])."""
     tex.fused_amax_and_scale_update_after_reduction(last, [hist], [scale], algo, _TE_FP8[fp8_dtype], float(margin))
-
-
-# --- GEMMs: the calls of te.Linear / te.GroupedLinear under FP8 ------------------------------
-
-
-def is_fp8(operand: Any) -> bool:
-    """An FP8 operand: a TEQ, a TEQGroup, or a sequence of TEQ (per-expert weights)."""
-    if isinstance(operand, _Q):
-        return True
-    return isinstance(operand, (list, tuple)) and len(operand) > 0 and isinstance(operand[0], TEQ)
-
-
-def check_operands(method: str, a: Any, b: Any) -> None:
-    """FP8 GEMMs take two operands TE quantized for one path; anything else is refused here."""
-    if not (is_fp8(a) and is_fp8(b)):
-        kinds = ", ".join("FP8" if is_fp8(o) else type(o).__name__ for o in (a, b))
-        raise TypeError(
-            f"{method}: both operands must be quantized by backend='te' (its quantize/"
-            f"grouped_quantize), or neither; got {kinds}"
-        )
-    if method == "grouped_wgrad" and getattr(a, "is_grouped", False) != getattr(b, "is_grouped", False):
-        raise TypeError(f"{method}: x was quantized for the {'grouped' if a.is_grouped else 'split'} path, dy not")
-
-
-def _group(q: Any) -> _Q:
-    """A group's rows: a TEQGroup or grouped TEQ as given; E TEQ (the split path's list) wrapped."""
-    if isinstance(q, _Q):
-        return q
-    parts = list(q)
-    return TEQGroup(parts, (sum(p.shape[0] for p in parts), parts[0].shape[1]), parts[0].dtype)
-
-
-def _weights(ws: Any, grouped: bool) -> tuple[list, int, int]:
-    """(storages, N, K) of per-expert FP8 weights: a sequence of TEQ, or a split-path TEQGroup."""
-    ws = ws.parts if isinstance(ws, TEQGroup) else list(ws)
-    if not all(isinstance(w, TEQ) and not w.is_grouped for w in ws):
-        raise TypeError("FP8 weights must be E per-expert TEQ (one quantize per expert's weight)")
-    if grouped and len(ws) > MAX_LIST:
-        raise ValueError(
-            f"TE's FP8 grouped GEMM takes at most {MAX_LIST} per-expert weights, got {len(ws)}: "
-            "run the split path (use_grouped_tensor=False)"
-        )
-    return [w.storage for w in ws], *ws[0].shape
-
-
-def _bias(b: torch.Tensor | None, dtype: torch.dtype):
-    """cuBLASLt's FP8 GEMMs take no fp32 bias: TE casts it to bf16 with fp32 activations."""
-    return None if b is None else b.to(torch.bfloat16 if dtype == torch.float32 else dtype).contiguous()
-
-
-def fprop(kern, x: TEQ, w: TEQ, b, split_accumulator: bool) -> torch.Tensor:
-    """te.Linear's forward GEMM (TN, bias in the epilogue)."""
-    kern.prepare(x.storage.device)
-    y, *_ = general_gemm(
-        w.storage, x.storage, out_dtype=x.dtype, bias=_bias(b, x.dtype), use_split_accumulator=split_accumulator
-    )
-    return y
-
-
-def dgrad(kern, dy: TEQ, w: TEQ, split_accumulator: bool) -> torch.Tensor:
-    """te.Linear's dgrad (NN, grad=True): dy rowwise, W columnwise."""
-    kern.prepare(dy.storage.device)
-    dx, *_ = general_gemm(
-        w.storage, dy.storage, out_dtype=dy.dtype, layout="NN", grad=True, use_split_accumulator=split_accumulator
-    )
-    return dx
-
-
-def wgrad(kern, x: TEQ, dy: TEQ, out, accumulate: bool, with_dbias: bool, split_accumulator: bool):
-    """te.Linear's wgrad (NT, grad=True, no fused bias grad under FP8), into ``out`` (main_grad)."""
-    if out is not None:
-        _te._check_out(out)
-    kern.prepare(x.storage.device)
-    accumulate = accumulate and out is not None
-    dense = None if out is None else _te._dense_out(out, accumulate)
-    dw, *_ = general_gemm(
-        x.storage,
-        dy.storage,
-        out_dtype=x.dtype if out is None else out.dtype,
-        layout="NT",
-        grad=True,
-        out=dense,
-        accumulate=accumulate,
-        use_split_accumulator=split_accumulator,
-    )
-    if out is not None:
-        _te._copy_back([out], [dense])
-        dw = out
-    return dw, (dy.bias_grad() if with_dbias else None)
-
-
-def grouped_fprop(kern, x: _Q, ws, b_EN, splits, split_accumulator: bool) -> torch.Tensor:
-    """te.GroupedLinear's forward: the grouped GEMM (bias added after it, by TE) or one GEMM per expert."""
-    x = _group(x)
-    E, (w, N, K) = splits.num_experts, _weights(ws, x.is_grouped)
-    y = torch.empty(splits.num_tokens, N, dtype=x.dtype, device=splits.device)
-    if x.is_grouped:
-        kern.prepare(y.device, E, grouped=True)
-        sizes_E, _, _, offs_N = _te._offsets(splits, K, N)
-        bias = None if b_EN is None else _te._uniform(_te._stacked(b_EN).to(x.dtype), E, (1, N))
-        general_grouped_gemm_for_grouped_tensor(
-            w, x.storage, _te._rows(y, sizes_E, offs_N), layout="TN", bias=bias, use_split_accumulator=split_accumulator
-        )
-        return y
-    kern.prepare(y.device, E)
-    bias = None if b_EN is None else list(_bias(b_EN, x.dtype))
-    general_grouped_gemm(
-        w,
-        [p.storage for p in x.parts],
-        [y],
-        [None] * E,
-        x.dtype,
-        single_output=True,
-        m_splits=_te._host_sizes(splits),
-        bias=bias,
-        use_bias=b_EN is not None,
-        use_split_accumulator=split_accumulator,
-    )
-    return y
-
-
-def grouped_dgrad(kern, dy: _Q, ws, splits, split_accumulator: bool) -> torch.Tensor:
-    dy = _group(dy)
-    E, (w, N, K) = splits.num_experts, _weights(ws, dy.is_grouped)
-    dx = torch.empty(splits.num_tokens, K, dtype=dy.dtype, device=splits.device)
-    if dy.is_grouped:
-        kern.prepare(dx.device, E, grouped=True)
-        sizes_E, _, offs_K, _ = _te._offsets(splits, K, N)
-        general_grouped_gemm_for_grouped_tensor(
-            w, dy.storage, _te._rows(dx, sizes_E, offs_K), layout="NN", use_split_accumulator=split_accumulator
-        )
-        return dx
-    kern.prepare(dx.device, E)
-    general_grouped_gemm(
-        w,
-        [p.storage for p in dy.parts],
-        [dx],
-        [None] * E,
-        dy.dtype,
-        single_output=True,
-        layout="NN",
-        m_splits=_te._host_sizes(splits),
-        grad=True,
-        use_split_accumulator=split_accumulator,
-    )
-    return dx
-
-
-def grouped_wgrad(kern, x: _Q, dy: _Q, splits, out, accumulate: bool, with_dbias: bool, split_accumulator: bool):
-    """As ``TEKernels.grouped_wgrad`` (fresh [E, N, K], or into main_grads; strided ones via dense copies)."""
-    x, dy = _group(x), _group(dy)
-    E, K, N = splits.num_experts, x.shape[1], dy.shape[1]
-    if out is not None:
-        _te._check_out(out)
-    accumulate = accumulate and out is not None
-    dw = out if out is not None else torch.empty(E, N, K, dtype=x.dtype, device=splits.device)
-    stacked = isinstance(dw, torch.Tensor)
-    dense = _te._dense_out(dw, accumulate) if stacked else [_te._dense_out(t, accumulate) for t in dw]
-    targets = list(dense)  # E [N, K], written in place (te.GroupedLinear: wgrad_packed[i] or main_grads)
-    if x.is_grouped:
-        kern.prepare(splits.device, E, grouped=True)
-        D, scratch = kern._wgrad_out(dense, targets, stacked=stacked)
-        general_grouped_gemm_for_grouped_tensor(
-            x.storage,
-            dy.storage,
-            D,
-            layout="NT",
-            accumulate=accumulate and scratch is None,
-            use_split_accumulator=split_accumulator,
-        )
-        for t, s in zip(targets, [] if scratch is None else scratch):
-            _te._write(t, s, accumulate)
-    else:  # an expert without tokens gets zeros (main_grad untouched when accumulating), as in TE
-        kern.prepare(splits.device, E)
-        general_grouped_gemm(
-            [p.storage for p in x.parts],
-            [p.storage for p in dy.parts],
-            targets,
-            [None] * E,
-            x.dtype,
-            layout="NT",
-            grad=True,
-            m_splits=_te._host_sizes(splits),
-            accumulate=accumulate,
-            use_split_accumulator=split_accumulator,
-        )
-    _te._copy_back([dw] if stacked else dw, [dense] if stacked else dense)
-    return dw, (dy.bias_grad() if with_dbias else None)

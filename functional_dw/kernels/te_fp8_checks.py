@@ -17,7 +17,7 @@ import torch
 
 from .. import fp8
 
-__all__ = ["device_problem", "grouped_path_problem", "check_quantize", "env_of", "MAX_LIST"]
+__all__ = ["device_problem", "grouped_path_problem", "check_per_expert", "check_quantize", "env_of", "MAX_LIST"]
 
 
 # NOTE: [FP8 sizes] Hopper runs FP8 GEMMs as TN only, on the rowwise copy of one operand and the
@@ -89,7 +89,8 @@ def grouped_path_problem(recipe: Any, env: tuple, num_experts: int) -> Optional[
     return None
 
 
-def _per(values: Any, E: int, name: str) -> None:
+def check_per_expert(values: Any, E: int, name: str) -> None:
+    """ValueError unless ``values`` (a tensor or a sequence) has one entry per expert (``E``)."""
     n = values.numel() if isinstance(values, torch.Tensor) else len(values)
     if n != E:
         raise ValueError(f"{name} must have {E} entries (one per expert), got {n}")
@@ -147,12 +148,18 @@ def check_quantize(
                 "pad them, or use recipe=None"
             )
         return
+    _check_group(t, spec, scale, amax, columnwise, group, who)
+
+
+def _check_group(t: Any, spec: Any, scale: Any, amax: Any, columnwise: bool, group: tuple, who: str) -> None:
+    """:func:`check_quantize`'s rules for a group's rows (``group``: ``(splits, grouped)``)."""
+    delayed = spec.scaling == "delayed"
     splits, grouped = group
     E = splits.num_experts
     if delayed:
-        _per(scale, E, "scales")
+        check_per_expert(scale, E, "scales")
         if amax is not None:
-            _per(amax, E, "amaxes")
+            check_per_expert(amax, E, "amaxes")
     if grouped and splits.num_tokens:
         if delayed:
             raise ValueError(

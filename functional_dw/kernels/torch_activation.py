@@ -10,7 +10,7 @@ import torch
 
 from ..activations import get
 from .splits import Splits
-from .torch_ref import _row_expert
+from .splits import row_expert
 
 __all__ = ["TorchActivation", "REFERENCE", "act_jvp"]
 
@@ -71,7 +71,7 @@ class TorchActivation:
 
     def probs_bias_fwd(self, y: torch.Tensor, b_EH: torch.Tensor, probs: torch.Tensor, splits: Splits) -> torch.Tensor:
         """``splits``: the token counts (the rows of expert e get ``b_EH[e]``)."""
-        acc, rows = _acc(y.dtype), _row_expert(splits)
+        acc, rows = _acc(y.dtype), row_expert(splits)
         return (y.to(acc) + b_EH.to(acc)[rows] * probs.to(acc)[:, None]).to(y.dtype)
 
     def probs_bias_bwd(
@@ -79,7 +79,7 @@ class TorchActivation:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(db ``[E, H]`` in the bias's dtype, dprobs ``[T]`` in the compute dtype: a partial
         that :meth:`act_bwd` adds before its one rounding)."""
-        acc, rows = _acc(dy.dtype), _row_expert(splits)
+        acc, rows = _acc(dy.dtype), row_expert(splits)
         dy32, b32 = dy.to(acc), b_EH.to(acc)
         weighted = dy32 * probs.to(acc)[:, None]
         db = torch.zeros(b_EH.shape, dtype=acc, device=dy.device).index_add(

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from .packing import Weights
 from .splits import Splits
-from .torch_ref import TorchKernels, _write
+from .splits import write
+from .torch_ref import TorchKernels
 
 _NS = "functional_dw"
 _EAGER = TorchKernels()
@@ -104,7 +105,7 @@ class TracedTorchKernels(TorchKernels):
         if out is None:
             return dw
         for t, d in zip(out, dw):
-            _write(t, d, accumulate)
+            write(t, d, accumulate)
         return out
 
     def weights_gmm(self, a_TX, w_ENK, offs, transpose):

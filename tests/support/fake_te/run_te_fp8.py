@@ -15,13 +15,13 @@ import transformer_engine_torch as tex  # noqa: E402
 from functional_dw import fp8  # noqa: E402
 from functional_dw.kernels import Splits  # noqa: E402
 from functional_dw.kernels import te as te_mod  # noqa: E402
-from functional_dw.kernels import te_fp8  # noqa: E402
+from functional_dw.kernels import te_fp8, te_fp8_gemm  # noqa: E402
 
 assert te_mod.__file__.startswith(ROOT), "not this checkout's functional_dw"
-TE = te_mod.TE
-TE.prepare = lambda *a, **k: None  # no CUDA workspaces
+TE = te_fp8_gemm.TE_FP8  # TE's FP8 kernels (the family's on backend="te")
+te_mod.prepare = te_fp8_gemm.prepare = lambda *a, **k: None  # no CUDA workspaces
 te_fp8._env = lambda t: ((9, 0), 131000, (12, 9))  # an H200, for CPU tensors
-te_mod._te_env = lambda i: ((9, 0), 131000)
+te_mod.te_env = te_fp8_gemm.te_env = lambda i: ((9, 0), 131000)
 torch.manual_seed(0)
 DT, FAILED = torch.bfloat16, []
 

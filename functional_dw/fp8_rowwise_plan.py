@@ -1,4 +1,4 @@
-"""RowwiseScaling's family (``_fp8.py`` says what a family is): functional_dw's expert recipe on
+"""RowwiseScaling's family (``fp8_plan.py`` says what a family is): functional_dw's expert recipe on
 torch's scaled grouped GEMM (``fp8/rowwise.py``, ``kernels/rowwise.py``). The group is quantized
 at once (its scales span experts' rows and columns); the products have one path, the grouped
 GEMM; any token counts; it compiles; a Linear cannot run it."""
@@ -13,14 +13,17 @@ from typing import Any
 import torch
 
 from . import _checks, fp8
-from ._fp8 import Plan
+from .fp8_plan import Plan, register_family
 from .fp8.rowwise import OPTIMIZER_STEPS, WEIGHT_CACHE, install_optimizer_hook
+from .kernels.rowwise import ROWWISE
 
 __all__ = ["RowwisePlan"]
 
 
 class RowwisePlan(Plan):
     """RowwiseScaling: ``kernels.quantize_group`` for the weights, cached per weight version."""
+
+    KERNELS = {"torch": lambda: ROWWISE}  # (kernels/rowwise.py: Triton on an sm_90 GPU, else torch)
 
     one_path = True
     compiles = True
@@ -131,3 +134,6 @@ def _rowwise_weights(kernels: Any, w_ENK: Any, spec: fp8.TensorSpec, keep: bool,
     qw = kernels.quantize_group(w_ENK, spec, rowwise=True, columnwise=True)  # both: dgrad reads the other
     WEIGHT_CACHE[params[0]] = (key, tuple(map(weakref.ref, params)), qw)
     return qw
+
+
+register_family(fp8.RowwiseScaling, RowwisePlan)
