@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import _checks, _fp8, fp8
+from . import _checks, _fp8
 from .grouped_linear import grouped_linear
 from .grouped_mlp import grouped_mlp
 from .kernels.activation import glu_width

@@ -121,6 +121,58 @@ def _te_fp8():
     return TE_FP8
 
 
+class LoopKernels:
+    """A bf16 backend written from scratch, as a user would add one (docs/design.md, "Add a
+    backend"): this class and its line in ``KERNELS`` are the whole change. Each product runs
+    per expert in float32 and rounds once to the operands' dtype; no one-kernel grouped path."""
+
+    name = "loop"
+
+    def fprop(self, x_TK, w_NK, b_N, *, split_accumulator=False):
+        y = x_TK.float() @ w_NK.float().t()
+        return (y if b_N is None else y + b_N.float()).to(x_TK.dtype)
+
+    def dgrad(self, dy_TN, w_NK, *, split_accumulator=False):
+        return (dy_TN.float() @ w_NK.float()).to(dy_TN.dtype)
+
+    def wgrad(self, x_TK, dy_TN, *, out=None, accumulate=False, with_dbias=False, split_accumulator=False):
+        dw = dy_TN.float().t() @ x_TK.float()
+        db = dy_TN.float().sum(0).to(dy_TN.dtype) if with_dbias else None
+        if out is None:
+            return dw.to(x_TK.dtype), db
+        out.add_(dw) if accumulate else out.copy_(dw)
+        return out, db
+
+    def grouped_path_unsupported(self, x_TK, w_ENK, recipe=None):
+        return "the loop backend runs one GEMM per expert"
+
+    def grouped_fprop(self, x_TK, w_ENK, b_EN, splits, grouped, *, split_accumulator=False):
+        ws = list(w_ENK)
+        parts = [
+            self.fprop(x, ws[e], None if b_EN is None else b_EN[e]) for e, x in enumerate(x_TK.split(splits.sizes()))
+        ]
+        return torch.cat(parts)
+
+    def grouped_dgrad(self, dy_TN, w_ENK, splits, grouped, *, split_accumulator=False):
+        ws = list(w_ENK)
+        return torch.cat([self.dgrad(dy, ws[e]) for e, dy in enumerate(dy_TN.split(splits.sizes()))])
+
+    def grouped_wgrad(
+        self, x_TK, dy_TN, splits, grouped, *, out=None, accumulate=False, with_dbias=False, split_accumulator=False
+    ):
+        pairs = zip(x_TK.split(splits.sizes()), dy_TN.split(splits.sizes()))
+        got = [
+            self.wgrad(x, dy, out=None if out is None else out[e], accumulate=accumulate, with_dbias=with_dbias)
+            for e, (x, dy) in enumerate(pairs)
+        ]
+        dws = out if out is not None else torch.stack([dw for dw, _ in got])  # (the protocol: one [E, N, K])
+        return dws, (torch.stack([db for _, db in got]) if with_dbias else None)
+
+
+def _loop():
+    return LoopKernels()
+
+
 def _gpu(needs_te: bool = False, needs_triton: bool = False) -> list:
     why = None
     if not torch.cuda.is_available():
@@ -135,6 +187,7 @@ def _gpu(needs_te: bool = False, needs_triton: bool = False) -> list:
 # one line per backend: (case, marks)
 KERNELS = [
     (Case("torch", _torch, "cpu", _plain_act, _plain_group, _plain_one, fp8=False), []),
+    (Case("loop", _loop, "cpu", _plain_act, _plain_group, _plain_one, fp8=False), []),
     (Case("emulated", _emulated, "cpu", _q_act, _q_group, _q_one, fp8=True), []),
     (Case("rowwise-torch", _rowwise_kernels, "cpu", _rw_act, _rw_group, None, fp8=True), []),
     (Case("te", _te, "cuda", _plain_act, _plain_group, _plain_one, fp8=False), _gpu(needs_te=True)),
@@ -228,7 +281,8 @@ def _paths(k, x, ws) -> list[bool]:
 @pytest.mark.parametrize("case", CASES)
 def test_grouped_products(case, sizes):
     """grouped_fprop/dgrad/wgrad on either path the backend runs, experts without tokens
-    included: y and dx rows per expert, dw zero for an empty expert, db where the backend sums it."""
+    included: y and dx rows per expert, dw one ``[E, N, K]`` tensor (zero for an empty expert),
+    db where the backend sums it."""
     k = case.kernels()
     splits = _splits(sizes, case.device)
     x, dy, ws, b = _group_inputs(case, sizes)
@@ -242,7 +296,8 @@ def test_grouped_products(case, sizes):
         )
         _close(k.grouped_dgrad(dyq, wq, splits, grouped), dx_want)
         dw, db = k.grouped_wgrad(xq, dyq, splits, grouped)
-        _close(torch.stack(list(dw)) if not isinstance(dw, torch.Tensor) else dw, dw_want)
+        assert isinstance(dw, torch.Tensor), "grouped_wgrad without out returns one [E, N, K] tensor"
+        _close(dw, dw_want)
         assert db is None
         if case.fp8:
             with pytest.raises(ValueError, match="high precision"):
@@ -287,3 +342,34 @@ def test_quantized_operands_keep_the_copies_asked_for(case):
     leaves = torch.utils._pytree.tree_leaves(cols)
     assert leaves and all(isinstance(t, torch.Tensor) for t in leaves)
     assert len(leaves) < len(torch.utils._pytree.tree_leaves(parts))  # a copy was dropped
+
+
+@pytest.mark.parametrize("layer", ["linear", "grouped_linear", "grouped_linear_one_weight"])
+def test_a_new_backend_runs_the_layers(layer):
+    """The toy backend above, passed as ``backend=``, trains both layers as the reference does:
+    forward, and every gradient through autograd (a new backend needs no other file)."""
+    import functional_dw as fd
+
+    sizes, dev = SPLITS["empty-middle"], "cpu"
+    x, dy, ws, b = _group_inputs(Case("loop", _loop, dev, _plain_act, _plain_group, _plain_one, False), sizes)
+    x, dy = x.float(), dy.float()
+    ws = torch.stack(ws).float() if layer == "grouped_linear_one_weight" else [w.float() for w in ws]
+
+    def run(backend):
+        leaves = [x.clone().requires_grad_()]
+        if layer == "linear":
+            leaves += [ws[0].clone().requires_grad_(), b[0].float().clone().requires_grad_()]
+            y = fd.linear(leaves[0], leaves[1], leaves[2], backend=backend)
+            y.backward(dy[:, :N] if y.shape == (x.shape[0], N) else dy)
+            return y, [t.grad for t in leaves]
+        w = ws.clone().requires_grad_() if isinstance(ws, torch.Tensor) else [w.clone().requires_grad_() for w in ws]
+        bias = b.float().clone().requires_grad_()
+        y = fd.grouped_linear(leaves[0], w, list(sizes), bias, backend=backend)
+        y.backward(dy)
+        return y, [leaves[0].grad, *([w.grad] if isinstance(w, torch.Tensor) else [t.grad for t in w]), bias.grad]
+
+    (y, grads), (y_ref, grads_ref) = run(LoopKernels()), run("torch")
+    torch.testing.assert_close(y, y_ref)
+    assert len(grads) == len(grads_ref) and all(g is not None for g in grads)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref)
