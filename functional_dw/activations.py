@@ -132,8 +132,12 @@ def unregister(name: str) -> Activation:
     return _REGISTRY.pop(name)
 
 
-def get(name: str) -> Activation:
-    """The record of the activation ``name``; ValueError naming the registered ones else."""
+def get(name: str | Activation) -> Activation:
+    """The record of the activation ``name``; ValueError naming the registered ones else. A
+    record is returned as given: a call's residuals hold the record forward ran (a name
+    re-registered or unregistered before backward does not change that call's backward)."""
+    if isinstance(name, Activation):
+        return name
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):  # (TypeError: an unhashable argument)

@@ -54,6 +54,8 @@ from .grouped_linear import jvp as grouped_linear_jvp
 from .grouped_linear import saved_x
 from .grouped_plan import SplitsArg, WeightsArg, check_bias, normalize_args
 from .kernels import Kernels, stacked
+from .activations import Activation
+from .activations import get as get_activation
 from .mlp_checks import POLICIES, check_call, in_layer
 from .kernels.activation import ActivationKernels, act_fwd, act_jvp, activation_kernels, glu_width
 from .kernels.activation import probs_bias_fwd, select
@@ -102,7 +104,7 @@ class GroupedMLPResiduals:
     # otherwise its x_TK is None and backward recomputes h = act(fc1_out) * probs
     fc1_out: Any = saved()  # [T, 2F] (SwiGLU) or [T, F], the activation's input; None under "x_only" (recomputed)
     probs: Any = saved()  # [T] router weights, or None
-    activation: str  # "swiglu", "gelu", "silu" or a registered name (functional_dw.activations)
+    activation: Activation  # the record forward ran ("swiglu", "gelu", "silu" or a registered one)
     save: str  # the policy: "default", "h" or "x_only"
     act: ActivationKernels  # the activation's kernels: the backend's fused ones, or the reference (each call
     # runs the reference where its operands are functorch wrappers: activation_kernels)
@@ -114,7 +116,7 @@ class GroupedMLPResiduals:
 
 def _describe(self: GroupedMLPResiduals) -> str:
     """What is saved, what is recomputed, and what is held by reference."""
-    lines = [f"GroupedMLPResiduals(activation={self.activation!r}, save={self.save!r}"]
+    lines = [f"GroupedMLPResiduals(activation={self.activation.name!r}, save={self.save!r}"]
     for name, rec in (("fc1", self.fc1), ("fc2", self.fc2)):
         inner = repr(rec).splitlines()
         if name == "fc2" and rec.x_TK is None and self.h_kept:
@@ -148,9 +150,10 @@ GroupedMLPResiduals.__repr__ = _describe  # type: ignore[method-assign]
 def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
     """Forward; with ``keep``, also the residual record (else None)."""
     check_call(x, w1, w2, probs, opts.activation, opts.save, fp8=opts.fc1.fp8 is not None)
+    activation = get_activation(opts.activation)  # (the record: backward runs what forward ran)
     weighted = probs is not None and bias2 is not None  # fc2's bias times probs, added after fc2
     c1 = in_layer("fc1", prepare, x, w1, splits, bias1, opts.fc1)
-    act = select(c1.plan.kernels, x, opts.activation)  # (fused on CUDA; each step below routes on its own operands)
+    act = select(c1.plan.kernels, x, activation)  # (fused on CUDA; each step below routes on its own operands)
     if keep:
         fc1_out, r1 = forward(c1, x, keep_x=_keep_x(opts.fc1))
     else:
@@ -158,18 +161,16 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
     k = activation_kernels(act, fc1_out, probs)
     # fc2 is planned on a stand-in with h's shape, so that with FP8 its plan can quantize h
     # straight from fc1_out (NOTE: [The activation as the load]); else h is written and read
-    c2 = in_layer(
-        "fc2", prepare, _h_like(fc1_out, opts.activation), w2, splits, None if weighted else bias2, opts.fc2, True
-    )
+    c2 = in_layer("fc2", prepare, _h_like(fc1_out, activation), w2, splits, None if weighted else bias2, opts.fc2, True)
     keep2 = keep and _keep_x(opts.fc2)
     h = hq = None
     if c2.fp8 is not None:
         hq = c2.fp8.quantize_activated(
-            c2.kernels, k, fc1_out, probs, opts.activation, c2.split, rowwise=True, columnwise=keep2
+            c2.kernels, k, fc1_out, probs, activation, c2.split, rowwise=True, columnwise=keep2
         )
     if hq is None:
         # (fc2 reads it dense: a backend's own act_fwd may return any strides)
-        h = k.act_fwd(fc1_out, probs, opts.activation)
+        h = k.act_fwd(fc1_out, probs, activation)
     if keep:
         y, r2 = forward(c2, h, keep_x=_keep_x(opts.fc2), xq=hq)
     else:
@@ -179,10 +180,10 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
         form = in_layer("fc2", check_bias, bias2, c2.plan.num_experts, c2.plan.out_features, y)
         pb = _ProbsBias(bias2, form)
         y = activation_kernels(act, y, probs).probs_bias_fwd(y, _bias_EH(pb), probs, c2.split)
-    return y, (_record(opts, r1, r2, fc1_out, probs, act, pb, bias1) if keep else None)
+    return y, (_record(opts, activation, r1, r2, fc1_out, probs, act, pb, bias1) if keep else None)
 
 
-def _record(opts: MLPOptions, r1, r2, fc1_out, probs, act, pb, bias1) -> GroupedMLPResiduals:
+def _record(opts: MLPOptions, activation: Activation, r1, r2, fc1_out, probs, act, pb, bias1) -> GroupedMLPResiduals:
     """The MLP's residual record, nesting fc1's and fc2's (fc2's without h where the policy
     recomputes it)."""
     h_kept = r2.x_TK is not None
@@ -193,7 +194,7 @@ def _record(opts: MLPOptions, r1, r2, fc1_out, probs, act, pb, bias1) -> Grouped
         fc2=r2,
         fc1_out=None if opts.save == "x_only" else fc1_out,
         probs=probs,
-        activation=opts.activation,
+        activation=activation,
         save=opts.save,
         act=act,
         probs_bias=pb,
@@ -202,7 +203,7 @@ def _record(opts: MLPOptions, r1, r2, fc1_out, probs, act, pb, bias1) -> Grouped
     )
 
 
-def _h_like(fc1_out: torch.Tensor, activation: str) -> torch.Tensor:
+def _h_like(fc1_out: torch.Tensor, activation: Activation) -> torch.Tensor:
     """A view with h's shape, dtype and device (fc2's stand-in input; its values are not h's)."""
     return fc1_out[:, : fc1_out.shape[1] // 2] if glu_width(activation) == 2 else fc1_out
 

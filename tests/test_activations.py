@@ -264,3 +264,35 @@ def test_bad_registrations_are_refused():
 def test_a_malformed_record_is_refused(kw, match):
     with pytest.raises(TypeError, match=match):
         Activation(**(dict(name="softplus", fn=F.softplus, grad=torch.sigmoid) | kw))
+
+
+@pytest.mark.parametrize("save", ["default", "h", "x_only"])
+def test_backward_runs_the_activation_forward_ran(toys, save):
+    """The residuals hold the record, not the name: re-registering (or unregistering) the name
+    between forward and backward changes no gradient of that call, and the record still prints."""
+    a = toys["softplus"]
+    inp = [t.requires_grad_() for t in _inputs(a)]
+    y = fd.grouped_mlp(*inp[:3], SPLITS, probs=inp[3], bias1=inp[4], bias2=inp[5], activation="softplus", save=save)
+    want = torch.autograd.grad(_plain(*inp, a), inp, torch.ones_like(y))
+    unregister("softplus")
+    register(Activation("softplus", torch.tanh, lambda z: 1 - torch.tanh(z) ** 2, megatron=F.softplus))
+    got = torch.autograd.grad(y, inp, torch.ones_like(y), retain_graph=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    unregister("softplus")
+    got2 = torch.autograd.grad(y, inp, torch.ones_like(y))
+    for g, w in zip(got2, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    register(a)  # (the fixture unregisters it)
+
+
+def test_a_record_prints_after_its_name_is_gone(toys):
+    """``repr`` of a call's residuals reads the record it holds, not the registry."""
+    a = toys["softplus_glu"]
+    inp = _inputs(a)
+    _, res = fd.grouped_mlp_fwd(*inp[:3], SPLITS, probs=inp[3], bias1=inp[4], bias2=inp[5], activation=a.name)
+    unregister(a.name)
+    try:
+        assert repr(res).startswith("GroupedMLPResiduals(activation='softplus_glu'")
+    finally:
+        register(a)
