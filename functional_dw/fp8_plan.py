@@ -209,8 +209,11 @@ class Plan:
         """Raise unless ``kernels`` can quantize for this family."""
         if not callable(getattr(kernels, "quantize", None)) or not callable(getattr(kernels, "grouped_quantize", None)):
             raise TypeError(
-                f"backend {kernels!r} has no FP8 support (no quantize/grouped_quantize methods): use "
-                "backend='torch' (the reference) or 'te'"
+                f"backend {type(kernels).__name__} has no FP8 kernels (no quantize/grouped_quantize): with a "
+                "recipe, functional_dw's own backends (None, 'auto', 'torch', 'te') run the recipe family's FP8 "
+                "kernels, and a backend object must quantize and multiply FP8 operands itself (a subclass of "
+                "the bf16 TorchKernels or TEKernels is a bf16 backend: NOTE: [FP8 kernels by family]); pass "
+                "backend='torch' or 'te', or use your object without a recipe"
             )
 
     @classmethod
@@ -388,9 +391,11 @@ def register_family(recipe_cls: type, family_cls: type[Plan]) -> type[Plan]:
 
 
 def _registered(recipe: Any) -> type[Plan] | None:
-    for cls, ops in FAMILIES.items():
-        if isinstance(recipe, cls):
-            return ops
+    """The family of the nearest class in ``recipe``'s MRO that has one (a subclass registered
+    on its own wins over its base's family), or None."""
+    for cls in type(recipe).__mro__:
+        if cls in FAMILIES:
+            return FAMILIES[cls]
     return None
 
 

@@ -51,8 +51,9 @@ class RowwisePlan(Plan):
     def check_kernels(cls, kernels: Any) -> None:
         if not callable(getattr(kernels, "quantize_group", None)):
             raise ValueError(
-                f"RowwiseScaling runs on torch's scaled grouped GEMM: use backend=None, 'auto' or "
-                f"'torch', not {getattr(kernels, 'name', kernels)!r}"
+                f"RowwiseScaling runs on its own kernels (torch's scaled grouped GEMM), which backend "
+                f"{type(kernels).__name__} (name {getattr(kernels, 'name', None)!r}) does not have (no "
+                "quantize_group): pass backend=None, 'auto' or 'torch'"
             )
         super().check_kernels(kernels)
 

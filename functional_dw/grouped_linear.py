@@ -215,7 +215,9 @@ def _path_for_counts(plan: GroupedPlan, split: Splits, T: int, opts: Options) ->
 
 
 def _input(c: GroupedCall, x: torch.Tensor | None) -> torch.Tensor | None:
-    """The dense input the GEMMs read: the call's, or (prepared from a stand-in) x."""
+    """The dense input the GEMMs read: the call's, or (prepared from a stand-in) x. The seam does
+    not check that x is the call's (or, from a stand-in, of its shape, dtype and device): its
+    callers pass what they prepared (NOTE: [The layer's seam])."""
     return c.x_TK if c.x_TK is not None or x is None else _checks.dense(x)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from . import _checks, _fp8
 from ._checks import PLAIN_TYPES
-from .kernels import Kernels, get_kernels, packed as packed_view
+from .kernels import Kernels, get_kernels, packed as packed_view, refuse_fp8_only
 from .plan import Options, PlanCache, choose_path, eager_plain, options_key, tensor_key, weights_key
 
 __all__ = [
@@ -232,6 +232,8 @@ def _kernels_and_path(
         fp8_plan = _fp8.plan(recipe, fp8_state, E, x, kernels)
         _fp8.check_dims(K, N)
         kernels = fp8_plan.kernels
+    else:
+        refuse_fp8_only(kernels)
     if fixed is not None:
         return kernels, fp8_plan, *fixed
     why_not = (

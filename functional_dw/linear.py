@@ -15,7 +15,7 @@ from . import _amp, _checks, _fp8, _steps, distributed_weight as dwp
 from .custom_vjp import custom_vjp
 from ._checks import PLAIN_TYPES
 from .plan import Options, PlanCache, eager_plain, options_key, route, tensor_key
-from .kernels import Kernels, get_kernels
+from .kernels import Kernels, get_kernels, refuse_fp8_only
 from .kernels.torch_ref import column_sums
 from .residuals import needed, residuals, saved
 
@@ -86,6 +86,8 @@ def make_plan(x: torch.Tensor, w_NK: torch.Tensor, distributed: bool, bias: Any,
     if recipe is not None or fp8_state is not None:
         fp8_plan = _fp8.plan(recipe, fp8_state, 1, x, kernels, grouped=False)
         kernels = fp8_plan.kernels  # (the family's: NOTE: [FP8 kernels by family])
+    else:
+        refuse_fp8_only(kernels)
     return LinearPlan(kernels, distributed, N, K, opts.fuse_wgrad_accumulation, fp8_plan, opts.amp)
 
 

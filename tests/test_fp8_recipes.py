@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
+import functional_dw as fd
 from functional_dw import fp8
 from functional_dw.fp8 import (
     DelayedScaling,
@@ -492,3 +493,25 @@ def test_a_toy_format_in_four_places(toy_family, use_grouped_tensor):
     y1.backward(dy1)
     ys, dxs, dws, dbs = _toy_reference([x1], [w1], [b1], [dy1])
     _close_all([y1, x1.grad, w1.grad, b1.grad], ys + dxs + dws + dbs)
+
+
+def test_a_subclass_of_a_recipe_gets_its_own_family():
+    """register_family(Sub, Family) for a subclass of a built-in recipe: the subclass's family
+    runs, not its base's (the first isinstance match used to win); the base keeps its own."""
+    from functional_dw import fp8_plan
+
+    class MyCurrent(fp8.Float8CurrentScaling):
+        pass
+
+    class MyPlan(fp8_plan.family(fp8.Float8CurrentScaling())):
+        pass
+
+    fp8_plan.register_family(MyCurrent, MyPlan)
+    try:
+        assert fp8_plan.family(MyCurrent()) is MyPlan
+        assert fp8_plan.family(fp8.Float8CurrentScaling()) is not MyPlan
+        x, w = torch.randn(16, 32), torch.randn(16, 32)
+        _, res = fd.linear_fwd(x, w, recipe=MyCurrent())
+        assert type(res.fp8) is MyPlan
+    finally:
+        del fp8_plan.FAMILIES[MyCurrent]

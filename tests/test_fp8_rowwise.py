@@ -602,6 +602,20 @@ def test_a_recipe_class_instead_of_an_instance_says_to_call_it():
 
 
 @pytest.mark.usefixtures("empty_weight_cache")
+def test_a_backend_object_without_its_kernels_is_named():
+    """A bf16 backend object (here a subclass of the reference, whose name is "torch") cannot run
+    RowwiseScaling: the error names its class and what to pass, not "use 'torch', not 'torch'"."""
+    from functional_dw.kernels.torch_ref import TorchKernels
+
+    class Counting(TorchKernels):
+        pass
+
+    x, ws = torch.randn(T, K), [torch.randn(N, K) for _ in SIZES]
+    with pytest.raises(ValueError, match=r"backend Counting \(name 'torch'\) does not have.*pass backend=None"):
+        fd.grouped_linear(x, ws, SIZES, recipe=fp8.RowwiseScaling(), backend=Counting())
+
+
+@pytest.mark.usefixtures("empty_weight_cache")
 @pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf")])
 def test_a_bad_amax_epsilon_names_the_recipe(eps):
     # It named "QParams.amax_epsilon", a class the user never touched.

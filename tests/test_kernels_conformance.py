@@ -373,3 +373,21 @@ def test_a_new_backend_runs_the_layers(layer):
     assert len(grads) == len(grads_ref) and all(g is not None for g in grads)
     for g, g_ref in zip(grads, grads_ref):
         torch.testing.assert_close(g, g_ref)
+
+
+@pytest.mark.parametrize("layer", ["linear", "grouped_linear", "grouped_mlp"])
+def test_an_fp8_familys_kernels_without_a_recipe_are_refused(layer):
+    """The FP8 families' kernels multiply FP8 operands only: as ``backend=`` of a call without a
+    recipe they are refused naming the fix (they crashed deep inside: ``dequantize()`` of a
+    plain tensor, ``rowwise_data``)."""
+    import functional_dw as fd
+
+    x = torch.randn(4, K)
+    for k in (_emulated(), _rowwise_kernels()):
+        with pytest.raises(TypeError, match=f"backend {type(k).__name__} multiplies FP8 operands only.*recipe="):
+            if layer == "linear":
+                fd.linear(x, torch.randn(N, K), backend=k)
+            elif layer == "grouped_linear":
+                fd.grouped_linear(x, [torch.randn(N, K)] * 2, [1, 3], backend=k)
+            else:
+                fd.grouped_mlp(x, [torch.randn(2 * N, K)] * 2, [torch.randn(K, N)] * 2, [1, 3], backend=k)

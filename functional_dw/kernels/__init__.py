@@ -28,7 +28,7 @@ from __future__ import annotations
 from ..fp8 import state as _fp8_state
 from .packing import Weights, as_one_buffer, out_in, packed, per_expert, stacked
 from .protocol import Kernels
-from .resolve import get_kernels, te_available, te_update_delayed
+from .resolve import get_kernels, refuse_fp8_only, te_available, te_update_delayed
 from .splits import Splits, check_sizes, to_device
 
 _fp8_state.set_fused_kernel(te_update_delayed)
@@ -40,6 +40,7 @@ __all__ = [
     "as_one_buffer",
     "check_sizes",
     "get_kernels",
+    "refuse_fp8_only",
     "out_in",
     "packed",
     "per_expert",

@@ -85,6 +85,7 @@ class EmulatedKernels:
     (a group's: a list of E). ``name`` is its backend's, which ``plan.route`` reads."""
 
     name = "torch"
+    fp8_only = True  # FP8 operands only: a bf16 call through them is refused (resolve.refuse_fp8_only)
 
     def __repr__(self) -> str:
         return "EmulatedKernels()"

@@ -120,3 +120,13 @@ def builtin_backend(kernels: object) -> str | None:
     any other object (a user's Kernels or a subclass, kernels an FP8 family already chose)."""
     cls = type(kernels)
     return getattr(kernels, "name", None) if (cls.__module__, cls.__qualname__) in _BUILTIN else None
+
+
+def refuse_fp8_only(kernels: object) -> None:
+    """TypeError where a call without a recipe got an FP8 family's kernels as ``backend=``
+    (``EMULATED``, ``ROWWISE``, ``TE_FP8``: they multiply FP8 operands only)."""
+    if getattr(kernels, "fp8_only", False):
+        raise TypeError(
+            f"backend {type(kernels).__name__} multiplies FP8 operands only (an FP8 recipe family's kernels): "
+            "pass a recipe= with it, or backend='torch' or 'te' for a call without FP8"
+        )

@@ -280,6 +280,7 @@ class RowwiseKernels:
     ``plan.route`` reads."""
 
     name = "torch"
+    fp8_only = True  # FP8 operands only: a bf16 call through them is refused (resolve.refuse_fp8_only)
 
     def __repr__(self) -> str:
         return "RowwiseKernels()"

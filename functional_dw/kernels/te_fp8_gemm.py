@@ -238,6 +238,7 @@ class TEFP8Kernels:
     [Transforms without a rule]): the emulation, since TE's C++ reads raw pointers."""
 
     name = "te"
+    fp8_only = True  # FP8 operands only: a bf16 call through them is refused (resolve.refuse_fp8_only)
     reference = EMULATED
 
     def __repr__(self) -> str:
