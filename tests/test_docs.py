@@ -226,3 +226,11 @@ def test_relative_links_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in anchors.get(dest, set()):
                 bad.append(f"{path.name}: {target} (no such heading)")
     assert not bad, bad
+
+
+def test_tests_readme_lists_every_test_file():
+    """tests/README.md maps each feature to its test files: a test file it does not name is
+    stale text (two were missing after issue 39's new features)."""
+    readme = (ROOT / "tests" / "README.md").read_text()
+    missing = sorted(p.name for p in (ROOT / "tests").glob("test_*.py") if p.name not in readme)
+    assert not missing, f"tests/README.md does not list {missing}: add each to its feature's row"
