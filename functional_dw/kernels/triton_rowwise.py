@@ -95,6 +95,8 @@ if triton is not None:
         ends = tl.load(ends_ptr + i, mask=i < E, other=2147483647)
         return tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
 
+    # Over 60 lines: one Triton program (a block of rows: the activation as its load, the row and
+    # column amaxes); a helper would be another @triton.jit function the reader must follow.
     @triton.jit
     def _amax_kernel(
         x_ptr,
@@ -166,6 +168,8 @@ if triton is not None:
             if g_first == g_last:
                 tl.atomic_max(col_amax_ptr + g_first * D + cols, tl.max(acc, axis=0), mask=cmask)
 
+    # Over 60 lines: one Triton program (scale and cast a block, rowwise and columnwise, with the
+    # columnwise copy padded per expert); split, its pieces would share most of their arguments.
     @triton.jit
     def _cast_kernel(
         x_ptr,
