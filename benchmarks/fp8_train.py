@@ -159,7 +159,7 @@ def add_backend_argument(p: argparse.ArgumentParser, module: str) -> None:
         "--backend",
         choices=["torch", "te", "auto"],
         default=None,
-        help=f"{module}'s backend (default: TE on CUDA when installed, else torch)",
+        help=f"{module}'s backend (default: the fastest measured, as backend=None picks)",
     )
 
 

@@ -17,8 +17,10 @@ Contenders (``--only`` takes these keys):
   ``(F.silu(gate) * up * p[:, None]).to(bf16)`` between them (Megatron's unfused weighted activation);
 * ``fd``: ``functional_dw.grouped_mlp(backend="auto")`` on the same two stacked parameters; ``fd_save_h``,
   ``fd_x_only``: the same with ``save="h"`` / ``save="x_only"``; ``fd_rowwise``: the same with
-  ``recipe=fp8.RowwiseScaling()``; ``fd_list``: ``functional_dw.nn.GroupedMLP(backend="auto")``, E weights per
-  linear (TE's layout, one buffer each); each given the splits as a CUDA int tensor;
+  ``recipe=fp8.RowwiseScaling()``; ``fd_default``: ``functional_dw.nn.GroupedMLP(E, H, F)`` as a user writes it
+  (default backend and layout: one ``[E, out, in]`` weight per linear); ``fd_list``: the same with
+  ``single_grouped_weight=False``, E weights per linear (TE's layout, one buffer each); each given
+  the splits as a CUDA int tensor;
 * ``te_bf16``, ``te_fp8_block``, ``te_fp8_current``: two ``te.GroupedLinear`` (host list of splits, its API) with
   the activation in torch ops as ``torch``'s, bf16 and under TE's autocast with ``Float8BlockScaling`` /
   ``Float8CurrentScaling`` (TE's FP8 recipes for Hopper);
@@ -91,6 +93,7 @@ TE_RECIPES = {"te_bf16": None, "te_fp8_block": "Float8BlockScaling", "te_fp8_cur
 LABELS = {
     "torch": "torch grouped_mm",
     "fd": "fd",
+    "fd_default": "fd GroupedMLP default",
     "fd_list": "fd list (GroupedMLP)",
     "fd_rowwise": "fd rowwise",
     "fd_save_h": "fd save=h",
@@ -174,8 +177,8 @@ class Case(moe_layer.Routing):
                 lambda x, p: fd.grouped_mlp(x, self.w1, self.w2, self.splits_dev, probs=p, backend="auto", **kw),
                 [self.w1, self.w2],
             )
-        if key == "fd_list":
-            m = self.module()
+        if key in ("fd_default", "fd_list"):
+            m = self.module(single=key == "fd_default")
             return contender(lambda x, p: m(x, self.splits_dev, p), list(m.parameters()))
         if key.endswith("_graphed"):
             return self.graphed(FD_CALLS[key[: -len("_graphed")]], warmup)
@@ -190,8 +193,10 @@ class Case(moe_layer.Routing):
         w1, w2 = self.w1, self.w2
         return contender(lambda x, p: gmm(swiglu_probs(gmm(x, w1), p), w2), params or [w1, w2])
 
-    def module(self):
-        m = fd.nn.GroupedMLP(self.E, self.H, self.F, params_dtype=BF16, device=self.dev, backend="auto")
+    def module(self, single: bool):
+        """``nn.GroupedMLP`` as a user writes it (no backend, the default layout: one weight per
+        linear), or with TE's E weights per linear."""
+        m = fd.nn.GroupedMLP(self.E, self.H, self.F, params_dtype=BF16, device=self.dev, single_grouped_weight=single)
         with torch.no_grad():
             for ws, src in ((m.fc1.weights(), self.w1), (m.fc2.weights(), self.w2)):
                 for w, s in zip(ws, src):
@@ -350,7 +355,11 @@ def run_shape(E, H, F_, T, routings, only, args, dev, te):
 RATIOS = [
     ("fd / torch", "fd", "torch", "ms"),
     ("fd host / torch", "fd", "torch", "host_ms"),
+    ("fd default / torch", "fd_default", "torch", "ms"),
+    ("fd default host / torch", "fd_default", "torch", "host_ms"),
     ("fd list / fd", "fd_list", "fd", "ms"),
+    ("fd list host / fd", "fd_list", "fd", "host_ms"),
+    ("fd rowwise host / fd", "fd_rowwise", "fd", "host_ms"),
     ("fd rowwise / fd", "fd_rowwise", "fd", "ms"),
     ("te bf16 / fd", "te_bf16", "fd", "ms"),
     ("fd graphed / torch", "fd_graphed", "torch", "ms"),

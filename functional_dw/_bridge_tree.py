@@ -34,6 +34,7 @@ __all__ = [
     "fresh_outputs",
     "is_leaf",
     "is_tensor",
+    "kept_residuals",
     "output_leaves",
     "pair",
     "residual_sources",
@@ -228,6 +229,33 @@ def residual_sources(
                 # or cut its non-leaf from the graph.
                 extra.append(leaf.detach() if leaf.requires_grad else leaf)
     return sources, extra, spec
+
+
+def kept_residuals(res: Any, in_leaves: tuple, out_leaves: tuple, outs: tuple) -> tuple[list, list, Any]:
+    """How an eager old-style forward keeps the residuals (NOTE: [The lean run] in
+    ``custom_vjp.py``): (sources, the tensors to save, spec), each source ("saved", None) or
+    ("ref", obj), as :func:`residual_sources` has them. An input is saved as the input and fwd's
+    output ``out_leaves[j]`` as the output handed out, ``outs[j]`` (both keep their graph for a
+    double backward); any other tensor that requires grad (one fwd closed over) is saved
+    detached (NOTE: [Closed-over tensors])."""
+    parts = split(res)
+    leaves, spec = parts if parts is not None else fast_pytree.tree_flatten(res)
+    sources, saved = [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            sources.append(_SAVED)
+            j = next((j for j, o in enumerate(out_leaves) if o is leaf), None)
+            if j is not None:
+                leaf = outs[j]
+            elif leaf.requires_grad and not any(map(operator.is_, itertools.repeat(leaf), in_leaves)):
+                leaf = leaf.detach()
+            saved.append(leaf)
+        else:
+            sources.append(("ref", leaf))
+    return sources, saved, spec
+
+
+_SAVED = ("saved", None)
 
 
 # NOTE: [Outputs are new tensors] autograd attaches the node to each output tensor object in

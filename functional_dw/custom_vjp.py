@@ -50,12 +50,14 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from ._checks import PLAIN_TYPES, bottom
 from ._bridge_tree import (
     SCALARS,
+    FlatSpec,
     fast_pytree,
     flatten_args,
     flatten_cotangents,
     flatten_out,
     fresh_outputs,
     is_tensor,
+    kept_residuals,
     output_leaves,
     pair,
     residual_sources,
@@ -135,7 +137,7 @@ def _needs_grad(in_leaves: Any) -> bool:
 class _Rules:
     """What :func:`custom_vjp` was given, and the Function classes named after the pair."""
 
-    __slots__ = ("fwd", "bwd", "primal", "jvp", "vmap", "name", "nondiff", "Function", "Traced")
+    __slots__ = ("fwd", "bwd", "primal", "jvp", "vmap", "name", "nondiff", "Function", "Traced", "Lean")
 
     def __init__(
         self, fwd: Fwd, bwd: Bwd, primal: Any, jvp: Any, vmap: Any, name: str, nondiff: tuple[int, ...] = ()
@@ -150,6 +152,7 @@ class _Rules:
         # with torch's default jvp, used only while compiling.
         default_jvp = staticmethod(torch.autograd.Function.jvp)
         self.Traced = type(f"CustomVJP_{tag}_traced", (self.Function,), {"jvp": default_jvp})
+        self.Lean = type(f"CustomVJP_{tag}", (_LeanBridge,), {})  # NOTE: [The lean run]
 
 
 class _BridgeCall:
@@ -258,8 +261,13 @@ def _run(rules: _Rules, args: tuple, tree: Any, function: type, gate: bool) -> A
     ``gate``: with no gradient to take, run ``primal`` instead (no residuals, no node)."""
     diff, static = _split(rules, args)
     in_leaves, in_spec = flatten_args(diff, tree)
-    if gate and not _needs_grad(in_leaves):
-        return rules.primal(*args)
+    if gate:
+        if not _needs_grad(in_leaves):
+            return rules.primal(*args)
+        if type(in_spec) is FlatSpec:  # NOTE: [The lean run]
+            call = _BridgeCall(rules, in_spec, static)
+            out = rules.Lean.apply(call, *in_leaves)  # (one tensor, or the output's leaves)
+            return out if call.out_spec is None else call.out_spec.unflatten(out)
     call = _BridgeCall(rules, in_spec, static)
     flat = function.apply(call, *in_leaves)
     return unflatten_out(flat[: call.n_out], call.out_spec)
@@ -373,6 +381,42 @@ def _grads_as_given(ctx: Any, call: _BridgeCall, saved: list, output: tuple) -> 
         ctx.save_for_forward(*saved)
     ctx.set_materialize_grads(False)
     call.out_meta = [(o.shape, o.dtype, o.device) for o in output[: call.n_out]]
+
+
+# NOTE: [The lean run]
+#   A plain eager call (no torch.func transform, no forward-mode AD, not compiling) whose
+#   arguments flatten without a pytree (every layer's) runs :class:`_LeanBridge`: the same
+#   ``fwd``, ``bwd`` and backward as :class:`_Bridge`, as an old-style Function whose
+#   ``forward`` sees ``ctx``. What that saves per call is the generic machinery torch.func
+#   needs: no intermediate residual returned as an extra output and marked non-differentiable
+#   (an old-style forward saves it directly; autograd hands backward the same tensors, through
+#   the same saved-tensor hooks), no output remapping in ``setup_context``, no zeros planned for
+#   the extra outputs' grads. The residuals are kept as :class:`_Bridge` keeps them (NOTE:
+#   [What goes where]: tensors through ``save_for_backward``, the rest on ``ctx`` by
+#   reference), so backward is :class:`_Bridge`'s, unchanged, and so are its errors, version
+#   checks and ``retain_graph``. Under a transform, forward mode or a compiler, :class:`_Bridge`.
+class _LeanBridge(torch.autograd.Function):
+    """The bridge for a plain eager call (NOTE: [The lean run]). Inputs: a :class:`_BridgeCall`,
+    then the leaves of ``fwd``'s arguments; outputs: the leaves of ``fwd``'s output."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _BridgeCall, *in_leaves: Any) -> Any:  # type: ignore[override]
+        rules = call.rules
+        out, res = pair(rules.fwd(*call.args(in_leaves)), rules.name)
+        out_leaves, call.out_spec = flatten_out(out, fast_pytree, rules.name)
+        outs = fresh_outputs(out_leaves, in_leaves)
+        call.sources, saved, call.res_spec = kept_residuals(res, in_leaves, out_leaves, outs)
+        call.n_out = len(out_leaves)
+        ctx.save_for_backward(*saved)
+        ctx.call = call
+        return outs[0] if call.out_spec is None else outs
+
+    backward = _Bridge.backward
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:
+        """The C++ apply (no transform is active: NOTE: [Fast apply])."""
+        return super(torch.autograd.Function, cls).apply(*args)
 
 
 _JVP = TransformType.Jvp
@@ -534,5 +578,5 @@ def custom_vjp(
         return _run(rules, args, fast_pytree, rules.Function, gate=not _transformed())
 
     apply.fwd, apply.bwd, apply.primal = fwd, bwd, rules.primal  # type: ignore[attr-defined]
-    apply.Function = rules.Function  # type: ignore[attr-defined]
+    apply.Function, apply.Lean = rules.Function, rules.Lean  # type: ignore[attr-defined]
     return apply

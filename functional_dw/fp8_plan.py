@@ -164,9 +164,9 @@ class Plan:
     # --- the family's rules ----------------------------------------------------------------------
     @classmethod
     def backend(cls, asked: Any) -> Any:
-        """The backend a GroupedLinear runs for ``backend=asked``: "auto" is TE's kernels (None),
-        as FP8 on torch's kernels is the CPU emulation."""
-        return None if asked == "auto" else asked
+        """The backend a GroupedLinear runs for ``backend=asked``: as asked (None and "auto": TE's
+        kernels where TE runs, as for one GEMM: FP8 on torch's kernels is the CPU emulation)."""
+        return asked
 
     @classmethod
     def fixed_path(cls, use_grouped_tensor: bool | None) -> tuple[str, str] | None:

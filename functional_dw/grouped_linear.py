@@ -538,8 +538,10 @@ def grouped_linear(
         fuse_wgrad_accumulation: accumulate weight grads into each weight's fp32 ``main_grad``.
         use_grouped_tensor: True for the one-kernel grouped path, False for per-expert GEMMs,
             None to take the grouped path wherever the backend can run it.
-        backend: None (TE on CUDA when installed, else torch), "te", "torch", or "auto" (the
-            fastest measured: torch's grouped GEMM on CUDA where it can run, else as None).
+        backend: None or "auto" (the fastest measured: torch's grouped GEMM on CUDA where it
+            runs these operands, else TE's kernels on CUDA when installed, else torch's; NOTE:
+            [The default backend] in ``kernels/resolve.py``), "te" (TE's kernels: TE's numbers bit
+            for bit), "torch", or a Kernels object. ``res.kernels`` says which ran.
         recipe: None (no FP8), or an FP8 recipe (``functional_dw.fp8``'s or TE's
             ``DelayedScaling``, ``Float8CurrentScaling``, ``Float8BlockScaling``): x, the weights
             and dy are quantized per expert and every GEMM runs in FP8 (emulated on the reference

@@ -221,12 +221,13 @@ def _kernels_and_path(
     the GEMM path every product runs, with the reason."""
     use_grouped_tensor, backend, (recipe, fp8_state) = opts.use_grouped_tensor, opts.backend, _fp8.unpack_args(opts.fp8)
     fixed = None  # (path, why) where the recipe's family fixes the path (RowwiseScaling: its grouped GEMM)
-    if recipe is not None:  # the family's backend (e.g. auto: TE's kernels) and path rules
+    group = use_grouped_tensor is not False  # may the default run torch's grouped GEMM (NOTE: [The default backend])
+    if recipe is not None:  # the family's backend (TE's recipes: TE's kernels) and path rules
         ops = _fp8.family(recipe)
-        backend, fixed = ops.backend(backend), ops.fixed_path(use_grouped_tensor)
-    elif backend == "auto" and opts.fuse_wgrad_accumulation:  # torch's CUDA grouped GEMM cannot write an
-        backend = None  # fp32 main_grad (it writes bf16; TE's can, without a sync): auto is TE's kernels there
-    kernels = get_kernels(backend, x, w_ENK if use_grouped_tensor is not False else None)
+        backend, fixed, group = ops.backend(backend), ops.fixed_path(use_grouped_tensor), False
+    elif opts.fuse_wgrad_accumulation:  # torch's CUDA grouped GEMM cannot write an fp32 main_grad
+        group = False  # (it writes bf16; TE's can, without a sync): the default is TE's kernels there
+    kernels = get_kernels(backend, x, w_ENK if group else None)
     fp8_plan = None
     if recipe is not None or fp8_state is not None:
         fp8_plan = _fp8.plan(recipe, fp8_state, E, x, kernels)

@@ -347,7 +347,9 @@ class GroupedMLP(torch.nn.Module):
     else ``-> ffn_hidden_size``) and ``fc2`` (``ffn_hidden_size -> hidden_size``) are
     :class:`GroupedLinear` submodules with TE's parameter names, so two GroupedLinear state
     dicts (``fc1.weight0``.. ``fc2.weight{E-1}``, either layout, FP8 ``_extra_state`` included)
-    load unchanged. ``forward`` reads their parameters and runs the pure pair once (not two
+    load unchanged. By default each holds one ``weight [E, out, in]`` (``single_grouped_weight=True``:
+    the autograd engine then accumulates one gradient per layer, not E, the fastest layout);
+    ``single_grouped_weight=False`` keeps TE's E parameters per layer. ``forward`` reads their parameters and runs the pure pair once (not two
     module calls); the other arguments are ``grouped_mlp``'s and GroupedLinear's, for both.
 
     Under FSDP2 the GroupedMLP is one unit: ``fully_shard`` it (``distributed.shard_module``
@@ -369,7 +371,7 @@ class GroupedMLP(torch.nn.Module):
         fuse_wgrad_accumulation: bool = False,
         use_grouped_tensor: bool | None = None,
         backend: str | None = None,
-        single_grouped_weight: bool = False,
+        single_grouped_weight: bool = True,
         single_grouped_bias: bool | None = None,
         recipe: Any = None,
     ) -> None:

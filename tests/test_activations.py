@@ -95,12 +95,12 @@ def test_a_registered_activation_runs_as_its_torch_composition(toys, name):
 def test_nn_grouped_mlp_takes_a_registered_activation(toys, name):
     a = toys[name]
     mlp = fd.nn.GroupedMLP(E, H, FFN, activation=name, bias=True, params_dtype=torch.float64)
-    assert mlp.fc1.weight0.shape == (a.width * FFN, H)  # fc1's width from the record
+    assert mlp.fc1.weight.shape == (E, a.width * FFN, H)  # fc1's width from the record
     x, probs = _inputs(a)[0], torch.rand(T, dtype=torch.float64)
     w1 = torch.stack(mlp.fc1.weights())
     w2 = torch.stack(mlp.fc2.weights())
-    b1 = torch.stack([getattr(mlp.fc1, f"bias{e}") for e in range(E)])
-    b2 = torch.stack([getattr(mlp.fc2, f"bias{e}") for e in range(E)])
+    b1 = torch.stack(mlp.fc1.biases())
+    b2 = torch.stack(mlp.fc2.biases())
     y = mlp(x, SPLITS, probs)
     torch.testing.assert_close(y, _plain(x, w1, w2, probs, b1, b2, a), rtol=1e-12, atol=1e-12)
     y.sum().backward()

@@ -373,10 +373,17 @@ def test_outputs_sharing_storage_are_views_of_one_output_and_an_input_output_a_v
     assert same is not x and same._base is x and torch.equal(same, x) and torch.equal(twice, 2 * x)
 
 
-def test_function_attribute_is_the_autograd_function_the_calls_record():
-    f = custom_vjp(lambda x: (x * 2, None), lambda res, d: (2 * d,), name="twice")
-    y = f(torch.ones(2, requires_grad=True))
+def test_function_attributes_are_the_autograd_functions_the_calls_record():
+    """A plain eager call records ``f.Lean`` (NOTE: [The lean run]); forward mode and torch.func
+    run ``f.Function``. Both name the node after the pair."""
+    f = custom_vjp(lambda x: (x * 2, None), lambda res, d: (2 * d,), jvp=lambda res, t: 2 * t[0], name="twice")
+    x = torch.ones(2, requires_grad=True)
+    y = f(x)
+    assert issubclass(f.Lean, torch.autograd.Function) and y.grad_fn._forward_cls is f.Lean
+    with torch.autograd.forward_ad.dual_level():
+        y = f(torch.autograd.forward_ad.make_dual(x, torch.ones(2)))
     assert issubclass(f.Function, torch.autograd.Function) and y.grad_fn._forward_cls is f.Function
+    assert type(y.grad_fn).__name__ == type(f(x).grad_fn).__name__ == "CustomVJP_twiceBackward"
 
 
 def test_vmap_fold_rule_of_a_pair_with_several_outputs():

@@ -258,10 +258,16 @@ def test_under_autocast_is_the_call_on_cast_inputs(dtype, path, stacked, save):
     check_against_reference(cast, dy.to(dtype), "swiglu", y, [g.to(dtype) for g in g2])
 
 
-def test_module_under_autocast():
+def _weight_grads(fc) -> list:
+    """An nn.GroupedLinear's weight grads per expert, in either layout."""
+    return list(fc.weight.grad.unbind(0)) if fc.single_grouped_weight else [w.grad for w in fc.weights()]
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["one-weight", "per-expert"])
+def test_module_under_autocast(single):
     """nn.GroupedMLP under autocast: its fp32 parameters cast (its experts one buffer each), the
     numbers of the call on the cast parameters, grads in fp32."""
-    m = fd.nn.GroupedMLP(E, H, F_, bias=True)
+    m = fd.nn.GroupedMLP(E, H, F_, bias=True, single_grouped_weight=single)
     x = torch.randn(T, H, requires_grad=True)
     probs, dy = torch.rand(T, requires_grad=True), torch.randn(T, H)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -275,8 +281,18 @@ def test_module_under_autocast():
     y2 = fd.grouped_mlp(cast[0], w1, w2, SPLITS, probs=p2, bias1=b1, bias2=b2)
     y2.backward(dy.to(torch.bfloat16))
     assert_same(y, y2)
-    assert_same([t.grad for t in params], [t.grad.float() for t in cast])
+    got = [x.grad, *_weight_grads(m.fc1), *_weight_grads(m.fc2), *_weight_grads_or_biases(m)]
+    assert_same(got, [t.grad.float() for t in cast])
     assert_same(probs.grad, p2.grad)
+
+
+def _weight_grads_or_biases(m) -> list:
+    """The biases' grads per expert (fc1's, then fc2's), in either layout."""
+    return [
+        g
+        for fc in (m.fc1, m.fc2)
+        for g in (fc.bias.grad.unbind(0) if fc.single_grouped_bias else [b.grad for b in fc.biases()])
+    ]
 
 
 # --- the policies --------------------------------------------------------------------------------------
@@ -1143,13 +1159,26 @@ def test_module_loads_two_grouped_linear_state_dicts(activation, single):
     assert_same(got, [w.grad for w in w1])
 
 
+def test_module_defaults_to_one_weight_per_layer_and_loads_te_layout():
+    """nn.GroupedMLP(E, H, F) holds one [E, out, in] weight per layer (one gradient for the
+    engine per layer, not E) and loads TE's per-expert keys into it."""
+    m = fd.nn.GroupedMLP(E, H, F_)
+    assert m.fc1.single_grouped_weight and m.fc2.single_grouped_weight
+    assert [n for n, _ in m.named_parameters()] == ["fc1.weight", "fc2.weight"]
+    te_layout = fd.nn.GroupedMLP(E, H, F_, single_grouped_weight=False)
+    assert "fc1.weight0" in te_layout.state_dict()
+    m.load_state_dict(te_layout.state_dict())  # strict
+    assert torch.equal(m.fc1.weight, torch.stack(te_layout.fc1.weights()))
+    assert torch.equal(m.fc2.weight, torch.stack(te_layout.fc2.weights()))
+
+
 def test_module_runs_fp8_with_a_state_per_linear():
     m = fd.nn.GroupedMLP(E, H, F_, params_dtype=torch.bfloat16, recipe=fp8.DelayedScaling())
     x = torch.randn(sum(FP8_SPLITS), H, dtype=torch.bfloat16, requires_grad=True)
     m(x, FP8_SPLITS).float().square().sum().backward()
     assert m.fc1.fp8_state is not None and m.fc2.fp8_state is not None
     assert m.fc1.fp8_state.amax_history_fwd.abs().sum() > 0 and m.fc2.fp8_state.amax_history_bwd.abs().sum() > 0
-    assert m.fc1.weight0.grad is not None and x.grad is not None
+    assert m.fc1.weight.grad is not None and x.grad is not None
     assert "fc1._extra_state" in m.state_dict() and "fc2._extra_state" in m.state_dict()
 
 

@@ -16,6 +16,17 @@ from .protocol import Kernels
 __all__ = ["builtin_backend", "get_kernels", "te_available", "te_update_delayed"]
 
 
+# NOTE: [The default backend] What a user gets without ``backend=`` is the fastest measured
+#   (benchmarks/results/moe_layer, moe_mlp, H200): for a group on CUDA, torch's grouped GEMM wherever it
+#   can run these operands (bf16, 16-byte rows, compute capability >= 8.0). It beat both of TE's paths
+#   up to 32k tokens and tied them above (TE's split path was 2-4% ahead only at large tokens-per-expert
+#   x ffn, and needs host splits), and it costs the host less per call. Everything else (one GEMM, fp32
+#   or fp16 groups, per-expert GEMMs asked with use_grouped_tensor=False, fp32 main_grad accumulation,
+#   TE's FP8 recipes) runs on TE's kernels where TE imports and x is on CUDA, else on the reference.
+#   ``"auto"`` is the same rule, by name. ``backend="te"`` is how TE's own numbers are reproduced bit
+#   for bit; the residuals record which kernels ran (``res.kernels``, ``res.path``).
+
+
 _TE_AVAILABLE: list[bool] = []  # filled once; a plain global read under torch.compile
 
 
@@ -51,18 +62,15 @@ _TE_INSTALL = (
 
 
 def get_kernels(backend: str | Kernels | None, x: torch.Tensor, w_ENK: Weights | None = None) -> Kernels:
-    """Resolve ``backend``: None picks TE when ``x`` is on CUDA and TE imports, else torch.
+    """Resolve ``backend``: None and ``"auto"`` pick the fastest measured (NOTE: [The default
+    backend]); ``"te"`` and ``"torch"`` name theirs; a Kernels object runs as given.
 
-    ``"auto"`` picks the fastest measured (benchmarks/results): for a group on CUDA, torch's
-    grouped GEMM wherever it can run these operands. On the H200 it beat both of TE's paths up
-    to 32k tokens and tied them above, where TE's split path was 2-4% ahead only at large
-    tokens-per-expert x ffn and needs host splits. Otherwise auto picks what None picks (one
-    GEMM: the same cuBLAS)."""
-    if backend == "auto":
+    ``w_ENK``: the group's weights where the caller may run torch's grouped GEMM (None: one
+    GEMM, or a call only TE's or the reference kernels can run)."""
+    if backend is None or backend == "auto":
         if w_ENK is not None and x.is_cuda and _torch().grouped_path_unsupported(x, w_ENK) is None:
             return _torch()
-        backend = None
-    if backend is None:  # TE's GEMMs take fp32 (as TF32), bf16 and fp16; float64 stays on torch
+        # TE's GEMMs take fp32 (as TF32), bf16 and fp16; float64 stays on torch
         backend = "te" if x.is_cuda and x.dtype in _TE_DTYPES and te_available() else "torch"
     if not isinstance(backend, str):
         if all(callable(getattr(backend, m, None)) for m in ("fprop", "dgrad", "wgrad", "grouped_fprop")):
