@@ -32,6 +32,7 @@ except ImportError:  # CPU-only torch builds ship no Triton
 from ..activations import get
 from .torch_activation import TorchActivation
 from .triton_math import act, act_grad, h_tile, interpreting
+from .triton_launch import launch
 
 __all__ = ["TritonActivation", "available"]
 
@@ -150,21 +151,27 @@ def act_fwd(fc1_out: torch.Tensor, probs: torch.Tensor | None, activation: str) 
         c = CONFIG
         grid = (triton.cdiv(T, c["FWD_BT"]), triton.cdiv(F, c["FWD_BF"]))
         with torch.cuda.device(z.device):
-            _fwd_kernel[grid](
-                z,
-                z.stride(0),
-                z if probs is None else probs,
-                h,
-                T,
-                F,
-                ACT=get(activation).triton,
-                GATED=get(activation).gated,
-                HAS_P=probs is not None,
-                BT=c["FWD_BT"],
-                BF=c["FWD_BF"],
-                INTERP=interpreting(),
-                num_warps=c["FWD_WARPS"],
-                enable_fp_fusion=False,
+            launch(
+                _fwd_kernel,
+                grid,
+                (
+                    z,
+                    z.stride(0),
+                    z if probs is None else probs,
+                    h,
+                    T,
+                    F,
+                ),
+                dict(
+                    ACT=get(activation).triton,
+                    GATED=get(activation).gated,
+                    HAS_P=probs is not None,
+                    BT=c["FWD_BT"],
+                    BF=c["FWD_BF"],
+                    INTERP=interpreting(),
+                    num_warps=c["FWD_WARPS"],
+                    enable_fp_fusion=False,
+                ),
             )
     return h
 
@@ -188,26 +195,32 @@ def act_bwd(
     if T:
         c = CONFIG
         with torch.cuda.device(z.device):
-            _bwd_kernel[(triton.cdiv(T, c["BWD_BT"]),)](
-                z,
-                z.stride(0),
-                z if probs is None else probs,
-                g,
-                g.stride(0),
-                dz,
-                z if dprobs_in is None else dprobs_in,
-                z if dprobs is None else dprobs,
-                T,
-                F,
-                ACT=get(activation).triton,
-                GATED=get(activation).gated,
-                HAS_P=probs is not None,
-                HAS_DP_IN=dprobs_in is not None,
-                BT=c["BWD_BT"],
-                BF=c["BWD_BF"],
-                INTERP=interpreting(),
-                num_warps=c["BWD_WARPS"],
-                enable_fp_fusion=False,
+            launch(
+                _bwd_kernel,
+                (triton.cdiv(T, c["BWD_BT"]),),
+                (
+                    z,
+                    z.stride(0),
+                    z if probs is None else probs,
+                    g,
+                    g.stride(0),
+                    dz,
+                    z if dprobs_in is None else dprobs_in,
+                    z if dprobs is None else dprobs,
+                    T,
+                    F,
+                ),
+                dict(
+                    ACT=get(activation).triton,
+                    GATED=get(activation).gated,
+                    HAS_P=probs is not None,
+                    HAS_DP_IN=dprobs_in is not None,
+                    BT=c["BWD_BT"],
+                    BF=c["BWD_BF"],
+                    INTERP=interpreting(),
+                    num_warps=c["BWD_WARPS"],
+                    enable_fp_fusion=False,
+                ),
             )
     return dz, dprobs
 

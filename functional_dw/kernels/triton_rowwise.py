@@ -34,6 +34,7 @@ except ImportError:  # CPU-only torch builds ship no Triton
 from ..fp8.rowwise import RowwiseActivation, RowwiseWeight, padded_columns
 from ..activations import get as get_activation
 from .triton_math import h_tile, interpreting
+from .triton_launch import launch
 
 __all__ = ["available", "quantize_activation", "quantize_weight"]
 
@@ -344,30 +345,36 @@ def _amax_pass(t2d, D, ends, amaxes, E, EB, rowwise, columnwise, code, gated, pr
     c, R = CONFIG, t2d.shape[0]
     n_part = triton.cdiv(D, c["BD"])
     row_part = torch.empty(R, n_part, dtype=torch.float32, device=t2d.device) if rowwise else amaxes
-    _amax_kernel[(triton.cdiv(R, c["RB"]), n_part)](
-        t2d,
-        t2d.stride(0),
-        ends,
-        row_part,
-        amaxes,
-        R,
-        D,
-        E,
-        n_part,
-        t2d if probs is None else probs,
-        t2d if h is None else h,
-        ROWS=rowwise,
-        COLS=columnwise,
-        RB=c["RB"],
-        BT=c["BT"],
-        BD=c["BD"],
-        EB=EB,
-        ACT=code,
-        GATED=gated,
-        HAS_P=probs is not None,
-        INTERP=interpreting(),
-        num_warps=c["AMAX_WARPS"],
-        enable_fp_fusion=False,
+    launch(
+        _amax_kernel,
+        (triton.cdiv(R, c["RB"]), n_part),
+        (
+            t2d,
+            t2d.stride(0),
+            ends,
+            row_part,
+            amaxes,
+            R,
+            D,
+            E,
+            n_part,
+            t2d if probs is None else probs,
+            t2d if h is None else h,
+        ),
+        dict(
+            ROWS=rowwise,
+            COLS=columnwise,
+            RB=c["RB"],
+            BT=c["BT"],
+            BD=c["BD"],
+            EB=EB,
+            ACT=code,
+            GATED=gated,
+            HAS_P=probs is not None,
+            INTERP=interpreting(),
+            num_warps=c["AMAX_WARPS"],
+            enable_fp_fusion=False,
+        ),
     )
     return row_part.amax(dim=1) if rowwise else amaxes  # each row's: the max of its blocks' (one small reduction)
 
@@ -377,30 +384,36 @@ def _cast_pass(src, ends, cends, row_amax, col_amax, outs, shape, spec, rowwise,
     column data, column inverse scales; stand-ins where not asked for)."""
     c, D = CONFIG, src.shape[1]  # (h's width with an activation: src is h)
     n, E, col_stride_g, col_stride_d, col_shift_g, EB = shape
-    _cast_kernel[(triton.cdiv(max(n, 1), c["CAST_BT"]), triton.cdiv(D, c["BD"]))](
-        src,
-        src.stride(0),
-        ends,
-        cends,
-        row_amax,
-        col_amax,
-        *outs,
-        n,
-        D,
-        E,
-        col_stride_g,
-        col_stride_d,
-        col_shift_g,
-        spec.fp8_max,
-        float(spec.amax_epsilon),
-        ROWS=rowwise,
-        COLS=columnwise,
-        POW2=spec.power_2_scale,
-        BT=c["CAST_BT"],
-        BD=c["BD"],
-        EB=EB,
-        SAT=interpreting(),
-        num_warps=c["CAST_WARPS"],
+    launch(
+        _cast_kernel,
+        (triton.cdiv(max(n, 1), c["CAST_BT"]), triton.cdiv(D, c["BD"])),
+        (
+            src,
+            src.stride(0),
+            ends,
+            cends,
+            row_amax,
+            col_amax,
+            *outs,
+            n,
+            D,
+            E,
+            col_stride_g,
+            col_stride_d,
+            col_shift_g,
+            spec.fp8_max,
+            float(spec.amax_epsilon),
+        ),
+        dict(
+            ROWS=rowwise,
+            COLS=columnwise,
+            POW2=spec.power_2_scale,
+            BT=c["CAST_BT"],
+            BD=c["BD"],
+            EB=EB,
+            SAT=interpreting(),
+            num_warps=c["CAST_WARPS"],
+        ),
     )
 
 

@@ -18,6 +18,8 @@ try:
 except ImportError:  # CPU-only torch builds ship no Triton
     triton = None
 
+from .triton_launch import launch
+
 __all__ = ["clamp_splits"]
 
 _MAX_EXPERTS = 1 << 14  # one program scans them all; beyond this the torch ops run
@@ -46,7 +48,10 @@ def clamp_splits(splits_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor,
     counts = torch.empty(E, dtype=torch.int64, device=splits_E.device)
     ends = torch.empty(E, dtype=torch.int32, device=splits_E.device)
     with torch.cuda.device(splits_E.device):
-        _clamp_splits_kernel[(1,)](
-            splits_E.contiguous(), counts, ends, E, num_tokens, BLOCK=max(16, triton.next_power_of_2(E))
+        launch(
+            _clamp_splits_kernel,
+            (1,),
+            (splits_E.contiguous(), counts, ends, E, num_tokens),
+            dict(BLOCK=max(16, triton.next_power_of_2(E))),
         )
     return counts, ends

@@ -1,0 +1,66 @@
+"""Triton launches through the compiled kernel (``kernels/triton_launch.py``, NOTE: [Compiled
+launches]): the cache key is at least as fine as Triton's specialization (CPU), and every
+Triton kernel of ours gives the same bits launched either way (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from functional_dw.kernels import triton_launch
+
+
+def test_the_key_tells_apart_what_triton_specializes_on():
+    spec = triton_launch._spec
+    buf = torch.zeros(64, dtype=torch.float32)
+    assert spec(buf) != spec(buf[1:])  # 16-byte alignment of a pointer
+    assert spec(buf) != spec(buf.to(torch.bfloat16))  # dtype
+    assert len({spec(1), spec(2), spec(16), spec(2**31), spec(2**63), spec(-(2**31) - 1)}) == 6  # ==1, %16, widths
+    assert spec(True) != spec(1) and spec(1.0) != spec(1)
+    assert spec(32) == spec(48) and spec(3) == spec(5)  # values Triton does not specialize on share a kernel
+
+
+gpu = pytest.mark.gpu
+needs_triton = pytest.mark.skipif(
+    not torch.cuda.is_available() or triton_launch.triton is None, reason="needs CUDA and Triton"
+)
+
+
+@gpu
+@needs_triton
+def test_compiled_launches_give_tritons_bits(monkeypatch):
+    from functional_dw.fp8 import rowwise as rw
+    from functional_dw.fp8.spec import TensorSpec
+    from functional_dw.kernels import triton_activation, triton_rowwise, triton_splits
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+    z = torch.randn(1000, 2 * 96, device="cuda", dtype=torch.bfloat16, generator=g)
+    p = torch.rand(1000, device="cuda", dtype=torch.bfloat16, generator=g)
+    dh = torch.randn(1000, 96, device="cuda", dtype=torch.bfloat16, generator=g)
+    counts = torch.tensor([300, 0, 500, 200], device="cuda")
+    sizes = torch.tensor([303, 0, 496, 200])  # x[1:]'s 999 rows
+    ends = sizes.cumsum(0).to("cuda", torch.int32)
+    pends = rw.padded_ends(sizes).to("cuda", torch.int32)
+    spec = TensorSpec("x", "rowwise", torch.float8_e4m3fn)
+
+    def run_all():
+        q = triton_rowwise.quantize_activation(x[1:], ends, pends, spec, rowwise=True, columnwise=True)
+        w = triton_rowwise.quantize_weight(x.view(4, 250, 256)[:, :240].contiguous(), spec)
+        return [
+            *(t.view(torch.uint8) if t.element_size() == 1 else t for t in (q.row, q.row_sinv, q.col, q.col_sinv)),
+            *(t.view(torch.uint8) if t.element_size() == 1 else t for t in (w.row, w.row_sinv, w.col, w.col_sinv)),
+            *triton_splits.clamp_splits(counts, 1000),
+            triton_activation.act_fwd(z, p, "swiglu"),
+            *triton_activation.act_bwd(z, p, dh, "swiglu"),
+        ]
+
+    monkeypatch.setattr(triton_launch, "_FAST", [False])
+    want = run_all()
+    monkeypatch.setattr(triton_launch, "_FAST", [True])
+    monkeypatch.setattr(triton_launch, "_COMPILED", {})
+    first, again = run_all(), run_all()  # the first call of each key compiles through Triton; then ours
+    assert triton_launch._FAST[0], "the compiled kernels refused our launch: Triton's path ran"
+    assert len(triton_launch._COMPILED) >= 6
+    for a, b, c in zip(want, first, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
