@@ -103,6 +103,7 @@ class Plan:
     one_path: ClassVar[bool] = False  # the products have one grouped path (no per-expert path to route to)
     compiles: ClassVar[bool] = False  # runs under torch.compile (else refused: refuse_compile)
     grouped_only: ClassVar[bool] = False  # a GroupedLinear's only: a Linear is refused with not_for_linear
+    falls_back: ClassVar[bool] = False  # a call may run bf16 where FP8 does not pay (``pays``); stateless families only
     not_for_linear: ClassVar[str] = ""
     # backend name -> the family's FP8 kernels there (a function that imports them on first use:
     # TE's only where asked for); TE's recipes': the emulation on torch's backend, TE's FP8 GEMMs on TE's
@@ -219,6 +220,11 @@ class Plan:
     @classmethod
     def check_x(cls, x: torch.Tensor) -> None:
         """Raise where the family cannot run on x's device or dtype (beyond :func:`plan`'s checks)."""
+
+    def pays(self, T: int, K: int, N: int) -> bool:
+        """Whether a ``T x K x N`` GEMM runs in FP8; False: the layer runs its bf16 plan instead
+        (a family with ``falls_back``; NOTE: [FP8 where it pays] in ``fp8_rowwise_plan.py``)."""
+        return True
 
     def grouped_problem(self, splits: Any) -> str | None:
         """Why the grouped path cannot quantize these per-expert counts (a ``Splits``; the layer

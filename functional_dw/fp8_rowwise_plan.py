@@ -17,7 +17,24 @@ from .fp8_plan import Plan, register_family
 from .fp8.rowwise import OPTIMIZER_STEPS, WEIGHT_CACHE, install_optimizer_hook
 from .kernels.rowwise import ROWWISE
 
-__all__ = ["RowwisePlan"]
+__all__ = ["FP8_PAYS_FROM", "RowwisePlan"]
+
+
+# NOTE: [FP8 where it pays]
+#   An FP8 step pays for quantization passes (two reads of each activation and weight, a dozen
+#   launches) with GEMMs up to twice as fast; where the GEMMs are small, the passes and their host
+#   time cost more than FP8 saves. Measured on the H200 (eager, 4-step bursts, one
+#   RowwiseScaling GroupedLinear against the bf16 one, benchmarks/results/moe_layer): 0.43x at
+#   T x K x N = 3.4e10 (E8, 2048, 2048, 8k tokens), 0.59x at 5.2e10 (E128, 2048, 768, 32k), 0.97x at
+#   2.1e11 (E32, 4096, 1536, 32k), 1.03x at 4.1e11 (E128, 4096, 1536, 64k), 1.16x at 4.8e11 (E32, 7168,
+#   2048, 32k). So a call whose GEMM is below ``FP8_PAYS_FROM`` (T x K x N, T the call's tokens: data,
+#   decided per call) runs the layer's bf16 plan, the same call planned without a recipe
+#   (``GroupedPlan.bf16``; the record's ``fp8`` is None, its ``kernels`` the bf16 ones). The rule is
+#   for CUDA, where it was measured; elsewhere FP8 always runs (the CPU emulation is a reference,
+#   not a speed). ``RowwiseScaling(bf16_below=...)`` sets the threshold: 0 forces FP8, ``math.inf``
+#   bf16. Only a stateless family falls back (a delayed-scaling state would miss the amaxes of a
+#   bf16 call). In grouped_mlp each linear decides for its own GEMM.
+FP8_PAYS_FROM = 3e11
 
 
 class RowwisePlan(Plan):
@@ -28,6 +45,7 @@ class RowwisePlan(Plan):
     one_path = True
     compiles = True
     grouped_only = True
+    falls_back = True
     not_for_linear = (
         "recipe=RowwiseScaling() is functional_dw's grouped (expert) recipe; a Linear runs TE's "
         "recipes (Float8CurrentScaling, Float8BlockScaling, DelayedScaling)"
@@ -65,6 +83,13 @@ class RowwisePlan(Plan):
 
     def check_counts(self, K: int, N: int, splits: Sequence[int] | None) -> None:
         """Any counts: wgrad's operands are padded per expert on the device."""
+
+    def pays(self, T: int, K: int, N: int) -> bool:
+        """NOTE: [FP8 where it pays]."""
+        below = self.recipe.bf16_below
+        if below is None:
+            below = FP8_PAYS_FROM if self.device.type == "cuda" else 0
+        return T * K * N >= below
 
     def quantize_activated(
         self,

@@ -168,6 +168,7 @@ def prepare(x, weights, splits, bias, opts: Options, stand_in: bool = False) -> 
         if plan.amp is not None:  # (plain weights: cast as materialize casts them)
             w_ENK = dwp.materialize(params, False, for_backward=False, amp=plan.amp)
             w_ENK = w_ENK[0] if plan.stacked else w_ENK
+    plan = plan.for_tokens(x.shape[0])  # (FP8 where it pays: data, per call)
     if plan.warn is not None:
         _checks.warn(plan.warn)
     w_ENK = _weights_view(plan, params, w_ENK, cached=key is not None)

@@ -154,6 +154,14 @@ class GroupedPlan:
     fp8: _fp8.Plan | None  # None: no FP8
     amp: torch.dtype | None  # under autocast, the dtype the weights are cast to where they are
     # materialized (NOTE: [Autocast] in ``_amp.py``); else None
+    bf16: GroupedPlan | None = None  # with FP8 that falls back: the same call without a recipe, which a
+    # call runs where FP8 does not pay (NOTE: [FP8 where it pays] in ``fp8_rowwise_plan.py``)
+
+    def for_tokens(self, T: int) -> GroupedPlan:
+        """The plan a call of ``T`` tokens runs: this one, or its bf16 plan where FP8 does not pay."""
+        if self.bf16 is None or self.fp8.pays(T, self.shapes[0][-1], self.out_features):
+            return self
+        return self.bf16
 
 
 PLANS = PlanCache()  # grouped_linear's plans (grouped_mlp's fc1 and fc2 included), by :func:`plan_key`
@@ -173,6 +181,9 @@ def make_plan(
         else None
     )
     packed = not stacked and packed_view(w_ENK, layout_only=True) is not None  # (autograd: per call, prepare)
+    bf16 = None
+    if fp8_plan is not None and fp8_plan.falls_back and (opts.backend is None or isinstance(opts.backend, str)):
+        bf16 = make_plan(x, w_ENK, stacked, distributed, bias, opts._replace(fp8=None))
     return GroupedPlan(
         kernels,
         path,
@@ -188,6 +199,7 @@ def make_plan(
         opts.fuse_wgrad_accumulation,
         fp8_plan,
         opts.amp,
+        bf16,
     )
 
 

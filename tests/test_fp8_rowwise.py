@@ -15,6 +15,7 @@ Triton kernels under TRITON_INTERPRET=1 on the CPU and their launch config.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -768,3 +769,59 @@ def test_a_launch_config_whose_row_block_is_not_a_multiple_of_its_step_is_refuse
             rowwise=True,
             columnwise=True,
         )
+
+
+# --- FP8 where it pays (NOTE: [FP8 where it pays]) --------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_gemm_below_bf16_below_runs_the_bf16_plan_bitwise(device):
+    """A call whose T x K x N is below ``bf16_below`` computes what the call without a recipe
+    computes, bit for bit, and its record says so; at or above it, FP8."""
+    T = sum(SIZES)
+    for below, fp8_runs in ((T * K * N + 1, False), (T * K * N, True), (math.inf, False), (0, True)):
+        recipe = fp8.RowwiseScaling(bf16_below=below)
+        x, ws, b, dy = _inputs(device)
+        res = fd.grouped_linear_fwd(x, ws, SIZES, b, recipe=recipe)[1]
+        assert (res.fp8 is not None) == fp8_runs and getattr(res.kernels, "fp8_only", False) == fp8_runs
+        y = fd.grouped_linear(x, ws, SIZES, b, recipe=recipe)
+        y.backward(dy)
+        got = [y, x.grad, *[w.grad for w in ws], b.grad]
+        x2, ws2, b2, _ = _inputs(device)
+        y2 = fd.grouped_linear(x2, ws2, SIZES, b2) if not fp8_runs else fd.grouped_linear(x2, ws2, SIZES, b2, recipe=R)
+        y2.backward(dy)
+        for a, c in zip(got, [y2, x2.grad, *[w.grad for w in ws2], b2.grad]):
+            assert torch.equal(a, c)
+
+
+def test_the_default_rule_is_the_measured_one_on_cuda_and_fp8_elsewhere():
+    from functional_dw.fp8_rowwise_plan import FP8_PAYS_FROM
+
+    x, ws, b, _ = _inputs("cpu")
+    assert fd.grouped_linear_fwd(x, ws, SIZES, b, recipe=R)[1].fp8 is not None  # CPU: always FP8
+    plan = fd.grouped_linear_fwd(x, ws, SIZES, b, recipe=R)[1].fp8
+    cuda_plan = dataclasses.replace(plan, device=torch.device("cuda"))
+    T = math.ceil(FP8_PAYS_FROM / (K * N))  # the fewest tokens at which FP8 pays
+    assert cuda_plan.pays(T, K, N) and not cuda_plan.pays(T - 1, K, N)
+
+
+def test_grouped_mlp_decides_per_linear():
+    """fc1 (K=H, N=2F) and fc2 (K=F, N=H) each run FP8 where their own GEMM pays."""
+    H, F_ = 64, 32
+    g = torch.Generator().manual_seed(1)
+    T = sum(SIZES)
+    x = torch.randn(T, H, generator=g)
+    w1, w2 = torch.randn(E, 2 * F_, H, generator=g) / 8, torch.randn(E, H, F_, generator=g) / 8
+    between = fp8.RowwiseScaling(bf16_below=T * H * 2 * F_)  # fc1 (T*H*2F) pays, fc2 (T*F*H) does not
+    res = fd.grouped_mlp_fwd(x, w1, w2, SIZES, recipe=between)[1]
+    assert res.fc1.fp8 is not None and res.fc2.fp8 is None
+    y = fd.grouped_mlp(x, w1, w2, SIZES, recipe=between)
+    assert torch.isfinite(y).all()
+    y_bf16 = fd.grouped_mlp(x, w1, w2, SIZES, recipe=fp8.RowwiseScaling(bf16_below=math.inf))
+    assert torch.equal(y_bf16, fd.grouped_mlp(x, w1, w2, SIZES))
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), True, "1e9"])
+def test_a_bad_bf16_below_names_the_field(bad):
+    with pytest.raises(ValueError, match="RowwiseScaling.bf16_below must be None or a number >= 0"):
+        fp8.RowwiseScaling(bf16_below=bad)

@@ -289,7 +289,12 @@ class RowwiseScaling:
     split accumulation makes the grouped FP8 GEMM 2.5-3x slower, slower than bf16).
 
     Each expert's tokens need not be a multiple of 16: wgrad's operands are padded per expert
-    on the device (zeros), with no host round trip."""
+    on the device (zeros), with no host round trip.
+
+    ``bf16_below``: a GEMM of ``T x K x N`` below it runs in bf16 (the layer's bf16 plan, the
+    same call with no recipe; ``res.fp8`` is None then), where FP8 cannot pay for its
+    quantization passes (NOTE: [FP8 where it pays] in ``fp8_rowwise_plan.py``). None: the measured
+    rule, ``FP8_PAYS_FROM`` on CUDA and 0 (always FP8) elsewhere; 0 forces FP8, ``math.inf`` bf16."""
 
     fp8_format: Format = Format.E4M3
     power_2_scale: bool = True
@@ -298,9 +303,13 @@ class RowwiseScaling:
     fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=False)
     fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=False)
     backward_override: Optional[str] = None
+    bf16_below: Optional[float] = None
 
     def __post_init__(self) -> None:
         me = "RowwiseScaling"
+        b = self.bf16_below
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or math.isnan(b) or b < 0):
+            raise _fail(me, "bf16_below", "None or a number >= 0 (math.inf: always bf16)", b)
         _typed(me, "fp8_format", self.fp8_format, Format)
         if self.fp8_format != Format.E4M3:
             raise ValueError(
