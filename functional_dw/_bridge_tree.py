@@ -244,11 +244,12 @@ def kept_residuals(res: Any, in_leaves: tuple, out_leaves: tuple, outs: tuple) -
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             sources.append(_SAVED)
-            j = next((j for j, o in enumerate(out_leaves) if o is leaf), None)
-            if j is not None:
-                leaf = outs[j]
-            elif leaf.requires_grad and not any(map(operator.is_, itertools.repeat(leaf), in_leaves)):
-                leaf = leaf.detach()
+            if not any(map(operator.is_, itertools.repeat(leaf), in_leaves)):  # (an input: as it is)
+                j = next((j for j, o in enumerate(out_leaves) if o is leaf), None)
+                if j is not None:
+                    leaf = outs[j]
+                elif leaf.requires_grad:
+                    leaf = leaf.detach()
             saved.append(leaf)
         else:
             sources.append(("ref", leaf))

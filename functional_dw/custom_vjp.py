@@ -358,12 +358,19 @@ class _Bridge(torch.autograd.Function):
         (NOTE: [Fast apply])."""
         if torch._C._are_functorch_transforms_active():
             return super().apply(*args)
-        call, *leaves = args
-        if set(map(type, leaves)) <= PLAIN_TYPES:  # (all tensors: unwrapped in one C loop; E experts)
-            leaves = map(unwrap_if_dead, leaves)
-        else:
-            leaves = [unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in leaves]
-        return super(torch.autograd.Function, cls).apply(call, *leaves)
+        return _c_apply(cls, args)
+
+
+def _c_apply(cls: type, args: tuple) -> Any:
+    """The C++ apply of Function ``cls``, on its inputs with dead functorch wrappers unwrapped
+    (what torch's ``Function.apply`` does outside a transform: a tensor that escaped a finished
+    ``torch.func.grad`` reaches autograd as the tensor it wraps)."""
+    call, *leaves = args
+    if set(map(type, leaves)) <= PLAIN_TYPES:  # (all tensors: unwrapped in one C loop; E experts)
+        leaves = map(unwrap_if_dead, leaves)
+    else:
+        leaves = [unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in leaves]
+    return super(torch.autograd.Function, cls).apply(call, *leaves)
 
 
 # NOTE: [jvp] Forward mode (eager ``dual_level`` or ``torch.func.jvp``) runs the pair's
@@ -416,7 +423,7 @@ class _LeanBridge(torch.autograd.Function):
     @classmethod
     def apply(cls, *args: Any) -> Any:
         """The C++ apply (no transform is active: NOTE: [Fast apply])."""
-        return super(torch.autograd.Function, cls).apply(*args)
+        return _c_apply(cls, args)
 
 
 _JVP = TransformType.Jvp

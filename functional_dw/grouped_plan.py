@@ -182,8 +182,9 @@ def make_plan(
     )
     packed = not stacked and packed_view(w_ENK, layout_only=True) is not None  # (autograd: per call, prepare)
     bf16 = None
-    if fp8_plan is not None and fp8_plan.falls_back and (opts.backend is None or isinstance(opts.backend, str)):
-        bf16 = make_plan(x, w_ENK, stacked, distributed, bias, opts._replace(fp8=None))
+    if fp8_plan is not None and fp8_plan.falls_back and not getattr(opts.backend, "fp8_only", False):
+        bf16 = make_plan(x, w_ENK, stacked, distributed, bias, opts._replace(fp8=None))  # (an FP8 family's
+        # kernels as backend= multiply FP8 only: such a call always runs FP8, as docs/fp8.md says)
     return GroupedPlan(
         kernels,
         path,

@@ -1217,3 +1217,31 @@ def test_a_user_record_holding_its_weight_in_a_dict_is_rebound_per_level():
         lambda W: torch.func.grad(lambda x: f(x, W).sin().sum())(x).square().sum()
     )(W)
     torch.testing.assert_close(penalty(lin), penalty(torch.nn.functional.linear), rtol=1e-9, atol=1e-9)
+
+
+# --- the lean run (NOTE: [The lean run]) ------------------------------------------------------------
+
+
+def test_an_input_that_is_also_the_output_is_saved_as_the_input():
+    """fwd returns x and keeps x: the residual is the caller's x (its own graph), not this node's
+    output, so a double backward through a bwd that is not the identity's Jacobian (here a
+    scaled gradient, d * x) differentiates x, not bwd again; hooks see the input itself."""
+    f = custom_vjp(lambda x: (x, (x,)), lambda res, d: (d * res[0],), name="scaled_identity")
+    x = torch.tensor([2.0, 3.0], requires_grad=True)
+    with HOOKS["identity"]()() as rec:
+        y = f(x)
+    assert rec.packed[0] is x
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    (gg,) = torch.autograd.grad(g.sum(), x)
+    assert g.tolist() == [2.0, 3.0] and gg.tolist() == [1.0, 1.0]
+
+
+def test_a_tensor_that_escaped_a_torch_func_transform_is_differentiated_as_the_tensor_it_wraps():
+    """A dead functorch wrapper (kept from inside a finished torch.func.grad) reaches autograd
+    unwrapped, as torch's Function.apply hands it over: its gradient reaches the leaf."""
+    f = custom_vjp(lambda x: (x.sin(), (x,)), lambda r, d: (d * r[0].cos(),), name="sin")
+    leak = []
+    x0 = torch.randn(3, requires_grad=True, dtype=torch.float64)
+    torch.func.grad(lambda x: (leak.append(x * 1), x.sum())[1])(x0)
+    f(leak[0]).sum().backward()
+    torch.testing.assert_close(x0.grad, x0.detach().cos())

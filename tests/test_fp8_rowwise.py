@@ -821,6 +821,14 @@ def test_grouped_mlp_decides_per_linear():
     assert torch.equal(y_bf16, fd.grouped_mlp(x, w1, w2, SIZES))
 
 
+def test_bf16_below_holds_with_a_kernels_object_as_backend():
+    from functional_dw.kernels.resolve import get_kernels
+
+    x, ws, b, _ = _inputs("cpu")
+    always_bf16 = fp8.RowwiseScaling(bf16_below=math.inf)
+    assert fd.grouped_linear_fwd(x, ws, SIZES, b, recipe=always_bf16, backend=get_kernels("torch", x))[1].fp8 is None
+
+
 @pytest.mark.parametrize("bad", [-1, float("nan"), True, "1e9"])
 def test_a_bad_bf16_below_names_the_field(bad):
     with pytest.raises(ValueError, match="RowwiseScaling.bf16_below must be None or a number >= 0"):

@@ -308,7 +308,9 @@ class RowwiseScaling:
     def __post_init__(self) -> None:
         me = "RowwiseScaling"
         b = self.bf16_below
-        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or math.isnan(b) or b < 0):
+        if b is not None and (
+            isinstance(b, bool) or not isinstance(b, (int, float)) or b != b or b < 0
+        ):  # (b != b: NaN)
             raise _fail(me, "bf16_below", "None or a number >= 0 (math.inf: always bf16)", b)
         _typed(me, "fp8_format", self.fp8_format, Format)
         if self.fp8_format != Format.E4M3:
