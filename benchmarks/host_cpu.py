@@ -12,6 +12,9 @@ min over R rounds of the mean over I steps, in microseconds):
 * ``fd, one [E, N, K] weight``: ``nn.GroupedLinear(single_grouped_weight=True)``;
 * ``fd, E weights (TE's layout)``: ``nn.GroupedLinear`` with per-expert parameters (views of one
   buffer): the autograd engine accumulates E gradients, one per parameter;
+* ``torch MLP``: the expert MLP as torch composes it (Megatron's unfused SwiGLU weighted by the router's
+  probs between two autograd ``grouped_mm`` on one ``[E, 2F, K]`` / ``[E, K, F]`` parameter each, F = N);
+  ``fd GroupedMLP``: ``nn.GroupedMLP(E, K, N)`` as constructed (one weight per linear), ``m(x, splits, probs)``;
 * ``autograd engine, E leaves``: what the engine alone charges for E parameters: a no-op
   autograd Function whose backward hands E views of one buffer to E leaves, minus the same
   with one leaf (so the per-parameter cost of TE's layout, which no layer can avoid).
@@ -59,6 +62,14 @@ class _Leaves(torch.autograd.Function):
         return (g, *torch.zeros(ctx.shape).unbind(0))
 
 
+def _torch_mlp(x, w1, w2, probs, counts):
+    """torch's expert MLP: grouped_mm, the weighted SwiGLU in torch ops, grouped_mm (offsets per step)."""
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    gate, up = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs).chunk(2, -1)
+    h = torch.nn.functional.silu(gate) * up * probs[:, None]
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+
+
 def contenders(E: int) -> dict:
     torch.manual_seed(0)
     T = TOKENS_PER_EXPERT * E
@@ -69,6 +80,10 @@ def contenders(E: int) -> dict:
     w_ENK = torch.nn.Parameter(torch.randn(E, N, K) * 0.1)
     single = fd.nn.GroupedLinear(E, K, N, bias=False, backend="torch", single_grouped_weight=True)
     per_expert = fd.nn.GroupedLinear(E, K, N, bias=False, backend="torch")
+    mlp = fd.nn.GroupedMLP(E, K, N, backend="torch")
+    w1, w2 = torch.nn.Parameter(torch.randn(E, 2 * N, K) * 0.1), torch.nn.Parameter(torch.randn(E, K, N) * 0.1)
+    probs = torch.rand(T, requires_grad=True)
+    dy_K = torch.randn(T, K)
     leaves = [torch.nn.Parameter(t) for t in torch.zeros(E, N, K).unbind(0)]
     one_leaf = [torch.nn.Parameter(torch.zeros(N, K))]
 
@@ -84,6 +99,8 @@ def contenders(E: int) -> dict:
         ),
         "fd, one [E, N, K] weight": step(lambda: single(x, splits)),
         "fd, E weights (TE's layout)": step(lambda: per_expert(x, splits)),
+        "torch MLP": lambda: torch.autograd.backward(_torch_mlp(x, w1, w2, probs, counts), dy_K),
+        "fd GroupedMLP": lambda: torch.autograd.backward(mlp(x, splits, probs), dy_K),
         "engine, E leaves": lambda: torch.autograd.backward(_Leaves.apply(x, *leaves), dy[:, :1].expand(T, K)),
         "engine, 1 leaf": lambda: torch.autograd.backward(_Leaves.apply(x, *one_leaf), dy[:, :1].expand(T, K)),
     }
@@ -112,15 +129,17 @@ def markdown(result: dict) -> str:
         f"torch {result['torch']}, Python {result['python']}, {result['rounds']} rounds x {result['iters']} steps"
         f"{' (quick: not for comparison)' if result['quick'] else ''}.",
         "",
-        "| E | torch grouped_mm | fd, one [E,N,K] weight | ratio | fd, E weights | ratio | engine per extra parameter |",
-        "|---|---|---|---|---|---|---|",
+        "| E | torch grouped_mm | fd, one [E,N,K] weight | ratio | fd, E weights | ratio | engine per extra parameter "
+        "| torch MLP | fd GroupedMLP | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for E, r in result["us_per_step"].items():
         t = r["torch grouped_mm"]
         one, per = r["fd, one [E, N, K] weight"], r["fd, E weights (TE's layout)"]
+        tm, fm = r["torch MLP"], r["fd GroupedMLP"]
         lines.append(
             f"| {E} | {t:.1f} | {one:.1f} | {one / t:.2f}x | {per:.1f} | {per / t:.2f}x | "
-            f"{r['engine per extra parameter']:.2f} |"
+            f"{r['engine per extra parameter']:.2f} | {tm:.1f} | {fm:.1f} | {fm / tm:.2f}x |"
         )
     return "\n".join(lines) + "\n"
 

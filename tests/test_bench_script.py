@@ -660,7 +660,14 @@ def test_host_cpu_proxy_quick_writes_every_contender(tmp_path):
     result = host_cpu.main(["--quick", "--experts", "8,32,128", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "host_cpu.json").read_text())
     assert saved["quick"] and list(saved["us_per_step"]) == ["8", "32"]  # quick leaves out E > 32
-    want = {"torch grouped_mm", "fd, one [E, N, K] weight", "fd, E weights (TE's layout)", "engine per extra parameter"}
+    want = {
+        "torch grouped_mm",
+        "fd, one [E, N, K] weight",
+        "fd, E weights (TE's layout)",
+        "engine per extra parameter",
+        "torch MLP",
+        "fd GroupedMLP",
+    }
     md = (tmp_path / "host_cpu.md").read_text()
     for E, r in result["us_per_step"].items():
         assert set(r) == want
@@ -668,3 +675,5 @@ def test_host_cpu_proxy_quick_writes_every_contender(tmp_path):
         assert all(r[k] > 0 for k in want - {"engine per extra parameter"})
         t, one = r["torch grouped_mm"], r["fd, one [E, N, K] weight"]
         assert f"| {E} | {t:.1f} | {one:.1f} | {one / t:.2f}x |" in md
+        tm, fm = r["torch MLP"], r["fd GroupedMLP"]
+        assert f"| {tm:.1f} | {fm:.1f} | {fm / tm:.2f}x |" in md
