@@ -140,6 +140,22 @@ def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _meta(activation: str, probs: torch.Tensor | None, side: str, **flags: bool) -> dict:
+    """The constexprs and launch options of the forward (``side`` "FWD") or backward ("BWD") kernel."""
+    a, c = get(activation), CONFIG
+    return dict(
+        ACT=a.triton,
+        GATED=a.gated,
+        HAS_P=probs is not None,
+        **flags,
+        BT=c[f"{side}_BT"],
+        BF=c[f"{side}_BF"],
+        INTERP=interpreting(),
+        num_warps=c[f"{side}_WARPS"],
+        enable_fp_fusion=False,
+    )
+
+
 def act_fwd(fc1_out: torch.Tensor, probs: torch.Tensor | None, activation: str) -> torch.Tensor:
     """``h = act(fc1_out) * probs`` by the forward kernel (any Triton device; see
     :class:`TritonActivation` for when it runs)."""
@@ -162,16 +178,7 @@ def act_fwd(fc1_out: torch.Tensor, probs: torch.Tensor | None, activation: str) 
                     T,
                     F,
                 ),
-                dict(
-                    ACT=get(activation).triton,
-                    GATED=get(activation).gated,
-                    HAS_P=probs is not None,
-                    BT=c["FWD_BT"],
-                    BF=c["FWD_BF"],
-                    INTERP=interpreting(),
-                    num_warps=c["FWD_WARPS"],
-                    enable_fp_fusion=False,
-                ),
+                _meta(activation, probs, "FWD"),
             )
     return h
 
@@ -210,17 +217,7 @@ def act_bwd(
                     T,
                     F,
                 ),
-                dict(
-                    ACT=get(activation).triton,
-                    GATED=get(activation).gated,
-                    HAS_P=probs is not None,
-                    HAS_DP_IN=dprobs_in is not None,
-                    BT=c["BWD_BT"],
-                    BF=c["BWD_BF"],
-                    INTERP=interpreting(),
-                    num_warps=c["BWD_WARPS"],
-                    enable_fp_fusion=False,
-                ),
+                _meta(activation, probs, "BWD", HAS_DP_IN=dprobs_in is not None),
             )
     return dz, dprobs
 
