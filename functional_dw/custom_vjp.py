@@ -261,13 +261,10 @@ def _run(rules: _Rules, args: tuple, tree: Any, function: type, gate: bool) -> A
     ``gate``: with no gradient to take, run ``primal`` instead (no residuals, no node)."""
     diff, static = _split(rules, args)
     in_leaves, in_spec = flatten_args(diff, tree)
-    if gate:
-        if not _needs_grad(in_leaves):
-            return rules.primal(*args)
-        if type(in_spec) is FlatSpec:  # NOTE: [The lean run]
-            call = _BridgeCall(rules, in_spec, static)
-            out = rules.Lean.apply(call, *in_leaves)  # (one tensor, or the output's leaves)
-            return out if call.out_spec is None else call.out_spec.unflatten(out)
+    if gate and not _needs_grad(in_leaves):
+        return rules.primal(*args)
+    if gate and type(in_spec) is FlatSpec:  # NOTE: [The lean run]
+        function = rules.Lean
     call = _BridgeCall(rules, in_spec, static)
     flat = function.apply(call, *in_leaves)
     return unflatten_out(flat[: call.n_out], call.out_spec)
@@ -416,7 +413,7 @@ class _LeanBridge(torch.autograd.Function):
         call.n_out = len(out_leaves)
         ctx.save_for_backward(*saved)
         ctx.call = call
-        return outs[0] if call.out_spec is None else outs
+        return outs
 
     backward = _Bridge.backward
 
