@@ -40,6 +40,12 @@ __all__ = ["dtype", "cast", "cast_weights", "grads_back", "off"]
 #   plan made outside autocast is not reused inside it, nor across its dtypes.
 
 _NULL = contextlib.nullcontext()
+# The device types autocast serves, asked once here: torch 2.11's dynamo cannot trace
+# ``torch.amp.is_autocast_available`` (a graph break at every call under autocast).
+_AUTOCAST_TYPES = frozenset(
+    t for t in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla", "ipu", "privateuseone")
+    if torch.amp.is_autocast_available(t)
+)
 
 
 def dtype(x: Any) -> torch.dtype | None:
@@ -48,7 +54,7 @@ def dtype(x: Any) -> torch.dtype | None:
     if not torch._C._is_any_autocast_enabled() or not isinstance(x, torch.Tensor):
         return None
     device_type = x.device.type
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    if device_type not in _AUTOCAST_TYPES or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
 
@@ -102,4 +108,4 @@ def off(t: Any) -> Any:
     if not torch._C._is_any_autocast_enabled() or not isinstance(t, torch.Tensor):
         return _NULL
     device_type = t.device.type
-    return torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) else _NULL
+    return torch.autocast(device_type, enabled=False) if device_type in _AUTOCAST_TYPES else _NULL

@@ -256,14 +256,15 @@ def _join(rules: _Rules, diff: tuple, static: tuple) -> tuple:
     return tuple(args)
 
 
-def _run(rules: _Rules, args: tuple, tree: Any, function: type, gate: bool) -> Any:
+def _run(rules: _Rules, args: tuple, tree: Any, function: type, gate: bool, lean: bool = False) -> Any:
     """Flatten ``args``, apply ``function`` to the leaves, and give ``fwd``'s output back.
-    ``gate``: with no gradient to take, run ``primal`` instead (no residuals, no node)."""
+    ``gate``: with no gradient to take, run ``primal`` instead (no residuals, no node).
+    ``lean``: a plain eager call, which may run ``rules.Lean`` (NOTE: [The lean run])."""
     diff, static = _split(rules, args)
     in_leaves, in_spec = flatten_args(diff, tree)
     if gate and not _needs_grad(in_leaves):
         return rules.primal(*args)
-    if gate and type(in_spec) is FlatSpec:  # NOTE: [The lean run]
+    if lean and type(in_spec) is FlatSpec:  # NOTE: [The lean run]
         function = rules.Lean
     call = _BridgeCall(rules, in_spec, static)
     flat = function.apply(call, *in_leaves)
@@ -579,7 +580,8 @@ def custom_vjp(
         # NOTE: [autograd], NOTE: [torch.func grad and vjp], NOTE: [torch.compile] (above).
         if torch.compiler.is_compiling():
             return _run(rules, args, pytree, rules.Traced, gate=True)
-        return _run(rules, args, fast_pytree, rules.Function, gate=not _transformed())
+        plain = not _transformed()
+        return _run(rules, args, fast_pytree, rules.Function, gate=plain, lean=plain)
 
     apply.fwd, apply.bwd, apply.primal = fwd, bwd, rules.primal  # type: ignore[attr-defined]
     apply.Function, apply.Lean = rules.Function, rules.Lean  # type: ignore[attr-defined]

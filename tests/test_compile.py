@@ -204,3 +204,24 @@ def test_compile_with_grouped_fallback_has_no_graph_break(dtype):
     torch.testing.assert_close(
         torch.compile(f, fullgraph=True, backend="aot_eager")(x, ws), ref_grouped(x, ws, FALLBACK_SPLITS)
     )
+
+
+
+def test_compiled_calls_trace_the_setup_context_bridge(monkeypatch):
+    """Under compile the bridge is the setup_context Function dynamo is built for, never the
+    eager-only lean one (NOTE: [The lean run]; torch 2.11's dynamo cannot trace the lean
+    forward's record): a lean forward that raises is not reached by a fullgraph compile, and
+    the compiled grads match eager's."""
+    torch._dynamo.reset()
+    cube = fd.custom_vjp(lambda x: (x**3, (x,)), lambda res, g: (3 * res[0] ** 2 * g,), name="cube")
+    x = torch.randn(5, requires_grad=True)
+    want = torch.autograd.grad(cube(x).sum(), x)
+
+    def lean_forward(ctx, *args):
+        raise AssertionError("the lean bridge ran under torch.compile")
+
+    monkeypatch.setattr(cube.Lean, "forward", staticmethod(lean_forward))
+    with pytest.raises(AssertionError, match="lean bridge ran"):  # the patch reaches eager calls
+        cube(x)
+    got = torch.autograd.grad(torch.compile(lambda x: cube(x).sum(), backend="aot_eager", fullgraph=True)(x), x)
+    torch.testing.assert_close(got, want)

@@ -58,7 +58,14 @@ def _hooks_installed() -> bool:
     runtime = getattr(knobs, "runtime", None)
     if runtime is None:  # an older Triton: no knobs; its hooks live on CompiledKernel
         return True
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return _active(runtime.launch_enter_hook) or _active(runtime.launch_exit_hook)
+
+
+def _active(hook: Any) -> bool:
+    """Whether a launch hook would run: Triton >= 3.6 keeps a ``HookChain`` (empty: none) where
+    earlier ones kept None or the hook itself."""
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if isinstance(calls, list) else hook is not None
 
 
 def launch(kernel: Any, grid: tuple, args: tuple, meta: dict) -> None:
