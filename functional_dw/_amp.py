@@ -43,7 +43,8 @@ _NULL = contextlib.nullcontext()
 # The device types autocast serves, asked once here: torch 2.11's dynamo cannot trace
 # ``torch.amp.is_autocast_available`` (a graph break at every call under autocast).
 _AUTOCAST_TYPES = frozenset(
-    t for t in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla", "ipu", "privateuseone")
+    t
+    for t in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla", "ipu", "privateuseone")
     if torch.amp.is_autocast_available(t)
 )
 

@@ -206,7 +206,6 @@ def test_compile_with_grouped_fallback_has_no_graph_break(dtype):
     )
 
 
-
 def test_compiled_calls_trace_the_setup_context_bridge(monkeypatch):
     """Under compile the bridge is the setup_context Function dynamo is built for, never the
     eager-only lean one (NOTE: [The lean run]; torch 2.11's dynamo cannot trace the lean

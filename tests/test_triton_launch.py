@@ -20,7 +20,6 @@ def test_the_key_tells_apart_what_triton_specializes_on():
     assert spec(32) == spec(48) and spec(3) == spec(5)  # values Triton does not specialize on share a kernel
 
 
-
 def test_an_empty_hook_chain_is_no_hook():
     """Triton >= 3.6 always holds a ``HookChain`` (``.calls``): empty means no profiler is
     attached and the compiled path may run; earlier Tritons hold None or the hook."""
@@ -32,6 +31,7 @@ def test_an_empty_hook_chain_is_no_hook():
     active = triton_launch._active
     assert not active(None) and not active(Chain([]))
     assert active(Chain([print])) and active(print)
+
 
 gpu = pytest.mark.gpu
 needs_triton = pytest.mark.skipif(
@@ -61,8 +61,14 @@ def test_compiled_launches_give_tritons_bits(monkeypatch):
         q = triton_rowwise.quantize_activation(x[1:], ends, pends, spec, rowwise=True, columnwise=True)
         w = triton_rowwise.quantize_weight(x.view(4, 250, 256)[:, :240].contiguous(), spec)
         return [
-            *(t.view(torch.uint8) if t.element_size() == 1 else t for t in (q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data, q.columnwise_scale_inv)),
-            *(t.view(torch.uint8) if t.element_size() == 1 else t for t in (w.rowwise_data, w.rowwise_scale_inv, w.columnwise_data, w.columnwise_scale_inv)),
+            *(
+                t.view(torch.uint8) if t.element_size() == 1 else t
+                for t in (q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data, q.columnwise_scale_inv)
+            ),
+            *(
+                t.view(torch.uint8) if t.element_size() == 1 else t
+                for t in (w.rowwise_data, w.rowwise_scale_inv, w.columnwise_data, w.columnwise_scale_inv)
+            ),
             *triton_splits.clamp_splits(counts, 1000),
             triton_activation.act_fwd(z, p, "swiglu"),
             *triton_activation.act_bwd(z, p, dh, "swiglu"),
