@@ -33,7 +33,7 @@ from functional_dw.fp8 import rowwise as rw
 from functional_dw.kernels import Splits
 from functional_dw.kernels.rowwise import RowwiseKernels
 
-R = fp8.RowwiseScaling()
+R = fp8.RowwiseScaling(bf16_below=0)  # FP8 at every size: these tests are of the FP8 path (the rule: below)
 SPEC = fp8.tensor_spec(R, "input")
 E, K, N = 4, 64, 32
 SIZES = [5, 0, 40, 19]  # unaligned, with an empty expert
@@ -798,8 +798,9 @@ def test_the_default_rule_is_the_measured_one_on_cuda_and_fp8_elsewhere():
     from functional_dw.fp8_rowwise_plan import FP8_PAYS_FROM
 
     x, ws, b, _ = _inputs("cpu")
-    assert fd.grouped_linear_fwd(x, ws, SIZES, b, recipe=R)[1].fp8 is not None  # CPU: always FP8
-    plan = fd.grouped_linear_fwd(x, ws, SIZES, b, recipe=R)[1].fp8
+    default = fp8.RowwiseScaling()
+    plan = fd.grouped_linear_fwd(x, ws, SIZES, b, recipe=default)[1].fp8
+    assert plan is not None  # CPU: always FP8
     cuda_plan = dataclasses.replace(plan, device=torch.device("cuda"))
     T = math.ceil(FP8_PAYS_FROM / (K * N))  # the fewest tokens at which FP8 pays
     assert cuda_plan.pays(T, K, N) and not cuda_plan.pays(T - 1, K, N)

@@ -544,7 +544,7 @@ def test_second_order_through_dx_with_a_constant_cotangent(save):
     if save != "x_only":
         xr = torch.randn(32, 16, generator=g).requires_grad_()
         w1r, w2r = torch.randn(2, 32, 16, generator=g), torch.randn(2, 16, 16, generator=g)
-        y = fd.grouped_mlp(xr, w1r, w2r, [16, 16], save=save, recipe=fp8.RowwiseScaling())
+        y = fd.grouped_mlp(xr, w1r, w2r, [16, 16], save=save, recipe=fp8.RowwiseScaling(bf16_below=0))
         with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
             torch.autograd.grad(y.sum(), xr, create_graph=True)
 
@@ -944,13 +944,13 @@ def test_rowwise_fp8_mlp_fuses_h_into_its_quantization(save, monkeypatch):
     calls = []
     real = rowwise_ops.quantize_activated
     monkeypatch.setattr(rowwise_ops, "quantize_activated", lambda *a, **k: calls.append(k) or real(*a, **k))
-    y, grads = run(inp, dy, splits, recipe=fp8.RowwiseScaling(), save=save)
+    y, grads = run(inp, dy, splits, recipe=fp8.RowwiseScaling(bf16_below=0), save=save)
     fused = list(calls)
     assert [(c["rowwise"], c["columnwise"]) for c in fused] == [(True, True)] + (
         [(False, True)] if save == "default" else []
     )
     monkeypatch.setattr(gm, "select", lambda kernels, x, activation: act_mod.REFERENCE)
-    y0, g0 = run(inp, dy, splits, recipe=fp8.RowwiseScaling(), save=save)
+    y0, g0 = run(inp, dy, splits, recipe=fp8.RowwiseScaling(bf16_below=0), save=save)
     assert len(calls) == len(fused)  # the reference activation: nothing fused
     assert_same(y, y0, "y")
     i_p = NAMES.index("probs") + 2 * (E - 1)
