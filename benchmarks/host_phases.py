@@ -38,14 +38,14 @@ nn_mod = sys.modules["functional_dw.nn"]
 PHASES = [
     ("module forward", nn_mod.GroupedLinear, "forward", 0),
     ("grouped_linear (options, bridge entry)", nn_mod, "grouped_linear", 1),
-    ("Function.forward (bridge)", cv._Bridge, "forward", 2),
-    ("_prepare (plan lookup, splits, operands)", gl, "_prepare", 3),
-    ("_forward (GEMM, record)", gl, "_forward", 3),
+    ("Function.forward (the lean bridge)", cv._LeanBridge, "forward", 2),
+    ("prepare (plan lookup, splits, operands)", gl, "prepare", 3),
+    ("forward (GEMM, record)", gl, "forward", 3),
     ("kernels: grouped_fprop", None, "grouped_fprop", 4),
-    ("Function.setup_context (save_for_backward)", cv._Bridge, "setup_context", 2),
+    ("kept_residuals (what is saved)", cv, "kept_residuals", 3),
     ("backward (torch.autograd.backward)", None, None, 0),
-    ("Function.backward (bridge)", cv._Bridge, "backward", 1),
-    ("_residuals (rebuild the record)", cv, "_residuals", 2),
+    ("Function.backward (bridge)", cv._LeanBridge, "backward", 1),
+    ("ctx_residuals (rebuild the record)", cv, "ctx_residuals", 2),
     ("_checked (record, versions, dy)", gl, "_checked", 2),
     ("_dgrad", gl, "_dgrad", 2),
     ("kernels: grouped_dgrad", None, "grouped_dgrad", 3),
@@ -132,9 +132,9 @@ def phases(m, step, device, n=200) -> dict[str, float]:
         setattr(owner, attr, staticmethod(timed) if static else timed)
         undo.append((owner, attr, f))
 
-    gl._PLANS.clear()
+    gl.PLANS.clear()
     step()  # (the plan, and the kernels the layer runs on)
-    kern_cls = type(next(iter(gl._PLANS._plans.values())).kernels)
+    kern_cls = type(next(iter(gl.PLANS._plans.values())).kernels)
     for label, owner, attr, _ in PHASES:
         if attr is None:
             continue

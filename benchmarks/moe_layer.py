@@ -12,13 +12,14 @@ out-features, T tokens, bf16, no bias). A contender's step runs the forward and
   the offsets computed from the CUDA counts at every step as torchtitan does (``cumsum``, one launch);
 * ``fd``, ``fd_1w``: ``functional_dw.nn.GroupedLinear(E, H, F)`` as a user writes it (default backend,
   TE's layout: per-expert parameters) / with ``single_grouped_weight=True``; ``rowwise``: the same (per expert) with ``recipe=fp8.RowwiseScaling()``;
+  ``rowwise_fp8``: one weight, ``RowwiseScaling(bf16_below=0)`` (FP8 at every size: what its bf16 rule weighs);
   ``fd_te``: per expert, ``backend="te"``; each called as ``m(x, splits)`` with the splits a CUDA int tensor;
 * ``te_bf16``, ``te_block``, ``te_current``: ``te.GroupedLinear`` (host list of splits, its API), bf16 and
   under TE's autocast with ``Float8BlockScaling`` / ``Float8CurrentScaling``;
 * ``torchao``: torchao's FP8 rowwise grouped GEMM (``_to_fp8_rowwise_then_scaled_grouped_mm``), one ``[E, F, H]`` parameter;
 * ``<fd|fd_1w|rowwise>_compiled``: ``torch.compile`` of the module (dynamo reset per shape);
   ``<...>_graphed``: ``functional_dw.graphs.graph_step`` of the whole step, replayed on its static x, dy
-  (grads overwritten, not accumulated: that mode's recipe).
+  (grads overwritten, not accumulated: that mode's recipe); ``torch_graphed``: torch's step captured the same way (the graphed peer).
 
 Timing, per shape, for each routing (balanced; skewed: ``bench.make_splits(..., "zipf")``, Zipf counts with
 the coldest experts empty, rounded down to multiples of ``--align`` tokens, the hottest expert taking the rest):
@@ -73,6 +74,7 @@ FD_MODULES = {
     "fd_1w": ("fd default, one weight", {"single_grouped_weight": True}),
     "rowwise": ("fd rowwise", {"recipe": "rowwise"}),
     "fd_te": ("fd te", {"backend": "te"}),
+    "rowwise_fp8": ("fd rowwise FP8 forced, one weight", {"recipe": "rowwise_fp8", "single_grouped_weight": True}),
 }
 VARIANTS = ("fd", "fd_1w", "rowwise")  # also compiled and graphed
 TE_RECIPES = {"te_bf16": None, "te_block": "Float8BlockScaling", "te_current": "Float8CurrentScaling"}
@@ -83,6 +85,7 @@ LABELS = {
     "te_block": "te fp8 block",
     "te_current": "te fp8 current",
     "torchao": "torchao fp8 rowwise",
+    "torch_graphed": "torch grouped_mm graphed",
 }
 LABELS |= {f"{k}_{how}": f"{LABELS[k]} {how}" for how in ("compiled", "graphed") for k in VARIANTS}
 CONTENDERS = list(LABELS)
@@ -149,6 +152,8 @@ class Case(Routing):
         kw = dict(FD_MODULES[key][1])
         if kw.get("recipe") == "rowwise":
             kw["recipe"] = fp8.RowwiseScaling()
+        elif kw.get("recipe") == "rowwise_fp8":  # FP8 at every size: what the bf16_below rule weighs
+            kw["recipe"] = fp8.RowwiseScaling(bf16_below=0)
         m = fd.nn.GroupedLinear(self.E, self.H, self.F, bias=False, params_dtype=BF16, device=self.dev, **kw)
         with torch.no_grad():
             for w, src in zip(m.weights(), self.w):
@@ -167,15 +172,21 @@ class Case(Routing):
         if key.endswith("_compiled"):
             cm = torch.compile(self.module(key[: -len("_compiled")]), backend="inductor" if self.cuda else "aot_eager")
             return train_step(lambda x: cm(x, self.splits_dev))  # compiles at its first call (the warm-up)
+        if key == "torch_graphed":  # torch's own step captured whole: the graphed peer
+            w = torch.nn.Parameter(self.w.clone())
+            return self.graphed(
+                lambda x, splits: torch._grouped_mm(x, w.transpose(-2, -1), offs=self.step_offs()), warmup, [w]
+            )
         if key.endswith("_graphed"):
-            return self.graphed(self.module(key[: -len("_graphed")]), warmup)
+            m = self.module(key[: -len("_graphed")])
+            return self.graphed(m, warmup, list(m.parameters()))
         if key in TE_RECIPES:
             return self.te_step(TE_RECIPES[key])
         if key == "torchao":
             return self.torchao_step()
         raise ValueError(key)
 
-    def graphed(self, m, warmup):
+    def graphed(self, m, warmup, params):
         x0, dy0 = self.inputs[0]
         x, dy = x0.detach().clone().requires_grad_(), dy0.clone()
 
@@ -184,7 +195,7 @@ class Case(Routing):
             torch.autograd.backward(y, dy)
             return y
 
-        g = graph_step(body, x, dy, params=list(m.parameters()), warmup=warmup)
+        g = graph_step(body, x, dy, params=params, warmup=warmup)
         return lambda inp: g()  # a replay on the graph's own x and dy: nothing copied in
 
     def te_step(self, recipe_name):
@@ -377,6 +388,8 @@ RATIOS = [
     ("fd one weight host / torch", "fd_1w", "torch", "host_ms"),
     ("Rowwise / fd bf16", "rowwise", "fd", "ms"),
     ("Rowwise host / fd bf16", "rowwise", "fd", "host_ms"),
+    ("FP8 forced / one weight", "rowwise_fp8", "fd_1w", "ms"),
+    ("fd one weight graphed / torch graphed", "fd_1w_graphed", "torch_graphed", "ms"),
 ]
 
 
