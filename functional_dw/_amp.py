@@ -40,13 +40,19 @@ __all__ = ["dtype", "cast", "cast_weights", "grads_back", "off"]
 #   plan made outside autocast is not reused inside it, nor across its dtypes.
 
 _NULL = contextlib.nullcontext()
-# The device types autocast serves, asked once here: torch 2.11's dynamo cannot trace
-# ``torch.amp.is_autocast_available`` (a graph break at every call under autocast).
+# The device types autocast serves, asked once here (torch 2.11's dynamo cannot trace
+# ``torch.amp.is_autocast_available``: a graph break at every call under autocast), and
+# privateuse1 by the name its backend gives it when asked (torch_npu's "npu": :func:`_served`).
 _AUTOCAST_TYPES = frozenset(
     t
     for t in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla", "ipu", "privateuseone")
     if torch.amp.is_autocast_available(t)
 )
+
+
+def _served(device_type: str) -> bool:
+    """``torch.amp.is_autocast_available(device_type)``, in calls dynamo traces."""
+    return device_type in _AUTOCAST_TYPES or device_type == torch._C._get_privateuse1_backend_name()
 
 
 def dtype(x: Any) -> torch.dtype | None:
@@ -55,7 +61,7 @@ def dtype(x: Any) -> torch.dtype | None:
     if not torch._C._is_any_autocast_enabled() or not isinstance(x, torch.Tensor):
         return None
     device_type = x.device.type
-    if device_type not in _AUTOCAST_TYPES or not torch.is_autocast_enabled(device_type):
+    if not _served(device_type) or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
 
@@ -109,4 +115,4 @@ def off(t: Any) -> Any:
     if not torch._C._is_any_autocast_enabled() or not isinstance(t, torch.Tensor):
         return _NULL
     device_type = t.device.type
-    return torch.autocast(device_type, enabled=False) if device_type in _AUTOCAST_TYPES else _NULL
+    return torch.autocast(device_type, enabled=False) if _served(device_type) else _NULL

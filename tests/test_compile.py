@@ -210,7 +210,15 @@ def test_compiled_calls_trace_the_setup_context_bridge(monkeypatch):
     """Under compile the bridge is the setup_context Function dynamo is built for, never the
     eager-only lean one (NOTE: [The lean run]; torch 2.11's dynamo cannot trace the lean
     forward's record): a lean forward that raises is not reached by a fullgraph compile, and
-    the compiled grads match eager's."""
+    the compiled grads match eager's, with or without optree."""
+    import importlib
+
+    import torch.utils._pytree as pytree
+
+    # Without optree (the GPU machine's case) the eager flattening is the Python pytree's too,
+    # the one a compiled call uses: the bridge must still tell a compiled call from an eager one.
+    for name in ("functional_dw.custom_vjp", "functional_dw._bridge_tree"):
+        monkeypatch.setattr(importlib.import_module(name), "fast_pytree", pytree)
     torch._dynamo.reset()
     cube = fd.custom_vjp(lambda x: (x**3, (x,)), lambda res, g: (3 * res[0] ** 2 * g,), name="cube")
     x = torch.randn(5, requires_grad=True)
@@ -224,3 +232,32 @@ def test_compiled_calls_trace_the_setup_context_bridge(monkeypatch):
         cube(x)
     got = torch.autograd.grad(torch.compile(lambda x: cube(x).sum(), backend="aot_eager", fullgraph=True)(x), x)
     torch.testing.assert_close(got, want)
+
+
+def test_autocast_reaches_a_renamed_privateuse1_backend():
+    """An out-of-tree backend renames privateuse1 (torch_npu: "npu"): autocast on it is still
+    seen (the device types autocast serves are asked once, for dynamo's sake, and privateuse1
+    by its current name). In a subprocess: a backend is renamed once per process."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+torch.utils.rename_privateuse1_backend("npu")
+from functional_dw import _amp
+class OnNPU(torch.Tensor):
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32, device="npu")
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError
+x = OnNPU((4, 4))
+torch.set_autocast_enabled("npu", True)
+torch.set_autocast_dtype("npu", torch.float16)
+assert torch.amp.is_autocast_available("npu")
+assert _amp.dtype(x) == torch.float16, _amp.dtype(x)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

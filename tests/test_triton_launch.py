@@ -20,17 +20,35 @@ def test_the_key_tells_apart_what_triton_specializes_on():
     assert spec(32) == spec(48) and spec(3) == spec(5)  # values Triton does not specialize on share a kernel
 
 
-def test_an_empty_hook_chain_is_no_hook():
-    """Triton >= 3.6 always holds a ``HookChain`` (``.calls``): empty means no profiler is
-    attached and the compiled path may run; earlier Tritons hold None or the hook."""
+def test_only_an_empty_chain_of_tritons_own_is_no_hook():
+    """Triton's launcher calls any launch hook that is not None, so only Triton's own empty
+    ``HookChain`` (what Triton >= 3.6 always holds) lets the compiled path run; a user's object
+    that happens to keep a ``calls`` list is a hook."""
 
-    class Chain:
-        def __init__(self, calls):
-            self.calls = calls
+    class Recorder:  # a plausible user hook: it logs into self.calls
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, metadata):
+            self.calls.append(metadata)
 
     active = triton_launch._active
-    assert not active(None) and not active(Chain([]))
-    assert active(Chain([print])) and active(print)
+    assert not active(None)
+    assert active(print) and active(Recorder())
+
+
+def test_tritons_hook_chain_counts_as_a_hook_once_it_holds_one():
+    knobs = pytest.importorskip("triton.knobs")
+    if not hasattr(knobs, "HookChain"):
+        pytest.skip("a Triton before 3.6: no HookChain")
+
+    class Loud(knobs.HookChain):  # a subclass may do work in __call__: a hook
+        pass
+
+    chain = knobs.HookChain()
+    assert not triton_launch._active(chain)
+    chain.add(print)
+    assert triton_launch._active(chain) and triton_launch._active(Loud())
 
 
 gpu = pytest.mark.gpu

@@ -62,10 +62,14 @@ def _hooks_installed() -> bool:
 
 
 def _active(hook: Any) -> bool:
-    """Whether a launch hook would run: Triton >= 3.6 keeps a ``HookChain`` (empty: none) where
-    earlier ones kept None or the hook itself."""
-    calls = getattr(hook, "calls", None)
-    return bool(calls) if isinstance(calls, list) else hook is not None
+    """Whether a launch hook would run: Triton >= 3.6 keeps its own ``HookChain`` (empty: none)
+    where earlier ones kept None or the hook itself. Anything else that is not None, a chain's
+    subclass or a user's object with a ``calls`` list included, is a hook (Triton's launcher
+    calls whatever is not None)."""
+    chain = getattr(getattr(triton, "knobs", None), "HookChain", None)
+    if chain is not None and type(hook) is chain:
+        return bool(hook.calls)
+    return hook is not None
 
 
 def launch(kernel: Any, grid: tuple, args: tuple, meta: dict) -> None:
