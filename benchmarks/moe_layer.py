@@ -160,10 +160,14 @@ class Case(Routing):
                 w.copy_(src)
         return m
 
+    def torch_forward(self):
+        """(torch's forward ``fwd(x, *_)``, its one ``[E, F, H]`` parameter): autograd ``grouped_mm``."""
+        w = torch.nn.Parameter(self.w.clone())
+        return (lambda x, *_: torch._grouped_mm(x, w.transpose(-2, -1), offs=self.step_offs())), w
+
     def build(self, key, warmup):
         if key == "torch":
-            w = torch.nn.Parameter(self.w.clone())
-            return train_step(lambda x: torch._grouped_mm(x, w.transpose(-2, -1), offs=self.step_offs()))
+            return train_step(self.torch_forward()[0])
         if (key == "fd_te" or key in TE_RECIPES) and self.te is None:
             return "n/a: Transformer Engine is not installed"
         if key in FD_MODULES:
@@ -173,10 +177,8 @@ class Case(Routing):
             cm = torch.compile(self.module(key[: -len("_compiled")]), backend="inductor" if self.cuda else "aot_eager")
             return train_step(lambda x: cm(x, self.splits_dev))  # compiles at its first call (the warm-up)
         if key == "torch_graphed":  # torch's own step captured whole: the graphed peer
-            w = torch.nn.Parameter(self.w.clone())
-            return self.graphed(
-                lambda x, splits: torch._grouped_mm(x, w.transpose(-2, -1), offs=self.step_offs()), warmup, [w]
-            )
+            fwd, w = self.torch_forward()
+            return self.graphed(fwd, warmup, [w])
         if key.endswith("_graphed"):
             m = self.module(key[: -len("_graphed")])
             return self.graphed(m, warmup, list(m.parameters()))
