@@ -134,7 +134,7 @@ def _context(call: Any) -> dict[int, torch.Tensor]:
     """The tensors ``call``'s residuals hold by reference (by id)."""
     leaves = [value if kind == "ref" else None for kind, value in call.resolve()]
     spec, out = call.res_spec, {}
-    _held(list(spec.shell.values()) if isinstance(spec, RecordSpec) else spec.unflatten(leaves), out)
+    _held(spec.refs() if isinstance(spec, RecordSpec) else spec.unflatten(leaves), out)
     _held([v for v in leaves if v is not None], out)
     return out
 

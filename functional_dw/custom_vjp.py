@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -66,7 +66,7 @@ from ._bridge_tree import (
 )
 from ._bridge_residuals import ctx_residuals, element_refs, per_element, rebind_table
 
-__all__ = ["custom_vjp"]
+__all__ = ["Planned", "custom_vjp", "run_planned"]
 
 
 # NOTE: [What goes where]
@@ -422,6 +422,88 @@ class _LeanBridge(torch.autograd.Function):
     def apply(cls, *args: Any) -> Any:
         """The C++ apply (no transform is active: NOTE: [Fast apply])."""
         return _c_apply(cls, args)
+
+
+# NOTE: [The plan's runner]
+#   A layer call that matches a cached plan (NOTE: [Plan once, run lean] in ``plan.py``) has
+#   nothing left to learn about its structure: its arguments flatten flat (tensors, lists of
+#   them, None: ``FlatSpec``), it returns one tensor and one record, and its own checks already
+#   ran when the plan was made. Such a call, when it is a plain eager one with a gradient to
+#   take, may skip the bridge's generic work (the nondiff split, the _BridgeCall, the contract
+#   checks on fwd's result, the output classification): the layer hands :func:`run_planned`
+#   its differentiable arguments and a step, ``fwd`` (the pair's own, its options closed over)
+#   and ``bwd`` (the pair's own, less the checks that the plan and autograd already made). The
+#   record is kept as every bridge keeps it (NOTE: [What goes where]): tensors through
+#   ``save_for_backward`` (saved-tensor hooks see them and only them; autograd checks their
+#   versions), the rest on ``ctx`` by reference; backward never mutates ``ctx`` (NOTE: [Backward
+#   is re-entrant]) and fills the record's needs (NOTE: [Which gradients]). Anything else (a
+#   transform, forward-mode AD, a compiler, no gradient to take) returns None, and the layer
+#   takes its bridge.
+class Planned(NamedTuple):
+    """A planned call's step (NOTE: [The plan's runner]); also its ``rules`` in error messages."""
+
+    name: str
+    fwd: Callable[..., tuple[torch.Tensor, Any]]  # (*args) -> (out, record)
+    bwd: Callable[[Any, torch.Tensor], tuple]  # (record, d_out) -> one cotangent per argument
+    in_spec: FlatSpec  # the arguments' structure (None where an argument is static)
+    static: tuple  # (position, value) of the arguments that are data but no leaves (host splits)
+    nondiff: tuple = ()
+
+    def args(self, leaves: tuple) -> tuple:
+        """fwd's arguments from the leaves, the static ones back in their places."""
+        args = self.in_spec.unflatten(leaves)
+        if not self.static:
+            return args
+        args = list(args)
+        for i, v in self.static:
+            args[i] = v
+        return tuple(args)
+
+
+class _PlannedCall(NamedTuple):
+    """What a planned node keeps on ``ctx`` (as ``ctx.call``: ``ctx_residuals`` reads it as it
+    reads a :class:`_BridgeCall`): the step, and how the record is rebuilt from the saved tensors."""
+
+    step: Planned
+    sources: list
+    res_spec: Any
+
+    @property
+    def in_spec(self) -> FlatSpec:
+        return self.step.in_spec
+
+
+class _PlannedRun(torch.autograd.Function):
+    """One planned call (NOTE: [The plan's runner]). Inputs: the :class:`Planned` step, then
+    the arguments' leaves; output: ``fwd``'s one tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, step: Planned, *leaves: Any) -> torch.Tensor:  # type: ignore[override]
+        out, res = step.fwd(*step.args(leaves))
+        (fresh,) = fresh_outputs((out,), leaves)
+        sources, saved, spec = kept_residuals(res, leaves, (out,), (fresh,))
+        ctx.save_for_backward(*saved)
+        ctx.call = _PlannedCall(step, sources, spec)
+        return fresh
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple:  # type: ignore[override]
+        step = ctx.call.step
+        return (None, *step.in_spec.cotangent_leaves(step.bwd(ctx_residuals(ctx), d_out), step))
+
+
+def run_planned(name: str, fwd: Callable, bwd: Callable, args: tuple, static: tuple = ()) -> torch.Tensor | None:
+    """``fwd(*args)``'s output as one planned autograd node (NOTE: [The plan's runner]); None
+    where the call is not a plain eager one with a gradient to take (the caller then takes its
+    bridge). ``args``: the pair's differentiable arguments, with None at the positions
+    ``static`` names (``(position, value)`` pairs: data that is no leaf, fwd gets the value);
+    ``bwd`` returns one cotangent per argument (None for the static ones)."""
+    if torch.compiler.is_compiling() or _transformed():
+        return None
+    flat = FlatSpec.flatten(args)
+    if flat is None or not _needs_grad(flat[0]):
+        return None
+    return _c_apply(_PlannedRun, (Planned(name, fwd, bwd, flat[1], static), *flat[0]))
 
 
 _JVP = TransformType.Jvp

@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
 from . import _amp, _checks, _fp8, _steps, distributed_weight as dwp
-from .custom_vjp import custom_vjp
+from .custom_vjp import Planned, custom_vjp, run_planned
 from .grouped_plan import PLANS, GroupedPlan, HostSplits, SplitsArg, WeightsArg, as_params, make_plan
 from .grouped_plan import normalize_args, plan_key
 from .kernels import Kernels, Splits, as_one_buffer, check_sizes, packed as packed_view, stacked
@@ -145,14 +145,16 @@ class GroupedCall(NamedTuple):
     fp8: _fp8.Plan | None
 
 
-def prepare(x, weights, splits, bias, opts: Options, stand_in: bool = False) -> GroupedCall:
+def prepare(
+    x, weights, splits, bias, opts: Options, stand_in: bool = False, cached: GroupedPlan | None = None
+) -> GroupedCall:
     """The call's plan (cached: NOTE: [Plan once, run lean]), then what depends on data: the
     weights (gathered for a DistributedWeight), the split counts, the bias operand.
     ``stand_in``: x has the shape, dtype and device of the input but not its values (grouped_mlp's
     fc2 before h exists): the call holds no input; :func:`fprop`/:func:`forward` are given it (or
-    its FP8 copy)."""
-    key = plan_key(x, weights, splits, bias, opts)
-    plan = PLANS.get(key) if key is not None else None
+    its FP8 copy). ``cached``: the plan the cache holds for this call's key, already looked up."""
+    key = True if cached is not None else plan_key(x, weights, splits, bias, opts)
+    plan = cached if cached is not None else PLANS.get(key) if key is not None else None
     if plan is None:
         _checks.tensor("x", x, ndim=2)
         params, one_tensor = as_params(weights)
@@ -503,6 +505,37 @@ def _vmap(batch_size: int, in_dims: tuple, x, weights, splits, bias, opts: Optio
     return new_args, lambda y: (y[torch.argsort(order)].view(B, T, -1), 0)
 
 
+# NOTE: [The layer's planned run] A plain eager call whose plan is cached, in the arguments'
+# own dtypes (no autocast) and without FP8, runs as one planned node (NOTE: [The plan's
+# runner] in ``custom_vjp.py``): this pair's ``forward`` on the cached plan, and in backward
+# ``_dgrad``/``_wgrad`` less what the plan and autograd have already checked: the record is
+# the one forward made, and dy comes from autograd, which has matched it to y's shape, dtype
+# and device. Still checked per call: the weights' versions (x's is autograd's), dy's layout
+# (dense), and where the products run (:func:`route`).
+def _planned(x, weights, splits, bias, opts: Options) -> torch.Tensor | None:
+    """y from the planned run, or None where the call takes the bridge (NOTE: [The layer's planned run])."""
+    key = plan_key(x, weights, splits, bias, opts)
+    plan = PLANS.get(key) if key is not None else None
+    if plan is None:
+        return None
+
+    def fwd(x, weights, splits, bias):
+        return forward(prepare(x, weights, splits, bias, opts, cached=plan), x, keep_x=True)
+
+    return run_planned("grouped_linear", fwd, _planned_bwd, (x, weights, None, bias), static=((2, splits),))
+
+
+def _planned_bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple:
+    """The cotangents of (x, weights, splits, bias) for a planned node's record (NOTE: [The
+    layer's planned run])."""
+    with _amp.off(dy):
+        dy_TN = _checks.dense(dy)
+        dwp.check_versions(res.weights, res.weight_version, "weights")
+        k = _Route(*route(res.kernels, res.path == "grouped", dy_TN, res.x_TK))
+        dx, (dw, db) = _dgrad(res, dy_TN, None, k), _wgrad(res, dy_TN, None, k)
+    return dx, dw, None, db
+
+
 _grouped_linear = custom_vjp(
     _fwd, _bwd, nondiff_argnums=(4,), primal=_primal, jvp=jvp, vmap=_vmap, name="grouped_linear"
 )
@@ -562,6 +595,10 @@ def grouped_linear(
         _fp8.refuse_compile(recipe)
         fp8_args = _fp8.Args(recipe, fp8_state, keep_x=_fp8.wgrad_possible(weights))
     opts = Options(fuse, use_grouped_tensor, backend, fp8_args, _amp.dtype(x))
+    if opts.amp is None and fp8_args is None and not torch.compiler.is_compiling():
+        y = _planned(x, weights, splits, bias, opts)
+        if y is not None:
+            return y
     run = _grouped_linear
     if torch.compiler.is_compiling() and dwp.any_distributed(weights):  # NOTE: [DistributedWeight under torch.compile]
         run = _grouped_linear_eager

@@ -48,7 +48,7 @@ import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from . import _amp, _checks, _fp8, distributed_weight as dwp
-from .custom_vjp import custom_vjp
+from .custom_vjp import custom_vjp, run_planned
 from .grouped_linear import GroupedLinearResiduals, check_dy, forward, fprop, grouped_linear_bwd, one_buffer, prepare
 from .grouped_linear import jvp as grouped_linear_jvp
 from .grouped_linear import saved_x
@@ -345,12 +345,12 @@ def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     on fc2's record, the activation's backward, fc1's ``grouped_linear_bwd`` on fc1's record; what
     the policy did not save is recomputed first. With autocast off, as every pure function (NOTE:
     [Autocast] in ``_amp.py``)."""
+    _checks.record("grouped_mlp_bwd", res, GroupedMLPResiduals, "grouped_mlp_fwd")
     with _amp.off(dy):
         return _backward(res, dy)
 
 
 def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
-    _checks.record("grouped_mlp_bwd", res, GroupedMLPResiduals, "grouped_mlp_fwd")
     want_x, want_w1, want_w2, want_p, want_b1, want_b2 = _wanted(res)
     r1, r2, act = res.fc1, res.fc2, res.act
     # fc1's backward runs when it has a gradient to give, and always for a DistributedWeight (its
@@ -403,6 +403,25 @@ def _primal(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions) -> torch.T
 def _bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> tuple:
     """Cotangents of (x, w1, w2, splits, probs, bias1, bias2); the options are nondiff."""
     g = grouped_mlp_bwd(res, dy)
+    return g.dx, g.dw1, g.dw2, None, g.dprobs, g.dbias1, g.dbias2
+
+
+def _planned(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions) -> torch.Tensor | None:
+    """y as one planned node (NOTE: [The plan's runner] in ``custom_vjp.py``), or None where the
+    call takes the bridge: FP8, DistributedWeights. Forward is the pair's, every check
+    included; backward skips the record's check (the node made the record)."""
+    if opts.fc1.fp8 is not None or dwp.any_distributed(w1) or dwp.any_distributed(w2):
+        return None
+
+    def fwd(x, w1, w2, splits, probs, bias1, bias2):
+        return _run(x, w1, w2, splits, probs, bias1, bias2, opts, keep=True)
+
+    return run_planned("grouped_mlp", fwd, _planned_bwd, (x, w1, w2, None, probs, bias1, bias2), ((3, splits),))
+
+
+def _planned_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> tuple:
+    with _amp.off(dy):
+        g = _backward(res, dy)
     return g.dx, g.dw1, g.dw2, None, g.dprobs, g.dbias1, g.dbias2
 
 
@@ -546,6 +565,10 @@ def grouped_mlp(
     opts, (w1, w2, splits, bias1, bias2) = _options(
         *args, activation, save, recipe, fp8_state, backend, fuse, use_grouped_tensor, keep_x, amp
     )
+    if amp is None and not torch.compiler.is_compiling():
+        y = _planned(x, w1, w2, splits, probs, bias1, bias2, opts)
+        if y is not None:
+            return y
     run = _grouped_mlp
     if torch.compiler.is_compiling() and (dwp.any_distributed(w1) or dwp.any_distributed(w2)):
         run = _grouped_mlp_eager

@@ -65,13 +65,14 @@ def with_needs(res: T, needs: Any) -> T:
 class RecordSpec:
     """How to rebuild a residual record from its saved fields' values: its other fields, by
     reference, and None where a saved one was (a strong ref to a saved tensor would defeat
-    offloading hooks). What :func:`split` returns; the bridge keeps it in place of a pytree
-    spec (same ``unflatten``) for a record in eager code and under torch.func."""
+    offloading hooks); a saved field that is itself a record (grouped_mlp's fc1 and fc2) by its
+    own spec, its values in line. What :func:`split` returns; the bridge keeps it in place of a
+    pytree spec (same ``unflatten``) for a record in eager code and under torch.func."""
 
-    __slots__ = ("cls", "shell")
+    __slots__ = ("cls", "shell", "nested")
 
-    def __init__(self, cls: type, shell: dict) -> None:
-        self.cls, self.shell = cls, shell
+    def __init__(self, cls: type, shell: dict, nested: dict | None = None) -> None:
+        self.cls, self.shell, self.nested = cls, shell, nested  # nested: field -> (its spec, its count)
 
     def unflatten(self, values: Any, needs: Any = None) -> Any:
         """The record again, with ``values`` in its saved fields and ``needs`` (when given) in
@@ -80,26 +81,55 @@ class RecordSpec:
         record = object.__new__(self.cls)
         fields = record.__dict__
         fields.update(self.shell)
-        fields.update(zip(self.cls.__saved_fields__, values))
+        names = self.cls.__saved_fields__
+        if self.nested is None:
+            fields.update(zip(names, values))
+        else:
+            i = 0
+            for n in names:
+                inner = self.nested.get(n)
+                if inner is None:
+                    fields[n] = values[i]
+                    i += 1
+                else:
+                    fields[n] = inner[0].unflatten(values[i : i + inner[1]])
+                    i += inner[1]
         if needs is not None and self.cls.__needs_field__:
             fields[self.cls.__needs_field__] = needs
         return record
 
+    def refs(self) -> list:
+        """What the record holds by reference, nested records' included."""
+        out = list(self.shell.values())
+        for spec, _ in (self.nested or {}).values():
+            out += spec.refs()
+        return out
+
 
 def split(res: Any) -> tuple[list, RecordSpec] | None:
-    """A residual record whose saved fields hold tensors (or None) as (their values, a
-    :class:`RecordSpec`), without a pytree walk; None for anything else: a saved field holding
-    a pytree of tensors (whose leaves must be saved), a subclass not itself declared a record."""
+    """A residual record whose saved fields hold tensors, None or records of the same kind as
+    (their values, a :class:`RecordSpec`), without a pytree walk; None for anything else: a
+    saved field holding a pytree of tensors (whose leaves must be saved), a subclass not itself
+    declared a record."""
     names = type(res).__dict__.get("__saved_fields__")
     if names is None:
         return None
     shell = dict(res.__dict__)
-    values = [shell[n] for n in names]
-    if not all(v is None or isinstance(v, torch.Tensor) for v in values):
-        return None
+    values: list = []
+    nested = None
     for n in names:
+        v = shell[n]
         shell[n] = None
-    return values, RecordSpec(type(res), shell)
+        if v is None or isinstance(v, torch.Tensor):
+            values.append(v)
+            continue
+        inner = split(v)
+        if inner is None:
+            return None
+        values += inner[0]
+        nested = nested or {}
+        nested[n] = (inner[1], len(inner[0]))
+    return values, RecordSpec(type(res), shell, nested)
 
 
 def any_needed(needs: Any) -> bool:
