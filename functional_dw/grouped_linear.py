@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
 from . import _amp, _checks, _fp8, _steps, distributed_weight as dwp
-from .custom_vjp import Planned, custom_vjp, run_planned
+from .custom_vjp import custom_vjp, run_planned
 from .grouped_plan import PLANS, GroupedPlan, HostSplits, SplitsArg, WeightsArg, as_params, make_plan
 from .grouped_plan import normalize_args, plan_key
 from .kernels import Kernels, Splits, as_one_buffer, check_sizes, packed as packed_view, stacked
