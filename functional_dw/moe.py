@@ -1,0 +1,210 @@
+"""An MoE layer's token routing as pure pairs: the dispatch and the combine (issue 41, first part).
+
+Legend: ``T`` tokens, ``H`` hidden, ``k`` experts per token (top-k), ``E`` experts, ``R = T * k``
+routed rows.
+
+The dispatch sorts the ``R`` (token, choice) pairs by expert, stably (within an expert, rows keep
+token order, then choice order: what ``torch.argsort(stable=True)`` gives), and gathers::
+
+    rows[r] = x[order[r] // k]        probs_r[r] = probs.flatten()[order[r]]
+
+with ``splits[e]`` the rows of expert ``e``, counted on the device (no host sync). The combine
+puts each token's ``k`` rows back and sums them: ``y[t] = sum_j rows[pos(t, j)]``, with
+``pos`` the inverse of ``order``. Weighting by the router's probs happens between the two, in
+the experts (``grouped_mlp(..., probs=probs_r)``: Megatron's weighted activation), so neither
+record keeps an activation: both keep ``order`` only, and both backwards are gathers (a
+deterministic sum over a token's ``k`` rows, never an atomic ``index_add``).
+
+Expert indices: see the note below on why they are not checked on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .custom_vjp import custom_vjp
+from .grouped_mlp import grouped_mlp
+from .linear import linear
+from .residuals import residuals, saved
+
+__all__ = ["DispatchResiduals", "CombineResiduals", "dispatch", "dispatch_fwd", "dispatch_bwd"]
+__all__ += ["combine", "combine_fwd", "combine_bwd", "check_indices", "check_router", "topk_router", "moe_layer"]
+
+
+# NOTE: [Expert indices are not checked on CUDA]
+#   A check that every index lies in ``[0, E)`` reads the indices on the host: a sync. On the
+#   CPU (free) a bad index is a ValueError; on CUDA indices are trusted, as ``torch.topk``'s
+#   always are, and an out-of-range one counts toward the nearest valid expert (clamped): wrong
+#   rows, never a crash. :func:`check_indices` checks them (a sync).
+
+
+@residuals
+class DispatchResiduals:
+    order: torch.Tensor = saved()  # [R] int64: each sorted row's flat (token * k + choice) index
+    num_tokens: int
+    top_k: int
+    has_probs: bool
+
+
+@residuals
+class CombineResiduals:
+    order: torch.Tensor = saved()  # [R] int64, as the dispatch made it
+    top_k: int
+
+
+def _check(x: Any, indices: Any, probs: Any, num_experts: Any) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise TypeError(f"dispatch: x must be a [T, H] tensor, got {_what(x)}")
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"dispatch: indices must be a [T, k] int32/int64 tensor (torch.topk's), got {_what(indices)}")
+    if indices.shape[0] != x.shape[0] or indices.device != x.device:
+        raise ValueError(
+            f"dispatch: indices {tuple(indices.shape)} on {indices.device} must have x's {x.shape[0]} rows and device {x.device}"
+        )
+    if probs is not None and (
+        not isinstance(probs, torch.Tensor) or probs.shape != indices.shape or not probs.is_floating_point()
+    ):
+        raise ValueError(
+            f"dispatch: probs must be None or a float tensor shaped like indices {tuple(indices.shape)}, got {_what(probs)}"
+        )
+    if type(num_experts) is not int or num_experts < 1:
+        raise ValueError(f"dispatch: num_experts must be a positive int, got {num_experts!r}")
+    if not indices.is_cuda and indices.numel():  # NOTE: [Expert indices are not checked on CUDA]
+        check_indices(indices, num_experts)
+
+
+def _what(v: Any) -> str:
+    return f"{type(v).__name__} {tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
+
+
+def check_indices(indices: torch.Tensor, num_experts: int) -> None:
+    """ValueError unless every expert index lies in ``[0, num_experts)`` (a sync on CUDA)."""
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= num_experts:
+        raise ValueError(f"expert indices must lie in [0, {num_experts}); got values from {lo} to {hi}")
+
+
+def dispatch_fwd(x: torch.Tensor, probs: torch.Tensor | None, indices: torch.Tensor, num_experts: int):
+    """``((rows [R, H], probs_r [R], splits [E] int64, order [R] int64), residuals)``; without
+    probs, ``(rows, splits, order)`` (an autograd output is a tensor, never None)."""
+    _check(x, indices, probs, num_experts)
+    T, k = indices.shape
+    flat = indices.reshape(-1).to(torch.int64).clamp(0, num_experts - 1)
+    order = torch.argsort(flat, stable=True)
+    rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    probs_r = None if probs is None else probs.reshape(-1).index_select(0, order)
+    splits = torch.zeros(num_experts, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+    out = (rows, splits, order) if probs_r is None else (rows, probs_r, splits, order)
+    return out, DispatchResiduals(order, T, k, probs is not None)
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """``pos`` with ``pos[order[r]] = r``: where each (token, choice) pair's row went."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+def _per_token(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[T, k, ...]``: each token's ``k`` rows, in choice order."""
+    return rows.index_select(0, _inverse(order)).unflatten(0, (-1, top_k))
+
+
+def dispatch_bwd(res: DispatchResiduals, d_out: tuple) -> tuple:
+    """(dx, dprobs, None for the indices): each token's ``k`` row grads summed, choice by choice."""
+    d_rows, d_probs_r = d_out[0], (d_out[1] if res.has_probs else None)
+    dx = dprobs = None
+    if d_rows is not None:
+        dx = _per_token(d_rows, res.order, res.top_k).sum(1)
+    if d_probs_r is not None:
+        dprobs = d_probs_r.index_select(0, _inverse(res.order)).view(res.num_tokens, res.top_k)
+    return dx, dprobs, None
+
+
+def combine_fwd(rows: torch.Tensor, order: torch.Tensor, top_k: int):
+    """``y [T, H]``: each token's ``k`` rows summed (in choice order), and the residuals."""
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+        raise TypeError(f"combine: rows must be an [R, H] tensor, got {_what(rows)}")
+    if not isinstance(order, torch.Tensor) or order.dtype != torch.int64 or order.shape != rows.shape[:1]:
+        raise ValueError(
+            f"combine: order must be the dispatch's [R] int64 order for rows {tuple(rows.shape)}, got {_what(order)}"
+        )
+    if type(top_k) is not int or top_k < 1 or rows.shape[0] % top_k:
+        raise ValueError(f"combine: top_k must be a positive int dividing the {rows.shape[0]} rows, got {top_k!r}")
+    return _per_token(rows, order, top_k).sum(1), CombineResiduals(order, top_k)
+
+
+def combine_bwd(res: CombineResiduals, dy: torch.Tensor) -> tuple:
+    """(d_rows, None for the order): each row gets its token's dy."""
+    return dy.index_select(0, torch.div(res.order, res.top_k, rounding_mode="floor")), None
+
+
+_dispatch = custom_vjp(dispatch_fwd, dispatch_bwd, nondiff_argnums=(3,), name="dispatch")
+_combine = custom_vjp(combine_fwd, combine_bwd, nondiff_argnums=(2,), name="combine")
+
+
+def dispatch(x: torch.Tensor, probs: torch.Tensor | None, indices: torch.Tensor, num_experts: int) -> tuple:
+    """Sort tokens by expert: ``(rows [T*k, H], probs_r [T*k] or None, splits [E], order [T*k])``.
+
+    ``indices`` ``[T, k]`` are the experts each token goes to (``torch.topk``'s), ``probs``
+    ``[T, k]`` their weights (None: unweighted). ``splits`` (int64, on x's device, never read on
+    the host) and ``probs_r`` feed :func:`functional_dw.grouped_mlp`; ``order`` feeds
+    :func:`combine`. Differentiable in x and probs."""
+    out = _dispatch(x, probs, indices, num_experts)
+    return out if probs is not None else (out[0], None, *out[1:])
+
+
+def combine(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``y [T, H]``: the sum of each token's ``top_k`` rows (the experts' outputs, in the
+    dispatch's order). Differentiable in rows."""
+    return _combine(rows, order, top_k)
+
+
+def check_router(top_k: Any, score: Any, num_experts: int, who: str) -> None:
+    """ValueError unless ``top_k`` is an int in ``[1, num_experts]`` and ``score`` is known."""
+    if score not in ("softmax", "sigmoid"):
+        raise ValueError(f"{who}: score must be 'softmax' or 'sigmoid', got {score!r}")
+    if type(top_k) is not int or not 1 <= top_k <= num_experts:
+        raise ValueError(f"{who}: top_k must be an int in [1, {num_experts}] (the experts), got {top_k!r}")
+
+
+def topk_router(logits: torch.Tensor, top_k: int, score: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs ``[T, k]``, indices ``[T, k]``) from router logits ``[T, E]``: the top-k experts
+    (ties broken as ``torch.topk`` does) and their weights. ``score``: ``"softmax"`` (the
+    softmax over the k chosen logits: Mixtral's and Qwen3's normalized top-k) or ``"sigmoid"``
+    (DeepSeek-V3's: sigmoid scores of the chosen, normalized to sum 1). The probs are float32
+    (Megatron keeps the router's probs in fp32), float64 for float64 logits."""
+    check_router(top_k, score, logits.shape[-1], "topk_router")
+    values, indices = torch.topk(logits, top_k, dim=-1)
+    values = values.to(torch.promote_types(values.dtype, torch.float32))
+    if score == "softmax":
+        return torch.softmax(values, dim=-1), indices
+    s = torch.sigmoid(values)
+    return s / s.sum(-1, keepdim=True), indices
+
+
+def moe_layer(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w1: Any,
+    w2: Any,
+    top_k: int,
+    *,
+    score: str = "softmax",
+    activation: str = "swiglu",
+    save: str = "default",
+    backend: Any = None,
+) -> torch.Tensor:
+    """One MoE layer, router to combine: ``y_t = sum_j p_tj * MLP_{e_tj}(x_t)`` for ``x [T, H]``.
+
+    The router's GEMM (``router_weight [E, H]``, through :func:`functional_dw.linear`: the
+    weight stays out of saved-tensor hooks), :func:`topk_router`, :func:`dispatch`, the experts
+    (:func:`functional_dw.grouped_mlp` on ``w1``, ``w2`` with the sorted probs: the weighted
+    activation) and :func:`combine`; each an autograd op of its own, each record keeping what
+    its own backward reads (the routing's: the order only). No host sync on CUDA: the splits
+    stay on the device."""
+    logits = linear(x, router_weight)
+    probs, indices = topk_router(logits, top_k, score)
+    rows, probs_r, splits, order = dispatch(x, probs, indices, router_weight.shape[0])
+    h = grouped_mlp(rows, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend)
+    return combine(h, order, top_k)
