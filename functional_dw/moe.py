@@ -55,8 +55,8 @@ class CombineResiduals:
 
 
 def _check(x: Any, indices: Any, probs: Any, num_experts: Any) -> None:
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise TypeError(f"dispatch: x must be a [T, H] tensor, got {_what(x)}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+        raise TypeError(f"dispatch: x must be a floating [T, H] tensor, got {_what(x)}")
     if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"dispatch: indices must be a [T, k] int32/int64 tensor (torch.topk's), got {_what(indices)}")
     if indices.shape[0] != x.shape[0] or indices.device != x.device:
@@ -64,15 +64,26 @@ def _check(x: Any, indices: Any, probs: Any, num_experts: Any) -> None:
             f"dispatch: indices {tuple(indices.shape)} on {indices.device} must have x's {x.shape[0]} rows and device {x.device}"
         )
     if probs is not None and (
-        not isinstance(probs, torch.Tensor) or probs.shape != indices.shape or not probs.is_floating_point()
+        not isinstance(probs, torch.Tensor)
+        or probs.shape != indices.shape
+        or not probs.is_floating_point()
+        or probs.device != x.device
     ):
+        where = f" on {probs.device}" if isinstance(probs, torch.Tensor) else ""
         raise ValueError(
-            f"dispatch: probs must be None or a float tensor shaped like indices {tuple(indices.shape)}, got {_what(probs)}"
+            f"dispatch: probs must be None or a float tensor shaped like indices {tuple(indices.shape)} "
+            f"on x's device {x.device}, got {_what(probs)}{where}"
         )
     if type(num_experts) is not int or num_experts < 1:
         raise ValueError(f"dispatch: num_experts must be a positive int, got {num_experts!r}")
-    if not indices.is_cuda and indices.numel():  # NOTE: [Expert indices are not checked on CUDA]
+    if _on_host(indices) and indices.numel():  # NOTE: [Expert indices are not checked on CUDA]
         check_indices(indices, num_experts)
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    """A CPU tensor in eager code: its values can be read for free (not on CUDA: a sync; not on
+    meta nor while compiling: no values)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _what(v: Any) -> str:
@@ -101,8 +112,9 @@ def dispatch_fwd(x: torch.Tensor, probs: torch.Tensor | None, indices: torch.Ten
 
 
 def _inverse(order: torch.Tensor) -> torch.Tensor:
-    """``pos`` with ``pos[order[r]] = r``: where each (token, choice) pair's row went."""
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    """``pos`` with ``pos[order[r]] = r``: where each (token, choice) pair's row went (zeros
+    where ``order`` is not a permutation: wrong rows, never an out-of-range read)."""
+    return torch.zeros_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
 def _per_token(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -131,6 +143,8 @@ def combine_fwd(rows: torch.Tensor, order: torch.Tensor, top_k: int):
         )
     if type(top_k) is not int or top_k < 1 or rows.shape[0] % top_k:
         raise ValueError(f"combine: top_k must be a positive int dividing the {rows.shape[0]} rows, got {top_k!r}")
+    if _on_host(order) and order.numel() and not torch.equal(order.sort().values, torch.arange(order.numel())):
+        raise ValueError("combine: order must be a permutation of the rows (the dispatch's fourth output)")
     return _per_token(rows, order, top_k).sum(1), CombineResiduals(order, top_k)
 
 
@@ -156,12 +170,15 @@ def dispatch(x: torch.Tensor, probs: torch.Tensor | None, indices: torch.Tensor,
 
 def combine(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
     """``y [T, H]``: the sum of each token's ``top_k`` rows (the experts' outputs, in the
-    dispatch's order). Differentiable in rows."""
+    dispatch's order). Differentiable in rows. ``order`` and ``top_k`` must be the dispatch's:
+    only their shapes (and, on the CPU, that ``order`` is a permutation) can be checked."""
     return _combine(rows, order, top_k)
 
 
 def check_router(top_k: Any, score: Any, num_experts: int, who: str) -> None:
     """ValueError unless ``top_k`` is an int in ``[1, num_experts]`` and ``score`` is known."""
+    if num_experts < 1:
+        raise ValueError(f"{who}: there must be at least one expert, got {num_experts}")
     if score not in ("softmax", "sigmoid"):
         raise ValueError(f"{who}: score must be 'softmax' or 'sigmoid', got {score!r}")
     if type(top_k) is not int or not 1 <= top_k <= num_experts:
@@ -172,7 +189,9 @@ def topk_router(logits: torch.Tensor, top_k: int, score: str = "softmax") -> tup
     """(probs ``[T, k]``, indices ``[T, k]``) from router logits ``[T, E]``: the top-k experts
     (ties broken as ``torch.topk`` does) and their weights. ``score``: ``"softmax"`` (the
     softmax over the k chosen logits: Mixtral's and Qwen3's normalized top-k) or ``"sigmoid"``
-    (DeepSeek-V3's: sigmoid scores of the chosen, normalized to sum 1). The probs are float32
+    (DeepSeek-V3's: sigmoid scores of the chosen, normalized to sum 1). With ``top_k=1`` both
+    normalize one value to 1: the router gets no gradient through the probs (as Mixtral's and
+    Megatron's normalized top-1; a load-balancing loss is what trains it then). The probs are float32
     (Megatron keeps the router's probs in fp32), float64 for float64 logits."""
     check_router(top_k, score, logits.shape[-1], "topk_router")
     values, indices = torch.topk(logits, top_k, dim=-1)

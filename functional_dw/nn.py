@@ -584,17 +584,17 @@ class MoE(torch.nn.Module):
         backend: str | None = None,
     ) -> None:
         super().__init__()
-        E = _size("num_experts", num_experts)
-        moe.check_router(top_k, score, E, "MoE")
+        moe.check_router(top_k, score, E := _size("num_experts", num_experts), "MoE")
         self.top_k, self.score = top_k, score
         kw = dict(params_dtype=params_dtype, device=device, backend=backend)
         self.router = Linear(hidden_size, E, bias=False, **kw)
         self.experts = GroupedMLP(E, hidden_size, ffn_hidden_size, activation=activation, save=save, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs, indices = moe.topk_router(self.router(x), self.top_k, self.score)
-        rows, probs_r, splits, order = moe.dispatch(x, probs, indices, self.experts.num_experts)
-        return moe.combine(self.experts(rows, splits, probs_r), order, self.top_k)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> y [..., H]
+        x2 = x.reshape(-1, x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() > 2 else x
+        probs, indices = moe.topk_router(self.router(x2), self.top_k, self.score)
+        rows, probs_r, splits, order = moe.dispatch(x2, probs, indices, self.experts.num_experts)
+        return moe.combine(self.experts(rows, splits, probs_r), order, self.top_k).view_as(x)
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, score={self.score!r}"

@@ -169,3 +169,33 @@ def test_router_and_module_refuse_bad_options():
         fd.nn.MoE(4, 8, 8, 0)
     with pytest.raises(ValueError, match="top_k"):
         moe.combine(torch.zeros(5, 2), torch.arange(5), 2)
+
+
+def test_compile_fullgraph_and_meta_tensors():
+    """The CPU-only index check stays out of a trace and off meta tensors (no values there)."""
+    torch._dynamo.reset()
+    x, wr, w1, w2 = _params()
+    f = torch.compile(lambda *a: moe.moe_layer(*a, K, backend="torch"), fullgraph=True, backend="aot_eager")
+    y = f(x, wr, w1, w2)
+    torch.testing.assert_close(y, _reference(x, wr, w1, w2, K))
+    got = torch.autograd.grad(y.sum(), (x, wr, w1, w2))
+    want = torch.autograd.grad(_reference(x, wr, w1, w2, K).sum(), (x, wr, w1, w2))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    rows, _, splits, order = moe.dispatch(
+        torch.empty(T, H, device="meta"), None, torch.empty(T, K, dtype=torch.long, device="meta"), E
+    )
+    assert rows.shape == (T * K, H) and splits.shape == (E,) and order.shape == (T * K,)
+    m = fd.nn.MoE(E, H, FF, K, backend="torch", params_dtype=F64)
+    x3 = torch.randn(2, T, H, dtype=F64)
+    torch.testing.assert_close(m(x3), m(x3.reshape(-1, H)).view(2, T, H))  # leading dims as nn.Linear's
+
+
+def test_combine_refuses_an_order_that_is_not_a_permutation():
+    rows = torch.arange(8.0)[:, None].repeat(1, 2)
+    with pytest.raises(ValueError, match="permutation"):
+        moe.combine(rows, torch.tensor([0, 0, 2, 3, 4, 5, 6, 7]), 2)
+    with pytest.raises(ValueError, match="device"):
+        moe.dispatch(torch.zeros(4, 3), torch.zeros(4, 1, device="meta"), torch.zeros(4, 1, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match="at least one expert"):
+        fd.nn.MoE(0, 16, 8, 1)
