@@ -30,7 +30,16 @@ from .linear import linear
 from .residuals import residuals, saved
 
 __all__ = ["DispatchResiduals", "CombineResiduals", "dispatch", "dispatch_fwd", "dispatch_bwd"]
-__all__ += ["combine", "combine_fwd", "combine_bwd", "check_indices", "check_router", "topk_router", "moe_layer"]
+__all__ += [
+    "combine",
+    "combine_fwd",
+    "combine_bwd",
+    "check_indices",
+    "check_router",
+    "topk_router",
+    "load_balancing_loss",
+    "moe_layer",
+]
 
 
 # NOTE: [Expert indices are not checked on CUDA]
@@ -185,21 +194,58 @@ def check_router(top_k: Any, score: Any, num_experts: int, who: str) -> None:
         raise ValueError(f"{who}: top_k must be an int in [1, {num_experts}] (the experts), got {top_k!r}")
 
 
-def topk_router(logits: torch.Tensor, top_k: int, score: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs ``[T, k]``, indices ``[T, k]``) from router logits ``[T, E]``: the top-k experts
-    (ties broken as ``torch.topk`` does) and their weights. ``score``: ``"softmax"`` (the
-    softmax over the k chosen logits: Mixtral's and Qwen3's normalized top-k) or ``"sigmoid"``
-    (DeepSeek-V3's: sigmoid scores of the chosen, normalized to sum 1). With ``top_k=1`` both
-    normalize one value to 1: the router gets no gradient through the probs (as Mixtral's and
-    Megatron's normalized top-1; a load-balancing loss is what trains it then). The probs are float32
-    (Megatron keeps the router's probs in fp32), float64 for float64 logits."""
+def topk_router(
+    logits: torch.Tensor, top_k: int, score: str = "softmax", *, expert_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs ``[T, k]``, indices ``[T, k]``) from router logits ``[T, E]``, as Megatron's
+    ``topk_routing_with_score_function`` computes them (ties broken as ``torch.topk`` does):
+
+    * ``score="softmax"``: the top-k logits, then the softmax over those k (Mixtral's and
+      Qwen3's normalized top-k; with ``top_k=1`` the prob is 1 and the router gets no gradient
+      through it: a load-balancing loss is what trains it then);
+    * ``score="sigmoid"`` (DeepSeek-V3's): sigmoid scores, the top-k of ``scores + expert_bias``
+      (``[E]``, selection only: the aux-loss-free balancing bias), normalized to sum 1 when
+      ``top_k > 1``.
+
+    The probs are float32 (float64 for float64 logits): Megatron computes them so, then casts
+    them to the logits' dtype; ours go to the experts as they are."""
     check_router(top_k, score, logits.shape[-1], "topk_router")
-    values, indices = torch.topk(logits, top_k, dim=-1)
-    values = values.to(torch.promote_types(values.dtype, torch.float32))
+    if expert_bias is not None and score != "sigmoid":
+        raise ValueError("topk_router: expert_bias (DeepSeek-V3's selection bias) goes with score='sigmoid'")
+    wide = torch.promote_types(logits.dtype, torch.float32)
     if score == "softmax":
-        return torch.softmax(values, dim=-1), indices
-    s = torch.sigmoid(values)
-    return s / s.sum(-1, keepdim=True), indices
+        values, indices = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(values.to(wide), dim=-1), indices
+    scores = torch.sigmoid(logits.to(wide))
+    if expert_bias is None:
+        s, indices = torch.topk(scores, top_k, dim=-1)
+    else:
+        indices = torch.topk(scores + expert_bias.to(wide), top_k, dim=-1).indices
+        s = scores.gather(1, indices)
+    return (s / (s.sum(-1, keepdim=True) + 1e-20) if top_k > 1 else s), indices
+
+
+def load_balancing_loss(
+    logits: torch.Tensor, indices: torch.Tensor, score: str = "softmax", coeff: float = 1.0
+) -> torch.Tensor:
+    """The Switch Transformer's load-balancing loss as Megatron computes it on one rank
+    (``switch_load_balancing_loss_func`` on ``compute_routing_scores_for_aux_loss``'s scores):
+    ``coeff * E * sum_e f_e * P_e``, with ``f_e`` the fraction of the ``T * k`` routed rows
+    that go to expert ``e`` (counted, no gradient) and ``P_e`` the mean over tokens of the
+    router's full score for ``e`` (softmax over all experts; for ``"sigmoid"``, the sigmoid
+    scores normalized over all experts). Differentiable in the logits."""
+    T, E = logits.shape
+    check_router(indices.shape[-1], score, E, "load_balancing_loss")
+    if score == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    else:
+        scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+        scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    flat = indices.reshape(-1).to(torch.int64)
+    counts = torch.zeros(E, dtype=scores.dtype, device=logits.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=scores.dtype)
+    )
+    return (scores.sum(0) * counts).sum() * (E * coeff / (indices.shape[-1] * T * T))
 
 
 def moe_layer(

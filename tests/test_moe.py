@@ -28,7 +28,8 @@ def _reference(x, wr, w1, w2, top_k, score="softmax"):
     """Token by token: the router's top-k, then sum_j p_j * fc2(swiglu(fc1(x)))."""
     logits = x @ wr.t()
     values, idx = torch.topk(logits, top_k, dim=-1)
-    p = torch.softmax(values, -1) if score == "softmax" else torch.sigmoid(values) / torch.sigmoid(values).sum(-1, True)
+    s = torch.sigmoid(values)  # Megatron's sigmoid: normalized when top_k > 1
+    p = torch.softmax(values, -1) if score == "softmax" else s / s.sum(-1, True) if top_k > 1 else s
     out = []
     for t in range(x.shape[0]):
         acc = 0
@@ -199,3 +200,49 @@ def test_combine_refuses_an_order_that_is_not_a_permutation():
         moe.dispatch(torch.zeros(4, 3), torch.zeros(4, 1, device="meta"), torch.zeros(4, 1, dtype=torch.long), 5)
     with pytest.raises(ValueError, match="at least one expert"):
         fd.nn.MoE(0, 16, 8, 1)
+
+
+def test_expert_bias_steers_the_selection_not_the_weights():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(T, E, generator=g, dtype=F64)
+    bias = torch.zeros(E, dtype=F64)
+    bias[4] = 100.0  # every token picks expert 4 first
+    probs, idx = moe.topk_router(logits, 2, "sigmoid", expert_bias=bias)
+    assert (idx[:, 0] == 4).all()
+    s = torch.sigmoid(logits).gather(1, idx)
+    torch.testing.assert_close(probs, s / s.sum(-1, keepdim=True))  # weights from the unbiased scores
+    with pytest.raises(ValueError, match="sigmoid"):
+        moe.topk_router(logits, 2, expert_bias=bias)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_load_balancing_loss_is_switch_transformers(score):
+    """coeff * E * sum_e f_e * P_e, written out (Megatron's docstring formula)."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(T, E, generator=g, dtype=F64, requires_grad=True)
+    _, idx = moe.topk_router(logits, K, score)
+    loss = moe.load_balancing_loss(logits, idx, score, coeff=0.01)
+    full = torch.softmax(logits, -1) if score == "softmax" else torch.sigmoid(logits)
+    full = full / full.sum(-1, keepdim=True)
+    want = 0
+    for e in range(E):
+        f_e = (idx == e).sum() / (T * K)
+        want = want + f_e * full[:, e].mean()
+    want = 0.01 * E * want
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], torch.autograd.grad(want, logits)[0])
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_router_and_loss_are_megatrons(score):
+    """The same numbers from Megatron-Core's own functions (where it is installed)."""
+    mc = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(7), dtype=F64)
+    probs, idx = moe.topk_router(logits, K, score)
+    theirs_p, theirs_i = mc.topk_routing_with_score_function(logits, K, score_function=score, dense_output=True)
+    assert torch.equal(idx, theirs_i)
+    torch.testing.assert_close(probs, theirs_p)
+    routing_map, scores = mc.compute_routing_scores_for_aux_loss(logits, K, score)
+    theirs = mc.switch_load_balancing_loss_func(scores, routing_map.sum(0), T, K, E, 0.01)
+    ours = moe.load_balancing_loss(logits, idx, score, coeff=0.01)  # (Megatron's softmax scores are fp32)
+    torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=1e-5, atol=0)
