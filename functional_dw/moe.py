@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from .custom_vjp import custom_vjp
-from .grouped_mlp import grouped_mlp
-from .linear import linear
+from .grouped_mlp import grouped_mlp, grouped_mlp_bwd, grouped_mlp_fwd
+from .linear import linear, linear_bwd, linear_fwd
 from .residuals import residuals, saved
 
 __all__ = ["DispatchResiduals", "CombineResiduals", "dispatch", "dispatch_fwd", "dispatch_bwd"]
@@ -194,6 +194,55 @@ def check_router(top_k: Any, score: Any, num_experts: int, who: str) -> None:
         raise ValueError(f"{who}: top_k must be an int in [1, {num_experts}] (the experts), got {top_k!r}")
 
 
+@residuals
+class TopkResiduals:
+    probs: torch.Tensor = saved()  # [T, k] the weights given out (float32, or float64)
+    scores: Any = saved()  # sigmoid: the chosen [T, k] sigmoid scores; softmax: None
+    indices: torch.Tensor = saved()  # [T, k] the chosen experts
+    num_experts: int
+    score: str
+    logits_dtype: torch.dtype
+
+
+def topk_router_fwd(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, score: str = "softmax"):
+    """``((probs [T, k], indices [T, k]), residuals)``: :func:`topk_router`'s math."""
+    check_router(top_k, score, logits.shape[-1], "topk_router")
+    if expert_bias is not None and score != "sigmoid":
+        raise ValueError("topk_router: expert_bias (DeepSeek-V3's selection bias) goes with score='sigmoid'")
+    wide = torch.promote_types(logits.dtype, torch.float32)
+    s = None
+    if score == "softmax":
+        values, indices = torch.topk(logits, top_k, dim=-1)
+        probs = torch.softmax(values.to(wide), dim=-1)
+    else:
+        scores = torch.sigmoid(logits.to(wide))
+        if expert_bias is None:
+            s, indices = torch.topk(scores, top_k, dim=-1)
+        else:
+            indices = torch.topk(scores + expert_bias.to(wide), top_k, dim=-1).indices
+            s = scores.gather(1, indices)
+        probs = s / (s.sum(-1, keepdim=True) + 1e-20) if top_k > 1 else s
+    return (probs, indices), TopkResiduals(probs, s, indices, logits.shape[-1], score, logits.dtype)
+
+
+def topk_router_bwd(res: TopkResiduals, d_out: tuple) -> tuple:
+    """(d_logits [T, E], None for the expert bias): the chosen logits' grads, zeros elsewhere."""
+    dp, p = d_out[0], res.probs
+    if dp is None:
+        return None, None
+    if res.score == "softmax":
+        dv = p * (dp - (dp * p).sum(-1, keepdim=True))
+    else:
+        s = res.scores
+        ds = dp if s.shape[-1] == 1 else (dp - (dp * p).sum(-1, keepdim=True)) / (s.sum(-1, keepdim=True) + 1e-20)
+        dv = ds * s * (1 - s)
+    d_logits = dv.new_zeros(p.shape[0], res.num_experts).scatter_(1, res.indices, dv)
+    return d_logits.to(res.logits_dtype), None
+
+
+_topk_router = custom_vjp(topk_router_fwd, topk_router_bwd, nondiff_argnums=(2, 3), name="topk_router")
+
+
 def topk_router(
     logits: torch.Tensor, top_k: int, score: str = "softmax", *, expert_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,21 +257,9 @@ def topk_router(
       ``top_k > 1``.
 
     The probs are float32 (float64 for float64 logits): Megatron computes them so, then casts
-    them to the logits' dtype; ours go to the experts as they are."""
-    check_router(top_k, score, logits.shape[-1], "topk_router")
-    if expert_bias is not None and score != "sigmoid":
-        raise ValueError("topk_router: expert_bias (DeepSeek-V3's selection bias) goes with score='sigmoid'")
-    wide = torch.promote_types(logits.dtype, torch.float32)
-    if score == "softmax":
-        values, indices = torch.topk(logits, top_k, dim=-1)
-        return torch.softmax(values.to(wide), dim=-1), indices
-    scores = torch.sigmoid(logits.to(wide))
-    if expert_bias is None:
-        s, indices = torch.topk(scores, top_k, dim=-1)
-    else:
-        indices = torch.topk(scores + expert_bias.to(wide), top_k, dim=-1).indices
-        s = scores.gather(1, indices)
-    return (s / (s.sum(-1, keepdim=True) + 1e-20) if top_k > 1 else s), indices
+    them to the logits' dtype; ours go to the experts as they are. Differentiable in the logits."""
+    probs, indices = _topk_router(logits, expert_bias, top_k, score)
+    return probs, indices
 
 
 def load_balancing_loss(
@@ -248,6 +285,52 @@ def load_balancing_loss(
     return (scores.sum(0) * counts).sum() * (E * coeff / (indices.shape[-1] * T * T))
 
 
+@residuals
+class MoEResiduals:
+    router: Any = saved()  # the router GEMM's LinearResiduals (saves x)
+    topk: Any = saved()  # TopkResiduals (the probs, indices: [T, k] each)
+    dispatch: Any = saved()  # DispatchResiduals (the order)
+    experts: Any = saved()  # GroupedMLPResiduals (the sorted rows, fc1's output)
+    combine: Any = saved()  # CombineResiduals (the order again, the same tensor)
+
+
+def moe_layer_fwd(
+    x,
+    router_weight,
+    w1,
+    w2,
+    top_k: int,
+    score: str = "softmax",
+    activation: str = "swiglu",
+    save="default",
+    backend=None,
+):
+    """``(y [T, H], residuals)``: router GEMM, :func:`topk_router`, :func:`dispatch`, the experts
+    (:func:`functional_dw.grouped_mlp` weighted by the sorted probs), :func:`combine`, each by
+    its own pure ``*_fwd``; the record nests theirs."""
+    logits, r_router = linear_fwd(x, router_weight, backend=backend)
+    (probs, indices), r_topk = topk_router_fwd(logits, None, top_k, score)
+    (rows, probs_r, splits, order), r_dispatch = dispatch_fwd(x, probs, indices, router_weight.shape[0])
+    h, r_experts = grouped_mlp_fwd(
+        rows, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend
+    )
+    y, r_combine = combine_fwd(h, order, top_k)
+    return y, MoEResiduals(r_router, r_topk, r_dispatch, r_experts, r_combine)
+
+
+def moe_layer_bwd(res: MoEResiduals, dy: torch.Tensor) -> tuple:
+    """(dx, d_router_weight, dw1, dw2): each part's ``*_bwd`` in reverse, x's two grads summed."""
+    d_h, _ = combine_bwd(res.combine, dy)
+    g = grouped_mlp_bwd(res.experts, d_h)
+    dx_rows, d_probs, _ = dispatch_bwd(res.dispatch, (g.dx, g.dprobs))
+    d_logits, _ = topk_router_bwd(res.topk, (d_probs, None))
+    dx_router, d_wr, _ = linear_bwd(res.router, d_logits)
+    return dx_rows + dx_router, d_wr, g.dw1, g.dw2
+
+
+_moe_layer = custom_vjp(moe_layer_fwd, moe_layer_bwd, nondiff_argnums=(4, 5, 6, 7, 8), name="moe_layer")
+
+
 def moe_layer(
     x: torch.Tensor,
     router_weight: torch.Tensor,
@@ -260,16 +343,25 @@ def moe_layer(
     save: str = "default",
     backend: Any = None,
 ) -> torch.Tensor:
-    """One MoE layer, router to combine: ``y_t = sum_j p_tj * MLP_{e_tj}(x_t)`` for ``x [T, H]``.
+    """One MoE layer, router to combine: ``y_t = sum_j p_tj * MLP_{e_tj}(x_t)`` for ``x [T, H]``,
+    as one autograd node (:func:`moe_layer_fwd`, :func:`moe_layer_bwd`).
 
-    The router's GEMM (``router_weight [E, H]``, through :func:`functional_dw.linear`: the
-    weight stays out of saved-tensor hooks), :func:`topk_router`, :func:`dispatch`, the experts
-    (:func:`functional_dw.grouped_mlp` on ``w1``, ``w2`` with the sorted probs: the weighted
-    activation) and :func:`combine`; each an autograd op of its own, each record keeping what
-    its own backward reads (the routing's: the order only). No host sync on CUDA: the splits
-    stay on the device."""
-    logits = linear(x, router_weight)
-    probs, indices = topk_router(logits, top_k, score)
-    rows, probs_r, splits, order = dispatch(x, probs, indices, router_weight.shape[0])
-    h = grouped_mlp(rows, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend)
-    return combine(h, order, top_k)
+    ``router_weight [E, H]`` (its GEMM by :func:`functional_dw.linear`'s pair: the weight stays
+    out of saved-tensor hooks), ``w1``/``w2`` the experts' weights as for
+    :func:`functional_dw.grouped_mlp`, ``score``/``top_k`` as for :func:`topk_router`. No host
+    sync on CUDA: the splits stay on the device."""
+    if torch.compiler.is_compiling():  # NOTE: [The MoE layer under torch.compile]
+        logits = linear(x, router_weight, backend=backend)
+        probs, indices = topk_router(logits, top_k, score)
+        rows, probs_r, splits, order = dispatch(x, probs, indices, router_weight.shape[0])
+        h = grouped_mlp(rows, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend)
+        return combine(h, order, top_k)
+    return _moe_layer(x, router_weight, w1, w2, top_k, score, activation, save, backend)
+
+
+# NOTE: [The MoE layer under torch.compile]
+#   Dynamo (2.11 and 2.13) fails inside the one Function of the whole layer ("Placeholder node
+#   not found in env"), while each part's own Function traces. So a compiled call runs the
+#   parts as five autograd ops (the router GEMM, topk_router, dispatch, grouped_mlp, combine):
+#   the same pure functions, hence the same numbers; eagerly the layer is one node (its host
+#   cost is one bridge, not five).
