@@ -7,6 +7,7 @@ Function that is safe under saved-tensor hooks, ``retain_graph`` and ``torch.fun
 
 from . import nn
 from . import graphs  # (CUDA graphs: graph_step, PinnedOffload)
+from . import moe  # (the MoE layer's routing: dispatch, combine, topk_router, moe_layer)
 from .custom_vjp import custom_vjp
 from .distributed_weight import DistributedWeight, is_distributed_weight
 from .grouped_linear import (
@@ -28,6 +29,7 @@ __all__ = [
     "saved_activations",
     "nn",
     "graphs",
+    "moe",
     "DistributedWeight",
     "is_distributed_weight",
     "linear",

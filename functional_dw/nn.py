@@ -24,9 +24,10 @@ from .kernels.activation import glu_width
 from .kernels import packed
 from .linear import linear
 from .mlp_checks import check_options
+from . import moe
 from .nn_fp8 import FP8Module, reset_state, te_autocast_recipe  # noqa: F401  (te_autocast_recipe: nn's name)
 
-__all__ = ["Linear", "GroupedLinear", "GroupedMLP", "remap_layouts"]
+__all__ = ["Linear", "GroupedLinear", "GroupedMLP", "MoE", "remap_layouts"]
 
 
 def _init_(w: torch.Tensor, b: torch.Tensor | None, fan_in: int) -> None:
@@ -561,3 +562,39 @@ def _remap_layout(state_dict: dict, key: str, E: int, single: bool) -> None:
         t = state_dict[key]
         if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == E:
             state_dict.update(zip(each, state_dict.pop(key).unbind(0)))
+
+
+class MoE(torch.nn.Module):
+    """``router`` (a :class:`Linear` ``[E, H]``, no bias) picks ``top_k`` experts per token
+    (``score``: ``moe.topk_router``'s), ``experts`` (a :class:`GroupedMLP`) runs them weighted by
+    the probs: ``y_t = sum_j p_tj * MLP_{e_tj}(x_t)``, dropless, no host sync (``moe.py``)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        top_k: int,
+        *,
+        score: str = "softmax",
+        activation: str = "swiglu",
+        save: str = "default",
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        moe.check_router(top_k, score, E := _size("num_experts", num_experts), "MoE")
+        self.top_k, self.score = top_k, score
+        kw = dict(params_dtype=params_dtype, device=device, backend=backend)
+        self.router = Linear(hidden_size, E, bias=False, **kw)
+        self.experts = GroupedMLP(E, hidden_size, ffn_hidden_size, activation=activation, save=save, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> y [..., H]
+        x2 = x.reshape(-1, x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() > 2 else x
+        probs, indices = moe.topk_router(self.router(x2), self.top_k, self.score)
+        rows, probs_r, splits, order = moe.dispatch(x2, probs, indices, self.experts.num_experts)
+        return moe.combine(self.experts(rows, splits, probs_r), order, self.top_k).view_as(x)
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, score={self.score!r}"

@@ -1,0 +1,367 @@
+"""An MoE layer's token routing as pure pairs: the dispatch and the combine (issue 41, first part).
+
+Legend: ``T`` tokens, ``H`` hidden, ``k`` experts per token (top-k), ``E`` experts, ``R = T * k``
+routed rows.
+
+The dispatch sorts the ``R`` (token, choice) pairs by expert, stably (within an expert, rows keep
+token order, then choice order: what ``torch.argsort(stable=True)`` gives), and gathers::
+
+    rows[r] = x[order[r] // k]        probs_r[r] = probs.flatten()[order[r]]
+
+with ``splits[e]`` the rows of expert ``e``, counted on the device (no host sync). The combine
+puts each token's ``k`` rows back and sums them: ``y[t] = sum_j rows[pos(t, j)]``, with
+``pos`` the inverse of ``order``. Weighting by the router's probs happens between the two, in
+the experts (``grouped_mlp(..., probs=probs_r)``: Megatron's weighted activation), so neither
+record keeps an activation: both keep ``order`` only, and both backwards are gathers (a
+deterministic sum over a token's ``k`` rows, never an atomic ``index_add``).
+
+Expert indices: see the note below on why they are not checked on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .custom_vjp import custom_vjp
+from .grouped_mlp import grouped_mlp, grouped_mlp_bwd, grouped_mlp_fwd
+from .linear import linear, linear_bwd, linear_fwd
+from .residuals import residuals, saved
+
+__all__ = ["DispatchResiduals", "CombineResiduals", "dispatch", "dispatch_fwd", "dispatch_bwd"]
+__all__ += [
+    "combine",
+    "combine_fwd",
+    "combine_bwd",
+    "check_indices",
+    "check_router",
+    "topk_router",
+    "load_balancing_loss",
+    "moe_layer",
+]
+
+
+# NOTE: [Expert indices are not checked on CUDA]
+#   A check that every index lies in ``[0, E)`` reads the indices on the host: a sync. On the
+#   CPU (free) a bad index is a ValueError; on CUDA indices are trusted, as ``torch.topk``'s
+#   always are, and an out-of-range one counts toward the nearest valid expert (clamped): wrong
+#   rows, never a crash. :func:`check_indices` checks them (a sync).
+
+
+@residuals
+class DispatchResiduals:
+    order: torch.Tensor = saved()  # [R] int64: each sorted row's flat (token * k + choice) index
+    num_tokens: int
+    top_k: int
+    has_probs: bool
+
+
+@residuals
+class CombineResiduals:
+    order: torch.Tensor = saved()  # [R] int64, as the dispatch made it
+    top_k: int
+
+
+def _check(x: Any, indices: Any, probs: Any, num_experts: Any) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+        raise TypeError(f"dispatch: x must be a floating [T, H] tensor, got {_what(x)}")
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"dispatch: indices must be a [T, k] int32/int64 tensor (torch.topk's), got {_what(indices)}")
+    if indices.shape[0] != x.shape[0] or indices.device != x.device:
+        raise ValueError(
+            f"dispatch: indices {tuple(indices.shape)} on {indices.device} must have x's {x.shape[0]} rows and device {x.device}"
+        )
+    if probs is not None and (
+        not isinstance(probs, torch.Tensor)
+        or probs.shape != indices.shape
+        or not probs.is_floating_point()
+        or probs.device != x.device
+    ):
+        where = f" on {probs.device}" if isinstance(probs, torch.Tensor) else ""
+        raise ValueError(
+            f"dispatch: probs must be None or a float tensor shaped like indices {tuple(indices.shape)} "
+            f"on x's device {x.device}, got {_what(probs)}{where}"
+        )
+    if type(num_experts) is not int or num_experts < 1:
+        raise ValueError(f"dispatch: num_experts must be a positive int, got {num_experts!r}")
+    if _on_host(indices) and indices.numel():  # NOTE: [Expert indices are not checked on CUDA]
+        check_indices(indices, num_experts)
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    """A CPU tensor in eager code: its values can be read for free (not on CUDA: a sync; not on
+    meta nor while compiling: no values)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _what(v: Any) -> str:
+    return f"{type(v).__name__} {tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
+
+
+def check_indices(indices: torch.Tensor, num_experts: int) -> None:
+    """ValueError unless every expert index lies in ``[0, num_experts)`` (a sync on CUDA)."""
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= num_experts:
+        raise ValueError(f"expert indices must lie in [0, {num_experts}); got values from {lo} to {hi}")
+
+
+def dispatch_fwd(x: torch.Tensor, probs: torch.Tensor | None, indices: torch.Tensor, num_experts: int):
+    """``((rows [R, H], probs_r [R], splits [E] int64, order [R] int64), residuals)``; without
+    probs, ``(rows, splits, order)`` (an autograd output is a tensor, never None)."""
+    _check(x, indices, probs, num_experts)
+    T, k = indices.shape
+    flat = indices.reshape(-1).to(torch.int64).clamp(0, num_experts - 1)
+    order = torch.argsort(flat, stable=True)
+    rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    probs_r = None if probs is None else probs.reshape(-1).index_select(0, order)
+    splits = torch.zeros(num_experts, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+    out = (rows, splits, order) if probs_r is None else (rows, probs_r, splits, order)
+    return out, DispatchResiduals(order, T, k, probs is not None)
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """``pos`` with ``pos[order[r]] = r``: where each (token, choice) pair's row went (zeros
+    where ``order`` is not a permutation: wrong rows, never an out-of-range read)."""
+    return torch.zeros_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+def _per_token(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[T, k, ...]``: each token's ``k`` rows, in choice order."""
+    return rows.index_select(0, _inverse(order)).unflatten(0, (-1, top_k))
+
+
+def dispatch_bwd(res: DispatchResiduals, d_out: tuple) -> tuple:
+    """(dx, dprobs, None for the indices): each token's ``k`` row grads summed, choice by choice."""
+    d_rows, d_probs_r = d_out[0], (d_out[1] if res.has_probs else None)
+    dx = dprobs = None
+    if d_rows is not None:
+        dx = _per_token(d_rows, res.order, res.top_k).sum(1)
+    if d_probs_r is not None:
+        dprobs = d_probs_r.index_select(0, _inverse(res.order)).view(res.num_tokens, res.top_k)
+    return dx, dprobs, None
+
+
+def combine_fwd(rows: torch.Tensor, order: torch.Tensor, top_k: int):
+    """``y [T, H]``: each token's ``k`` rows summed (in choice order), and the residuals."""
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+        raise TypeError(f"combine: rows must be an [R, H] tensor, got {_what(rows)}")
+    if not isinstance(order, torch.Tensor) or order.dtype != torch.int64 or order.shape != rows.shape[:1]:
+        raise ValueError(
+            f"combine: order must be the dispatch's [R] int64 order for rows {tuple(rows.shape)}, got {_what(order)}"
+        )
+    if type(top_k) is not int or top_k < 1 or rows.shape[0] % top_k:
+        raise ValueError(f"combine: top_k must be a positive int dividing the {rows.shape[0]} rows, got {top_k!r}")
+    if _on_host(order) and order.numel() and not torch.equal(order.sort().values, torch.arange(order.numel())):
+        raise ValueError("combine: order must be a permutation of the rows (the dispatch's fourth output)")
+    return _per_token(rows, order, top_k).sum(1), CombineResiduals(order, top_k)
+
+
+def combine_bwd(res: CombineResiduals, dy: torch.Tensor) -> tuple:
+    """(d_rows, None for the order): each row gets its token's dy."""
+    return dy.index_select(0, torch.div(res.order, res.top_k, rounding_mode="floor")), None
+
+
+_dispatch = custom_vjp(dispatch_fwd, dispatch_bwd, nondiff_argnums=(3,), name="dispatch")
+_combine = custom_vjp(combine_fwd, combine_bwd, nondiff_argnums=(2,), name="combine")
+
+
+def dispatch(x: torch.Tensor, probs: torch.Tensor | None, indices: torch.Tensor, num_experts: int) -> tuple:
+    """Sort tokens by expert: ``(rows [T*k, H], probs_r [T*k] or None, splits [E], order [T*k])``.
+
+    ``indices`` ``[T, k]`` are the experts each token goes to (``torch.topk``'s), ``probs``
+    ``[T, k]`` their weights (None: unweighted). ``splits`` (int64, on x's device, never read on
+    the host) and ``probs_r`` feed :func:`functional_dw.grouped_mlp`; ``order`` feeds
+    :func:`combine`. Differentiable in x and probs."""
+    out = _dispatch(x, probs, indices, num_experts)
+    return out if probs is not None else (out[0], None, *out[1:])
+
+
+def combine(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``y [T, H]``: the sum of each token's ``top_k`` rows (the experts' outputs, in the
+    dispatch's order). Differentiable in rows. ``order`` and ``top_k`` must be the dispatch's:
+    only their shapes (and, on the CPU, that ``order`` is a permutation) can be checked."""
+    return _combine(rows, order, top_k)
+
+
+def check_router(top_k: Any, score: Any, num_experts: int, who: str) -> None:
+    """ValueError unless ``top_k`` is an int in ``[1, num_experts]`` and ``score`` is known."""
+    if num_experts < 1:
+        raise ValueError(f"{who}: there must be at least one expert, got {num_experts}")
+    if score not in ("softmax", "sigmoid"):
+        raise ValueError(f"{who}: score must be 'softmax' or 'sigmoid', got {score!r}")
+    if type(top_k) is not int or not 1 <= top_k <= num_experts:
+        raise ValueError(f"{who}: top_k must be an int in [1, {num_experts}] (the experts), got {top_k!r}")
+
+
+@residuals
+class TopkResiduals:
+    probs: torch.Tensor = saved()  # [T, k] the weights given out (float32, or float64)
+    scores: Any = saved()  # sigmoid: the chosen [T, k] sigmoid scores; softmax: None
+    indices: torch.Tensor = saved()  # [T, k] the chosen experts
+    num_experts: int
+    score: str
+    logits_dtype: torch.dtype
+
+
+def topk_router_fwd(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, score: str = "softmax"):
+    """``((probs [T, k], indices [T, k]), residuals)``: :func:`topk_router`'s math."""
+    check_router(top_k, score, logits.shape[-1], "topk_router")
+    if expert_bias is not None and score != "sigmoid":
+        raise ValueError("topk_router: expert_bias (DeepSeek-V3's selection bias) goes with score='sigmoid'")
+    wide = torch.promote_types(logits.dtype, torch.float32)
+    s = None
+    if score == "softmax":
+        values, indices = torch.topk(logits, top_k, dim=-1)
+        probs = torch.softmax(values.to(wide), dim=-1)
+    else:
+        scores = torch.sigmoid(logits.to(wide))
+        if expert_bias is None:
+            s, indices = torch.topk(scores, top_k, dim=-1)
+        else:
+            indices = torch.topk(scores + expert_bias.to(wide), top_k, dim=-1).indices
+            s = scores.gather(1, indices)
+        probs = s / (s.sum(-1, keepdim=True) + 1e-20) if top_k > 1 else s
+    return (probs, indices), TopkResiduals(probs, s, indices, logits.shape[-1], score, logits.dtype)
+
+
+def topk_router_bwd(res: TopkResiduals, d_out: tuple) -> tuple:
+    """(d_logits [T, E], None for the expert bias): the chosen logits' grads, zeros elsewhere."""
+    dp, p = d_out[0], res.probs
+    if dp is None:
+        return None, None
+    if res.score == "softmax":
+        dv = p * (dp - (dp * p).sum(-1, keepdim=True))
+    else:
+        s = res.scores
+        ds = dp if s.shape[-1] == 1 else (dp - (dp * p).sum(-1, keepdim=True)) / (s.sum(-1, keepdim=True) + 1e-20)
+        dv = ds * s * (1 - s)
+    d_logits = dv.new_zeros(p.shape[0], res.num_experts).scatter_(1, res.indices, dv)
+    return d_logits.to(res.logits_dtype), None
+
+
+_topk_router = custom_vjp(topk_router_fwd, topk_router_bwd, nondiff_argnums=(2, 3), name="topk_router")
+
+
+def topk_router(
+    logits: torch.Tensor, top_k: int, score: str = "softmax", *, expert_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs ``[T, k]``, indices ``[T, k]``) from router logits ``[T, E]``, as Megatron's
+    ``topk_routing_with_score_function`` computes them (ties broken as ``torch.topk`` does):
+
+    * ``score="softmax"``: the top-k logits, then the softmax over those k (Mixtral's and
+      Qwen3's normalized top-k; with ``top_k=1`` the prob is 1 and the router gets no gradient
+      through it: a load-balancing loss is what trains it then);
+    * ``score="sigmoid"`` (DeepSeek-V3's): sigmoid scores, the top-k of ``scores + expert_bias``
+      (``[E]``, selection only: the aux-loss-free balancing bias), normalized to sum 1 when
+      ``top_k > 1``.
+
+    The probs are float32 (float64 for float64 logits): Megatron computes them so, then casts
+    them to the logits' dtype; ours go to the experts as they are. Differentiable in the logits."""
+    probs, indices = _topk_router(logits, expert_bias, top_k, score)
+    return probs, indices
+
+
+def load_balancing_loss(
+    logits: torch.Tensor, indices: torch.Tensor, score: str = "softmax", coeff: float = 1.0
+) -> torch.Tensor:
+    """The Switch Transformer's load-balancing loss as Megatron computes it on one rank
+    (``switch_load_balancing_loss_func`` on ``compute_routing_scores_for_aux_loss``'s scores):
+    ``coeff * E * sum_e f_e * P_e``, with ``f_e`` the fraction of the ``T * k`` routed rows
+    that go to expert ``e`` (counted, no gradient) and ``P_e`` the mean over tokens of the
+    router's full score for ``e`` (softmax over all experts; for ``"sigmoid"``, the sigmoid
+    scores normalized over all experts). Differentiable in the logits."""
+    T, E = logits.shape
+    check_router(indices.shape[-1], score, E, "load_balancing_loss")
+    if score == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    else:
+        scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+        scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    flat = indices.reshape(-1).to(torch.int64)
+    counts = torch.zeros(E, dtype=scores.dtype, device=logits.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=scores.dtype)
+    )
+    return (scores.sum(0) * counts).sum() * (E * coeff / (indices.shape[-1] * T * T))
+
+
+@residuals
+class MoEResiduals:
+    router: Any = saved()  # the router GEMM's LinearResiduals (saves x)
+    topk: Any = saved()  # TopkResiduals (the probs, indices: [T, k] each)
+    dispatch: Any = saved()  # DispatchResiduals (the order)
+    experts: Any = saved()  # GroupedMLPResiduals (the sorted rows, fc1's output)
+    combine: Any = saved()  # CombineResiduals (the order again, the same tensor)
+
+
+def moe_layer_fwd(
+    x,
+    router_weight,
+    w1,
+    w2,
+    top_k: int,
+    score: str = "softmax",
+    activation: str = "swiglu",
+    save="default",
+    backend=None,
+):
+    """``(y [T, H], residuals)``: router GEMM, :func:`topk_router`, :func:`dispatch`, the experts
+    (:func:`functional_dw.grouped_mlp` weighted by the sorted probs), :func:`combine`, each by
+    its own pure ``*_fwd``; the record nests theirs."""
+    logits, r_router = linear_fwd(x, router_weight, backend=backend)
+    (probs, indices), r_topk = topk_router_fwd(logits, None, top_k, score)
+    (rows, probs_r, splits, order), r_dispatch = dispatch_fwd(x, probs, indices, router_weight.shape[0])
+    h, r_experts = grouped_mlp_fwd(
+        rows, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend
+    )
+    y, r_combine = combine_fwd(h, order, top_k)
+    return y, MoEResiduals(r_router, r_topk, r_dispatch, r_experts, r_combine)
+
+
+def moe_layer_bwd(res: MoEResiduals, dy: torch.Tensor) -> tuple:
+    """(dx, d_router_weight, dw1, dw2): each part's ``*_bwd`` in reverse, x's two grads summed."""
+    d_h, _ = combine_bwd(res.combine, dy)
+    g = grouped_mlp_bwd(res.experts, d_h)
+    dx_rows, d_probs, _ = dispatch_bwd(res.dispatch, (g.dx, g.dprobs))
+    d_logits, _ = topk_router_bwd(res.topk, (d_probs, None))
+    dx_router, d_wr, _ = linear_bwd(res.router, d_logits)
+    return dx_rows + dx_router, d_wr, g.dw1, g.dw2
+
+
+_moe_layer = custom_vjp(moe_layer_fwd, moe_layer_bwd, nondiff_argnums=(4, 5, 6, 7, 8), name="moe_layer")
+
+
+def moe_layer(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w1: Any,
+    w2: Any,
+    top_k: int,
+    *,
+    score: str = "softmax",
+    activation: str = "swiglu",
+    save: str = "default",
+    backend: Any = None,
+) -> torch.Tensor:
+    """One MoE layer, router to combine: ``y_t = sum_j p_tj * MLP_{e_tj}(x_t)`` for ``x [T, H]``,
+    as one autograd node (:func:`moe_layer_fwd`, :func:`moe_layer_bwd`).
+
+    ``router_weight [E, H]`` (its GEMM by :func:`functional_dw.linear`'s pair: the weight stays
+    out of saved-tensor hooks), ``w1``/``w2`` the experts' weights as for
+    :func:`functional_dw.grouped_mlp`, ``score``/``top_k`` as for :func:`topk_router`. No host
+    sync on CUDA: the splits stay on the device."""
+    if torch.compiler.is_compiling():  # NOTE: [The MoE layer under torch.compile]
+        logits = linear(x, router_weight, backend=backend)
+        probs, indices = topk_router(logits, top_k, score)
+        rows, probs_r, splits, order = dispatch(x, probs, indices, router_weight.shape[0])
+        h = grouped_mlp(rows, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend)
+        return combine(h, order, top_k)
+    return _moe_layer(x, router_weight, w1, w2, top_k, score, activation, save, backend)
+
+
+# NOTE: [The MoE layer under torch.compile]
+#   Dynamo (2.11 and 2.13) fails inside the one Function of the whole layer ("Placeholder node
+#   not found in env"), while each part's own Function traces. So a compiled call runs the
+#   parts as five autograd ops (the router GEMM, topk_router, dispatch, grouped_mlp, combine):
+#   the same pure functions, hence the same numbers; eagerly the layer is one node (its host
+#   cost is one bridge, not five).

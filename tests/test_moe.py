@@ -1,0 +1,280 @@
+"""The MoE layer's routing (``functional_dw/moe.py``): dispatch and combine as pure pairs,
+``topk_router``, ``moe_layer`` and ``nn.MoE`` against a float64 per-token reference, on the
+reference backend: gradients, empty experts, hooks, retain_graph, torch.func, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import functional_dw as fd
+from functional_dw import moe
+
+T, H, FF, E, K = 12, 16, 8, 5, 2
+F64 = torch.float64
+
+
+def _params(seed=0, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g, dtype=dtype).requires_grad_()
+    wr = (torch.randn(E, H, generator=g, dtype=dtype) / 4).requires_grad_()
+    w1 = (torch.randn(E, 2 * FF, H, generator=g, dtype=dtype) / 4).requires_grad_()
+    w2 = (torch.randn(E, H, FF, generator=g, dtype=dtype) / 4).requires_grad_()
+    return x, wr, w1, w2
+
+
+def _reference(x, wr, w1, w2, top_k, score="softmax"):
+    """Token by token: the router's top-k, then sum_j p_j * fc2(swiglu(fc1(x)))."""
+    logits = x @ wr.t()
+    values, idx = torch.topk(logits, top_k, dim=-1)
+    s = torch.sigmoid(values)  # Megatron's sigmoid: normalized when top_k > 1
+    p = torch.softmax(values, -1) if score == "softmax" else s / s.sum(-1, True) if top_k > 1 else s
+    out = []
+    for t in range(x.shape[0]):
+        acc = 0
+        for j in range(top_k):
+            e = int(idx[t, j])
+            gate, up = (w1[e] @ x[t]).chunk(2)
+            acc = acc + p[t, j] * (w2[e] @ (F.silu(gate) * up))
+        out.append(acc)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_moe_layer_matches_the_per_token_reference(score, top_k):
+    x, wr, w1, w2 = _params()
+    y = moe.moe_layer(x, wr, w1, w2, top_k, score=score, backend="torch")
+    want = _reference(x, wr, w1, w2, top_k, score)
+    torch.testing.assert_close(y, want)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, wr, w1, w2), dy)
+    ref = torch.autograd.grad(want, (x, wr, w1, w2), dy)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_dispatch_sorts_stably_by_expert_and_counts_on_the_device():
+    x = torch.arange(4.0, dtype=F64)[:, None].repeat(1, 3)
+    idx = torch.tensor([[2, 0], [0, 2], [2, 1], [0, 0]])  # expert 3 and 4 empty; token 3 twice to 0
+    rows, probs_r, splits, order = moe.dispatch(x, None, idx, 5)
+    assert probs_r is None
+    assert splits.tolist() == [4, 1, 3, 0, 0] and splits.device == x.device
+    assert rows[:, 0].tolist() == [0, 1, 3, 3, 2, 0, 1, 2]  # within an expert: token order, then choice
+    assert order.tolist() == [1, 2, 6, 7, 5, 0, 3, 4]
+    y = moe.combine(rows, order, 2)
+    torch.testing.assert_close(y, 2 * x)  # each token's two copies summed back
+
+
+def test_combine_of_weighted_rows_is_the_weighted_sum_and_its_grads_are_gathers():
+    x, *_ = _params()
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, E, (T, K), generator=g)
+    probs = torch.rand(T, K, generator=g, dtype=F64).requires_grad_()
+    rows, probs_r, splits, order = moe.dispatch(x, probs, idx, E)
+    y = moe.combine(rows * probs_r[:, None], order, K)
+    want = (x[:, None, :] * probs[:, :, None]).sum(1)
+    torch.testing.assert_close(y, want)
+    dy = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, (x, probs), dy), torch.autograd.grad(want, (x, probs), dy)):
+        torch.testing.assert_close(a, b)
+
+
+def test_every_expert_empty_but_one_and_one_token():
+    x, wr, w1, w2 = _params()
+    with torch.no_grad():
+        wr.zero_()
+        wr[3] = 10.0  # every token's top-1 is expert 3 (ties elsewhere: torch.topk's order)
+    y = moe.moe_layer(x, wr, w1, w2, 1, backend="torch")
+    torch.testing.assert_close(y, _reference(x, wr, w1, w2, 1))
+    y1 = moe.moe_layer(x[:1], wr, w1, w2, 2, backend="torch")
+    torch.testing.assert_close(y1, _reference(x[:1], wr, w1, w2, 2))
+
+
+def test_hooks_see_no_parameter_and_retain_graph_gives_the_same_grads():
+    x, wr, w1, w2 = _params()
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = moe.moe_layer(x, wr, w1, w2, K, backend="torch")
+    params = {p.data_ptr() for p in (wr, w1, w2)}
+    assert packed and not any(t.data_ptr() in params for t in packed)
+    dy = torch.randn_like(y)
+    first = torch.autograd.grad(y, (x, wr, w1, w2), dy, retain_graph=True)
+    second = torch.autograd.grad(y, (x, wr, w1, w2), dy)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_routing_records_keep_indices_only():
+    x, *_ = _params()
+    idx = torch.randint(0, E, (T, K))
+    (rows, splits, order), res = moe.dispatch_fwd(x, None, idx, E)
+    assert [t.dtype for t in fd.saved_activations(res)] == [torch.int64]
+    _, cres = moe.combine_fwd(rows, order, K)
+    assert [t.dtype for t in fd.saved_activations(cres)] == [torch.int64]
+
+
+def test_torch_func_grad_through_dispatch_and_combine():
+    x, *_ = _params()
+    idx = torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(1))
+    probs = torch.rand(T, K, dtype=F64)
+
+    def f(x):
+        rows, probs_r, _, order = moe.dispatch(x, probs, idx, E)
+        return moe.combine(rows.sin() * probs_r[:, None], order, K).sum()
+
+    want = torch.autograd.grad(f(x), x)[0]
+    torch.testing.assert_close(torch.func.grad(f)(x.detach()), want)
+
+
+def test_nn_moe_is_moe_layer_on_its_parameters():
+    torch.manual_seed(0)
+    m = fd.nn.MoE(E, H, FF, K, backend="torch", params_dtype=F64)
+    x = torch.randn(T, H, dtype=F64, requires_grad=True)
+    y = m(x)
+    w1, w2 = m.experts.fc1.weight, m.experts.fc2.weight
+    torch.testing.assert_close(y, _reference(x, m.router.weight, w1, w2, K))
+    y.sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+@pytest.mark.parametrize(
+    "args,err,match",
+    [
+        ((torch.zeros(4, 3), None, torch.tensor([[0], [5], [1], [2]]), 5), ValueError, r"lie in \[0, 5\)"),
+        ((torch.zeros(4, 3), None, torch.tensor([[0], [-1], [1], [2]]), 5), ValueError, r"lie in \[0, 5\)"),
+        ((torch.zeros(4, 3), None, torch.zeros(4, 1), 5), TypeError, "int32/int64"),
+        ((torch.zeros(4, 3), None, torch.zeros(3, 1, dtype=torch.long), 5), ValueError, "rows"),
+        ((torch.zeros(4, 3), torch.zeros(4, 2), torch.zeros(4, 1, dtype=torch.long), 5), ValueError, "probs"),
+        ((torch.zeros(4, 3), None, torch.zeros(4, 1, dtype=torch.long), 0), ValueError, "num_experts"),
+        ((torch.zeros(12), None, torch.zeros(4, 1, dtype=torch.long), 5), TypeError, r"\[T, H\]"),
+    ],
+)
+def test_dispatch_names_what_is_wrong(args, err, match):
+    with pytest.raises(err, match=match):
+        moe.dispatch(*args)
+
+
+def test_router_and_module_refuse_bad_options():
+    with pytest.raises(ValueError, match="score"):
+        moe.topk_router(torch.zeros(3, 4), 2, "relu")
+    with pytest.raises(ValueError, match="top_k"):
+        moe.topk_router(torch.zeros(3, 4), 5)
+    with pytest.raises(ValueError, match="top_k"):
+        fd.nn.MoE(4, 8, 8, 0)
+    with pytest.raises(ValueError, match="top_k"):
+        moe.combine(torch.zeros(5, 2), torch.arange(5), 2)
+
+
+def test_compile_fullgraph_and_meta_tensors():
+    """The CPU-only index check stays out of a trace and off meta tensors (no values there)."""
+    torch._dynamo.reset()
+    x, wr, w1, w2 = _params()
+    f = torch.compile(lambda *a: moe.moe_layer(*a, K, backend="torch"), fullgraph=True, backend="aot_eager")
+    y = f(x, wr, w1, w2)
+    torch.testing.assert_close(y, _reference(x, wr, w1, w2, K))
+    got = torch.autograd.grad(y.sum(), (x, wr, w1, w2))
+    want = torch.autograd.grad(_reference(x, wr, w1, w2, K).sum(), (x, wr, w1, w2))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    rows, _, splits, order = moe.dispatch(
+        torch.empty(T, H, device="meta"), None, torch.empty(T, K, dtype=torch.long, device="meta"), E
+    )
+    assert rows.shape == (T * K, H) and splits.shape == (E,) and order.shape == (T * K,)
+    m = fd.nn.MoE(E, H, FF, K, backend="torch", params_dtype=F64)
+    x3 = torch.randn(2, T, H, dtype=F64)
+    torch.testing.assert_close(m(x3), m(x3.reshape(-1, H)).view(2, T, H))  # leading dims as nn.Linear's
+
+
+def test_combine_refuses_an_order_that_is_not_a_permutation():
+    rows = torch.arange(8.0)[:, None].repeat(1, 2)
+    with pytest.raises(ValueError, match="permutation"):
+        moe.combine(rows, torch.tensor([0, 0, 2, 3, 4, 5, 6, 7]), 2)
+    with pytest.raises(ValueError, match="device"):
+        moe.dispatch(torch.zeros(4, 3), torch.zeros(4, 1, device="meta"), torch.zeros(4, 1, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match="at least one expert"):
+        fd.nn.MoE(0, 16, 8, 1)
+
+
+def test_expert_bias_steers_the_selection_not_the_weights():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(T, E, generator=g, dtype=F64)
+    bias = torch.zeros(E, dtype=F64)
+    bias[4] = 100.0  # every token picks expert 4 first
+    probs, idx = moe.topk_router(logits, 2, "sigmoid", expert_bias=bias)
+    assert (idx[:, 0] == 4).all()
+    s = torch.sigmoid(logits).gather(1, idx)
+    torch.testing.assert_close(probs, s / s.sum(-1, keepdim=True))  # weights from the unbiased scores
+    with pytest.raises(ValueError, match="sigmoid"):
+        moe.topk_router(logits, 2, expert_bias=bias)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_load_balancing_loss_is_switch_transformers(score):
+    """coeff * E * sum_e f_e * P_e, written out (Megatron's docstring formula)."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(T, E, generator=g, dtype=F64, requires_grad=True)
+    _, idx = moe.topk_router(logits, K, score)
+    loss = moe.load_balancing_loss(logits, idx, score, coeff=0.01)
+    full = torch.softmax(logits, -1) if score == "softmax" else torch.sigmoid(logits)
+    full = full / full.sum(-1, keepdim=True)
+    want = 0
+    for e in range(E):
+        f_e = (idx == e).sum() / (T * K)
+        want = want + f_e * full[:, e].mean()
+    want = 0.01 * E * want
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], torch.autograd.grad(want, logits)[0])
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_router_and_loss_are_megatrons(score):
+    """The same numbers from Megatron-Core's own functions (where it is installed)."""
+    mc = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(7), dtype=F64)
+    probs, idx = moe.topk_router(logits, K, score)
+    theirs_p, theirs_i = mc.topk_routing_with_score_function(logits, K, score_function=score, dense_output=True)
+    assert torch.equal(idx, theirs_i)
+    torch.testing.assert_close(probs, theirs_p)
+    routing_map, scores = mc.compute_routing_scores_for_aux_loss(logits, K, score)
+    theirs = mc.switch_load_balancing_loss_func(scores, routing_map.sum(0), T, K, E, 0.01)
+    ours = moe.load_balancing_loss(logits, idx, score, coeff=0.01)  # (Megatron's softmax scores are fp32)
+    torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=1e-5, atol=0)
+
+
+def test_the_layer_is_one_node_whose_record_nests_the_parts():
+    x, wr, w1, w2 = _params()
+    y = moe.moe_layer(x, wr, w1, w2, K, backend="torch")
+    assert type(y.grad_fn).__name__ == "CustomVJP_moe_layerBackward"
+    _, res = moe.moe_layer_fwd(x, wr, w1, w2, K, backend="torch")
+    assert type(res.experts).__name__ == "GroupedMLPResiduals" and type(res.dispatch) is moe.DispatchResiduals
+    params = {p.data_ptr() for p in (wr, w1, w2)}
+    assert not any(t.data_ptr() in params for t in fd.saved_activations(res))
+    # the one node and the five ops (what a compiled call runs) compute the same bits
+    logits = fd.linear(x, wr, backend="torch")
+    probs, idx = moe.topk_router(logits, K)
+    rows, probs_r, splits, order = moe.dispatch(x, probs, idx, E)
+    parts = moe.combine(fd.grouped_mlp(rows, w1, w2, splits, probs=probs_r, backend="torch"), order, K)
+    assert torch.equal(y, parts)
+    dy = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, (x, wr, w1, w2), dy), torch.autograd.grad(parts, (x, wr, w1, w2), dy)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_torch_func_grad_of_the_layer(score):
+    x, wr, w1, w2 = _params()
+
+    def loss(x, wr):
+        return moe.moe_layer(x, wr, w1, w2, K, score=score, backend="torch").square().sum()
+
+    got = torch.func.grad(loss, argnums=(0, 1))(x.detach(), wr.detach())
+    want = torch.autograd.grad(_reference(x, wr, w1, w2, K, score).square().sum(), (x, wr))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
