@@ -503,7 +503,15 @@ def run_planned(name: str, fwd: Callable, bwd: Callable, args: tuple, static: tu
     flat = FlatSpec.flatten(args)
     if flat is None or not _needs_grad(flat[0]):
         return None
-    return _c_apply(_PlannedRun, (Planned(name, fwd, bwd, flat[1], static), *flat[0]))
+    return _c_apply(_planned_function(name), (Planned(name, fwd, bwd, flat[1], static), *flat[0]))
+
+
+@functools.lru_cache(maxsize=None)
+def _planned_function(name: str) -> type:
+    """:class:`_PlannedRun` under the pair's name, as its bridge is (grad_fn reads e.g.
+    ``CustomVJP_grouped_linearBackward`` however the node runs)."""
+    tag = "".join(c if c.isalnum() else "_" for c in name)
+    return type(f"CustomVJP_{tag}", (_PlannedRun,), {})
 
 
 _JVP = TransformType.Jvp

@@ -1435,3 +1435,128 @@ def test_a_call_prepared_from_a_stand_in_runs_on_the_x_it_is_given():
     y, res = gl.forward(c, x, keep_x=True)
     assert torch.equal(y, want) and res.x_TK is x
     assert torch.equal(gl.fprop(c, x), want)
+
+
+# --- the planned run (NOTE: [The plan's runner] in custom_vjp.py, NOTE: [The layer's planned run]) --
+
+cv = importlib.import_module("functional_dw.custom_vjp")
+
+
+def _planned(y: torch.Tensor) -> bool:
+    """Whether y's node is a planned one (else the bridge's)."""
+    return issubclass(type(y.grad_fn)._forward_cls, cv._PlannedRun)
+
+
+def _step(x, ws, bias, dy, create_graph=False):
+    y = fd.grouped_linear(x, ws, [5, 0, 7], bias, backend="torch")
+    leaves = [
+        x,
+        *(ws if isinstance(ws, list) else [ws]),
+        *(bias if isinstance(bias, list) else [bias] * (bias is not None)),
+    ]
+    return y, torch.autograd.grad(y, leaves, dy, create_graph=create_graph)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "list", "one_buffer"])
+@pytest.mark.parametrize("bias_form", [None, "list", "stacked"])
+def test_the_second_call_runs_planned_and_bitwise_the_bridge(layout, bias_form):
+    """The first call (no plan yet) takes the bridge, the second the planned node: the same y
+    and grads, bit for bit, named as the pair's node."""
+    ws = _weights(layout, torch.float64)
+    g = torch.Generator().manual_seed(0)
+    bias = None
+    if bias_form is not None:
+        b = torch.randn(E, N, generator=g, dtype=torch.float64)
+        bias = b.requires_grad_() if bias_form == "stacked" else [t.clone().requires_grad_() for t in b]
+    x = torch.randn(12, K, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(12, N, generator=g, dtype=torch.float64)
+    y1, g1 = _step(x, ws, bias, dy)
+    y2, g2 = _step(x, ws, bias, dy)
+    assert not _planned(y1) and _planned(y2)
+    assert type(y2.grad_fn).__name__ == "CustomVJP_grouped_linearBackward"
+    assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(g1, g2, strict=True))
+
+
+def test_planned_node_keeps_weights_out_of_the_hooks_and_runs_backward_twice():
+    """Saved-tensor hooks see x alone (the weights ride by reference); an offloading unpack
+    (a fresh copy) gives the same grads; retain_graph runs backward twice alike."""
+    ws = _weights("stacked", torch.float64)
+    x = torch.randn(12, K, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(12, N, dtype=torch.float64)
+    _step(x, ws, None, dy)  # (the plan)
+    packed_ = []
+
+    def pack(t):
+        packed_.append(t)
+        return t.clone()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fd.grouped_linear(x, ws, [5, 0, 7], backend="torch")
+    assert _planned(y) and len(packed_) == 1 and packed_[0] is x
+    first = torch.autograd.grad(y, [x, ws], dy, retain_graph=True)
+    second = torch.autograd.grad(y, [x, ws], dy)
+    want = _step(x, ws, None, dy)[1]
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, second, want))
+
+
+def test_planned_node_refuses_inputs_changed_before_backward():
+    ws = _weights("list", torch.float64)
+    x = torch.randn(12, K, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(12, N, dtype=torch.float64)
+    _step(x, ws, None, dy)
+    y = fd.grouped_linear(x, ws, [5, 0, 7], backend="torch")
+    assert _planned(y)
+    with torch.no_grad():
+        ws[1].mul_(2)
+    with pytest.raises(RuntimeError, match="weights"):
+        y.backward(dy)
+    h = x.detach().clone().requires_grad_() * 1
+    y = fd.grouped_linear(h, ws, [5, 0, 7], backend="torch")
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(dy)
+
+
+def test_planned_node_gives_only_the_wanted_grads_and_second_order_terms():
+    """x alone or the weights alone requiring grad; and a gradient of a gradient (create_graph)
+    through the planned node equals the bridge's."""
+    ws = _weights("stacked", torch.float64)
+    x = torch.randn(12, K, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(12, N, dtype=torch.float64)
+    ref = _step(x, ws, None, dy, create_graph=True)[1]  # the bridge (first call)
+    dx, dw = _step(x, ws, None, dy, create_graph=True)[1]  # planned
+    hx, hw = torch.autograd.grad((dx**2).sum() + (dw**2).sum(), [x, ws])
+    rx, rw = torch.autograd.grad((ref[0] ** 2).sum() + (ref[1] ** 2).sum(), [x, ws])
+    assert torch.equal(hx, rx) and torch.equal(hw, rw)
+    frozen = ws.detach()
+    y = fd.grouped_linear(x, frozen, [5, 0, 7], backend="torch")
+    y = fd.grouped_linear(x, frozen, [5, 0, 7], backend="torch")
+    assert _planned(y)
+    y.backward(dy)
+    assert frozen.grad is None and x.grad is not None
+    x0 = x.detach()
+    y = fd.grouped_linear(x0, ws, [5, 0, 7], backend="torch")
+    assert _planned(y)
+    (dw_only,) = torch.autograd.grad(y, [ws], dy)
+    assert torch.equal(dw_only, dw.detach())
+
+
+def test_grouped_mlp_runs_planned_and_bitwise_the_bridge():
+    """grouped_mlp's planned node (from the first call: its checks all run in its forward)
+    against its bridge (run_planned made to decline): the same y and grads, bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    w1 = torch.randn(E, 2 * 8, K, generator=g, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(E, K, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(12, K, generator=g, dtype=torch.float64, requires_grad=True)
+    probs = torch.rand(12, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(12, K, generator=g, dtype=torch.float64)
+    y = fd.grouped_mlp(x, w1, w2, [5, 0, 7], probs=probs, backend="torch")
+    assert _planned(y)
+    got = [y, *torch.autograd.grad(y, [x, w1, w2, probs], dy)]
+    gm = importlib.import_module("functional_dw.grouped_mlp")
+    with mock.patch.object(gm, "run_planned", lambda *a, **k: None):
+        yb = fd.grouped_mlp(x, w1, w2, [5, 0, 7], probs=probs, backend="torch")
+    assert not _planned(yb) and type(yb.grad_fn).__name__ == type(y.grad_fn).__name__
+    want = [yb, *torch.autograd.grad(yb, [x, w1, w2, probs], dy)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
