@@ -27,6 +27,7 @@ import torch
 from .custom_vjp import custom_vjp
 from .grouped_mlp import grouped_mlp, grouped_mlp_bwd, grouped_mlp_fwd
 from .linear import linear, linear_bwd, linear_fwd
+from .moe_ep import from_experts, from_experts_bwd, from_experts_fwd, to_experts, to_experts_bwd, to_experts_fwd
 from .residuals import residuals, saved
 
 __all__ = ["DispatchResiduals", "CombineResiduals", "dispatch", "dispatch_fwd", "dispatch_bwd"]
@@ -292,6 +293,8 @@ class MoEResiduals:
     dispatch: Any = saved()  # DispatchResiduals (the order)
     experts: Any = saved()  # GroupedMLPResiduals (the sorted rows, fc1's output)
     combine: Any = saved()  # CombineResiduals (the order again, the same tensor)
+    to_experts: Any = saved()  # with expert parallelism, the exchange's ExchangeResiduals (else None)
+    from_experts: Any = saved()  # and the way back's
 
 
 def moe_layer_fwd(
@@ -304,31 +307,43 @@ def moe_layer_fwd(
     activation: str = "swiglu",
     save="default",
     backend=None,
+    group=None,
 ):
-    """``(y [T, H], residuals)``: router GEMM, :func:`topk_router`, :func:`dispatch`, the experts
-    (:func:`functional_dw.grouped_mlp` weighted by the sorted probs), :func:`combine`, each by
-    its own pure ``*_fwd``; the record nests theirs."""
+    """``(y [T, H], residuals)``: router GEMM, :func:`topk_router`, :func:`dispatch`, (with an
+    expert-parallel ``group``: :func:`functional_dw.moe_ep.to_experts`), the experts
+    (:func:`functional_dw.grouped_mlp` weighted by the sorted probs), (``from_experts``),
+    :func:`combine`, each by its own pure ``*_fwd``; the record nests theirs."""
     logits, r_router = linear_fwd(x, router_weight, backend=backend)
     (probs, indices), r_topk = topk_router_fwd(logits, None, top_k, score)
     (rows, probs_r, splits, order), r_dispatch = dispatch_fwd(x, probs, indices, router_weight.shape[0])
+    r_to = r_from = None
+    if group is not None:
+        (rows, probs_r, splits, perm, sizes), r_to = to_experts_fwd(rows, probs_r, splits, group)
     h, r_experts = grouped_mlp_fwd(
         rows, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend
     )
+    if group is not None:
+        h, r_from = from_experts_fwd(h, perm, sizes, group)
     y, r_combine = combine_fwd(h, order, top_k)
-    return y, MoEResiduals(r_router, r_topk, r_dispatch, r_experts, r_combine)
+    return y, MoEResiduals(r_router, r_topk, r_dispatch, r_experts, r_combine, r_to, r_from)
 
 
 def moe_layer_bwd(res: MoEResiduals, dy: torch.Tensor) -> tuple:
     """(dx, d_router_weight, dw1, dw2): each part's ``*_bwd`` in reverse, x's two grads summed."""
     d_h, _ = combine_bwd(res.combine, dy)
+    if res.from_experts is not None:
+        d_h = from_experts_bwd(res.from_experts, d_h)[0]
     g = grouped_mlp_bwd(res.experts, d_h)
-    dx_rows, d_probs, _ = dispatch_bwd(res.dispatch, (g.dx, g.dprobs))
+    d_rows, d_probs_r = g.dx, g.dprobs
+    if res.to_experts is not None:
+        d_rows, d_probs_r, _ = to_experts_bwd(res.to_experts, (d_rows, d_probs_r, None, None, None))
+    dx_rows, d_probs, _ = dispatch_bwd(res.dispatch, (d_rows, d_probs_r))
     d_logits, _ = topk_router_bwd(res.topk, (d_probs, None))
     dx_router, d_wr, _ = linear_bwd(res.router, d_logits)
     return dx_rows + dx_router, d_wr, g.dw1, g.dw2
 
 
-_moe_layer = custom_vjp(moe_layer_fwd, moe_layer_bwd, nondiff_argnums=(4, 5, 6, 7, 8), name="moe_layer")
+_moe_layer = custom_vjp(moe_layer_fwd, moe_layer_bwd, nondiff_argnums=(4, 5, 6, 7, 8, 9), name="moe_layer")
 
 
 def moe_layer(
@@ -342,9 +357,16 @@ def moe_layer(
     activation: str = "swiglu",
     save: str = "default",
     backend: Any = None,
+    group: Any = None,
 ) -> torch.Tensor:
     """One MoE layer, router to combine: ``y_t = sum_j p_tj * MLP_{e_tj}(x_t)`` for ``x [T, H]``,
     as one autograd node (:func:`moe_layer_fwd`, :func:`moe_layer_bwd`).
+
+    ``group``: an expert-parallel process group of ``P`` ranks (None: every expert here). Each
+    rank then holds ``E / P`` experts (``w1``/``w2``: rank ``p``'s are experts ``p * E / P`` on)
+    and its own tokens; the router weight is every rank's the same ``[E, H]``. The result is
+    bitwise what one rank holding every rank's tokens and every expert computes
+    (``functional_dw/moe_ep.py``).
 
     ``router_weight [E, H]`` (its GEMM by :func:`functional_dw.linear`'s pair: the weight stays
     out of saved-tensor hooks), ``w1``/``w2`` the experts' weights as for
@@ -354,9 +376,13 @@ def moe_layer(
         logits = linear(x, router_weight, backend=backend)
         probs, indices = topk_router(logits, top_k, score)
         rows, probs_r, splits, order = dispatch(x, probs, indices, router_weight.shape[0])
+        if group is not None:
+            rows, probs_r, splits, perm, sizes = to_experts(rows, probs_r, splits, group)
         h = grouped_mlp(rows, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend)
+        if group is not None:
+            h = from_experts(h, perm, sizes, group)
         return combine(h, order, top_k)
-    return _moe_layer(x, router_weight, w1, w2, top_k, score, activation, save, backend)
+    return _moe_layer(x, router_weight, w1, w2, top_k, score, activation, save, backend, group)
 
 
 # NOTE: [The MoE layer under torch.compile]

@@ -24,7 +24,7 @@ from .kernels.activation import glu_width
 from .kernels import packed
 from .linear import linear
 from .mlp_checks import check_options
-from . import moe
+from . import moe, moe_ep
 from .nn_fp8 import FP8Module, reset_state, te_autocast_recipe  # noqa: F401  (te_autocast_recipe: nn's name)
 
 __all__ = ["Linear", "GroupedLinear", "GroupedMLP", "MoE", "remap_layouts"]
@@ -567,7 +567,12 @@ def _remap_layout(state_dict: dict, key: str, E: int, single: bool) -> None:
 class MoE(torch.nn.Module):
     """``router`` (a :class:`Linear` ``[E, H]``, no bias) picks ``top_k`` experts per token
     (``score``: ``moe.topk_router``'s), ``experts`` (a :class:`GroupedMLP`) runs them weighted by
-    the probs: ``y_t = sum_j p_tj * MLP_{e_tj}(x_t)``, dropless, no host sync (``moe.py``)."""
+    the probs: ``y_t = sum_j p_tj * MLP_{e_tj}(x_t)``, dropless, no host sync (``moe.py``).
+
+    ``ep_group``: an expert-parallel process group of ``P`` ranks: ``experts`` then holds this
+    rank's ``num_experts / P`` experts (rank ``p``: experts ``p * E / P`` on) and the rows are
+    exchanged with ``moe_ep.to_experts``/``from_experts`` (one host read of the counts per
+    call); each rank runs its own tokens, and ``router`` must be the same on every rank."""
 
     def __init__(
         self,
@@ -582,19 +587,26 @@ class MoE(torch.nn.Module):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         backend: str | None = None,
+        ep_group: Any = None,
     ) -> None:
         super().__init__()
         moe.check_router(top_k, score, E := _size("num_experts", num_experts), "MoE")
-        self.top_k, self.score = top_k, score
+        self.top_k, self.score, self.num_experts, self.ep_group = top_k, score, E, ep_group
+        E_local = E if ep_group is None else moe_ep.local_experts(E, ep_group)
         kw = dict(params_dtype=params_dtype, device=device, backend=backend)
         self.router = Linear(hidden_size, E, bias=False, **kw)
-        self.experts = GroupedMLP(E, hidden_size, ffn_hidden_size, activation=activation, save=save, **kw)
+        self.experts = GroupedMLP(E_local, hidden_size, ffn_hidden_size, activation=activation, save=save, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> y [..., H]
         x2 = x.reshape(-1, x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() > 2 else x
         probs, indices = moe.topk_router(self.router(x2), self.top_k, self.score)
-        rows, probs_r, splits, order = moe.dispatch(x2, probs, indices, self.experts.num_experts)
-        return moe.combine(self.experts(rows, splits, probs_r), order, self.top_k).view_as(x)
+        rows, probs_r, splits, order = moe.dispatch(x2, probs, indices, self.num_experts)
+        if self.ep_group is None:
+            return moe.combine(self.experts(rows, splits, probs_r), order, self.top_k).view_as(x)
+        rows, probs_r, splits, perm, sizes = moe_ep.to_experts(rows, probs_r, splits, self.ep_group)
+        h = moe_ep.from_experts(self.experts(rows, splits, probs_r), perm, sizes, self.ep_group)
+        return moe.combine(h, order, self.top_k).view_as(x)
 
     def extra_repr(self) -> str:
-        return f"top_k={self.top_k}, score={self.score!r}"
+        ep = "" if self.ep_group is None else f", experts here={self.experts.num_experts} of {self.num_experts}"
+        return f"top_k={self.top_k}, score={self.score!r}{ep}"

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_dw as fd
-from functional_dw import moe
+from functional_dw import moe, moe_ep
 
 T, H, FF, E, K = 12, 16, 8, 5, 2
 F64 = torch.float64
@@ -280,72 +280,83 @@ def test_torch_func_grad_of_the_layer(score):
         torch.testing.assert_close(a, b)
 
 
-# --- on CUDA: the layer against the reference, no host sync, one CUDA graph ----------------------
+# --- expert parallelism (moe_ep.py) on gloo: P ranks bitwise one rank ------------------------------
 
 
-def _cuda_moe(dtype: torch.dtype, seed: int = 0) -> fd.nn.MoE:
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    torch.manual_seed(seed)
-    return fd.nn.MoE(8, 64, 32, 2, params_dtype=dtype, device="cuda")
+def _ep_job(E: int, T: int, top_k: int) -> dict:
+    """On each rank: the layer over its own T tokens with its E / P experts, against one rank
+    holding every rank's tokens and every expert (computed here, no group). Both entry points:
+    ``moe_layer(group=...)`` (one node) and ``nn.MoE(ep_group=...)`` (the parts)."""
+    import torch.distributed as dist
 
-
-def _eager_grads(m: fd.nn.MoE, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
-    """y, dx and every parameter's grad of one eager step, through autograd.grad (no .grad touched)."""
-    x = x.detach().requires_grad_()
+    rank, P = dist.get_rank(), dist.get_world_size()
+    E_l = E // P
+    g = torch.Generator().manual_seed(7)
+    x_all = torch.randn(P * T, H, generator=g)
+    dy_all = torch.randn(P * T, H, generator=g)
+    wr = torch.randn(E, H, generator=g) / 4
+    w1 = torch.randn(E, 2 * FF, H, generator=g) / 4
+    w2 = torch.randn(E, H, FF, generator=g) / 4
+    mine, local = slice(rank * T, (rank + 1) * T), slice(rank * E_l, (rank + 1) * E_l)
+    leaves = [t.clone().requires_grad_() for t in (x_all, wr, w1, w2)]
+    y_ref = moe.moe_layer(*leaves, top_k, backend="torch")
+    ref = [y_ref, *torch.autograd.grad(y_ref, leaves, dy_all)]
+    want = [ref[0][mine], ref[1][mine], ref[3][local], ref[4][local]]  # y, dx, this rank's experts' grads
+    out = {"router_grad": ref[2]}
+    x = x_all[mine].clone().requires_grad_()
+    params = [wr.clone().requires_grad_(), w1[local].clone().requires_grad_(), w2[local].clone().requires_grad_()]
+    y = moe.moe_layer(x, *params, top_k, backend="torch", group=dist.group.WORLD)
+    dx, dwr, dw1, dw2 = torch.autograd.grad(y, [x, *params], dy_all[mine])
+    out["layer"] = [torch.equal(a, b) for a, b in zip([y, dx, dw1, dw2], want)]
+    out["layer_router_grad"] = dwr
+    m = fd.nn.MoE(E, H, FF, top_k, backend="torch", ep_group=dist.group.WORLD)
+    with torch.no_grad():
+        m.router.weight.copy_(wr), m.experts.fc1.weight.copy_(w1[local]), m.experts.fc2.weight.copy_(w2[local])
+    x = x_all[mine].clone().requires_grad_()
     y = m(x)
-    return [y.detach(), *torch.autograd.grad(y, [x, *m.parameters()], dy)]
+    dx, dw1, dw2 = torch.autograd.grad(y, [x, m.experts.fc1.weight, m.experts.fc2.weight], dy_all[mine])
+    out["module"] = [torch.equal(a, b) for a, b in zip([y, dx, dw1, dw2], want)]
+    out["experts_here"] = m.experts.num_experts
+    return out
 
 
-@pytest.mark.gpu
-def test_cuda_layer_matches_the_reference_without_a_host_sync():
-    """bf16 on CUDA (torch's grouped GEMM over device-side splits) against the float64 per-token
-    reference; the eager step runs with CUDA's sync debug mode set to raise."""
-    m = _cuda_moe(torch.bfloat16)
-    x = torch.randn(96, 64, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn_like(x)
-    _eager_grads(m, x, dy)  # (plans made and kernels compiled before the check)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        y, dx, *_ = _eager_grads(m, x, dy)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    w = [
-        p.detach().double().cpu().requires_grad_()
-        for p in (m.router.weight, m.experts.fc1.weight, m.experts.fc2.weight)
-    ]
-    x64 = x.double().cpu().requires_grad_()
-    want = _reference(x64, *w, 2)
-    (dx_want,) = torch.autograd.grad(want, [x64], dy.double().cpu())
-    torch.testing.assert_close(y.double().cpu(), want, atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(dx.double().cpu(), dx_want, atol=3e-2, rtol=3e-2)
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"{p}ranks")
+def ep_results(request):
+    fdd = pytest.importorskip("functional_dw.distributed")
+    P = request.param
+    return P, fdd.launch(_ep_job, P, 8, 9, 2, backend="gloo", timeout=60, deadline=240)
 
 
-@pytest.mark.gpu
-def test_graph_step_captures_the_whole_layer_and_replays_new_tokens_like_eager():
-    """Router to combine, forward and backward, in one CUDA graph (graph_step checks that no
-    warm-up syncs): each replay with new tokens (so a new routing) gives eager's y, dx and
-    parameter grads bit for bit."""
-    from functional_dw.graphs import graph_step
+def test_expert_parallel_is_bitwise_one_rank(ep_results):
+    """y, dx and each rank's experts' weight grads bitwise one rank's (the rows reach each
+    expert in the same order); the router's grad, a sum over the ranks' tokens, to rounding."""
+    P, results = ep_results
+    for rank, r in enumerate(results):
+        assert r["experts_here"] == 8 // P
+        assert r["layer"] == [True] * 4, f"rank {rank} of {P}: moe_layer(group=...) (y, dx, dw1, dw2)"
+        assert r["module"] == [True] * 4, f"rank {rank} of {P}: nn.MoE(ep_group=...) (y, dx, dw1, dw2)"
+    router = sum(r["layer_router_grad"] for r in results)
+    torch.testing.assert_close(router, results[0]["router_grad"])
 
-    m = _cuda_moe(torch.bfloat16, seed=1)
-    x = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
 
-    def step(x, dy):
-        y = m(x)
-        y.backward(dy)
-        return y.detach()
+def _ep_bad_job() -> list[str]:
+    import torch.distributed as dist
 
-    params = list(m.parameters())
-    g = graph_step(step, x, dy, params=params)
-    for i in range(3):
-        gen = torch.Generator(device="cuda").manual_seed(100 + i)
-        xi = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
-        dyi = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
-        y = g(xi, dyi)
-        got = [y, x.grad, *[p.grad for p in params]]
-        want = _eager_grads(m, xi, dyi)
-        for name, a, b in zip(["y", "dx", *[n for n, _ in m.named_parameters()]], got, want):
-            assert torch.equal(a, b), f"replay {i}: {name} differs from eager"
+    errors = []
+    for call in (
+        lambda: fd.nn.MoE(3, H, FF, 1, ep_group=dist.group.WORLD),
+        lambda: moe_ep.from_experts(torch.zeros(2, H), torch.arange(2), torch.zeros(2, 2, dtype=torch.long), None),
+    ):
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_expert_parallel_refuses_what_cannot_split():
+    fdd = pytest.importorskip("functional_dw.distributed")
+    errors = fdd.launch(_ep_bad_job, 2, backend="gloo", timeout=60, deadline=120)[0]
+    assert len(errors) == 2
+    assert "num_experts (3) must be a positive multiple of the group's 2 ranks" in errors[0]
+    assert "from_experts" in errors[1]

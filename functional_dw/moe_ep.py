@@ -1,0 +1,159 @@
+"""Expert parallelism: the dispatch's rows to the ranks that own their experts and back, as
+pure pairs over ``torch.distributed`` (``all_to_all_single``).
+
+Legend: ``P`` ranks in the expert-parallel group, ``E`` experts in all, ``E_l = E / P`` on each
+rank (rank ``p`` owns experts ``[p * E_l, (p + 1) * E_l)``), ``R`` rows this rank's dispatch
+made (its tokens times top-k), ``R_l`` rows its experts receive.
+
+:func:`to_experts` takes the dispatch's output (rows sorted by global expert, so each
+destination rank's rows are one contiguous block) and returns the rows this rank's experts
+run, sorted by local expert, stably: within an expert, by source rank, then as the source's
+dispatch had them (token order). That is the order one rank holding every token (the ranks'
+tokens concatenated) and every expert would give, so the experts see the same rows in the same
+order, and the layer's output, x's gradient and each expert's weight gradient are bitwise
+those of one rank. :func:`from_experts` sends the experts' output rows back, in the dispatch's
+order, for :func:`functional_dw.moe.combine`. Each backward is the other direction's exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .custom_vjp import custom_vjp
+from .residuals import residuals, saved
+
+__all__ = ["ExchangeResiduals", "local_experts", "to_experts", "to_experts_fwd", "to_experts_bwd"]
+__all__ += ["from_experts", "from_experts_fwd", "from_experts_bwd"]
+
+
+# NOTE: [The exchange reads the counts on the host] ``all_to_all_single`` with uneven blocks
+#   needs each block's size on the host. The per-expert counts are exchanged on the device
+#   (one ``all_to_all_single`` of ``E`` int64s), then read once per layer call (one sync on
+#   CUDA, as Megatron's dropless all-to-all dispatcher does): the sizes of the row exchange in
+#   both directions, forward and backward, come from that one read. A sync-free exchange needs
+#   a fixed capacity per rank (padded blocks, overflow dropped or refused); not built.
+
+
+@residuals
+class ExchangeResiduals:
+    """The route of one exchange: the local sort on the device, the block sizes on the host."""
+
+    perm: torch.Tensor = saved()  # [R_l] int64: the received row each of the experts' rows is
+    send_sizes: list  # rows this rank's dispatch sends to each rank (host ints)
+    recv_sizes: list  # rows its experts receive from each rank (host ints)
+    group: Any  # the expert-parallel process group (by reference)
+
+
+def local_experts(num_experts: int, group: Any) -> int:
+    """``E_l``: the experts each rank of ``group`` owns (``num_experts`` must divide evenly)."""
+    P = dist.get_world_size(group)
+    if type(num_experts) is not int or num_experts < 1 or num_experts % P:
+        raise ValueError(
+            f"expert parallelism: num_experts ({num_experts!r}) must be a positive multiple of the group's {P} ranks"
+        )
+    return num_experts // P
+
+
+def _exchange(t: torch.Tensor, out_sizes: list, in_sizes: list, group: Any) -> torch.Tensor:
+    """``t``'s row blocks (``in_sizes``, one per rank) to the ranks; the blocks received (``out_sizes``)."""
+    out = t.new_empty((sum(out_sizes), *t.shape[1:]))
+    dist.all_to_all_single(out, t.contiguous(), out_sizes, in_sizes, group=group)
+    return out
+
+
+def _unsort(t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """Rows in the experts' order back to the received (source, expert) order."""
+    return torch.empty_like(t).index_copy_(0, perm, t)
+
+
+def _back(res: ExchangeResiduals, t: torch.Tensor) -> torch.Tensor:
+    """Rows in this rank's experts' order to their source ranks, in the sources' dispatch order."""
+    return _exchange(_unsort(t, res.perm), res.send_sizes, res.recv_sizes, res.group)
+
+
+def _forth(res: ExchangeResiduals, t: torch.Tensor) -> torch.Tensor:
+    """Rows in the dispatch's order to the experts' ranks, in the experts' order."""
+    return _exchange(t, res.recv_sizes, res.send_sizes, res.group).index_select(0, res.perm)
+
+
+def _route(splits: torch.Tensor, group: Any) -> tuple[ExchangeResiduals, torch.Tensor]:
+    """The route of the dispatch's ``splits [E]`` over ``group``, and this rank's ``splits_l [E_l]``."""
+    if not isinstance(splits, torch.Tensor) or splits.dim() != 1 or splits.dtype != torch.int64:
+        raise TypeError("to_experts: splits must be the dispatch's [E] int64 splits tensor")
+    P = dist.get_world_size(group)
+    E_l = local_experts(splits.shape[0], group)
+    recv_splits = torch.empty_like(splits)  # from rank q, for local expert j: at q * E_l + j
+    dist.all_to_all_single(recv_splits, splits.contiguous(), group=group)
+    counts = torch.cat(
+        [splits.view(P, E_l).sum(1), recv_splits]
+    ).tolist()  # NOTE: [The exchange reads the counts on the host]
+    send_sizes, per_expert = counts[:P], counts[P:]
+    recv_sizes = [sum(per_expert[q * E_l : (q + 1) * E_l]) for q in range(P)]
+    expert = torch.arange(E_l, device=splits.device).repeat(P)
+    key = torch.repeat_interleave(expert, recv_splits, output_size=sum(recv_sizes))
+    perm = torch.argsort(key, stable=True)  # the received (source, expert) order -> (expert, source)
+    return ExchangeResiduals(perm, send_sizes, recv_sizes, group), recv_splits.view(P, E_l).sum(0)
+
+
+def to_experts_fwd(rows: torch.Tensor, probs_r: torch.Tensor | None, splits: torch.Tensor, group: Any):
+    """``((rows_l [R_l, H], probs_l [R_l] (with probs), splits_l [E_l], perm [R_l], sizes [2, P]),
+    residuals)``: this rank's dispatch output (rows sorted by global expert, ``splits [E]``)
+    exchanged so that each rank holds its own experts' rows, sorted by local expert. ``perm``
+    and ``sizes`` (int64; sizes on the CPU: rows sent to, received from each rank) are the
+    route :func:`from_experts` takes back."""
+    res, splits_l = _route(splits, group)
+    sizes = torch.tensor([res.send_sizes, res.recv_sizes], dtype=torch.int64)
+    rows_l = _forth(res, rows)
+    if probs_r is None:
+        return (rows_l, splits_l, res.perm, sizes), res
+    return (rows_l, _forth(res, probs_r), splits_l, res.perm, sizes), res
+
+
+def to_experts_bwd(res: ExchangeResiduals, d_out: tuple) -> tuple:
+    """(d_rows, d_probs_r, None for the splits): the gradients sent back to their rows' ranks."""
+    d_rows, d_probs = d_out[0], (d_out[1] if len(d_out) == 5 else None)
+    return (None if d_rows is None else _back(res, d_rows)), (None if d_probs is None else _back(res, d_probs)), None
+
+
+def from_experts_fwd(out_l: torch.Tensor, perm: torch.Tensor, sizes: torch.Tensor, group: Any):
+    """The experts' output rows back to their tokens' ranks, in the dispatch's order."""
+    if not isinstance(sizes, torch.Tensor) or sizes.device.type != "cpu" or sizes.dim() != 2 or sizes.shape[0] != 2:
+        raise ValueError("from_experts: perm and sizes must be to_experts' route outputs (sizes: [2, P] on the CPU)")
+    send, recv = sizes.tolist()
+    if len(send) != dist.get_world_size(group) or out_l.shape[0] != perm.shape[0] or sum(recv) != perm.shape[0]:
+        raise ValueError(
+            f"from_experts: {out_l.shape[0]} rows for a route of {perm.shape[0]} rows over {len(send)} ranks: "
+            "give the rows of this rank's experts, in to_experts' order, with its perm and sizes"
+        )
+    res = ExchangeResiduals(perm, send, recv, group)
+    return _back(res, out_l), res
+
+
+def from_experts_bwd(res: ExchangeResiduals, dy: torch.Tensor) -> tuple:
+    """(d_out_l, None, None): dy sent to the experts' ranks, in the experts' order."""
+    return _forth(res, dy), None, None
+
+
+_to_experts = custom_vjp(to_experts_fwd, to_experts_bwd, nondiff_argnums=(3,), name="to_experts")
+_from_experts = custom_vjp(from_experts_fwd, from_experts_bwd, nondiff_argnums=(3,), name="from_experts")
+
+
+def to_experts(rows: torch.Tensor, probs_r: torch.Tensor | None, splits: torch.Tensor, group: Any) -> tuple:
+    """``(rows_l, probs_l or None, splits_l, perm, sizes)``: :func:`functional_dw.moe.dispatch`'s
+    rows, probs and splits exchanged over the expert-parallel ``group`` so that this rank holds
+    the rows of its own ``E / P`` experts, sorted by local expert (feed ``rows_l``, ``splits_l``
+    and ``probs_l`` to this rank's experts); ``perm`` and ``sizes`` feed :func:`from_experts`.
+    Differentiable in rows and probs. One host read of the exchanged counts per call (NOTE:
+    [The exchange reads the counts on the host]). Every rank of the group calls it, in the same order."""
+    out = _to_experts(rows, probs_r, splits, group)
+    return out if probs_r is not None else (out[0], None, *out[1:])
+
+
+def from_experts(out_l: torch.Tensor, perm: torch.Tensor, sizes: torch.Tensor, group: Any) -> torch.Tensor:
+    """The experts' output rows (``[R_l, H]``, in :func:`to_experts`' order) back to the ranks
+    their tokens came from: ``[R, H]`` in the dispatch's order, for :func:`functional_dw.moe.combine`.
+    Differentiable in ``out_l``."""
+    return _from_experts(out_l, perm, sizes, group)
