@@ -488,8 +488,9 @@ class _PlannedRun(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple:  # type: ignore[override]
-        step = ctx.call.step
-        return (None, *step.in_spec.cotangent_leaves(step.bwd(ctx_residuals(ctx), d_out), step))
+        step, needs = ctx.call.step, ctx.needs_input_grad
+        grads = step.in_spec.cotangent_leaves(step.bwd(ctx_residuals(ctx), d_out), step)
+        return (None, *[g if needs[1 + i] else None for i, g in enumerate(grads)])  # (as _Bridge.backward)
 
 
 def run_planned(name: str, fwd: Callable, bwd: Callable, args: tuple, static: tuple = ()) -> torch.Tensor | None:

@@ -510,8 +510,8 @@ def _vmap(batch_size: int, in_dims: tuple, x, weights, splits, bias, opts: Optio
 # runner] in ``custom_vjp.py``): this pair's ``forward`` on the cached plan, and in backward
 # ``_dgrad``/``_wgrad`` less what the plan and autograd have already checked: the record is
 # the one forward made, and dy comes from autograd, which has matched it to y's shape, dtype
-# and device. Still checked per call: the weights' versions (x's is autograd's), dy's layout
-# (dense), and where the products run (:func:`route`).
+# and device. Still checked per call: the weights' versions (x's is autograd's), dy (a sparse
+# grad is refused, as everywhere), and where the products run (:func:`route`).
 def _planned(x, weights, splits, bias, opts: Options) -> torch.Tensor | None:
     """y from the planned run, or None where the call takes the bridge (NOTE: [The layer's planned run])."""
     key = plan_key(x, weights, splits, bias, opts)
@@ -529,7 +529,7 @@ def _planned_bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple:
     """The cotangents of (x, weights, splits, bias) for a planned node's record (NOTE: [The
     layer's planned run])."""
     with _amp.off(dy):
-        dy_TN = _checks.dense(dy)
+        dy_TN = check_dy(res, dy)  # (autograd matched its shape, dtype and device, not its layout)
         dwp.check_versions(res.weights, res.weight_version, "weights")
         k = _Route(*route(res.kernels, res.path == "grouped", dy_TN, res.x_TK))
         dx, (dw, db) = _dgrad(res, dy_TN, None, k), _wgrad(res, dy_TN, None, k)

@@ -110,6 +110,7 @@ class GroupedMLPResiduals:
     # runs the reference where its operands are functorch wrappers: activation_kernels)
     probs_bias: _ProbsBias | None  # fc2's bias weighted by probs (added outside fc2), else None
     bias1: Any  # fc1's bias as given, by reference (a parameter): to run fc1's GEMM again (x_only, second order)
+    bias1_version: tuple  # bias1's versions at forward: checked where fc1's GEMM runs again
     h_kept: bool  # fc2's forward kept h for its wgrad (False only with FP8 and w2 frozen): rebuild it if not saved
     needs: Any = needed()  # which gradients bwd computes, shaped like (x, w1, w2, splits, probs, bias1, bias2)
 
@@ -199,6 +200,7 @@ def _record(opts: MLPOptions, activation: Activation, r1, r2, fc1_out, probs, ac
         act=act,
         probs_bias=pb,
         bias1=bias1,
+        bias1_version=() if bias1 is None else dwp.versions((bias1,) if isinstance(bias1, torch.Tensor) else bias1),
         h_kept=h_kept,
     )
 
@@ -277,6 +279,8 @@ def _recompute_fc1(res: GroupedMLPResiduals) -> torch.Tensor:
     dwp.check_materialized(full, r1.weight_shapes, "materialize_group_for_forward()", "w1")
     w_ENK = full[0] if r1.stacked else one_buffer(full, r1.plan)
     b1 = res.bias1
+    if b1 is not None:  # (read again here: changed in place since forward, fc1_out would silently differ)
+        dwp.check_versions((b1,) if isinstance(b1, torch.Tensor) else b1, res.bias1_version, "bias1")
     b_EN = None if b1 is None else (b1 if r1.plan.bias_form == "stacked" else stacked(b1))
     kernels, grouped = route(r1.kernels, r1.path == "grouped", x_TK, w_ENK)
     return kernels.grouped_fprop(x_TK, w_ENK, b_EN, r1.splits, grouped)
@@ -410,7 +414,9 @@ def _planned(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions) -> torch.
     """y as one planned node (NOTE: [The plan's runner] in ``custom_vjp.py``), or None where the
     call takes the bridge: FP8, DistributedWeights. Forward is the pair's, every check
     included; backward skips the record's check (the node made the record)."""
-    if opts.fc1.fp8 is not None or dwp.any_distributed(w1) or dwp.any_distributed(w2):
+    if opts.fc1.fp8 is not None or not all(isinstance(w, (torch.Tensor, list)) for w in (w1, w2)):
+        return None  # (weights of another kind: the bridge's checks name them)
+    if dwp.any_distributed(w1) or dwp.any_distributed(w2):
         return None
 
     def fwd(x, w1, w2, splits, probs, bias1, bias2):

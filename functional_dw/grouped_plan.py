@@ -46,9 +46,9 @@ class HostSplits(tuple):
 def normalize_args(weights: Any, splits: Any, bias: Any) -> tuple[Any, Any, Any]:
     """Sequences as lists (a tuple, an ``nn.ParameterList``: one pytree list), host split counts
     as ONE leaf (:class:`HostSplits`)."""
-    if not isinstance(weights, (torch.Tensor, list)):  # a tuple or nn.ParameterList: a pytree list
-        weights = _checks.sequence(weights) or weights
-    if bias is not None and not isinstance(bias, (torch.Tensor, list)):
+    if not isinstance(weights, torch.Tensor) and type(weights) is not list:  # a tuple, an nn.ParameterList,
+        weights = _checks.sequence(weights) or weights  # a list subclass (a pytree leaf): a plain list
+    if bias is not None and not isinstance(bias, torch.Tensor) and type(bias) is not list:
         bias = _checks.sequence(bias) or bias
     if not isinstance(splits, (torch.Tensor, str, bytes, HostSplits)):
         items = _checks.sequence(splits)

@@ -1234,3 +1234,30 @@ def test_module_runs_its_linears_forward_pre_hooks(with_kwargs):
     m.fc2.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
     with pytest.raises(ValueError, match="returned a new input"):
         m(x, SPLITS)
+
+
+def test_bias1_changed_in_place_before_an_x_only_backward_is_refused():
+    """save="x_only" runs fc1's GEMM again in backward, reading bias1: changed in place since
+    forward, the gradients would silently use the new bias (as a weight's change is refused)."""
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(3, 8, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(3, 6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    b1 = torch.randn(3, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(7, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    y = fd.grouped_mlp(x, w1, w2, [3, 0, 4], bias1=b1, save="x_only", backend="torch")
+    with torch.no_grad():
+        b1.add_(1)
+    with pytest.raises(RuntimeError, match="bias1 was modified in place"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("bad", [None, 1.5, "w"])
+def test_weights_of_the_wrong_kind_are_named(bad):
+    """Not a tensor nor a sequence of them: the layer's TypeError, naming fc1 or fc2 (the planned
+    run's gate leaves them to it)."""
+    w = torch.randn(3, 8, 6, dtype=torch.float64)
+    x = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(TypeError, match="grouped_mlp's fc1 .* got"):
+        fd.grouped_mlp(x, bad, w, [3, 0, 4], backend="torch")
+    with pytest.raises(TypeError, match="grouped_mlp's fc2 .* got"):
+        fd.grouped_mlp(x, w, bad, [3, 0, 4], activation="gelu", backend="torch")

@@ -283,33 +283,37 @@ def test_torch_func_grad_of_the_layer(score):
 # --- expert parallelism (moe_ep.py) on gloo: P ranks bitwise one rank ------------------------------
 
 
-def _ep_job(E: int, T: int, top_k: int) -> dict:
+def _ep_job(E: int, T: int, top_k: int, device: str = "cpu", dims: tuple = (H, FF)) -> dict:
     """On each rank: the layer over its own T tokens with its E / P experts, against one rank
     holding every rank's tokens and every expert (computed here, no group). Both entry points:
-    ``moe_layer(group=...)`` (one node) and ``nn.MoE(ep_group=...)`` (the parts)."""
+    ``moe_layer(group=...)`` (one node) and ``nn.MoE(ep_group=...)`` (the parts). On the CPU in
+    float32 on the reference backend; on CUDA (NCCL) in bf16 on the default backend."""
     import torch.distributed as dist
 
     rank, P = dist.get_rank(), dist.get_world_size()
+    hidden, ffn = dims
+    dtype, backend = (torch.float32, "torch") if device == "cpu" else (torch.bfloat16, None)
     E_l = E // P
     g = torch.Generator().manual_seed(7)
-    x_all = torch.randn(P * T, H, generator=g)
-    dy_all = torch.randn(P * T, H, generator=g)
-    wr = torch.randn(E, H, generator=g) / 4
-    w1 = torch.randn(E, 2 * FF, H, generator=g) / 4
-    w2 = torch.randn(E, H, FF, generator=g) / 4
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
+
+    x_all, dy_all = rand(P * T, hidden), rand(P * T, hidden)
+    wr, w1, w2 = rand(E, hidden, scale=0.25), rand(E, 2 * ffn, hidden, scale=0.25), rand(E, hidden, ffn, scale=0.25)
     mine, local = slice(rank * T, (rank + 1) * T), slice(rank * E_l, (rank + 1) * E_l)
     leaves = [t.clone().requires_grad_() for t in (x_all, wr, w1, w2)]
-    y_ref = moe.moe_layer(*leaves, top_k, backend="torch")
+    y_ref = moe.moe_layer(*leaves, top_k, backend=backend)
     ref = [y_ref, *torch.autograd.grad(y_ref, leaves, dy_all)]
     want = [ref[0][mine], ref[1][mine], ref[3][local], ref[4][local]]  # y, dx, this rank's experts' grads
     out = {"router_grad": ref[2]}
     x = x_all[mine].clone().requires_grad_()
     params = [wr.clone().requires_grad_(), w1[local].clone().requires_grad_(), w2[local].clone().requires_grad_()]
-    y = moe.moe_layer(x, *params, top_k, backend="torch", group=dist.group.WORLD)
+    y = moe.moe_layer(x, *params, top_k, backend=backend, group=dist.group.WORLD)
     dx, dwr, dw1, dw2 = torch.autograd.grad(y, [x, *params], dy_all[mine])
     out["layer"] = [torch.equal(a, b) for a, b in zip([y, dx, dw1, dw2], want)]
     out["layer_router_grad"] = dwr
-    m = fd.nn.MoE(E, H, FF, top_k, backend="torch", ep_group=dist.group.WORLD)
+    m = fd.nn.MoE(E, hidden, ffn, top_k, backend=backend, ep_group=dist.group.WORLD, params_dtype=dtype, device=device)
     with torch.no_grad():
         m.router.weight.copy_(wr), m.experts.fc1.weight.copy_(w1[local]), m.experts.fc2.weight.copy_(w2[local])
     x = x_all[mine].clone().requires_grad_()
@@ -318,6 +322,17 @@ def _ep_job(E: int, T: int, top_k: int) -> dict:
     out["module"] = [torch.equal(a, b) for a, b in zip([y, dx, dw1, dw2], want)]
     out["experts_here"] = m.experts.num_experts
     return out
+
+
+def check_ep(P: int, results: list, E: int) -> None:
+    """Every rank's y, dx and expert grads bitwise one rank's; the router grad summed over the
+    ranks to rounding (also ``test_moe_gpu.py``'s check)."""
+    for rank, r in enumerate(results):
+        assert r["experts_here"] == E // P
+        assert r["layer"] == [True] * 4, f"rank {rank} of {P}: moe_layer(group=...) (y, dx, dw1, dw2)"
+        assert r["module"] == [True] * 4, f"rank {rank} of {P}: nn.MoE(ep_group=...) (y, dx, dw1, dw2)"
+    router = sum(r["layer_router_grad"].float() for r in results)
+    torch.testing.assert_close(router, results[0]["router_grad"].float(), atol=2e-2 * P, rtol=2e-2)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"{p}ranks")
@@ -330,13 +345,7 @@ def ep_results(request):
 def test_expert_parallel_is_bitwise_one_rank(ep_results):
     """y, dx and each rank's experts' weight grads bitwise one rank's (the rows reach each
     expert in the same order); the router's grad, a sum over the ranks' tokens, to rounding."""
-    P, results = ep_results
-    for rank, r in enumerate(results):
-        assert r["experts_here"] == 8 // P
-        assert r["layer"] == [True] * 4, f"rank {rank} of {P}: moe_layer(group=...) (y, dx, dw1, dw2)"
-        assert r["module"] == [True] * 4, f"rank {rank} of {P}: nn.MoE(ep_group=...) (y, dx, dw1, dw2)"
-    router = sum(r["layer_router_grad"] for r in results)
-    torch.testing.assert_close(router, results[0]["router_grad"])
+    check_ep(*ep_results, E=8)
 
 
 def _ep_bad_job() -> list[str]:

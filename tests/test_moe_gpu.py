@@ -81,3 +81,20 @@ def test_graph_step_captures_the_whole_layer_and_replays_new_tokens_like_eager()
         want = _eager_grads(m, xi, dyi)
         for name, a, b in zip(["y", "dx", *[n for n, _ in m.named_parameters()]], got, want):
             assert torch.equal(a, b), f"replay {i}: {name} differs from eager"
+
+
+# --- expert parallelism over NCCL -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("P", [1, 2], ids=lambda p: f"{p}gpus")
+def test_expert_parallel_over_nccl_is_bitwise_one_rank(P):
+    """moe_ep's exchange over NCCL (one GPU per rank, bf16, the default backend): as on gloo,
+    each rank's y, dx and expert grads bitwise one rank holding every token and expert. One
+    rank runs the CUDA exchange path on any GPU machine; two need two GPUs."""
+    if torch.cuda.device_count() < P:
+        pytest.skip(f"needs {P} GPUs")
+    fdd = pytest.importorskip("functional_dw.distributed")
+    from test_moe import _ep_job, check_ep
+
+    results = fdd.launch(_ep_job, P, 8, 256, 2, "cuda", (64, 32), backend="nccl", timeout=120, deadline=300)
+    check_ep(P, results, E=8)

@@ -1560,3 +1560,38 @@ def test_grouped_mlp_runs_planned_and_bitwise_the_bridge():
     assert not _planned(yb) and type(yb.grad_fn).__name__ == type(y.grad_fn).__name__
     want = [yb, *torch.autograd.grad(yb, [x, w1, w2, probs], dy)]
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_planned_node_refuses_a_sparse_dy_and_hands_autograd_only_the_wanted_grads():
+    """A sparse dy (autograd matched its shape, not its layout) gets the bridge's TypeError;
+    with one expert frozen, the node's hook sees None for it, as from the bridge (wgrad makes
+    every expert's dW, so the node masks what autograd did not ask for: anomaly mode's NaN
+    check would otherwise read a frozen expert's)."""
+    ws = _weights("list", torch.float64)
+    x = torch.randn(12, K, dtype=torch.float64, requires_grad=True)
+    _step(x, ws, None, torch.randn(12, N, dtype=torch.float64))
+    y = fd.grouped_linear(x, ws, [5, 0, 7], backend="torch")
+    assert _planned(y)
+    with pytest.raises(TypeError, match="dense"):
+        y.backward(torch.randn(12, N, dtype=torch.float64).to_sparse())
+    ws[1].requires_grad_(False)
+    y = fd.grouped_linear(x, ws, [5, 0, 7], backend="torch")
+    assert _planned(y)
+    seen = []
+    y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: seen.append([g is not None for g in grad_inputs]))
+    y.backward(torch.randn(12, N, dtype=torch.float64))
+    assert seen == [[True, True, False, True]]
+
+
+def test_a_list_subclass_of_weights_is_a_list():
+    """A list subclass (a pytree leaf, not a list node) is taken as a list: every weight gets
+    its gradient (before, none did, silently)."""
+
+    class Weights(list):
+        pass
+
+    ws = Weights(_weights("list", torch.float64))
+    x = torch.randn(12, K, dtype=torch.float64)
+    for _ in range(2):  # the bridge, then the planned node
+        fd.grouped_linear(x, ws, [5, 0, 7], backend="torch").sum().backward()
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in ws if w is not ws[1])
