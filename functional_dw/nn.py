@@ -572,7 +572,8 @@ class MoE(torch.nn.Module):
     ``ep_group``: an expert-parallel process group of ``P`` ranks: ``experts`` then holds this
     rank's ``num_experts / P`` experts (rank ``p``: experts ``p * E / P`` on) and the rows are
     exchanged with ``moe_ep.to_experts``/``from_experts`` (one host read of the counts per
-    call); each rank runs its own tokens, and ``router`` must be the same on every rank."""
+    call); each rank runs its own tokens, and ``router`` must be the same on every rank.
+    ``recipe``: the experts' FP8 recipe (:class:`GroupedMLP`'s; the router stays in high precision)."""
 
     def __init__(
         self,
@@ -587,6 +588,7 @@ class MoE(torch.nn.Module):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         backend: str | None = None,
+        recipe: Any = None,
         ep_group: Any = None,
     ) -> None:
         super().__init__()
@@ -595,7 +597,9 @@ class MoE(torch.nn.Module):
         E_local = E if ep_group is None else moe_ep.local_experts(E, ep_group)
         kw = dict(params_dtype=params_dtype, device=device, backend=backend)
         self.router = Linear(hidden_size, E, bias=False, **kw)
-        self.experts = GroupedMLP(E_local, hidden_size, ffn_hidden_size, activation=activation, save=save, **kw)
+        self.experts = GroupedMLP(
+            E_local, hidden_size, ffn_hidden_size, activation=activation, save=save, recipe=recipe, **kw
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> y [..., H]
         x2 = x.reshape(-1, x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() > 2 else x

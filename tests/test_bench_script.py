@@ -677,3 +677,30 @@ def test_host_cpu_proxy_quick_writes_every_contender(tmp_path):
         assert f"| {E} | {t:.1f} | {one:.1f} | {one / t:.2f}x |" in md
         tm, fm = r["torch MLP"], r["fd GroupedMLP"]
         assert f"| {tm:.1f} | {fm:.1f} | {fm / tm:.2f}x |" in md
+
+
+# --- benchmarks/moe_block.py -------------------------------------------------------------------
+
+
+def test_moe_block_smoke_writes_every_contender(tmp_path):
+    """The whole MoE block's script on the CPU: torch's and fd's steps timed (the cells show the
+    JSON's numbers), the CUDA-only contenders say why they did not run, and the hooks' bytes
+    per token show torch's weights passing through them and none of fd's."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    try:
+        import moe_block
+    finally:
+        sys.path.remove(str(HERE.parent / "benchmarks"))
+    moe_block.main(["--shapes", "smoke", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "results.json").read_text())
+    md = (tmp_path / "results.md").read_text()
+    (row,) = data["shapes"]
+    for key in ("torch", "fd", "fd_rowwise"):
+        v = row["times"][key]
+        assert v["ms"] > 0 and v["host_ms"] > 0 and v["rel_err"] < (0.1 if key == "fd_rowwise" else 0.02), key
+        assert f"{v['ms']:.3f} ({v['host_ms']:.3f})" in md
+    for key in ("fd_graphed", "fd_rowwise_graphed"):
+        assert row["times"][key] == "n/a: CUDA graphs need CUDA"
+    assert row["times"]["te"].startswith("n/a") and row["times"]["liger"].startswith("n/a")
+    assert row["saved"]["fd"]["params_seen"] == 0 and row["saved"]["torch"]["params_seen"] == 3
+    assert 0 < row["saved"]["fd"]["bytes_per_token"] < row["saved"]["torch"]["bytes_per_token"]

@@ -20,6 +20,7 @@ EXPECTED = [
     "02_saved_tensor_hooks_and_offloading.ipynb",
     "03_torch_func.ipynb",
     "04_expert_mlp.ipynb",
+    "05_moe_layer.ipynb",
 ]
 
 
