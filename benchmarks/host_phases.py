@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import json
 import statistics
 import sys
@@ -41,20 +42,21 @@ from functional_dw import fp8  # noqa: E402
 gl = sys.modules["functional_dw.grouped_linear"]
 gm = sys.modules["functional_dw.grouped_mlp"]
 cv = sys.modules["functional_dw.custom_vjp"]
+bp = importlib.import_module("functional_dw._bridge_planned")
 nn_mod = sys.modules["functional_dw.nn"]
 
 # (label, owner, attribute, depth): the run path, in call order
 PHASES = [
     ("module forward", nn_mod.GroupedLinear, "forward", 0),
     ("grouped_linear (options, bridge entry)", nn_mod, "grouped_linear", 1),
-    ("Function.forward (the planned node)", cv._PlannedRun, "forward", 2),
+    ("Function.forward (the planned node)", bp._PlannedRun, "forward", 2),
     ("Function.forward (the lean bridge: FP8)", cv._LeanBridge, "forward", 2),
     ("prepare (plan lookup, splits, operands)", gl, "prepare", 3),
     ("forward (GEMM, record)", gl, "forward", 3),
     ("kernels: grouped_fprop", None, "grouped_fprop", 4),
     ("kept_residuals (what is saved)", cv, "kept_residuals", 3),
     ("backward (torch.autograd.backward)", None, None, 0),
-    ("Function.backward (the planned node)", cv._PlannedRun, "backward", 1),
+    ("Function.backward (the planned node)", bp._PlannedRun, "backward", 1),
     ("Function.backward (the lean bridge: FP8)", cv._LeanBridge, "backward", 1),
     ("ctx_residuals (rebuild the record)", cv, "ctx_residuals", 2),
     ("_checked (record, versions, dy: the bridge's)", gl, "_checked", 2),
@@ -67,7 +69,7 @@ PHASES = [
 MLP_PHASES = [
     ("module forward", nn_mod.GroupedMLP, "forward", 0),
     ("grouped_mlp (options, bridge entry)", nn_mod, "grouped_mlp", 1),
-    ("Function.forward (the planned node)", cv._PlannedRun, "forward", 2),
+    ("Function.forward (the planned node)", bp._PlannedRun, "forward", 2),
     ("Function.forward (the lean bridge: FP8)", cv._LeanBridge, "forward", 2),
     ("_run (fc1, activation, fc2)", gm, "_run", 3),
     ("prepare, fc1 and fc2 (plan lookup, splits, operands)", gm, "prepare", 4),
@@ -75,7 +77,7 @@ MLP_PHASES = [
     ("kernels: grouped_fprop (x2)", None, "grouped_fprop", 5),
     ("kept_residuals (what is saved)", cv, "kept_residuals", 3),
     ("backward (torch.autograd.backward)", None, None, 0),
-    ("Function.backward (the planned node)", cv._PlannedRun, "backward", 1),
+    ("Function.backward (the planned node)", bp._PlannedRun, "backward", 1),
     ("Function.backward (the lean bridge: FP8)", cv._LeanBridge, "backward", 1),
     ("ctx_residuals (rebuild the record)", cv, "ctx_residuals", 2),
     ("_backward (fc2, activation, fc1)", gm, "_backward", 2),

@@ -30,14 +30,15 @@ Function: ``forward``, ``setup_context``, ``backward``, ``jvp``, ``vmap``, ``app
 transform rules (:func:`_vmap_rule`), and :func:`custom_vjp`, which picks the entry per mode.
 Two modules hold the rest: ``_bridge_tree.py`` (arguments, outputs, residuals and cotangents as
 flat leaves) and ``_bridge_residuals.py`` (backward's view of the residuals: rebuilt, rebound
-per torch.func level and per vmap element).
+per torch.func level and per vmap element); ``_bridge_planned.py`` runs a layer call whose cached
+plan already knows its structure without the generic work (NOTE: [The plan's runner]).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -66,7 +67,7 @@ from ._bridge_tree import (
 )
 from ._bridge_residuals import ctx_residuals, element_refs, per_element, rebind_table
 
-__all__ = ["Planned", "custom_vjp", "run_planned"]
+__all__ = ["custom_vjp"]
 
 
 # NOTE: [What goes where]
@@ -105,17 +106,17 @@ VmapRule = Callable[..., Any]
 # --- small helpers ---------------------------------------------------------------------------
 
 
-def _forward_ad_active() -> bool:
+def forward_ad_active() -> bool:
     """True inside ``torch.func.jvp`` or an eager ``forward_ad.dual_level``."""
     return torch.autograd.forward_ad._current_level >= 0
 
 
-def _transformed() -> bool:
+def transformed() -> bool:
     """A torch.func transform or forward-mode AD is active."""
-    return torch._C._functorch.peek_interpreter_stack() is not None or _forward_ad_active()
+    return torch._C._functorch.peek_interpreter_stack() is not None or forward_ad_active()
 
 
-def _needs_grad(in_leaves: Any) -> bool:
+def needs_grad(in_leaves: Any) -> bool:
     """Can autograd take a gradient through this call? (grad mode on, a tensor requires grad;
     autograd records nothing through inference tensors, whatever their ``requires_grad``.
     Dynamo cannot trace ``is_inference``; a compiled graph sees no inference tensors anyway.)"""
@@ -262,7 +263,7 @@ def _run(rules: _Rules, args: tuple, tree: Any, function: type, gate: bool, lean
     ``lean``: a plain eager call, which may run ``rules.Lean`` (NOTE: [The lean run])."""
     diff, static = _split(rules, args)
     in_leaves, in_spec = flatten_args(diff, tree)
-    if gate and not _needs_grad(in_leaves):
+    if gate and not needs_grad(in_leaves):
         return rules.primal(*args)
     if lean and type(in_spec) is FlatSpec:  # NOTE: [The lean run]
         function = rules.Lean
@@ -304,7 +305,7 @@ class _Bridge(torch.autograd.Function):
         ctx.call = call
         if torch.compiler.is_compiling():
             return
-        if extra or _forward_ad_active():
+        if extra or forward_ad_active():
             _grads_as_given(ctx, call, saved, output)
         if torch._C._are_functorch_transforms_active():  # NOTE: [Context per level]
             if call.elements is None:
@@ -356,10 +357,10 @@ class _Bridge(torch.autograd.Function):
         (NOTE: [Fast apply])."""
         if torch._C._are_functorch_transforms_active():
             return super().apply(*args)
-        return _c_apply(cls, args)
+        return c_apply(cls, args)
 
 
-def _c_apply(cls: type, args: tuple) -> Any:
+def c_apply(cls: type, args: tuple) -> Any:
     """The C++ apply of Function ``cls``, on its inputs with dead functorch wrappers unwrapped
     (what torch's ``Function.apply`` does outside a transform: a tensor that escaped a finished
     ``torch.func.grad`` reaches autograd as the tensor it wraps)."""
@@ -382,7 +383,7 @@ def _grads_as_given(ctx: Any, call: _BridgeCall, saved: list, output: tuple) -> 
     ignores. (Dynamo has neither this nor forward mode: a compiled graph's grads are tensors.)
 
     In forward mode the residuals are also kept for the pair's ``jvp`` rule (NOTE: [jvp])."""
-    if call.rules.jvp is not None and _forward_ad_active():
+    if call.rules.jvp is not None and forward_ad_active():
         ctx.save_for_forward(*saved)
     ctx.set_materialize_grads(False)
     call.out_meta = [(o.shape, o.dtype, o.device) for o in output[: call.n_out]]
@@ -421,98 +422,7 @@ class _LeanBridge(torch.autograd.Function):
     @classmethod
     def apply(cls, *args: Any) -> Any:
         """The C++ apply (no transform is active: NOTE: [Fast apply])."""
-        return _c_apply(cls, args)
-
-
-# NOTE: [The plan's runner]
-#   A layer call that matches a cached plan (NOTE: [Plan once, run lean] in ``plan.py``) has
-#   nothing left to learn about its structure: its arguments flatten flat (tensors, lists of
-#   them, None: ``FlatSpec``), it returns one tensor and one record, and its own checks already
-#   ran when the plan was made. Such a call, when it is a plain eager one with a gradient to
-#   take, may skip the bridge's generic work (the nondiff split, the _BridgeCall, the contract
-#   checks on fwd's result, the output classification): the layer hands :func:`run_planned`
-#   its differentiable arguments and a step, ``fwd`` (the pair's own, its options closed over)
-#   and ``bwd`` (the pair's own, less the checks that the plan and autograd already made). The
-#   record is kept as every bridge keeps it (NOTE: [What goes where]): tensors through
-#   ``save_for_backward`` (saved-tensor hooks see them and only them; autograd checks their
-#   versions), the rest on ``ctx`` by reference; backward never mutates ``ctx`` (NOTE: [Backward
-#   is re-entrant]) and fills the record's needs (NOTE: [Which gradients]). Anything else (a
-#   transform, forward-mode AD, a compiler, no gradient to take) returns None, and the layer
-#   takes its bridge.
-class Planned(NamedTuple):
-    """A planned call's step (NOTE: [The plan's runner]); also its ``rules`` in error messages."""
-
-    name: str
-    fwd: Callable[..., tuple[torch.Tensor, Any]]  # (*args) -> (out, record)
-    bwd: Callable[[Any, torch.Tensor], tuple]  # (record, d_out) -> one cotangent per argument
-    in_spec: FlatSpec  # the arguments' structure (None where an argument is static)
-    static: tuple  # (position, value) of the arguments that are data but no leaves (host splits)
-    nondiff: tuple = ()
-
-    def args(self, leaves: tuple) -> tuple:
-        """fwd's arguments from the leaves, the static ones back in their places."""
-        args = self.in_spec.unflatten(leaves)
-        if not self.static:
-            return args
-        args = list(args)
-        for i, v in self.static:
-            args[i] = v
-        return tuple(args)
-
-
-class _PlannedCall(NamedTuple):
-    """What a planned node keeps on ``ctx`` (as ``ctx.call``: ``ctx_residuals`` reads it as it
-    reads a :class:`_BridgeCall`): the step, and how the record is rebuilt from the saved tensors."""
-
-    step: Planned
-    sources: list
-    res_spec: Any
-
-    @property
-    def in_spec(self) -> FlatSpec:
-        return self.step.in_spec
-
-
-class _PlannedRun(torch.autograd.Function):
-    """One planned call (NOTE: [The plan's runner]). Inputs: the :class:`Planned` step, then
-    the arguments' leaves; output: ``fwd``'s one tensor."""
-
-    @staticmethod
-    def forward(ctx: Any, step: Planned, *leaves: Any) -> torch.Tensor:  # type: ignore[override]
-        out, res = step.fwd(*step.args(leaves))
-        (fresh,) = fresh_outputs((out,), leaves)
-        sources, saved, spec = kept_residuals(res, leaves, (out,), (fresh,))
-        ctx.save_for_backward(*saved)
-        ctx.call = _PlannedCall(step, sources, spec)
-        return fresh
-
-    @staticmethod
-    def backward(ctx: Any, d_out: torch.Tensor) -> tuple:  # type: ignore[override]
-        step, needs = ctx.call.step, ctx.needs_input_grad
-        grads = step.in_spec.cotangent_leaves(step.bwd(ctx_residuals(ctx), d_out), step)
-        return (None, *[g if needs[1 + i] else None for i, g in enumerate(grads)])  # (as _Bridge.backward)
-
-
-def run_planned(name: str, fwd: Callable, bwd: Callable, args: tuple, static: tuple = ()) -> torch.Tensor | None:
-    """``fwd(*args)``'s output as one planned autograd node (NOTE: [The plan's runner]); None
-    where the call is not a plain eager one with a gradient to take (the caller then takes its
-    bridge). ``args``: the pair's differentiable arguments, with None at the positions
-    ``static`` names (``(position, value)`` pairs: data that is no leaf, fwd gets the value);
-    ``bwd`` returns one cotangent per argument (None for the static ones)."""
-    if torch.compiler.is_compiling() or _transformed():
-        return None
-    flat = FlatSpec.flatten(args)
-    if flat is None or not _needs_grad(flat[0]):
-        return None
-    return _c_apply(_planned_function(name), (Planned(name, fwd, bwd, flat[1], static), *flat[0]))
-
-
-@functools.lru_cache(maxsize=None)
-def _planned_function(name: str) -> type:
-    """:class:`_PlannedRun` under the pair's name, as its bridge is (grad_fn reads e.g.
-    ``CustomVJP_grouped_linearBackward`` however the node runs)."""
-    tag = "".join(c if c.isalnum() else "_" for c in name)
-    return type(f"CustomVJP_{tag}", (_PlannedRun,), {})
+        return c_apply(cls, args)
 
 
 _JVP = TransformType.Jvp
@@ -671,7 +581,7 @@ def custom_vjp(
         # NOTE: [autograd], NOTE: [torch.func grad and vjp], NOTE: [torch.compile] (above).
         if torch.compiler.is_compiling():
             return _run(rules, args, pytree, rules.Traced, gate=True)
-        plain = not _transformed()
+        plain = not transformed()
         return _run(rules, args, fast_pytree, rules.Function, gate=plain, lean=plain)
 
     apply.fwd, apply.bwd, apply.primal = fwd, bwd, rules.primal  # type: ignore[attr-defined]

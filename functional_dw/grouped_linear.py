@@ -13,12 +13,12 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import is_fake
 
 from . import _amp, _checks, _fp8, _steps, distributed_weight as dwp
-from .custom_vjp import custom_vjp, run_planned
+from ._bridge_planned import run_planned
+from .custom_vjp import custom_vjp
 from .grouped_plan import PLANS, GroupedPlan, HostSplits, SplitsArg, WeightsArg, as_params, make_plan
-from .grouped_plan import normalize_args, plan_key
+from .grouped_plan import as_splits, normalize_args, plan_key
 from .kernels import Kernels, Splits, as_one_buffer, check_sizes, packed as packed_view, stacked
 from .plan import Options, route, wgrad_grouped
 from .kernels.torch_ref import expert_sums
@@ -78,48 +78,6 @@ def _wanted(res: GroupedLinearResiduals) -> tuple[bool, bool, bool]:
     return bool(x), any_needed(w), any_needed(b)
 
 
-def _as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
-    T = x.shape[0]
-    if isinstance(splits, torch.Tensor):
-        if splits.dtype not in (torch.int32, torch.int64) or splits.dim() != 1:
-            raise TypeError(
-                f"splits tensor must be 1-D int32 or int64, got {splits.dtype} of shape {tuple(splits.shape)}"
-            )
-        if splits.layout != torch.strided:
-            raise TypeError(f"splits must be a dense tensor (or a list of ints), got layout {splits.layout}")
-        if splits.device.type == "meta":
-            raise ValueError(
-                "splits is a tensor on the meta device, which holds no counts: give the splits as "
-                "a list of ints (shape inference needs their values) or a tensor on a real device"
-            )
-        if torch.compiler.is_compiling():  # a copy: the caller may reuse its routing buffer before
-            host, tensor = None, splits.clone()  # backward, which reads the counts again
-        else:
-            if is_fake(splits):
-                raise ValueError(
-                    "splits is a fake tensor (FakeTensorMode), which holds no counts: give the "
-                    "splits as a list of ints for shape inference"
-                )
-            host, tensor = (None if splits.is_cuda else tuple(splits.tolist())), splits
-    else:
-        items = None if isinstance(splits, (str, bytes)) else _checks.sequence(splits)
-        if items is None:
-            raise TypeError(f"splits must be a list/tuple of ints or a 1-D integer tensor, got {type(splits).__name__}")
-        host, tensor = _checks.counts("splits", items), None
-    n = len(host) if host is not None else splits.shape[0]
-    if n != num_experts:
-        raise ValueError(
-            f"splits has {n} entries but there are {num_experts} experts (weights): give one count per expert"
-        )
-    if torch.compiler.is_compiling():  # NOTE: [Splits under torch.compile]: data, never guarded on
-        if tensor is None:
-            tensor = torch.tensor(host, dtype=torch.int64)  # on the CPU: the split path reads it there
-        return Splits(host=None, tensor=tensor, device=x.device, num_tokens=T, num_experts=num_experts)
-    if host is not None:
-        check_sizes(host, T)
-    return Splits(host=host, tensor=tensor, device=x.device, num_tokens=T, num_experts=num_experts)
-
-
 def one_buffer(ws: Sequence[torch.Tensor], plan: GroupedPlan) -> WeightsArg:
     """Backward's weights as one ``[E, N, K]`` view where forward found them one buffer (NOTE:
     [One buffer]) and they still are, else unchanged. Checked again (:func:`packed`, C loops
@@ -174,7 +132,7 @@ def prepare(
     if plan.warn is not None:
         _checks.warn(plan.warn)
     w_ENK = _weights_view(plan, params, w_ENK, cached=key is not None)
-    split = _as_splits(splits, plan.num_experts, x)
+    split = as_splits(splits, plan.num_experts, x)
     b_EN = None if bias is None else (bias if plan.bias_form == "stacked" else stacked(bias))
     path = _path_for_counts(plan, split, x.shape[0], opts)
     x_TK = None if stand_in else _checks.dense(x)
@@ -507,7 +465,7 @@ def _vmap(batch_size: int, in_dims: tuple, x, weights, splits, bias, opts: Optio
 
 # NOTE: [The layer's planned run] A plain eager call whose plan is cached, in the arguments'
 # own dtypes (no autocast) and without FP8, runs as one planned node (NOTE: [The plan's
-# runner] in ``custom_vjp.py``): this pair's ``forward`` on the cached plan, and in backward
+# runner] in ``_bridge_planned.py``): this pair's ``forward`` on the cached plan, and in backward
 # ``_dgrad``/``_wgrad`` less what the plan and autograd have already checked: the record is
 # the one forward made, and dy comes from autograd, which has matched it to y's shape, dtype
 # and device. Still checked per call: the weights' versions (x's is autograd's), dy (a sparse

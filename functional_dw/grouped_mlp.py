@@ -48,7 +48,8 @@ import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from . import _amp, _checks, _fp8, distributed_weight as dwp
-from .custom_vjp import custom_vjp, run_planned
+from ._bridge_planned import run_planned
+from .custom_vjp import custom_vjp
 from .grouped_linear import GroupedLinearResiduals, check_dy, forward, fprop, grouped_linear_bwd, one_buffer, prepare
 from .grouped_linear import jvp as grouped_linear_jvp
 from .grouped_linear import saved_x
@@ -411,7 +412,7 @@ def _bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> tuple:
 
 
 def _planned(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions) -> torch.Tensor | None:
-    """y as one planned node (NOTE: [The plan's runner] in ``custom_vjp.py``), or None where the
+    """y as one planned node (NOTE: [The plan's runner] in ``_bridge_planned.py``), or None where the
     call takes the bridge: FP8, DistributedWeights. Forward is the pair's, every check
     included; backward skips the record's check (the node made the record)."""
     if opts.fc1.fp8 is not None or not all(isinstance(w, (torch.Tensor, list)) for w in (w1, w2)):

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from typing import Any, Union
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import _checks, _fp8
 from ._checks import PLAIN_TYPES
-from .kernels import Kernels, get_kernels, packed as packed_view, refuse_fp8_only
+from .kernels import Kernels, Splits, check_sizes, get_kernels, packed as packed_view, refuse_fp8_only
 from .plan import Options, PlanCache, choose_path, eager_plain, options_key, tensor_key, weights_key
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "SplitsArg",
     "WeightsArg",
     "as_params",
+    "as_splits",
     "check_bias",
     "make_plan",
     "normalize_args",
@@ -287,3 +289,48 @@ def _group_key(ts: Any) -> Any:
     if isinstance(ts, (list, tuple)) and ts:
         return weights_key(ts)
     return None
+
+
+def as_splits(splits: SplitsArg, num_experts: int, x: torch.Tensor) -> Splits:
+    """The call's split counts as a :class:`Splits`: host ints (checked to sum to T), or a device
+    tensor (never read on the host; a CPU one is read, free), one count per expert. Under
+    torch.compile, a tensor only (``kernels/splits.py`` says why)."""
+    T = x.shape[0]
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype not in (torch.int32, torch.int64) or splits.dim() != 1:
+            raise TypeError(
+                f"splits tensor must be 1-D int32 or int64, got {splits.dtype} of shape {tuple(splits.shape)}"
+            )
+        if splits.layout != torch.strided:
+            raise TypeError(f"splits must be a dense tensor (or a list of ints), got layout {splits.layout}")
+        if splits.device.type == "meta":
+            raise ValueError(
+                "splits is a tensor on the meta device, which holds no counts: give the splits as "
+                "a list of ints (shape inference needs their values) or a tensor on a real device"
+            )
+        if torch.compiler.is_compiling():  # a copy: the caller may reuse its routing buffer before
+            host, tensor = None, splits.clone()  # backward, which reads the counts again
+        else:
+            if is_fake(splits):
+                raise ValueError(
+                    "splits is a fake tensor (FakeTensorMode), which holds no counts: give the "
+                    "splits as a list of ints for shape inference"
+                )
+            host, tensor = (None if splits.is_cuda else tuple(splits.tolist())), splits
+    else:
+        items = None if isinstance(splits, (str, bytes)) else _checks.sequence(splits)
+        if items is None:
+            raise TypeError(f"splits must be a list/tuple of ints or a 1-D integer tensor, got {type(splits).__name__}")
+        host, tensor = _checks.counts("splits", items), None
+    n = len(host) if host is not None else splits.shape[0]
+    if n != num_experts:
+        raise ValueError(
+            f"splits has {n} entries but there are {num_experts} experts (weights): give one count per expert"
+        )
+    if torch.compiler.is_compiling():  # NOTE: [Splits under torch.compile]: data, never guarded on
+        if tensor is None:
+            tensor = torch.tensor(host, dtype=torch.int64)  # on the CPU: the split path reads it there
+        return Splits(host=None, tensor=tensor, device=x.device, num_tokens=T, num_experts=num_experts)
+    if host is not None:
+        check_sizes(host, T)
+    return Splits(host=host, tensor=tensor, device=x.device, num_tokens=T, num_experts=num_experts)

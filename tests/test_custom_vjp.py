@@ -1192,8 +1192,8 @@ def test_vmap_grad_of_a_folded_call_with_a_batch_of_one():
 def test_needs_grad_in_a_traced_graph():
     cv = importlib.import_module("functional_dw.custom_vjp")
     with mock.patch("torch.compiler.is_compiling", return_value=True):
-        assert cv._needs_grad((torch.ones(1, requires_grad=True), 3, "s"))
-        assert not cv._needs_grad((torch.ones(1), 3, None))
+        assert cv.needs_grad((torch.ones(1, requires_grad=True), 3, "s"))
+        assert not cv.needs_grad((torch.ones(1), 3, None))
 
 
 def test_a_user_record_holding_its_weight_in_a_dict_is_rebound_per_level():

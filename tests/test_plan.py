@@ -1439,12 +1439,12 @@ def test_a_call_prepared_from_a_stand_in_runs_on_the_x_it_is_given():
 
 # --- the planned run (NOTE: [The plan's runner] in custom_vjp.py, NOTE: [The layer's planned run]) --
 
-cv = importlib.import_module("functional_dw.custom_vjp")
+bp = importlib.import_module("functional_dw._bridge_planned")
 
 
 def _planned(y: torch.Tensor) -> bool:
     """Whether y's node is a planned one (else the bridge's)."""
-    return issubclass(type(y.grad_fn)._forward_cls, cv._PlannedRun)
+    return issubclass(type(y.grad_fn)._forward_cls, bp._PlannedRun)
 
 
 def _step(x, ws, bias, dy, create_graph=False):

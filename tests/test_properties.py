@@ -476,12 +476,12 @@ def _device_like_splits(case: GroupedCase):
         yield
         return
     gl = sys.modules["functional_dw.grouped_linear"]
-    as_splits = gl._as_splits
+    as_splits = gl.as_splits
 
     def device_only(*args):
         return dataclasses.replace(as_splits(*args), host=None)
 
-    with mock.patch.object(gl, "_as_splits", device_only):
+    with mock.patch.object(gl, "as_splits", device_only):
         yield
 
 

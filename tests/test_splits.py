@@ -87,10 +87,10 @@ def test_huge_host_readable_counts_are_refused_with_their_sum():
 def test_splits_in_a_traced_graph_are_a_tensor_never_host_ints():
     x = randn(5, 8, dtype=torch.float64, draw_dtype=None)
     with mock.patch("torch.compiler.is_compiling", return_value=True):
-        s = gl_mod._as_splits([2, 0, 3], 3, x)
+        s = gl_mod.as_splits([2, 0, 3], 3, x)
     assert s.host is None and s.device == x.device and (s.num_tokens, s.num_experts) == (5, 3)
     assert s.tensor.dtype == torch.int64 and s.tensor.tolist() == [2, 0, 3]
     t = torch.tensor([2, 0, 3], dtype=torch.int32)
     with mock.patch("torch.compiler.is_compiling", return_value=True):
-        s = gl_mod._as_splits(t, 3, x)
+        s = gl_mod.as_splits(t, 3, x)
     assert s.host is None and s.tensor is not t and torch.equal(s.tensor, t)  # a copy: the buffer may be reused
