@@ -280,6 +280,23 @@ def test_torch_func_grad_of_the_layer(score):
         torch.testing.assert_close(a, b)
 
 
+def test_vmap_over_tokens_and_over_an_ensemble_of_experts():
+    """torch.func.vmap over a batch of token sets (and vmap of grad), and over a batch of expert
+    weights: each element what the layer gives it alone, bit for bit."""
+    x, wr, w1, w2 = (t.detach() for t in _params())
+    xb = torch.stack([x, x.flip(0), x * 2])
+
+    def layer(x, w1=w1):
+        return moe.moe_layer(x, wr, w1, w2, K, backend="torch")
+
+    assert torch.equal(torch.func.vmap(layer)(xb), torch.stack([layer(e) for e in xb]))
+    g = torch.func.grad(lambda x: layer(x).square().sum())
+    assert torch.equal(torch.func.vmap(g)(xb), torch.stack([g(e) for e in xb]))
+    w1b = torch.stack([w1, w1 * 0.5])
+    got = torch.func.vmap(lambda w: layer(x, w))(w1b)
+    assert torch.equal(got, torch.stack([layer(x, w) for w in w1b]))
+
+
 # --- expert parallelism (moe_ep.py) on gloo: P ranks bitwise one rank ------------------------------
 
 
