@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from . import _checks, _fp8, distributed_weight as dwp
 
-__all__ = ["check_record", "frozen", "quantize_dy", "dgrad_weights", "bias_grad"]
+__all__ = ["check_record", "frozen", "quantize_dy", "dgrad_weights", "bias_grad", "differentiated"]
 
 
 def check_record(fn: str, res: Any, cls: type, fwd: str, x_field: str) -> None:
@@ -82,3 +83,35 @@ def bias_grad(
     if not with_dbias:
         return None
     return db if db is not None else sums(dy_TN)
+
+
+def differentiated(dy: Any, inputs: Any, x_wanted: bool = False) -> bool:
+    """Whether this backward will itself be differentiated (autograd's ``create_graph=True``, or
+    under ``torch.func`` a dy or saved input tracked by another grad or jvp level than the one
+    running it: grad of grad, ``jacrev(jacrev)``, jvp of grad), as ``_fp8.check_first_order``
+    tells, where ``inputs`` are the saved inputs the backward's intermediates depend on (for
+    grouped_mlp x, w1, bias1, probs: nonlinear in x, so a constant dy differentiated through dx,
+    a gradient penalty, counts). Saved intermediates carry no graph back to those inputs, so a
+    backward that is differentiated must recompute them (grouped_mlp) or refuse (moe_layer):
+    else a second-order gradient silently misses their terms (for x: NOTE: [Saved x]). A direct
+    pure ``*_bwd`` call is never differentiated here. ``x_wanted``: autograd asks for x's grad
+    where the record holds no x (FP8 keeps its FP8 copy), so x requires grad."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(dy, torch.Tensor):
+        return False
+    tensors = [t for t in (dy, *inputs) if isinstance(t, torch.Tensor)]
+    func = torch._C._functorch
+    top = func.peek_interpreter_stack()
+    if top is not None:
+        own = top.level() if top.key() == func.TransformType.Grad else None
+        # a jvp level (jvp of grad, hessian's jacfwd) carries tangents, not requires_grad
+        jvp = {i.level() for i in retrieve_all_functorch_interpreters() if i.key() == func.TransformType.Jvp}
+        for t in tensors:
+            while func.is_functorch_wrapped_tensor(t):
+                if func.is_gradtrackingtensor(t) and (level := func.maybe_get_level(t)) != own:
+                    if t.requires_grad or level in jvp:
+                        return True
+                t = func.get_unwrapped(t)
+        return False
+    if torch._C._current_autograd_node() is None:
+        return False  # the pure API called directly, not autograd's backward
+    return x_wanted or any(t.requires_grad for t in tensors)

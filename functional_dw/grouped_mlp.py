@@ -26,7 +26,7 @@ save       kept through save_for_backward         recomputed in backward
 
 Every policy gives the same numbers, bitwise (a recompute runs the very ops forward ran). A
 backward that is itself differentiated (``create_graph``, grad of grad) recomputes fc1's output
-and h under every policy (:func:`_differentiated`).
+and h under every policy (:func:`_steps.differentiated`).
 
 With FP8 (``recipe=``) each linear quantizes as its layer does: fc1's record keeps x's FP8
 copy, fc2's h's FP8 copy (``"h"``), or backward quantizes the recomputed h again by fc2's plan
@@ -45,9 +45,9 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import torch
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from . import _amp, _checks, _fp8, distributed_weight as dwp
+from ._steps import differentiated
 from ._bridge_planned import run_planned
 from .custom_vjp import custom_vjp
 from .grouped_linear import GroupedLinearResiduals, check_dy, forward, fprop, grouped_linear_bwd, one_buffer, prepare
@@ -287,38 +287,6 @@ def _recompute_fc1(res: GroupedMLPResiduals) -> torch.Tensor:
     return kernels.grouped_fprop(x_TK, w_ENK, b_EN, r1.splits, grouped)
 
 
-def _differentiated(dy: Any, inputs: Any, x_wanted: bool = False) -> bool:
-    """Whether this backward will itself be differentiated (autograd's ``create_graph=True``, or
-    under ``torch.func`` a dy or saved input tracked by another grad or jvp level than the one
-    running it: grad of grad, ``jacrev(jacrev)``, jvp of grad), as ``_fp8.check_first_order`` tells, where ``inputs``
-    are the saved inputs fc1's output and h depend on (x, w1, bias1, probs: the MLP is nonlinear
-    in x, so a constant dy differentiated through dx, a gradient penalty, counts). Then fc1's
-    output and h are recomputed from the saved inputs whatever the policy: saved intermediates
-    carry no graph back to x, the weights and probs, and a second-order gradient would silently
-    miss their terms (for x: NOTE: [Saved x]). The same bits; a direct ``grouped_mlp_bwd`` call
-    uses what was saved. ``x_wanted``: autograd asks for x's grad where the record holds no x
-    (FP8 keeps its FP8 copy), so x requires grad."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(dy, torch.Tensor):
-        return False
-    tensors = [t for t in (dy, *inputs) if isinstance(t, torch.Tensor)]
-    func = torch._C._functorch
-    top = func.peek_interpreter_stack()
-    if top is not None:
-        own = top.level() if top.key() == func.TransformType.Grad else None
-        # a jvp level (jvp of grad, hessian's jacfwd) carries tangents, not requires_grad
-        jvp = {i.level() for i in retrieve_all_functorch_interpreters() if i.key() == func.TransformType.Jvp}
-        for t in tensors:
-            while func.is_functorch_wrapped_tensor(t):
-                if func.is_gradtrackingtensor(t) and (level := func.maybe_get_level(t)) != own:
-                    if t.requires_grad or level in jvp:
-                        return True
-                t = func.get_unwrapped(t)
-        return False
-    if torch._C._current_autograd_node() is None:
-        return False  # the pure API called directly, not autograd's backward
-    return x_wanted or any(t.requires_grad for t in tensors)
-
-
 def _fc1_inputs(res: GroupedMLPResiduals) -> tuple:
     """The saved inputs fc1's output and h are computed from: x (as given; with FP8 its copy,
     which carries no grad), fc1's weights and bias, probs."""
@@ -362,7 +330,7 @@ def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     # gathers and finalize match across ranks, as in grouped_linear); dh also feeds dprobs
     fc1_side = bool(want_x) or any_needed(want_w1) or any_needed(want_b1) or r1.distributed
     need_dh = fc1_side or (res.probs is not None and bool(want_p))
-    second = _differentiated(dy, _fc1_inputs(res), x_wanted=r1.fp8 is not None and bool(want_x))
+    second = differentiated(dy, _fc1_inputs(res), x_wanted=r1.fp8 is not None and bool(want_x))
     if second and r1.fp8 is not None:
         raise NotImplementedError(
             "grouped_mlp: a backward through FP8 layers cannot be differentiated again (create_graph=True, "

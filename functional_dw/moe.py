@@ -27,7 +27,9 @@ import torch
 from .custom_vjp import custom_vjp
 from .grouped_mlp import grouped_mlp, grouped_mlp_bwd, grouped_mlp_fwd
 from .linear import linear, linear_bwd, linear_fwd
-from .moe_ep import from_experts, from_experts_bwd, from_experts_fwd, to_experts, to_experts_bwd, to_experts_fwd
+from .moe_ep import check_local_experts, from_experts, from_experts_bwd, from_experts_fwd
+from .moe_ep import to_experts, to_experts_bwd, to_experts_fwd
+from ._steps import differentiated
 from .residuals import residuals, saved
 
 __all__ = ["DispatchResiduals", "CombineResiduals", "dispatch", "dispatch_fwd", "dispatch_bwd"]
@@ -318,6 +320,7 @@ def moe_layer_fwd(
     (rows, probs_r, splits, order), r_dispatch = dispatch_fwd(x, probs, indices, router_weight.shape[0])
     r_to = r_from = None
     if group is not None:
+        check_local_experts(w1, router_weight.shape[0], group)
         (rows, probs_r, splits, perm, sizes), r_to = to_experts_fwd(rows, probs_r, splits, group)
     h, r_experts = grouped_mlp_fwd(
         rows, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend
@@ -330,6 +333,13 @@ def moe_layer_fwd(
 
 def moe_layer_bwd(res: MoEResiduals, dy: torch.Tensor) -> tuple:
     """(dx, d_router_weight, dw1, dw2): each part's ``*_bwd`` in reverse, x's two grads summed."""
+    if differentiated(dy, (res.router.x, res.topk.probs)):
+        raise NotImplementedError(
+            "moe_layer: a backward through the one-node layer cannot be differentiated again (create_graph=True, "
+            "grad of grad, jacrev of jacrev): the rows it saved carry no graph back to x and the router, so "
+            "second-order terms would be silently missing. Run the parts as separate ops (fd.nn.MoE, or "
+            "moe.topk_router, moe.dispatch, fd.grouped_mlp and moe.combine), which differentiate twice"
+        )
     d_h, _ = combine_bwd(res.combine, dy)
     if res.from_experts is not None:
         d_h = from_experts_bwd(res.from_experts, d_h)[0]
@@ -365,8 +375,9 @@ def moe_layer(
     ``group``: an expert-parallel process group of ``P`` ranks (None: every expert here). Each
     rank then holds ``E / P`` experts (``w1``/``w2``: rank ``p``'s are experts ``p * E / P`` on)
     and its own tokens; the router weight is every rank's the same ``[E, H]``. The result is
-    bitwise what one rank holding every rank's tokens and every expert computes
-    (``functional_dw/moe_ep.py``).
+    bitwise what one rank holding every rank's tokens and every expert computes, wherever the
+    router's GEMM rounds a token's logits alike at both batch sizes (``functional_dw/moe_ep.py``).
+    Its backward cannot be differentiated again (refused); the parts' ops (:class:`nn.MoE`) can.
 
     ``router_weight [E, H]`` (its GEMM by :func:`functional_dw.linear`'s pair: the weight stays
     out of saved-tensor hooks), ``w1``/``w2`` the experts' weights as for
@@ -377,6 +388,7 @@ def moe_layer(
         probs, indices = topk_router(logits, top_k, score)
         rows, probs_r, splits, order = dispatch(x, probs, indices, router_weight.shape[0])
         if group is not None:
+            check_local_experts(w1, router_weight.shape[0], group)
             rows, probs_r, splits, perm, sizes = to_experts(rows, probs_r, splits, group)
         h = grouped_mlp(rows, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend)
         if group is not None:

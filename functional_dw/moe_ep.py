@@ -10,8 +10,10 @@ destination rank's rows are one contiguous block) and returns the rows this rank
 run, sorted by local expert, stably: within an expert, by source rank, then as the source's
 dispatch had them (token order). That is the order one rank holding every token (the ranks'
 tokens concatenated) and every expert would give, so the experts see the same rows in the same
-order, and the layer's output, x's gradient and each expert's weight gradient are bitwise
-those of one rank. :func:`from_experts` sends the experts' output rows back, in the dispatch's
+order: the exchange itself is exact, and the layer's output, x's gradient and each expert's
+weight gradient are bitwise those of one rank wherever the router's GEMM gives a token's logits
+the same bits in a batch of T rows as in one of P * T (a BLAS kernel chosen by the row count may
+round differently; on the CPU at 1-3 rows it does, by an ulp). :func:`from_experts` sends the experts' output rows back, in the dispatch's
 order, for :func:`functional_dw.moe.combine`. Each backward is the other direction's exchange.
 """
 
@@ -25,7 +27,14 @@ import torch.distributed as dist
 from .custom_vjp import custom_vjp
 from .residuals import residuals, saved
 
-__all__ = ["ExchangeResiduals", "local_experts", "to_experts", "to_experts_fwd", "to_experts_bwd"]
+__all__ = [
+    "ExchangeResiduals",
+    "check_local_experts",
+    "local_experts",
+    "to_experts",
+    "to_experts_fwd",
+    "to_experts_bwd",
+]
 __all__ += ["from_experts", "from_experts_fwd", "from_experts_bwd"]
 
 
@@ -57,6 +66,17 @@ def local_experts(num_experts: int, group: Any) -> int:
     return num_experts // P
 
 
+def check_local_experts(w1: Any, num_experts: int, group: Any) -> None:
+    """ValueError unless ``w1`` (a list or one stacked tensor) holds this rank's ``E / P`` experts."""
+    E_l = local_experts(num_experts, group)
+    have = len(w1) if isinstance(w1, (list, tuple)) else w1.shape[0] if isinstance(w1, torch.Tensor) else None
+    if have is not None and have != E_l:
+        raise ValueError(
+            f"moe_layer: with an expert-parallel group of {dist.get_world_size(group)} ranks each rank holds "
+            f"{E_l} of the {num_experts} experts (rank p: experts p * {E_l} on); w1 holds {have}"
+        )
+
+
 def _exchange(t: torch.Tensor, out_sizes: list, in_sizes: list, group: Any) -> torch.Tensor:
     """``t``'s row blocks (``in_sizes``, one per rank) to the ranks; the blocks received (``out_sizes``)."""
     out = t.new_empty((sum(out_sizes), *t.shape[1:]))
@@ -64,14 +84,15 @@ def _exchange(t: torch.Tensor, out_sizes: list, in_sizes: list, group: Any) -> t
     return out
 
 
-def _unsort(t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """Rows in the experts' order back to the received (source, expert) order."""
-    return torch.empty_like(t).index_copy_(0, perm, t)
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[perm[i]] = i`` (zeros where ``perm`` is not a permutation: wrong rows,
+    never a read of memory nothing wrote)."""
+    return torch.zeros_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
 
 
 def _back(res: ExchangeResiduals, t: torch.Tensor) -> torch.Tensor:
     """Rows in this rank's experts' order to their source ranks, in the sources' dispatch order."""
-    return _exchange(_unsort(t, res.perm), res.send_sizes, res.recv_sizes, res.group)
+    return _exchange(t.index_select(0, _inverse(res.perm)), res.send_sizes, res.recv_sizes, res.group)
 
 
 def _forth(res: ExchangeResiduals, t: torch.Tensor) -> torch.Tensor:
@@ -79,7 +100,39 @@ def _forth(res: ExchangeResiduals, t: torch.Tensor) -> torch.Tensor:
     return _exchange(t, res.recv_sizes, res.send_sizes, res.group).index_select(0, res.perm)
 
 
-def _route(splits: torch.Tensor, group: Any) -> tuple[ExchangeResiduals, torch.Tensor]:
+# NOTE: [A backward through the exchange differentiates again] Each direction's backward is the
+#   other direction, run through :func:`_moved` (an autograd op whose backward is again the other
+#   direction), so under ``create_graph=True`` (a gradient penalty, grad of grad) the exchange in
+#   backward is recorded and a second-order gradient reaches every rank's tokens and experts.
+#   Without a gradient to take it runs the plain exchange.
+def _moved_fwd(t: torch.Tensor, perm: torch.Tensor, send: list, recv: list, group: Any, back: bool):
+    res = ExchangeResiduals(perm, send, recv, group)
+    return (_back if back else _forth)(res, t), _Moved(perm, send, recv, group, back)
+
+
+@residuals
+class _Moved:
+    perm: torch.Tensor = saved()
+    send_sizes: list
+    recv_sizes: list
+    group: Any
+    back: bool
+
+
+def _moved_bwd(res: _Moved, d: torch.Tensor) -> tuple:
+    return _moved(d, res.perm, res.send_sizes, res.recv_sizes, res.group, not res.back), None
+
+
+_moved_op = custom_vjp(_moved_fwd, _moved_bwd, nondiff_argnums=(2, 3, 4, 5), name="moe_exchange")
+
+
+def _moved(t: Any, perm: torch.Tensor, send: list, recv: list, group: Any, back: bool) -> Any:
+    """:func:`_back` (``back``) or :func:`_forth` of ``t`` (None: None), differentiable (NOTE: [A
+    backward through the exchange differentiates again])."""
+    return None if t is None else _moved_op(t, perm, send, recv, group, back)
+
+
+def _route(splits: torch.Tensor, rows: int, group: Any) -> tuple[ExchangeResiduals, torch.Tensor]:
     """The route of the dispatch's ``splits [E]`` over ``group``, and this rank's ``splits_l [E_l]``."""
     if not isinstance(splits, torch.Tensor) or splits.dim() != 1 or splits.dtype != torch.int64:
         raise TypeError("to_experts: splits must be the dispatch's [E] int64 splits tensor")
@@ -87,10 +140,13 @@ def _route(splits: torch.Tensor, group: Any) -> tuple[ExchangeResiduals, torch.T
     E_l = local_experts(splits.shape[0], group)
     recv_splits = torch.empty_like(splits)  # from rank q, for local expert j: at q * E_l + j
     dist.all_to_all_single(recv_splits, splits.contiguous(), group=group)
-    counts = torch.cat(
-        [splits.view(P, E_l).sum(1), recv_splits]
-    ).tolist()  # NOTE: [The exchange reads the counts on the host]
+    # NOTE: [The exchange reads the counts on the host]
+    counts = torch.cat([splits.view(P, E_l).sum(1), recv_splits]).tolist()
     send_sizes, per_expert = counts[:P], counts[P:]
+    if sum(send_sizes) != rows:
+        raise ValueError(
+            f"to_experts: splits count {sum(send_sizes)} rows but rows has {rows}: give the dispatch's rows and splits"
+        )
     recv_sizes = [sum(per_expert[q * E_l : (q + 1) * E_l]) for q in range(P)]
     expert = torch.arange(E_l, device=splits.device).repeat(P)
     key = torch.repeat_interleave(expert, recv_splits, output_size=sum(recv_sizes))
@@ -104,7 +160,11 @@ def to_experts_fwd(rows: torch.Tensor, probs_r: torch.Tensor | None, splits: tor
     exchanged so that each rank holds its own experts' rows, sorted by local expert. ``perm``
     and ``sizes`` (int64; sizes on the CPU: rows sent to, received from each rank) are the
     route :func:`from_experts` takes back."""
-    res, splits_l = _route(splits, group)
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+        raise TypeError(f"to_experts: rows must be the dispatch's [R, H] rows, got {type(rows).__name__}")
+    if probs_r is not None and (not isinstance(probs_r, torch.Tensor) or probs_r.shape != rows.shape[:1]):
+        raise ValueError(f"to_experts: probs_r must be None or the dispatch's [{rows.shape[0]}] probs")
+    res, splits_l = _route(splits, rows.shape[0], group)
     sizes = torch.tensor([res.send_sizes, res.recv_sizes], dtype=torch.int64)
     rows_l = _forth(res, rows)
     if probs_r is None:
@@ -115,43 +175,60 @@ def to_experts_fwd(rows: torch.Tensor, probs_r: torch.Tensor | None, splits: tor
 def to_experts_bwd(res: ExchangeResiduals, d_out: tuple) -> tuple:
     """(d_rows, d_probs_r, None for the splits): the gradients sent back to their rows' ranks."""
     d_rows, d_probs = d_out[0], (d_out[1] if len(d_out) == 5 else None)
-    return (None if d_rows is None else _back(res, d_rows)), (None if d_probs is None else _back(res, d_probs)), None
+    route = (res.perm, res.send_sizes, res.recv_sizes, res.group, True)
+    return _moved(d_rows, *route), _moved(d_probs, *route), None
 
 
 def from_experts_fwd(out_l: torch.Tensor, perm: torch.Tensor, sizes: torch.Tensor, group: Any):
     """The experts' output rows back to their tokens' ranks, in the dispatch's order."""
     if not isinstance(sizes, torch.Tensor) or sizes.device.type != "cpu" or sizes.dim() != 2 or sizes.shape[0] != 2:
         raise ValueError("from_experts: perm and sizes must be to_experts' route outputs (sizes: [2, P] on the CPU)")
+    if not isinstance(perm, torch.Tensor) or perm.dtype != torch.int64 or perm.dim() != 1:
+        raise ValueError("from_experts: perm must be to_experts' [R_l] int64 perm")
     send, recv = sizes.tolist()
-    if len(send) != dist.get_world_size(group) or out_l.shape[0] != perm.shape[0] or sum(recv) != perm.shape[0]:
+    if (
+        len(send) != dist.get_world_size(group)
+        or min(send + recv) < 0
+        or out_l.shape[0] != perm.shape[0]
+        or sum(recv) != perm.shape[0]
+    ):
         raise ValueError(
-            f"from_experts: {out_l.shape[0]} rows for a route of {perm.shape[0]} rows over {len(send)} ranks: "
+            f"from_experts: {out_l.shape[0]} rows for a route of {perm.shape[0]} rows, sizes {send} / {recv}: "
             "give the rows of this rank's experts, in to_experts' order, with its perm and sizes"
         )
+    if perm.device.type == "cpu" and not torch.equal(perm.sort().values, torch.arange(perm.numel())):
+        raise ValueError("from_experts: perm must be a permutation (to_experts' fourth output)")
     res = ExchangeResiduals(perm, send, recv, group)
     return _back(res, out_l), res
 
 
 def from_experts_bwd(res: ExchangeResiduals, dy: torch.Tensor) -> tuple:
     """(d_out_l, None, None): dy sent to the experts' ranks, in the experts' order."""
-    return _forth(res, dy), None, None
+    return _moved(dy, res.perm, res.send_sizes, res.recv_sizes, res.group, False), None, None
 
 
 _to_experts = custom_vjp(to_experts_fwd, to_experts_bwd, nondiff_argnums=(3,), name="to_experts")
 _from_experts = custom_vjp(from_experts_fwd, from_experts_bwd, nondiff_argnums=(3,), name="from_experts")
 
 
+_NO_COMPILE = "expert parallelism reads the exchanged counts on the host and runs collectives of data-dependent sizes"
+
+
+@torch.compiler.disable(reason=_NO_COMPILE)
 def to_experts(rows: torch.Tensor, probs_r: torch.Tensor | None, splits: torch.Tensor, group: Any) -> tuple:
     """``(rows_l, probs_l or None, splits_l, perm, sizes)``: :func:`functional_dw.moe.dispatch`'s
     rows, probs and splits exchanged over the expert-parallel ``group`` so that this rank holds
     the rows of its own ``E / P`` experts, sorted by local expert (feed ``rows_l``, ``splits_l``
     and ``probs_l`` to this rank's experts); ``perm`` and ``sizes`` feed :func:`from_experts`.
-    Differentiable in rows and probs. One host read of the exchanged counts per call (NOTE:
-    [The exchange reads the counts on the host]). Every rank of the group calls it, in the same order."""
+    Differentiable in rows and probs, twice (a backward through it can be differentiated). One
+    host read of the exchanged counts per call (NOTE: [The exchange reads the counts on the
+    host]); under torch.compile it runs eagerly (a graph break). Every rank of the group calls
+    it, in the same order, and so do their backwards."""
     out = _to_experts(rows, probs_r, splits, group)
     return out if probs_r is not None else (out[0], None, *out[1:])
 
 
+@torch.compiler.disable(reason=_NO_COMPILE)
 def from_experts(out_l: torch.Tensor, perm: torch.Tensor, sizes: torch.Tensor, group: Any) -> torch.Tensor:
     """The experts' output rows (``[R_l, H]``, in :func:`to_experts`' order) back to the ranks
     their tokens came from: ``[R, H]`` in the dispatch's order, for :func:`functional_dw.moe.combine`.

@@ -365,13 +365,116 @@ def test_expert_parallel_is_bitwise_one_rank(ep_results):
     check_ep(*ep_results, E=8)
 
 
+def _ep_second_order_job(E: int, T: int, top_k: int) -> dict:
+    """A gradient penalty through nn.MoE(ep_group=...) (dx with create_graph, then the grad of
+    |dx|^2), against one rank holding every token and expert (nn.MoE without a group), float64."""
+    import torch.distributed as dist
+
+    rank, P = dist.get_rank(), dist.get_world_size()
+    E_l = E // P
+    torch.manual_seed(11)
+    full = fd.nn.MoE(E, H, FF, top_k, backend="torch", params_dtype=F64)
+    x_all = torch.randn(P * T, H, dtype=F64)
+    mine, local = slice(rank * T, (rank + 1) * T), slice(rank * E_l, (rank + 1) * E_l)
+    m = fd.nn.MoE(E, H, FF, top_k, backend="torch", params_dtype=F64, ep_group=dist.group.WORLD)
+    with torch.no_grad():
+        m.router.weight.copy_(full.router.weight)
+        (
+            m.experts.fc1.weight.copy_(full.experts.fc1.weight[local]),
+            m.experts.fc2.weight.copy_(full.experts.fc2.weight[local]),
+        )
+
+    def penalty(module, x):
+        x = x.clone().requires_grad_()
+        y = module(x)
+        (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        w = [module.experts.fc1.weight, module.experts.fc2.weight]
+        return torch.autograd.grad(dx.square().sum(), [x, *w])
+
+    got, want = penalty(m, x_all[mine]), penalty(full, x_all)
+    return {
+        "ok": [
+            torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+            for a, b in zip(got, [want[0][mine], want[1][local], want[2][local]])
+        ]
+    }
+
+
+def test_expert_parallel_gradient_penalty_is_one_ranks():
+    """The exchange's backward is itself differentiable (NOTE: [A backward through the exchange
+    differentiates again]): second-order terms reach every rank's tokens and experts."""
+    fdd = pytest.importorskip("functional_dw.distributed")
+    for r in fdd.launch(_ep_second_order_job, 2, 8, 9, 2, backend="gloo", timeout=60, deadline=180):
+        assert r["ok"] == [True, True, True]
+
+
+def test_the_one_node_layer_refuses_to_be_differentiated_twice():
+    """moe_layer's one node saves rows with no graph back to x: differentiating its backward is
+    refused (before, second-order terms went silently missing); the parts differentiate twice."""
+    x, wr, w1, w2 = _params()
+    y = moe.moe_layer(x, wr, w1, w2, K, backend="torch")
+    with pytest.raises(NotImplementedError, match="differentiated again"):
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(NotImplementedError, match="differentiated again"):
+        torch.func.jacrev(torch.func.grad(lambda x: moe.moe_layer(x, wr, w1, w2, K, backend="torch").square().sum()))(
+            x.detach()[:3]
+        )
+
+    def parts(x):
+        logits = fd.linear(x, wr, backend="torch")
+        probs, idx = moe.topk_router(logits, K)
+        rows, probs_r, splits, order = moe.dispatch(x, probs, idx, E)
+        return moe.combine(fd.grouped_mlp(rows, w1, w2, splits, probs=probs_r, backend="torch"), order, K)
+
+    def second(f):
+        xx = x.detach().clone().requires_grad_()
+        (g,) = torch.autograd.grad(f(xx).square().sum(), xx, create_graph=True)
+        return torch.autograd.grad(g.square().sum(), [xx, w1])
+
+    for a, b in zip(second(parts), second(lambda x: _reference(x, wr, w1, w2, K))):
+        torch.testing.assert_close(a, b)
+
+
+def _ep_compile_job() -> bool:
+    """nn.MoE(ep_group=...) under torch.compile: the exchange runs eagerly (a graph break), the
+    rest compiled; the same y and grads as eager."""
+    import torch.distributed as dist
+
+    torch.manual_seed(5)
+    m = fd.nn.MoE(4, H, FF, 2, backend="torch", ep_group=dist.group.WORLD)
+    x = torch.randn(10, H)
+    compiled = torch.compile(m, backend="aot_eager")
+    out = []
+    for f in (m, compiled):
+        xx = x.clone().requires_grad_()
+        y = f(xx)
+        out.append([y, *torch.autograd.grad(y.square().sum(), [xx, *m.parameters()])])
+    return all(torch.equal(a, b) for a, b in zip(*out))
+
+
+def test_expert_parallel_under_torch_compile():
+    fdd = pytest.importorskip("functional_dw.distributed")
+    assert fdd.launch(_ep_compile_job, 1, backend="gloo", timeout=120, deadline=240) == [True]
+
+
 def _ep_bad_job() -> list[str]:
     import torch.distributed as dist
 
     errors = []
+    sizes = torch.tensor([[1, 1], [1, 1]])
     for call in (
         lambda: fd.nn.MoE(3, H, FF, 1, ep_group=dist.group.WORLD),
         lambda: moe_ep.from_experts(torch.zeros(2, H), torch.arange(2), torch.zeros(2, 2, dtype=torch.long), None),
+        lambda: moe_ep.from_experts(torch.zeros(2, H), torch.zeros(2, dtype=torch.long), sizes, None),
+        lambda: moe_ep.to_experts(torch.zeros(3, H), None, torch.tensor([1, 1, 0, 0]), None),
+        lambda: moe.moe_layer(
+            torch.zeros(4, H),
+            torch.zeros(4, H),
+            torch.zeros(4, 2 * FF, H),
+            torch.zeros(4, H, FF),
+            1,
+            group=dist.group.WORLD,
+        ),
     ):
         try:
             call()
@@ -383,6 +486,9 @@ def _ep_bad_job() -> list[str]:
 def test_expert_parallel_refuses_what_cannot_split():
     fdd = pytest.importorskip("functional_dw.distributed")
     errors = fdd.launch(_ep_bad_job, 2, backend="gloo", timeout=60, deadline=120)[0]
-    assert len(errors) == 2
+    assert len(errors) == 5
     assert "num_experts (3) must be a positive multiple of the group's 2 ranks" in errors[0]
     assert "from_experts" in errors[1]
+    assert "perm must be a permutation" in errors[2]
+    assert "splits count 2 rows but rows has 3" in errors[3]
+    assert "each rank holds 2 of the 4 experts" in errors[4] and "w1 holds 4" in errors[4]
