@@ -492,3 +492,18 @@ def test_expert_parallel_refuses_what_cannot_split():
     assert "perm must be a permutation" in errors[2]
     assert "splits count 2 rows but rows has 3" in errors[3]
     assert "each rank holds 2 of the 4 experts" in errors[4] and "w1 holds 4" in errors[4]
+
+
+def test_nn_moe_runs_its_experts_in_fp8_with_a_recipe():
+    """nn.MoE(recipe=...) hands the recipe to its experts (the router stays in high precision):
+    RowwiseScaling forced to FP8 (emulated on the CPU), within FP8's rounding of the same layer without one."""
+    torch.manual_seed(0)
+    plain = fd.nn.MoE(4, 32, 16, 2, backend="torch")
+    m = fd.nn.MoE(4, 32, 16, 2, backend="torch", recipe=fd.fp8.RowwiseScaling(bf16_below=0))
+    m.load_state_dict(plain.state_dict())
+    x = torch.randn(64, 32)
+    y, y_fp8 = plain(x), m(x)
+    assert not torch.equal(y, y_fp8)  # FP8 ran
+    assert ((y_fp8 - y).norm() / y.norm()) < 0.1
+    y_fp8.square().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
