@@ -16,7 +16,8 @@ summed back. bf16 activations and weights, T tokens, dropless. A contender's ste
   ``fd_rowwise_graphed``: ``graphs.graph_step`` of the whole step (router to combine, no host sync);
 * ``te``: Transformer Engine's ``moe_permute`` (index map) + two ``te.GroupedLinear`` (host counts: one sync)
   with the SwiGLU in torch ops + ``moe_unpermute`` merging the probs (Megatron's path);
-* ``liger``: Liger-Kernel's ``fused_moe`` where it is installed (else the row says so).
+* ``liger``: Liger-Kernel's fused MoE (``LigerFusedMoEFunction``, liger-kernel >= 0.8.5) after torch's
+  router, where it is installed (else the row says so).
 
 All share one set of weights (the router's and the experts' ``[E, 2F, H]`` / ``[E, H, F]``). Timing as
 ``moe_layer.py``'s ``measure``: interleaved bursts of 4 steps after a synchronize, CUDA events (ms per step)
@@ -157,11 +158,23 @@ class Block:
         return fwd, [wr, *fc1.parameters(), *fc2.parameters()]
 
     def liger_forward(self):
+        """Liger-Kernel's fused MoE (``LigerFusedMoEFunction``: gather, fc1, SwiGLU, fc2 and the weighted
+        sum in Triton; its forward takes ``(x, gate_up [E, 2F, H], down [E, H, F], top-k indices int32,
+        top-k weights)``) after torch's router; its first output is checked against the reference."""
         try:
-            from liger_kernel.ops.fused_moe import fused_moe  # noqa: F401
+            from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
         except ImportError as e:
             return f"n/a: Liger-Kernel's fused_moe is not importable ({e})"
-        return "n/a: Liger's fused_moe is importable but not wired here yet"
+        if not self.cuda:
+            return "n/a: Liger's kernels need CUDA"
+        wr, w1, w2 = p = self.params()
+
+        def fwd(x):
+            vals, idx = torch.topk(F.linear(x, wr), self.k, dim=-1)
+            probs = torch.softmax(vals.float(), -1).to(x.dtype)
+            return LigerFusedMoEFunction.apply(x, w1, w2, idx.to(torch.int32), probs)
+
+        return fwd, p
 
 
 def saved_per_token(block: Block, key: str) -> dict | str:
