@@ -20,6 +20,7 @@ Expert indices: see the note below on why they are not checked on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -297,6 +298,7 @@ class MoEResiduals:
     combine: Any = saved()  # CombineResiduals (the order again, the same tensor)
     to_experts: Any = saved()  # with expert parallelism, the exchange's ExchangeResiduals (else None)
     from_experts: Any = saved()  # and the way back's
+    rows_from_x: bool = False  # fc1's rows are not kept: gathered again from the router's x (NOTE: [Rows from x])
 
 
 def moe_layer_fwd(
@@ -328,7 +330,24 @@ def moe_layer_fwd(
     if group is not None:
         h, r_from = from_experts_fwd(h, perm, sizes, group)
     y, r_combine = combine_fwd(h, order, top_k)
-    return y, MoEResiduals(r_router, r_topk, r_dispatch, r_experts, r_combine, r_to, r_from)
+    rows_from_x = group is None and r_experts.fc1.x_TK is rows  # NOTE: [Rows from x]
+    if rows_from_x:
+        r_experts = dataclasses.replace(r_experts, fc1=dataclasses.replace(r_experts.fc1, x_TK=None, x_version=None))
+    return y, MoEResiduals(r_router, r_topk, r_dispatch, r_experts, r_combine, r_to, r_from, rows_from_x)
+
+
+# NOTE: [Rows from x] The experts' fc1 keeps its input for its wgrad: the dispatch's rows, k
+#   gathered copies of x, which the router's GEMM also keeps. The one node keeps x alone and
+#   gathers the rows again in backward (``x[order // k]``: exact, so the same bits), saving
+#   ``k * H`` elements per token. Not with expert parallelism (the rows came from other ranks)
+#   nor with FP8 (fc1 keeps its FP8 copy, not the rows).
+def _experts_record(res: MoEResiduals) -> Any:
+    """The experts' record as backward reads it: with fc1's rows gathered again (NOTE: [Rows from x])."""
+    if not res.rows_from_x:
+        return res.experts
+    k = res.dispatch.top_k
+    rows = res.router.x.index_select(0, torch.div(res.dispatch.order, k, rounding_mode="floor"))
+    return dataclasses.replace(res.experts, fc1=dataclasses.replace(res.experts.fc1, x_TK=rows))
 
 
 def moe_layer_bwd(res: MoEResiduals, dy: torch.Tensor) -> tuple:
@@ -343,7 +362,7 @@ def moe_layer_bwd(res: MoEResiduals, dy: torch.Tensor) -> tuple:
     d_h, _ = combine_bwd(res.combine, dy)
     if res.from_experts is not None:
         d_h = from_experts_bwd(res.from_experts, d_h)[0]
-    g = grouped_mlp_bwd(res.experts, d_h)
+    g = grouped_mlp_bwd(_experts_record(res), d_h)
     d_rows, d_probs_r = g.dx, g.dprobs
     if res.to_experts is not None:
         d_rows, d_probs_r, _ = to_experts_bwd(res.to_experts, (d_rows, d_probs_r, None, None, None))

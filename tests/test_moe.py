@@ -267,6 +267,37 @@ def test_the_layer_is_one_node_whose_record_nests_the_parts():
         assert torch.equal(a, b)
 
 
+def test_the_one_node_keeps_x_once():
+    """NOTE: [Rows from x]: the one node does not keep fc1's rows (k gathered copies of x, which the
+    router keeps): exactly T * k * H elements fewer through the hooks than the parts, the same grads."""
+    x, wr, w1, w2 = _params()
+
+    def saved_bytes(f):
+        packed = {}
+
+        def pack(t):
+            packed[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = f()
+        return y, sum(packed.values())
+
+    def parts():
+        probs, idx = moe.topk_router(fd.linear(x, wr, backend="torch"), K)
+        rows, probs_r, splits, order = moe.dispatch(x, probs, idx, E)
+        return moe.combine(fd.grouped_mlp(rows, w1, w2, splits, probs=probs_r, backend="torch"), order, K)
+
+    y1, one = saved_bytes(lambda: moe.moe_layer(x, wr, w1, w2, K, backend="torch"))
+    y2, five = saved_bytes(parts)
+    assert five - one == T * K * H * x.element_size()
+    _, res = moe.moe_layer_fwd(x, wr, w1, w2, K, backend="torch")
+    assert res.rows_from_x and res.experts.fc1.x_TK is None
+    dy = torch.randn_like(y1)
+    for a, b in zip(torch.autograd.grad(y1, (x, wr, w1, w2), dy), torch.autograd.grad(y2, (x, wr, w1, w2), dy)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 def test_torch_func_grad_of_the_layer(score):
     x, wr, w1, w2 = _params()
