@@ -42,6 +42,7 @@ stand-in with h's shape.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -318,12 +319,12 @@ def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     on fc2's record, the activation's backward, fc1's ``grouped_linear_bwd`` on fc1's record; what
     the policy did not save is recomputed first. With autocast off, as every pure function (NOTE:
     [Autocast] in ``_amp.py``)."""
-    _checks.record("grouped_mlp_bwd", res, GroupedMLPResiduals, "grouped_mlp_fwd")
     with _amp.off(dy):
         return _backward(res, dy)
 
 
 def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
+    _checks.record("grouped_mlp_bwd", res, GroupedMLPResiduals, "grouped_mlp_fwd")
     want_x, want_w1, want_w2, want_p, want_b1, want_b2 = _wanted(res)
     r1, r2, act = res.fc1, res.fc2, res.act
     # fc1's backward runs when it has a gradient to give, and always for a DistributedWeight (its
@@ -381,23 +382,14 @@ def _bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> tuple:
 
 def _planned(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions) -> torch.Tensor | None:
     """y as one planned node (NOTE: [The plan's runner] in ``_bridge_planned.py``), or None where the
-    call takes the bridge: FP8, DistributedWeights. Forward is the pair's, every check
-    included; backward skips the record's check (the node made the record)."""
+    call takes the bridge: FP8, DistributedWeights. Forward and backward are the pair's own."""
     if opts.fc1.fp8 is not None or not all(isinstance(w, (torch.Tensor, list)) for w in (w1, w2)):
         return None  # (weights of another kind: the bridge's checks name them)
     if dwp.any_distributed(w1) or dwp.any_distributed(w2):
         return None
 
-    def fwd(x, w1, w2, splits, probs, bias1, bias2):
-        return _run(x, w1, w2, splits, probs, bias1, bias2, opts, keep=True)
-
-    return run_planned("grouped_mlp", fwd, _planned_bwd, (x, w1, w2, None, probs, bias1, bias2), ((3, splits),))
-
-
-def _planned_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> tuple:
-    with _amp.off(dy):
-        g = _backward(res, dy)
-    return g.dx, g.dw1, g.dw2, None, g.dprobs, g.dbias1, g.dbias2
+    fwd = functools.partial(_fwd, opts=opts)
+    return run_planned("grouped_mlp", fwd, _bwd, (x, w1, w2, None, probs, bias1, bias2), ((3, splits),))
 
 
 def _jvp(res: GroupedMLPResiduals, tangents: tuple) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from .custom_vjp import custom_vjp
 from .grouped_mlp import grouped_mlp, grouped_mlp_bwd, grouped_mlp_fwd
 from .linear import linear, linear_bwd, linear_fwd
-from .moe_ep import check_local_experts, from_experts, from_experts_bwd, from_experts_fwd
+from .moe_ep import check_local_experts, check_permutation, from_experts, from_experts_bwd, from_experts_fwd, inverse
 from .moe_ep import to_experts, to_experts_bwd, to_experts_fwd
 from ._steps import differentiated
 from .residuals import residuals, saved
@@ -43,6 +43,7 @@ __all__ += [
     "topk_router",
     "load_balancing_loss",
     "moe_layer",
+    "layer_parts",
 ]
 
 
@@ -124,15 +125,9 @@ def dispatch_fwd(x: torch.Tensor, probs: torch.Tensor | None, indices: torch.Ten
     return out, DispatchResiduals(order, T, k, probs is not None)
 
 
-def _inverse(order: torch.Tensor) -> torch.Tensor:
-    """``pos`` with ``pos[order[r]] = r``: where each (token, choice) pair's row went (zeros
-    where ``order`` is not a permutation: wrong rows, never an out-of-range read)."""
-    return torch.zeros_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-
-
 def _per_token(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
     """``[T, k, ...]``: each token's ``k`` rows, in choice order."""
-    return rows.index_select(0, _inverse(order)).unflatten(0, (-1, top_k))
+    return rows.index_select(0, inverse(order)).unflatten(0, (-1, top_k))
 
 
 def dispatch_bwd(res: DispatchResiduals, d_out: tuple) -> tuple:
@@ -142,7 +137,7 @@ def dispatch_bwd(res: DispatchResiduals, d_out: tuple) -> tuple:
     if d_rows is not None:
         dx = _per_token(d_rows, res.order, res.top_k).sum(1)
     if d_probs_r is not None:
-        dprobs = d_probs_r.index_select(0, _inverse(res.order)).view(res.num_tokens, res.top_k)
+        dprobs = d_probs_r.index_select(0, inverse(res.order)).view(res.num_tokens, res.top_k)
     return dx, dprobs, None
 
 
@@ -156,8 +151,7 @@ def combine_fwd(rows: torch.Tensor, order: torch.Tensor, top_k: int):
         )
     if type(top_k) is not int or top_k < 1 or rows.shape[0] % top_k:
         raise ValueError(f"combine: top_k must be a positive int dividing the {rows.shape[0]} rows, got {top_k!r}")
-    if _on_host(order) and order.numel() and not torch.equal(order.sort().values, torch.arange(order.numel())):
-        raise ValueError("combine: order must be a permutation of the rows (the dispatch's fourth output)")
+    check_permutation(order, "combine: order must be a permutation of the rows (the dispatch's fourth output)")
     return _per_token(rows, order, top_k).sum(1), CombineResiduals(order, top_k)
 
 
@@ -403,17 +397,30 @@ def moe_layer(
     :func:`functional_dw.grouped_mlp`, ``score``/``top_k`` as for :func:`topk_router`. No host
     sync on CUDA: the splits stay on the device."""
     if torch.compiler.is_compiling():  # NOTE: [The MoE layer under torch.compile]
-        logits = linear(x, router_weight, backend=backend)
-        probs, indices = topk_router(logits, top_k, score)
-        rows, probs_r, splits, order = dispatch(x, probs, indices, router_weight.shape[0])
         if group is not None:
             check_local_experts(w1, router_weight.shape[0], group)
-            rows, probs_r, splits, perm, sizes = to_experts(rows, probs_r, splits, group)
-        h = grouped_mlp(rows, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend)
-        if group is not None:
-            h = from_experts(h, perm, sizes, group)
-        return combine(h, order, top_k)
+
+        def experts(rows, splits, probs_r):
+            return grouped_mlp(rows, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend)
+
+        logits = linear(x, router_weight, backend=backend)
+        return layer_parts(x, logits, experts, top_k, score, router_weight.shape[0], group)
     return _moe_layer(x, router_weight, w1, w2, top_k, score, activation, save, backend, group)
+
+
+def layer_parts(
+    x: torch.Tensor, logits: torch.Tensor, experts: Any, top_k: int, score: str, num_experts: int, group: Any = None
+) -> torch.Tensor:
+    """The layer after the router's GEMM as its parts' own autograd ops (what :class:`nn.MoE`
+    and a compiled :func:`moe_layer` run): :func:`topk_router`, :func:`dispatch`, (with an
+    expert-parallel ``group``, ``moe_ep.to_experts``), ``experts(rows, splits, probs_r) -> h``,
+    (``from_experts``), :func:`combine`."""
+    probs, indices = topk_router(logits, top_k, score)
+    rows, probs_r, splits, order = dispatch(x, probs, indices, num_experts)
+    if group is None:
+        return combine(experts(rows, splits, probs_r), order, top_k)
+    rows, probs_r, splits, perm, sizes = to_experts(rows, probs_r, splits, group)
+    return combine(from_experts(experts(rows, splits, probs_r), perm, sizes, group), order, top_k)
 
 
 # NOTE: [The MoE layer under torch.compile]

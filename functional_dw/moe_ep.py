@@ -84,15 +84,25 @@ def _exchange(t: torch.Tensor, out_sizes: list, in_sizes: list, group: Any) -> t
     return out
 
 
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    """``inv`` with ``inv[perm[i]] = i`` (zeros where ``perm`` is not a permutation: wrong rows,
-    never a read of memory nothing wrote)."""
+def inverse(perm: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[perm[i]] = i``: where each row went (zeros where ``perm`` is not a
+    permutation: wrong rows, never a read of memory nothing wrote). The dispatch's ``order`` and
+    the exchange's ``perm`` are undone by it."""
     return torch.zeros_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
+def check_permutation(perm: torch.Tensor, message: str) -> None:
+    """``ValueError(message)`` unless ``perm`` is a permutation of its positions, where that is
+    free to check: a CPU tensor in eager code (on CUDA a sync; on meta or while compiling no values)."""
+    if perm.device.type != "cpu" or torch.compiler.is_compiling() or not perm.numel():
+        return
+    if not torch.equal(perm.sort().values, torch.arange(perm.numel())):
+        raise ValueError(message)
 
 
 def _back(res: ExchangeResiduals, t: torch.Tensor) -> torch.Tensor:
     """Rows in this rank's experts' order to their source ranks, in the sources' dispatch order."""
-    return _exchange(t.index_select(0, _inverse(res.perm)), res.send_sizes, res.recv_sizes, res.group)
+    return _exchange(t.index_select(0, inverse(res.perm)), res.send_sizes, res.recv_sizes, res.group)
 
 
 def _forth(res: ExchangeResiduals, t: torch.Tensor) -> torch.Tensor:
@@ -101,35 +111,37 @@ def _forth(res: ExchangeResiduals, t: torch.Tensor) -> torch.Tensor:
 
 
 # NOTE: [A backward through the exchange differentiates again] Each direction's backward is the
-#   other direction, run through :func:`_moved` (an autograd op whose backward is again the other
-#   direction), so under ``create_graph=True`` (a gradient penalty, grad of grad) the exchange in
-#   backward is recorded and a second-order gradient reaches every rank's tokens and experts.
-#   Without a gradient to take it runs the plain exchange.
-def _moved_fwd(t: torch.Tensor, perm: torch.Tensor, send: list, recv: list, group: Any, back: bool):
+#   other direction, run as an autograd op (:func:`_moved`: ``_back_op``/``_forth_op``, each the
+#   other's backward), so under ``create_graph=True`` (a gradient penalty, grad of grad) the
+#   exchange in backward is recorded and a second-order gradient reaches every rank's tokens and
+#   experts. Without a gradient to take it runs the plain exchange.
+def _back_fwd(t: torch.Tensor, perm: torch.Tensor, send: list, recv: list, group: Any):
     res = ExchangeResiduals(perm, send, recv, group)
-    return (_back if back else _forth)(res, t), _Moved(perm, send, recv, group, back)
+    return _back(res, t), res
 
 
-@residuals
-class _Moved:
-    perm: torch.Tensor = saved()
-    send_sizes: list
-    recv_sizes: list
-    group: Any
-    back: bool
+def _forth_fwd(t: torch.Tensor, perm: torch.Tensor, send: list, recv: list, group: Any):
+    res = ExchangeResiduals(perm, send, recv, group)
+    return _forth(res, t), res
 
 
-def _moved_bwd(res: _Moved, d: torch.Tensor) -> tuple:
-    return _moved(d, res.perm, res.send_sizes, res.recv_sizes, res.group, not res.back), None
+def _back_bwd(res: ExchangeResiduals, d: torch.Tensor) -> tuple:
+    return _moved(d, res, back=False), None
 
 
-_moved_op = custom_vjp(_moved_fwd, _moved_bwd, nondiff_argnums=(2, 3, 4, 5), name="moe_exchange")
+def _forth_bwd(res: ExchangeResiduals, d: torch.Tensor) -> tuple:
+    return _moved(d, res, back=True), None
 
 
-def _moved(t: Any, perm: torch.Tensor, send: list, recv: list, group: Any, back: bool) -> Any:
-    """:func:`_back` (``back``) or :func:`_forth` of ``t`` (None: None), differentiable (NOTE: [A
-    backward through the exchange differentiates again])."""
-    return None if t is None else _moved_op(t, perm, send, recv, group, back)
+_back_op = custom_vjp(_back_fwd, _back_bwd, nondiff_argnums=(2, 3, 4), name="moe_exchange_back")
+_forth_op = custom_vjp(_forth_fwd, _forth_bwd, nondiff_argnums=(2, 3, 4), name="moe_exchange_forth")
+
+
+def _moved(t: Any, res: ExchangeResiduals, back: bool) -> Any:
+    """:func:`_back` (``back``) or :func:`_forth` of ``t`` along ``res``'s route (None: None),
+    differentiable (NOTE: [A backward through the exchange differentiates again])."""
+    op = _back_op if back else _forth_op
+    return None if t is None else op(t, res.perm, res.send_sizes, res.recv_sizes, res.group)
 
 
 def _route(splits: torch.Tensor, rows: int, group: Any) -> tuple[ExchangeResiduals, torch.Tensor]:
@@ -175,8 +187,7 @@ def to_experts_fwd(rows: torch.Tensor, probs_r: torch.Tensor | None, splits: tor
 def to_experts_bwd(res: ExchangeResiduals, d_out: tuple) -> tuple:
     """(d_rows, d_probs_r, None for the splits): the gradients sent back to their rows' ranks."""
     d_rows, d_probs = d_out[0], (d_out[1] if len(d_out) == 5 else None)
-    route = (res.perm, res.send_sizes, res.recv_sizes, res.group, True)
-    return _moved(d_rows, *route), _moved(d_probs, *route), None
+    return _moved(d_rows, res, back=True), _moved(d_probs, res, back=True), None
 
 
 def from_experts_fwd(out_l: torch.Tensor, perm: torch.Tensor, sizes: torch.Tensor, group: Any):
@@ -196,15 +207,14 @@ def from_experts_fwd(out_l: torch.Tensor, perm: torch.Tensor, sizes: torch.Tenso
             f"from_experts: {out_l.shape[0]} rows for a route of {perm.shape[0]} rows, sizes {send} / {recv}: "
             "give the rows of this rank's experts, in to_experts' order, with its perm and sizes"
         )
-    if perm.device.type == "cpu" and not torch.equal(perm.sort().values, torch.arange(perm.numel())):
-        raise ValueError("from_experts: perm must be a permutation (to_experts' fourth output)")
+    check_permutation(perm, "from_experts: perm must be a permutation (to_experts' fourth output)")
     res = ExchangeResiduals(perm, send, recv, group)
     return _back(res, out_l), res
 
 
 def from_experts_bwd(res: ExchangeResiduals, dy: torch.Tensor) -> tuple:
     """(d_out_l, None, None): dy sent to the experts' ranks, in the experts' order."""
-    return _moved(dy, res.perm, res.send_sizes, res.recv_sizes, res.group, False), None, None
+    return _moved(dy, res, back=False), None, None
 
 
 _to_experts = custom_vjp(to_experts_fwd, to_experts_bwd, nondiff_argnums=(3,), name="to_experts")

@@ -558,13 +558,8 @@ class MoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> y [..., H]
         x2 = x.reshape(-1, x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() > 2 else x
-        probs, indices = moe.topk_router(self.router(x2), self.top_k, self.score)
-        rows, probs_r, splits, order = moe.dispatch(x2, probs, indices, self.num_experts)
-        if self.ep_group is None:
-            return moe.combine(self.experts(rows, splits, probs_r), order, self.top_k).view_as(x)
-        rows, probs_r, splits, perm, sizes = moe_ep.to_experts(rows, probs_r, splits, self.ep_group)
-        h = moe_ep.from_experts(self.experts(rows, splits, probs_r), perm, sizes, self.ep_group)
-        return moe.combine(h, order, self.top_k).view_as(x)
+        y = moe.layer_parts(x2, self.router(x2), self.experts, self.top_k, self.score, self.num_experts, self.ep_group)
+        return y.view_as(x)
 
     def extra_repr(self) -> str:
         ep = "" if self.ep_group is None else f", experts here={self.experts.num_experts} of {self.num_experts}"
