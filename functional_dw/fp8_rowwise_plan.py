@@ -17,24 +17,36 @@ from .fp8_plan import Plan, register_family
 from .fp8.rowwise import OPTIMIZER_STEPS, WEIGHT_CACHE, install_optimizer_hook
 from .kernels.rowwise import ROWWISE
 
-__all__ = ["FP8_PAYS_FROM", "RowwisePlan"]
+__all__ = ["FP8_INTENSITY_FROM", "FP8_PAYS_FROM", "RowwisePlan", "fp8_pays"]
 
 
 # NOTE: [FP8 where it pays]
-#   An FP8 step pays for quantization passes (two reads of each activation and weight, a dozen
-#   launches) with GEMMs up to twice as fast; where the GEMMs are small, the passes and their host
-#   time cost more than FP8 saves. Measured on the H200 (eager, 4-step bursts, one
-#   RowwiseScaling GroupedLinear against the bf16 one, benchmarks/results/moe_layer): 0.43x at
-#   T x K x N = 3.4e10 (E8, 2048, 2048, 8k tokens), 0.59x at 5.2e10 (E128, 2048, 768, 32k), 0.97x at
-#   2.1e11 (E32, 4096, 1536, 32k), 1.03x at 4.1e11 (E128, 4096, 1536, 64k), 1.16x at 4.8e11 (E32, 7168,
-#   2048, 32k). So a call whose GEMM is below ``FP8_PAYS_FROM`` (T x K x N, T the call's tokens: data,
-#   decided per call) runs the layer's bf16 plan, the same call planned without a recipe
-#   (``GroupedPlan.bf16``; the record's ``fp8`` is None, its ``kernels`` the bf16 ones). The rule is
-#   for CUDA, where it was measured; elsewhere FP8 always runs (the CPU emulation is a reference,
-#   not a speed). ``RowwiseScaling(bf16_below=...)`` sets the threshold: 0 forces FP8, ``math.inf``
-#   bf16. Only a stateless family falls back (a delayed-scaling state would miss the amaxes of a
-#   bf16 call). In grouped_mlp each linear decides for its own GEMM.
+#   An FP8 step pays for quantization passes (reads and writes of each activation: ~6 bytes per
+#   element of x [T, K] and of dy [T, N], a dozen launches) with GEMMs up to twice as fast. The
+#   GEMMs' time grows as T x K x N, the passes' as T x (K + N): FP8 pays where the GEMM does enough
+#   work per quantized element, K x N / (K + N) >= ``FP8_INTENSITY_FROM``, and where the call is
+#   large enough that the passes' launches and host time do not dominate, T x K x N >=
+#   ``FP8_PAYS_FROM`` (T the call's tokens: data, decided per call). Measured on the H100 (eager,
+#   4-step bursts, FP8 forced over bf16 on one weight, time ratio, benchmarks/results/moe_layer;
+#   K x N / (K + N) in brackets): 2.58x at (E8, 2048, 2048, 8k) [1024], 1.68x at (E128, 2048, 768,
+#   32k) [558], 1.04x and 0.98x at (E32 / E128, 4096, 1536, 32k / 64k) [1117], 0.87x at (E32, 7168,
+#   2048, 32k) [1593], 0.71x at (E8, 4096, 4096, 64k) [2048]; and in the whole MoE block
+#   (benchmarks/results/moe_block) at Qwen3-30B-A3B with 32k tokens (fc1 T x K x N = 8.2e11
+#   [878], fc2 4.1e11 [558]) FP8 took 1.16x bf16's time: the size alone does not decide. A call
+#   that fails either test runs the layer's bf16 plan, the same call planned without a recipe
+#   (``GroupedPlan.bf16``; the record's ``fp8`` is None, its ``kernels`` the bf16 ones). The rule
+#   is for CUDA, where it was measured; elsewhere FP8 always runs (the CPU emulation is a
+#   reference, not a speed). ``RowwiseScaling(bf16_below=...)`` replaces the rule by a size
+#   threshold alone: 0 forces FP8, ``math.inf`` bf16. Only a stateless family falls back (a
+#   delayed-scaling state would miss the amaxes of a bf16 call). In grouped_mlp each linear
+#   decides for its own GEMM.
 FP8_PAYS_FROM = 3e11
+FP8_INTENSITY_FROM = 1200
+
+
+def fp8_pays(T: int, K: int, N: int) -> bool:
+    """The measured rule on CUDA for a GEMM ``[T, K] x [K, N]`` (NOTE: [FP8 where it pays])."""
+    return T * K * N >= FP8_PAYS_FROM and K * N >= FP8_INTENSITY_FROM * (K + N)
 
 
 class RowwisePlan(Plan):
@@ -87,9 +99,9 @@ class RowwisePlan(Plan):
     def pays(self, T: int, K: int, N: int) -> bool:
         """NOTE: [FP8 where it pays]."""
         below = self.recipe.bf16_below
-        if below is None:
-            below = FP8_PAYS_FROM if self.device.type == "cuda" else 0
-        return T * K * N >= below
+        if below is not None:
+            return T * K * N >= below
+        return self.device.type != "cuda" or fp8_pays(T, K, N)
 
     def quantize_activated(
         self,

@@ -795,15 +795,25 @@ def test_a_gemm_below_bf16_below_runs_the_bf16_plan_bitwise(device):
 
 
 def test_the_default_rule_is_the_measured_one_on_cuda_and_fp8_elsewhere():
-    from functional_dw.fp8_rowwise_plan import FP8_PAYS_FROM
+    """On CUDA: FP8 from FP8_PAYS_FROM (T x K x N) and FP8_INTENSITY_FROM (K x N / (K + N)) on,
+    both needed; a number as bf16_below replaces the rule by its size threshold alone."""
+    from functional_dw.fp8_rowwise_plan import FP8_INTENSITY_FROM, FP8_PAYS_FROM
 
     x, ws, b, _ = _inputs("cpu")
     default = fp8.RowwiseScaling()
     plan = fd.grouped_linear_fwd(x, ws, SIZES, b, recipe=default)[1].fp8
-    assert plan is not None  # CPU: always FP8
+    assert plan is not None and plan.pays(1, 1, 1)  # CPU: always FP8
     cuda_plan = dataclasses.replace(plan, device=torch.device("cuda"))
-    T = math.ceil(FP8_PAYS_FROM / (K * N))  # the fewest tokens at which FP8 pays
-    assert cuda_plan.pays(T, K, N) and not cuda_plan.pays(T - 1, K, N)
+    Kb, Nb = 4096, 4096  # K x N / (K + N) = 2048: intense enough
+    T = math.ceil(FP8_PAYS_FROM / (Kb * Nb))  # the fewest tokens at which FP8 pays
+    assert cuda_plan.pays(T, Kb, Nb) and not cuda_plan.pays(T - 1, Kb, Nb)
+    Ks, Ns = 2048, 768  # Qwen3-30B-A3B's fc2: 558 per element, below FP8_INTENSITY_FROM
+    assert Ks * Ns / (Ks + Ns) < FP8_INTENSITY_FROM
+    assert not cuda_plan.pays(10**9, Ks, Ns)  # as large as you like: the passes still cost more
+    Ke = 2 * FP8_INTENSITY_FROM  # K = N = 2 x the threshold: exactly at it
+    assert cuda_plan.pays(10**9, Ke, Ke) and not cuda_plan.pays(10**9, Ke, Ke - 1)
+    forced = dataclasses.replace(cuda_plan, recipe=fp8.RowwiseScaling(bf16_below=0))
+    assert forced.pays(1, Ks, Ns)
 
 
 def test_grouped_mlp_decides_per_linear():

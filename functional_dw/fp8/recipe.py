@@ -294,7 +294,9 @@ class RowwiseScaling:
     ``bf16_below``: a GEMM of ``T x K x N`` below it runs in bf16 (the layer's bf16 plan, the
     same call with no recipe; ``res.fp8`` is None then), where FP8 cannot pay for its
     quantization passes (NOTE: [FP8 where it pays] in ``fp8_rowwise_plan.py``). None: the measured
-    rule, ``FP8_PAYS_FROM`` on CUDA and 0 (always FP8) elsewhere; 0 forces FP8, ``math.inf`` bf16."""
+    rule, on CUDA ``T x K x N >= FP8_PAYS_FROM`` and ``K x N / (K + N) >= FP8_INTENSITY_FROM``
+    (``fp8_rowwise_plan.fp8_pays``), elsewhere always FP8; a number replaces the rule by that size
+    threshold alone: 0 forces FP8, ``math.inf`` bf16."""
 
     fp8_format: Format = Format.E4M3
     power_2_scale: bool = True
