@@ -12,9 +12,11 @@ summed back. bf16 activations and weights, T tokens, dropless. A contender's ste
   ``index_select``, ``torch._grouped_mm`` for fc1 and fc2 (offsets from device counts: no sync), the weighted
   SwiGLU in torch ops, ``index_add_`` back to the tokens;
 * ``fd``: ``functional_dw.nn.MoE(E, H, F, k)`` as a user writes it; ``fd_rowwise``: the same with
-  ``recipe=fp8.RowwiseScaling()`` (the experts in FP8 where it pays); ``fd_graphed``,
-  ``fd_rowwise_graphed``: ``graphs.graph_step`` of the whole step (router to combine, no host sync);
-* ``te``: Transformer Engine's ``moe_permute`` (index map) + two ``te.GroupedLinear`` (host counts: one sync)
+  ``recipe=fp8.RowwiseScaling()`` (each expert GEMM in FP8 where the measured rule says it pays, else
+  bf16); ``fd_fp8``: ``RowwiseScaling(bf16_below=0)``, every expert GEMM in FP8 (what the rule weighs);
+  ``fd_graphed``, ``fd_fp8_graphed``: ``graphs.graph_step`` of the whole step (router to combine, no
+  host sync);
+* ``te``: Transformer Engine's ``moe_permute`` (index map, ``num_out_tokens = T * k``) + two ``te.GroupedLinear`` (host counts: one sync)
   with the SwiGLU in torch ops + ``moe_unpermute`` merging the probs (Megatron's path);
 * ``liger``: Liger-Kernel's fused MoE (``LigerFusedMoEFunction``, liger-kernel >= 0.8.5) after torch's
   router, where it is installed (else the row says so).
@@ -24,7 +26,7 @@ All share one set of weights (the router's and the experts' ``[E, 2F, H]`` / ``[
 and the host's wall time until the 4th step returns (host ms), medians of ``--repeats``; graphed rows ms
 only. Also: TFLOP/s (``18 * T * k * H * F`` per step: fc1, fc2, each three GEMMs), activation bytes per token
 through ``saved_tensors_hooks`` (the slope between T and T/2 tokens, unique storages, parameters apart),
-and the kernel timeline of one ``fd_rowwise`` step (``torch.profiler``: the CUDA kernels by total time).
+and the kernel timeline of one ``fd_fp8`` step (``torch.profiler``: the CUDA kernels by total time).
 ``--shapes smoke``: one tiny shape on the CPU (checks the script, measures nothing). Writes ``results.json``
 and ``results.md`` under ``--out`` (default ``benchmarks/results/moe_block/``).
 """
@@ -55,8 +57,9 @@ SHAPES = [  # E, H, F, k, T, name
     (8, 4096, 4096, 2, 32768, ""),
 ]
 SMOKE = [(4, 32, 16, 2, 64, "smoke")]
-CONTENDERS = ["torch", "fd", "fd_rowwise", "te", "liger", "fd_graphed", "fd_rowwise_graphed"]
+CONTENDERS = ["torch", "fd", "fd_rowwise", "fd_fp8", "te", "liger", "fd_graphed", "fd_fp8_graphed"]
 BF16 = torch.bfloat16
+RECIPES = {"fd": None, "fd_rowwise": fp8.RowwiseScaling(), "fd_fp8": fp8.RowwiseScaling(bf16_below=0)}
 
 
 def torch_moe(x, wr, w1, w2, k):
@@ -108,8 +111,8 @@ class Block:
         if key == "torch":
             wr, w1, w2 = p = self.params()
             return (lambda x: torch_moe(x, wr, w1, w2, self.k)), p
-        if key in ("fd", "fd_rowwise"):
-            m = self.module(fp8.RowwiseScaling() if key == "fd_rowwise" else None)
+        if key in RECIPES:
+            m = self.module(RECIPES[key])
             return m, list(m.parameters())
         if key == "te":
             return self.te_forward()
@@ -123,10 +126,13 @@ class Block:
                 return "n/a: CUDA graphs need CUDA"
             fwd, params = self.forward(key[: -len("_graphed")])
             x0, dy0 = self.inputs[0]
-            g = graph_step(
-                lambda x, dy: torch.autograd.backward(fwd(x), dy), x0.detach().clone().requires_grad_(), dy0.clone(),
-                params=params, warmup=warmup,
-            )  # fmt: skip
+
+            def body(x, dy):
+                y = fwd(x)
+                y.backward(dy)
+                return y.detach()  # what a replay returns (its first is checked against the reference)
+
+            g = graph_step(body, x0.detach().clone().requires_grad_(), dy0.clone(), params=params, warmup=warmup)
             return lambda inp: g()
         made = self.forward(key)
         return made if isinstance(made, str) else train_step(made[0])
@@ -149,7 +155,7 @@ class Block:
         def fwd(x):
             vals, idx = torch.topk(F.linear(x, wr), k, dim=-1)
             probs = torch.softmax(vals.float(), -1)
-            rows, row_map = te.moe_permute(x, idx.to(torch.int32), map_type="index")
+            rows, row_map = te.moe_permute(x, idx.to(torch.int32), num_out_tokens=x.shape[0] * k, map_type="index")
             splits = torch.bincount(idx.reshape(-1), minlength=E).tolist()  # TE's API: host counts (a sync)
             gate, up = fc1(rows, splits).chunk(2, -1)
             out = fc2((F.silu(gate) * up).contiguous(), splits)
@@ -206,12 +212,12 @@ def saved_per_token(block: Block, key: str) -> dict | str:
 
 
 def timeline(block: Block) -> list | str:
-    """The CUDA kernels of one fd_rowwise step by total time (us), from torch.profiler."""
+    """The CUDA kernels of one fd_fp8 step (every expert GEMM in FP8) by total time (us), from torch.profiler."""
     if not block.cuda:
         return "n/a: needs CUDA"
     from torch.profiler import ProfilerActivity, profile
 
-    step = train_step(block.forward("fd_rowwise")[0])
+    step = train_step(block.forward("fd_fp8")[0])
     for i in range(3):
         step(block.inputs[i % 2])
     torch.cuda.synchronize()
@@ -237,12 +243,25 @@ def markdown(result: dict) -> str:
             else:
                 cells.append(str(v))
         out.append(f"| {r['shape']} | " + " | ".join(cells) + " |")
+    out += ["", "Speedups (time over time; > 1: the first is faster):", ""]
+    pairs = [
+        ("fd", "torch"),
+        ("fd", "liger"),
+        ("fd", "te"),
+        ("fd_rowwise", "fd"),
+        ("fd_fp8", "fd"),
+        ("fd_fp8_graphed", "fd_graphed"),
+    ]
+    for r in result["shapes"]:
+        t = {k: v["ms"] for k, v in r["times"].items() if isinstance(v, dict)}
+        cells = [f"{a} over {b} {t[b] / t[a]:.2f}x" for a, b in pairs if a in t and b in t]
+        out.append(f"- {r['shape']} ({r.get('seconds', '?')} s): " + ", ".join(cells))
     out += ["", "Activation bytes per token through saved-tensor hooks (parameters the hook saw):", ""]
     for r in result["shapes"]:
         out.append(f"- {r['shape']}: " + ", ".join(f"{k} {v}" for k, v in r["saved"].items()))
     for r in result["shapes"]:
         if isinstance(r.get("timeline"), list):
-            out += ["", f"Kernel timeline of one fd_rowwise step at {r['shape']} (us):", ""]
+            out += ["", f"Kernel timeline of one fd_fp8 step at {r['shape']} (us):", ""]
             out += [f"- {t['us']} us, {t['launches']}x: `{t['kernel']}`" for t in r["timeline"]]
     return "\n".join(out) + "\n"
 
@@ -272,6 +291,7 @@ def main(argv=None):
     for E, H, F_, k, T, name in shapes:
         if args.budget and time.monotonic() - t_start > args.budget:
             break
+        t_shape = time.monotonic()
         block = Block(E, H, F_, k, T, dev)
         steps, times = {}, {}
         for key in only:
@@ -286,6 +306,7 @@ def main(argv=None):
         result["shapes"].append(
             {"shape": shape, "flops": 18 * T * k * H * F_, "times": times, "saved": saved, "timeline": timeline(block)}
         )
+        result["shapes"][-1]["seconds"] = round(time.monotonic() - t_shape, 1)
         del block, steps
         free(dev == "cuda")
         (out / "results.json").write_text(json.dumps(result, indent=1))

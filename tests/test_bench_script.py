@@ -695,11 +695,14 @@ def test_moe_block_smoke_writes_every_contender(tmp_path):
     data = json.loads((tmp_path / "results.json").read_text())
     md = (tmp_path / "results.md").read_text()
     (row,) = data["shapes"]
-    for key in ("torch", "fd", "fd_rowwise"):
+    for key in ("torch", "fd", "fd_rowwise", "fd_fp8"):
         v = row["times"][key]
-        assert v["ms"] > 0 and v["host_ms"] > 0 and v["rel_err"] < (0.1 if key == "fd_rowwise" else 0.02), key
+        assert (
+            v["ms"] > 0 and v["host_ms"] > 0 and v["rel_err"] < (0.1 if "fp8" in key or "rowwise" in key else 0.02)
+        ), key
         assert f"{v['ms']:.3f} ({v['host_ms']:.3f})" in md
-    for key in ("fd_graphed", "fd_rowwise_graphed"):
+    assert f"fd over torch {row['times']['torch']['ms'] / row['times']['fd']['ms']:.2f}x" in md
+    for key in ("fd_graphed", "fd_fp8_graphed"):
         assert row["times"][key] == "n/a: CUDA graphs need CUDA"
     assert row["times"]["te"].startswith("n/a") and row["times"]["liger"].startswith("n/a")
     assert row["saved"]["fd"]["params_seen"] == 0 and row["saved"]["torch"]["params_seen"] == 3
