@@ -92,7 +92,9 @@ def fp8_impls(layer: Layer, te, configs) -> dict:
 
     out = {}
     ws = layer.mod.weights()
-    rowwise = fp8.RowwiseScaling()  # (its own name: the loop below rebinds r, which a lambda reading
+    rowwise = fp8.RowwiseScaling(
+        bf16_below=0
+    )  # FP8 at every size (the row means FP8); (its own name: the loop below rebinds r, which a lambda reading
     # r would see: with TE installed, "fd rowwise" then ran the last TE recipe)
     out["fd rowwise"] = ((lambda x: fd.grouped_linear(x, ws, layer.splits_dev, recipe=rowwise)), ws, None)
 

@@ -260,7 +260,7 @@ def _fp8_tables(result) -> list[str]:
         "weights under TE's autocast with TE's recipe of the same class; delayed scaling warmed up 3 steps for both. "
         "fd / te <= 1.00: fd at least as fast. bf16 fd auto: fd's bf16 auto path (list weights); torchao fp8 "
         "rowwise: torchao.prototype.moe_training._to_fp8_rowwise_then_scaled_grouped_mm (per-row scales, "
-        "differentiable). fd rowwise: fd.grouped_linear(..., recipe=fp8.RowwiseScaling()) on device splits, "
+        "differentiable). fd rowwise: fd.grouped_linear(..., recipe=fp8.RowwiseScaling(bf16_below=0)) on device splits, "
         "weights unchanged between steps (quantized once, NOTE: [FP8 weights per version]); fd rowwise new "
         "weights: the same with an in-place update of the weights after each step (an optimizer step), so "
         "every step quantizes them again.",

@@ -17,7 +17,7 @@ Contenders (``--only`` takes these keys):
   ``(F.silu(gate) * up * p[:, None]).to(bf16)`` between them (Megatron's unfused weighted activation);
 * ``fd``: ``functional_dw.grouped_mlp(backend="auto")`` on the same two stacked parameters; ``fd_save_h``,
   ``fd_x_only``: the same with ``save="h"`` / ``save="x_only"``; ``fd_rowwise``: the same with
-  ``recipe=fp8.RowwiseScaling()``; ``fd_default``: ``functional_dw.nn.GroupedMLP(E, H, F)`` as a user writes it
+  ``recipe=fp8.RowwiseScaling(bf16_below=0)`` (FP8 at every size, beside torchao's and TE's FP8); ``fd_default``: ``functional_dw.nn.GroupedMLP(E, H, F)`` as a user writes it
   (default backend and layout: one ``[E, out, in]`` weight per linear); ``fd_list``: the same with
   ``single_grouped_weight=False``, E weights per linear (TE's layout, one buffer each); each given
   the splits as a CUDA int tensor;
@@ -172,7 +172,7 @@ class Case(moe_layer.Routing):
         if key in FD_CALLS:
             kw = dict(FD_CALLS[key])
             if kw.get("recipe") == "rowwise":
-                kw["recipe"] = fp8.RowwiseScaling()
+                kw["recipe"] = fp8.RowwiseScaling(bf16_below=0)
             return contender(
                 lambda x, p: fd.grouped_mlp(x, self.w1, self.w2, self.splits_dev, probs=p, backend="auto", **kw),
                 [self.w1, self.w2],
@@ -208,7 +208,7 @@ class Case(moe_layer.Routing):
         w2 = torch.nn.Parameter(self.w2.detach().clone())
         kw = dict(kw)
         if kw.get("recipe") == "rowwise":
-            kw["recipe"] = fp8.RowwiseScaling()
+            kw["recipe"] = fp8.RowwiseScaling(bf16_below=0)
         x0, p0, dy0 = self.inputs[0]
         x, p, dy = x0.detach().clone().requires_grad_(), p0.detach().clone().requires_grad_(), dy0.clone()
 

@@ -39,14 +39,17 @@ __all__ = ["FP8_INTENSITY_FROM", "FP8_PAYS_FROM", "RowwisePlan", "fp8_pays"]
 #   reference, not a speed). ``RowwiseScaling(bf16_below=...)`` replaces the rule by a size
 #   threshold alone: 0 forces FP8, ``math.inf`` bf16. Only a stateless family falls back (a
 #   delayed-scaling state would miss the amaxes of a bf16 call). In grouped_mlp each linear
-#   decides for its own GEMM.
+#   decides for its own GEMM. Compiled with a dynamic T, a call whose decision flips with T
+#   recompiles once (a guard on T); where the shape alone says bf16, T is not guarded.
 FP8_PAYS_FROM = 3e11
 FP8_INTENSITY_FROM = 1200
 
 
 def fp8_pays(T: int, K: int, N: int) -> bool:
-    """The measured rule on CUDA for a GEMM ``[T, K] x [K, N]`` (NOTE: [FP8 where it pays])."""
-    return T * K * N >= FP8_PAYS_FROM and K * N >= FP8_INTENSITY_FROM * (K + N)
+    """The measured rule on CUDA for a GEMM ``[T, K] x [K, N]`` (NOTE: [FP8 where it pays]).
+    The shape's test comes first: where it fails, T is never read, so a compiled call with a
+    dynamic T gets no guard on T (no recompile where the answer is bf16 at every T)."""
+    return K * N >= FP8_INTENSITY_FROM * (K + N) and T * K * N >= FP8_PAYS_FROM
 
 
 class RowwisePlan(Plan):

@@ -816,6 +816,25 @@ def test_the_default_rule_is_the_measured_one_on_cuda_and_fp8_elsewhere():
     assert forced.pays(1, Ks, Ns)
 
 
+def test_the_rule_guards_no_token_count_where_the_shape_decides(monkeypatch):
+    """Compiled with a dynamic T: where K x N / (K + N) fails, the answer is bf16 at every T, so
+    the size test must put no guard on T (else a recompile where T crosses FP8_PAYS_FROM / (K N))."""
+    import torch._dynamo.testing as dt
+
+    from functional_dw import fp8_rowwise_plan as rp
+
+    monkeypatch.setattr(rp, "FP8_PAYS_FROM", 128 * K * N)  # the size test passes from T = 128 on
+    monkeypatch.setattr(rp.RowwisePlan, "pays", lambda self, T, K_, N_: rp.fp8_pays(T, K_, N_))  # CUDA's rule
+    assert K * N < rp.FP8_INTENSITY_FROM * (K + N)  # this shape: bf16 at every T
+    w, recipe, counter = torch.randn(E, N, K), fp8.RowwiseScaling(), dt.CompileCounter()
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, s: fd.grouped_linear(x, w, s, recipe=recipe), backend=counter, fullgraph=True)
+    for T in (64, 96, 256, 512):
+        f(torch.randn(T, K), torch.tensor([T // E] * E))
+    torch._dynamo.reset()
+    assert counter.frame_count == 2  # T=64 static, then one dynamic graph for every T
+
+
 def test_grouped_mlp_decides_per_linear():
     """fc1 (K=H, N=2F) and fc2 (K=F, N=H) each run FP8 where their own GEMM pays."""
     H, F_ = 64, 32

@@ -296,7 +296,8 @@ class RowwiseScaling:
     quantization passes (NOTE: [FP8 where it pays] in ``fp8_rowwise_plan.py``). None: the measured
     rule, on CUDA ``T x K x N >= FP8_PAYS_FROM`` and ``K x N / (K + N) >= FP8_INTENSITY_FROM``
     (``fp8_rowwise_plan.fp8_pays``), elsewhere always FP8; a number replaces the rule by that size
-    threshold alone: 0 forces FP8, ``math.inf`` bf16."""
+    threshold alone: 0 forces FP8, ``math.inf`` bf16 (an FP8 family's kernels object as
+    ``backend=`` multiplies FP8 operands only: FP8 runs whatever this says)."""
 
     fp8_format: Format = Format.E4M3
     power_2_scale: bool = True
