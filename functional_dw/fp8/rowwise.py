@@ -49,6 +49,7 @@ __all__ = [
     "RowwiseWeight",
     "WEIGHT_CACHE",
     "OPTIMIZER_STEPS",
+    "check_rows",
     "clear_weight_cache",
     "install_optimizer_hook",
     "remove_optimizer_hook",
@@ -171,6 +172,27 @@ _register(RowwiseActivation)
 _register(RowwiseWeight)
 
 
+def check_rows(rows: Any, t: torch.Tensor) -> None:
+    """``rows``, the source rows of a gathered quantization, is an int64 (or int32) ``[R]`` on
+    ``t``'s device; else TypeError/ValueError. Its values are not read (no sync): on the CPU an
+    out-of-range one is ``index_select``'s IndexError, on CUDA it is not checked (NOTE: [The
+    gather as the load] in ``kernels/triton_rowwise.py``)."""
+    if not isinstance(rows, torch.Tensor) or rows.dtype not in (torch.int64, torch.int32):
+        tensor = isinstance(rows, torch.Tensor)
+        fix = "rows.long()" if tensor else "torch.as_tensor(rows, dtype=torch.int64, device=t.device)"
+        raise TypeError(
+            f"rows: expected an int64 (or int32) tensor of source row indices, got "
+            f"{rows.dtype if tensor else type(rows).__name__}: pass {fix}"
+        )
+    if rows.dim() != 1:
+        raise ValueError(
+            f"rows: expected a 1-D tensor [R] of indices into t's rows, got shape {tuple(rows.shape)}: "
+            "flatten it (rows.reshape(-1))"
+        )
+    if rows.device != t.device:
+        raise ValueError(f"rows is on {rows.device} and t on {t.device}: move rows to t's device (rows.to(t.device))")
+
+
 def quantize_activation(
     t_TD: torch.Tensor,
     ends_E: torch.Tensor,
@@ -179,10 +201,17 @@ def quantize_activation(
     *,
     rowwise: bool,
     columnwise: bool,
+    rows: Optional[torch.Tensor] = None,
 ) -> RowwiseActivation:
     """x or dy ``[T, D]`` of a group whose expert ``e`` holds rows ``ends[e-1]:ends[e]`` (int
     ``[E]``, on t's device, ending at T) into a :class:`RowwiseActivation`; ``pends``: the padded
-    ends (:func:`padded_ends`). No host sync."""
+    ends (:func:`padded_ends`). No host sync. ``rows`` (int64 or int32 ``[R]``, values in
+    ``[0, T)``: :func:`check_rows`): the tensor quantized is ``t[rows]`` ``[R, D]``, whose groups
+    ``ends``/``pends`` describe (an MoE's sorted dispatch rows; the CUDA kernels read t through the
+    index: NOTE: [The gather as the load] in ``kernels/triton_rowwise.py``)."""
+    if rows is not None:
+        check_rows(rows, t_TD)
+        t_TD = t_TD.detach().index_select(0, rows)
     T, D = t_TD.shape
     E = ends_E.shape[0]
     row_data = row_sinv = col_data = col_sinv = None
