@@ -19,6 +19,9 @@ and the columnwise amax spans an expert's tokens, so the work is:
 A group's weights ``[E, N, K]`` take the same two kernels, as ``E * N`` rows in E groups of N
 (rowwise ``[E, N, K]`` over K; columnwise ``[E, K, N]`` over N, no padding). Counts may live
 only on the device (``ends``: int32 running ends; no host sync).
+
+An MoE's experts read ``x[rows]`` (its sorted dispatch rows); with ``rows`` both kernels read x
+through the index, and the gathered rows are never written (NOTE: [The gather as the load]).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ try:
 except ImportError:  # CPU-only torch builds ship no Triton
     triton = None
 
-from ..fp8.rowwise import RowwiseActivation, RowwiseWeight, padded_columns
+from ..fp8.rowwise import RowwiseActivation, RowwiseWeight, check_rows, padded_columns
 from ..activations import get as get_activation
 from .triton_math import h_tile, interpreting
 from .triton_launch import launch
@@ -56,6 +59,19 @@ __all__ = ["available", "quantize_activation", "quantize_weight"]
 # is read once instead of twice. (Computing h again in the cast kernel, h never written, was
 # slower on the H200 at F = 1536 and 4096: the activation's math, libdevice exp and IEEE
 # division, done twice, and fc1's output read twice, cost more than writing and reading h.)
+
+
+# NOTE: [The gather as the load] An MoE's experts read ``x[rows]`` ``[R, H]`` (``rows``: each
+# sorted dispatch row's token, R = T * top_k). With ``rows`` both kernels load source row
+# ``rows[r]`` where they load row ``r`` (GATHER, a constexpr: without it the kernels are the
+# same instructions as before), and every store (row copy, row scales, row amax partials,
+# columnwise positions) stays at the gathered row r. So the gathered bf16 rows are never
+# written: the FP8 copies of x[rows] cost two reads of x through the index and the FP8 writes,
+# instead of the gather's read and write plus the two reads of its output. The index itself is
+# read once per row and 128-column block (8 bytes against the row's 256). Its values are not
+# checked on CUDA (that reads them on the host: a sync): one outside ``[0, T)`` reads outside x
+# (garbage rows or a memory fault), as NOTE: [Expert indices are not checked on CUDA] in
+# ``moe.py`` trusts its indices; on the CPU the reference's ``index_select`` raises IndexError.
 
 
 def available(t: torch.Tensor) -> bool:
@@ -111,6 +127,7 @@ if triton is not None:
         n_part,
         p_ptr,
         h_ptr,
+        index_ptr,
         ROWS: tl.constexpr,
         COLS: tl.constexpr,
         RB: tl.constexpr,
@@ -121,12 +138,14 @@ if triton is not None:
         GATED: tl.constexpr,
         HAS_P: tl.constexpr,
         INTERP: tl.constexpr,
+        GATHER: tl.constexpr,
     ):
         """One ``[RB, BD]`` block of rows: each row's max over the block's columns into
         ``row_part[row, block]``, and each expert's column
         maxes ``atomic_max``-ed into ``col_amax [E, D]``: once per block when its rows lie in
         one expert (the usual case: a running elementwise max, reduced at the end), else per
-        ``BT`` rows and expert."""
+        ``BT`` rows and expert. ``GATHER``: row r reads x's row ``index[r]`` (NOTE: [The gather
+        as the load])."""
         first = tl.program_id(0) * RB
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
         cmask = cols < D
@@ -139,8 +158,12 @@ if triton is not None:
             rows = first + i + tl.arange(0, BT)
             rmask = rows < T
             if ACT < 0:
+                if GATHER:
+                    src = tl.load(index_ptr + rows, mask=rmask, other=0)
+                else:
+                    src = rows
                 v = tl.load(
-                    x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
+                    x_ptr + src[:, None].to(tl.int64) * stride_x + cols[None, :],
                     mask=rmask[:, None] & cmask[None, :],
                     other=0.0,
                 ).to(tl.float32)
@@ -191,6 +214,7 @@ if triton is not None:
         col_shift_g,
         fp8_max,
         eps,
+        index_ptr,
         ROWS: tl.constexpr,
         COLS: tl.constexpr,
         POW2: tl.constexpr,
@@ -198,12 +222,14 @@ if triton is not None:
         BD: tl.constexpr,
         EB: tl.constexpr,
         SAT: tl.constexpr,
+        GATHER: tl.constexpr,
     ):
         """One tile of ``BT`` positions of the columnwise layout by ``BD`` features. Position
         ``p`` is expert ``g``'s token ``p - pstart[g]`` (``pends``: the padded ends; the rows'
         own ends for weights), so the transposed store runs along ``p``, contiguous and aligned
         (vector stores), and positions past an expert's tokens (its padding, the tail) load 0 and
-        store zeros. Each real row's rowwise copy is written by the tile that holds it."""
+        store zeros. Each real row's rowwise copy is written by the tile that holds it.
+        ``GATHER``: row r reads x's row ``index[r]`` (NOTE: [The gather as the load])."""
         pid_d = tl.program_id(1)
         pos = tl.program_id(0) * BT + tl.arange(0, BT)
         cols = pid_d * BD + tl.arange(0, BD)
@@ -230,7 +256,11 @@ if triton is not None:
         valid = inside & (local < count)
         rows = start + local
         m = valid[:, None] & cmask[None, :]
-        v = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if GATHER:
+            src = tl.load(index_ptr + rows, mask=valid, other=0)
+        else:
+            src = rows
+        v = tl.load(x_ptr + src[:, None].to(tl.int64) * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
         if ROWS:
             s_r = _scale(tl.load(row_amax_ptr + rows, mask=valid, other=0.0), fp8_max, eps, POW2)
             tl.store(
@@ -301,13 +331,14 @@ def _launch(
     col_stride_d: int,
     col_shift_g: int,
     act: tuple[str, torch.Tensor | None] | None = None,
+    index: torch.Tensor | None = None,
 ):
-    """Both kernels on ``t2d [R, D]`` in E groups (``ends``; ``pends`` their padded ends, or
-    ``ends`` again); returns (row data, row inverse scales ``[R]``, column inverse scales
-    ``[E, D]``) and fills ``col_out`` (``P`` positions; position p of expert g at
-    ``g * (col_stride_g - col_shift_g) + feature * col_stride_d + p``). ``act``: (activation,
-    probs): ``t2d`` is fc1's output and the tensor quantized is ``h = act(t2d) * probs``."""
-    R, D = t2d.shape
+    """Both kernels on ``t2d [R, D]`` (``t2d[index]``, read through the contiguous ``index [R]``: NOTE: [The gather
+    as the load]) in E groups (``ends``; ``pends`` their padded ends, or ``ends`` again); returns (row data, row
+    inverse scales ``[R]``, column inverse scales ``[E, D]``) and fills ``col_out`` (``P`` positions; position p of
+    expert g at ``g * (col_stride_g - col_shift_g) + feature * col_stride_d + p``). ``act``: (activation, probs):
+    ``t2d`` is fc1's output and the tensor quantized is ``h = act(t2d) * probs``."""
+    R, D = t2d.shape if index is None else (index.shape[0], t2d.shape[1])
     code, gated, probs, D = _activation(act, D)
     h = None if act is None else torch.empty(R, D, dtype=t2d.dtype, device=t2d.device)
     dev = t2d.device
@@ -327,22 +358,21 @@ def _launch(
     if D and (R or columnwise):
         with torch.cuda.device(dev):
             if R:
-                row_amax = _amax_pass(t2d, D, ends, amaxes, E, EB, rowwise, columnwise, code, gated, probs, h)
+                row_amax = _amax_pass(t2d, D, ends, amaxes, E, EB, rowwise, columnwise, code, gated, probs, h, index)
             src = t2d if h is None else h  # (with act: the h the first kernel wrote)
             outs = [amaxes if o is None else o for o in (row_out, row_sinv, col_out, col_sinv)]
             n = P if columnwise else R
             shape = (n, E, col_stride_g, col_stride_d, col_shift_g, EB)
-            _cast_pass(
-                src, ends, pends if columnwise else ends, row_amax, amaxes, outs, shape, spec, rowwise, columnwise
-            )
+            cends = pends if columnwise else ends
+            _cast_pass(src, ends, cends, row_amax, amaxes, outs, shape, spec, rowwise, columnwise, index)
     return row_out, row_sinv, col_sinv  # (None where not asked for)
 
 
-def _amax_pass(t2d, D, ends, amaxes, E, EB, rowwise, columnwise, code, gated, probs, h):
+def _amax_pass(t2d, D, ends, amaxes, E, EB, rowwise, columnwise, code, gated, probs, h, index):
     """The first kernel on ``D`` features (h's, with an activation): the column amaxes max-ed
     into ``amaxes`` (and ``h`` written); returns the row amaxes ``[R]`` (``amaxes`` when not
-    rowwise)."""
-    c, R = CONFIG, t2d.shape[0]
+    rowwise). ``index``: the rows are ``t2d[index]``."""
+    c, R = CONFIG, t2d.shape[0] if index is None else index.shape[0]
     n_part = triton.cdiv(D, c["BD"])
     row_part = torch.empty(R, n_part, dtype=torch.float32, device=t2d.device) if rowwise else amaxes
     launch(
@@ -360,6 +390,7 @@ def _amax_pass(t2d, D, ends, amaxes, E, EB, rowwise, columnwise, code, gated, pr
             n_part,
             t2d if probs is None else probs,
             t2d if h is None else h,
+            t2d if index is None else index,
         ),
         dict(
             ROWS=rowwise,
@@ -372,6 +403,7 @@ def _amax_pass(t2d, D, ends, amaxes, E, EB, rowwise, columnwise, code, gated, pr
             GATED=gated,
             HAS_P=probs is not None,
             INTERP=interpreting(),
+            GATHER=index is not None,
             num_warps=c["AMAX_WARPS"],
             enable_fp_fusion=False,
         ),
@@ -379,9 +411,9 @@ def _amax_pass(t2d, D, ends, amaxes, E, EB, rowwise, columnwise, code, gated, pr
     return row_part.amax(dim=1) if rowwise else amaxes  # each row's: the max of its blocks' (one small reduction)
 
 
-def _cast_pass(src, ends, cends, row_amax, col_amax, outs, shape, spec, rowwise, columnwise):
-    """The second kernel: scale and cast ``src`` into ``outs`` (row data, row inverse scales,
-    column data, column inverse scales; stand-ins where not asked for)."""
+def _cast_pass(src, ends, cends, row_amax, col_amax, outs, shape, spec, rowwise, columnwise, index):
+    """The second kernel: scale and cast ``src`` (``src[index]``) into ``outs`` (row data, row
+    inverse scales, column data, column inverse scales; stand-ins where not asked for)."""
     c, D = CONFIG, src.shape[1]  # (h's width with an activation: src is h)
     n, E, col_stride_g, col_stride_d, col_shift_g, EB = shape
     launch(
@@ -403,6 +435,7 @@ def _cast_pass(src, ends, cends, row_amax, col_amax, outs, shape, spec, rowwise,
             col_shift_g,
             spec.fp8_max,
             float(spec.amax_epsilon),
+            src if index is None else index,
         ),
         dict(
             ROWS=rowwise,
@@ -412,6 +445,7 @@ def _cast_pass(src, ends, cends, row_amax, col_amax, outs, shape, spec, rowwise,
             BD=c["BD"],
             EB=EB,
             SAT=interpreting(),
+            GATHER=index is not None,
             num_warps=c["CAST_WARPS"],
         ),
     )
@@ -426,12 +460,20 @@ def quantize_activation(
     rowwise: bool,
     columnwise: bool,
     act: tuple[str, torch.Tensor | None] | None = None,
+    rows: torch.Tensor | None = None,
 ) -> RowwiseActivation:
     """``fp8.rowwise.quantize_activation`` on CUDA (``ends``/``pends`` int32 on t's device).
     ``act`` (activation, probs): ``t_TD`` is fc1's output ``[T, W]`` and the copies are those of
     ``h = act(t_TD) * probs`` ``[T, F]`` (as the activation kernel writes it), computed in the
-    first kernel (NOTE: [The activation as the load])."""
+    first kernel (NOTE: [The activation as the load]). ``rows`` (int64 or int32 ``[R]``, values in
+    ``[0, T)``, not checked on CUDA): the copies are those of ``t_TD[rows]`` ``[R, D]`` (``ends``/
+    ``pends`` its groups), read through the index (NOTE: [The gather as the load]); not with ``act``."""
     T, D = t_TD.shape
+    if rows is not None:
+        if act is not None:
+            raise ValueError("rows and act together are not supported: quantize act's h, or gather fc1's output first")
+        check_rows(rows, t_TD)
+        T, rows = rows.shape[0], rows.contiguous()  # (the kernels read index[r] at r)
     if act is not None and get_activation(act[0]).gated:
         D //= 2
     E = ends_E.shape[0]
@@ -440,7 +482,7 @@ def quantize_activation(
         act = (act[0], act[1].contiguous())
     P = padded_columns(T, E)
     col = torch.empty(D, P, dtype=spec.fp8_dtype, device=t.device) if columnwise else None
-    row, row_sinv, col_sinv = _launch(t, ends_E, pends_E, E, spec, rowwise, columnwise, col, P, 0, P, 0, act)
+    row, row_sinv, col_sinv = _launch(t, ends_E, pends_E, E, spec, rowwise, columnwise, col, P, 0, P, 0, act, rows)
     return RowwiseActivation(row, row_sinv, col, col_sinv, (T, D), t_TD.dtype)
 
 
