@@ -89,14 +89,21 @@ def _ends(splits: Splits) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_activation(
-    t_TD: torch.Tensor, splits: Splits, spec: Any, *, rowwise: bool, columnwise: bool
+    t_TD: torch.Tensor, splits: Splits, spec: Any, *, rowwise: bool, columnwise: bool, rows: torch.Tensor | None = None
 ) -> RowwiseActivation:
-    """x or dy ``[T, D]`` per the recipe: the copies asked for."""
+    """x or dy ``[T, D]`` per the recipe: the copies asked for. ``rows`` (int64 or int32 ``[R]``
+    on t's device, values in ``[0, T)``, not checked on CUDA): the copies of ``t[rows]`` ``[R,
+    D]``, whose groups ``splits`` gives; on CUDA the kernels read t through the index and
+    ``t[rows]`` is never written (NOTE: [The gather as the load] in ``triton_rowwise.py``)."""
+    if rows is not None:
+        ref.check_rows(rows, t_TD)
     ends, pends = _ends(splits)
     if torch.compiler.is_compiling():
+        if rows is not None:  # compiled, the op quantizes the gathered rows: the gather is not fused there
+            t_TD = t_TD.detach().index_select(0, rows)
         tensors = rowwise_quantize(t_TD, ends, pends, spec.power_2_scale, spec.amax_epsilon, rowwise, columnwise)
         return RowwiseActivation(*_present(tensors, rowwise, columnwise), tuple(t_TD.shape), t_TD.dtype)
-    return _quantize_activation(t_TD, ends, pends, spec, rowwise, columnwise)
+    return _quantize_activation(t_TD, ends, pends, spec, rowwise, columnwise, rows)
 
 
 def quantize_activated(
@@ -121,9 +128,9 @@ def quantize_activated(
     )
 
 
-def _quantize_activation(t_TD, ends, pends, spec, rowwise, columnwise) -> RowwiseActivation:
+def _quantize_activation(t_TD, ends, pends, spec, rowwise, columnwise, rows=None) -> RowwiseActivation:
     impl = triton_rowwise if fast(t_TD) else ref
-    return impl.quantize_activation(t_TD, ends, pends, spec, rowwise=rowwise, columnwise=columnwise)
+    return impl.quantize_activation(t_TD, ends, pends, spec, rowwise=rowwise, columnwise=columnwise, rows=rows)
 
 
 def quantize_weight(w_ENK: Weights, spec: Any, *, rowwise: bool, columnwise: bool) -> RowwiseWeight:
@@ -293,10 +300,12 @@ class RowwiseKernels:
         raise ValueError(_NO_ONE_GEMM)
 
     def grouped_quantize(
-        self, x_TK, splits, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False, grouped=True
+        self, x_TK, splits, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False, grouped=True, rows=None
     ) -> RowwiseActivation:
-        """The whole group at once (no sync); RowwiseScaling has no state (no scales, no amaxes)."""
-        return quantize_activation(x_TK, splits, spec, rowwise=rowwise, columnwise=columnwise)
+        """The whole group at once (no sync); RowwiseScaling has no state (no scales, no amaxes).
+        ``rows``: the group is ``x_TK[rows]``, gathered by the quantization's loads
+        (:func:`quantize_activation`)."""
+        return quantize_activation(x_TK, splits, spec, rowwise=rowwise, columnwise=columnwise, rows=rows)
 
     def quantize_activated(self, fc1_out, probs, activation, splits, spec, *, rowwise: bool, columnwise: bool):
         """grouped_mlp's h quantized from fc1's output in the quantization's own pass (on CUDA:
