@@ -16,6 +16,7 @@ Triton kernels under TRITON_INTERPRET=1 on the CPU and their launch config.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import math
 import os
@@ -631,6 +632,130 @@ def test_float64_activations_say_what_to_do():
         fd.grouped_linear(x, ws, SIZES, recipe=R)
 
 
+# --- the gather fused into the quantization (issue 41: NOTE: [The gather as the load]) ----------
+
+
+def _gather_cases():
+    """(name, x [T, D] bf16, rows [R], sizes [E] of the R gathered rows' groups): the gathered
+    quantization's cases, here and in the Triton kernels' interpreter test (its source is sent)."""
+    g = torch.Generator().manual_seed(41)
+    # a top-2 dispatch: each token twice, rows sorted by expert; experts 0 and 3 get no rows
+    T, k = 37, 2
+    experts = torch.tensor([1, 2, 4, 5])[torch.stack([torch.randperm(4, generator=g)[:k] for _ in range(T)])]
+    x = (torch.randn(T, 130, generator=g) * torch.logspace(-4, 4, 130)).to(torch.bfloat16)  # D: 128 + 2
+    rows = torch.argsort(experts.flatten(), stable=True) // k
+    yield "top2", x, rows, torch.bincount(experts.flatten(), minlength=6)
+    # uneven and empty groups (repeated ends), R = 358 (two amax blocks, no tile's multiple), tokens
+    # repeated and missing
+    x = torch.randn(50, 48, generator=g).to(torch.bfloat16)
+    yield "uneven", x, torch.randint(0, 50, (358,), generator=g), torch.tensor([0, 300, 0, 1, 57, 0])
+    # NaN, inf and a zero row, repeated (expert 0 holds all three); x a column slice (its row stride)
+    x = (torch.randn(20, 320, generator=g) * torch.logspace(-4, 4, 320)).to(torch.bfloat16)[:, :160]
+    x[3, 5], x[4, 6], x[1] = float("nan"), float("inf"), 0.0
+    rows = torch.cat([torch.tensor([3, 4, 1, 3]), torch.randint(0, 20, (28,), generator=g)])
+    yield "naninf", x, rows, torch.tensor([3, 0, 20, 9])
+    # int32 rows, a strided view; whole tiles
+    rows = torch.randint(0, 64, (160,), generator=g, dtype=torch.int32)[::2]
+    yield "int32", torch.randn(64, 256, generator=g).to(torch.bfloat16), rows, torch.tensor([16] * 5)
+    # no rows at all
+    yield "empty", torch.randn(5, 48, generator=g).to(torch.bfloat16), torch.zeros(0, dtype=torch.int64), torch.zeros(3)
+
+
+def _bits(q):
+    """A quantized activation's four tensors as integers (None kept): equal means bit for bit."""
+    held = (q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data, q.columnwise_scale_inv)
+    return [None if t is None else t.view(torch.uint8 if t.element_size() == 1 else torch.int32) for t in held]
+
+
+def _same(a, b) -> bool:
+    return all(
+        (u is None) == (v is None) and (u is None or (u.shape == v.shape and torch.equal(u, v)))
+        for u, v in zip(_bits(a), _bits(b))
+    )
+
+
+MODES = pytest.mark.parametrize(
+    "rowwise,columnwise", [(True, False), (False, True), (True, True)], ids=["rowwise", "columnwise", "both"]
+)
+
+
+@MODES
+def test_rows_quantize_the_gathered_rows_bit_for_bit(rowwise, columnwise):
+    # The reference (and RowwiseKernels.grouped_quantize, which passes rows through) against
+    # the quantization of x.index_select(0, rows); and against the rows a quantization that
+    # ignored the index would read (row r for r < T), which differs in every case with rows.
+    for name, x, rows, sizes in _gather_cases():
+        R, kw = len(rows), dict(rowwise=rowwise, columnwise=columnwise)
+        splits = Splits(
+            host=tuple(sizes.int().tolist()), tensor=None, device=x.device, num_tokens=R, num_experts=len(sizes)
+        )
+        got = RowwiseKernels().grouped_quantize(x, splits, SPEC, rows=rows, **kw)
+        want = RowwiseKernels().grouped_quantize(x.index_select(0, rows), splits, SPEC, **kw)
+        assert _same(got, want) and got.shape == (R, x.shape[1]), name
+        ends, pends = sizes.cumsum(0), rw.padded_ends(sizes)
+        assert _same(rw.quantize_activation(x, ends, pends, SPEC, rows=rows, **kw), want), name
+        ignored = rw.quantize_activation(x.index_select(0, torch.arange(R) % len(x)), ends, pends, SPEC, **kw)
+        assert R == 0 or not _same(ignored, want), name
+
+
+def test_rows_under_torch_compile_are_the_eager_bits():
+    # compiled, the rowwise_quantize op quantizes x.index_select(0, rows) (the gather not fused there)
+    name, x, rows, sizes = next(_gather_cases())
+
+    def f(x, rows, sizes):
+        splits = Splits(host=None, tensor=sizes, device=x.device, num_tokens=rows.shape[0], num_experts=sizes.shape[0])
+        return RowwiseKernels().grouped_quantize(x, splits, SPEC, rowwise=True, columnwise=True, rows=rows)
+
+    got = torch.compile(f, backend="eager", fullgraph=True)(x, rows, sizes)
+    assert _same(got, f(x.index_select(0, rows), torch.arange(len(rows)), sizes)), name
+    assert _same(got, f(x, rows, sizes)), name
+
+
+@pytest.mark.parametrize(
+    "bad,error,match",
+    [
+        (
+            torch.tensor([0.0, 1.0]),
+            TypeError,
+            r"rows: expected an int64 \(or int32\) .*got torch.float32: pass rows.long\(\)",
+        ),
+        (torch.tensor([0, 1], dtype=torch.int16), TypeError, r"rows: .*got torch.int16: pass rows.long\(\)"),
+        ([0, 1], TypeError, r"rows: .*got list: pass torch.as_tensor\(rows, dtype=torch.int64"),
+        (torch.tensor([[0], [1]]), ValueError, r"rows: expected a 1-D tensor \[R\] .*shape \(2, 1\)"),
+        (torch.tensor([0, 1], device="meta"), ValueError, r"rows is on meta and t on cpu: move rows"),
+    ],
+    ids=["float", "int16", "list", "2d", "device"],
+)
+def test_bad_rows_are_refused_naming_rows(bad, error, match):
+    from functional_dw.kernels import triton_rowwise as tr  # (its checks run before any launch: no Triton needed)
+
+    x, sizes = torch.randn(4, 16), torch.tensor([1, 1])
+    ends, pends = sizes.cumsum(0).int(), rw.padded_ends(sizes)
+    splits = Splits(host=(1, 1), tensor=None, device=x.device, num_tokens=2, num_experts=2)
+    for quantize in (
+        lambda: rw.quantize_activation(x, ends, pends, SPEC, rowwise=True, columnwise=True, rows=bad),
+        lambda: RowwiseKernels().grouped_quantize(x, splits, SPEC, rows=bad),
+        lambda: tr.quantize_activation(x, ends, pends, SPEC, rowwise=True, columnwise=True, rows=bad),
+    ):
+        with pytest.raises(error, match=match):
+            quantize()
+
+
+def test_rows_out_of_range_on_the_cpu_and_rows_with_an_activation_are_refused():
+    from functional_dw.kernels import triton_rowwise as tr
+
+    x, sizes = torch.randn(4, 16), torch.tensor([1, 1])
+    splits = Splits(host=(1, 1), tensor=None, device=x.device, num_tokens=2, num_experts=2)
+    for bad in ([0, 4], [-1, 0]):  # past the end, negative (index_select takes no negative index)
+        with pytest.raises(IndexError):
+            RowwiseKernels().grouped_quantize(x, splits, SPEC, rows=torch.tensor(bad))
+    ends, pends = sizes.cumsum(0).int(), rw.padded_ends(sizes)
+    with pytest.raises(ValueError, match="rows and act together are not supported"):
+        tr.quantize_activation(
+            x, ends, pends, SPEC, rowwise=True, columnwise=False, act=("silu", None), rows=torch.tensor([0, 1])
+        )
+
+
 # --- the Triton kernels on the CPU (TRITON_INTERPRET=1), and their launch config ---------------
 
 _INTERPRET_PRELUDE = """
@@ -745,6 +870,54 @@ def test_triton_kernels_match_the_reference_up_to_the_interpreters_fp8_cast():
                       [c for c in range(int(pends[-1])) if c not in set(column.tolist())]].any())
     """)
     assert out.split() == ["True"] * 15, out
+
+
+_INTERPRETER_CAST = """
+import triton, triton.language as tl
+@triton.jit
+def _k(x, y, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + i, tl.load(x + i, mask=i < n).to(tl.float8e4nv), mask=i < n)
+def icast(t):
+    t = t.contiguous().float(); out = torch.empty(t.shape, dtype=torch.float8_e4m3fn)
+    if t.numel(): _k[(triton.cdiv(t.numel(), 1024),)](t, out, t.numel(), BLOCK=1024)
+    return out
+rw._cast = lambda v, spec: icast(v.clamp(-spec.fp8_max, spec.fp8_max))  # the reference, cast as the interpreter casts
+"""
+
+
+@pytest.mark.usefixtures("empty_weight_cache")
+@MODES
+def test_triton_gather_quantizes_the_gathered_rows_bit_for_bit(rowwise, columnwise):
+    # With rows the kernels read x's row rows[r] where they read row r (NOTE: [The gather as the
+    # load]). All four tensors bit for bit against: the reference on x.index_select(0, rows),
+    # cast by the interpreter's own fp32 -> e4m3 (it differs from torch's: the test above); the
+    # kernels without the gather on the gathered copy (the no-gather path, unchanged); and not
+    # the reference of the rows a kernel that ignored the index would read (row r, for r < T).
+    # (Only rowwise runs under numpy 2.4 with Triton 3.6: the column pass loops to a run-time bound.)
+    body = "\n".join(
+        [
+            _INTERPRETER_CAST,
+            textwrap.dedent(inspect.getsource(_gather_cases)),
+            textwrap.dedent(inspect.getsource(_bits)),
+            textwrap.dedent(inspect.getsource(_same)),
+            textwrap.dedent(f"""
+            kw = dict(rowwise={rowwise}, columnwise={columnwise})
+            for name, x, rows, sizes in _gather_cases():
+                ends, pends, R = sizes.cumsum(0).to(torch.int32), rw.padded_ends(sizes), len(rows)
+                got = tr.quantize_activation(x, ends, pends, SPEC, rows=rows, **kw)
+                xg = x.index_select(0, rows)
+                want = rw.quantize_activation(xg, ends, pends, SPEC, **kw)
+                unfused = tr.quantize_activation(xg, ends, pends, SPEC, **kw)
+                ignored = rw.quantize_activation(x.index_select(0, torch.arange(R) % len(x)), ends, pends, SPEC, **kw)
+                print(name, _same(got, want), _same(unfused, want), got.shape == (R, x.shape[1]),
+                      R == 0 or not _same(ignored, want))
+            """),
+        ]
+    )
+    out = _interpret(body)
+    names = ["top2", "uneven", "naninf", "int32", "empty"]
+    assert out.split() == [w for n in names for w in (n, "True", "True", "True", "True")], out
 
 
 @pytest.mark.parametrize("rb,bt", [(24, 16), (16, 32)])
