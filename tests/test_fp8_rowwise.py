@@ -10,7 +10,8 @@ scale, a misplaced column, or a product rounded to bf16 before it is summed fail
 
 The weight cache (NOTE: [FP8 weights per version]) never serves a stale FP8 weight (optimizer
 steps, reused ids, inference tensors); torch.func and batched cotangents; the errors; the
-Triton kernels under TRITON_INTERPRET=1 on the CPU and their launch config.
+gathered quantization (``rows``: NOTE: [The gather as the load]); the Triton kernels under
+TRITON_INTERPRET=1 on the CPU and their launch config.
 """
 
 from __future__ import annotations
@@ -654,11 +655,16 @@ def _gather_cases():
     x[3, 5], x[4, 6], x[1] = float("nan"), float("inf"), 0.0
     rows = torch.cat([torch.tensor([3, 4, 1, 3]), torch.randint(0, 20, (28,), generator=g)])
     yield "naninf", x, rows, torch.tensor([3, 0, 20, 9])
-    # int32 rows, a strided view; whole tiles
+    # int32 rows, a strided view; D = 256, whole column blocks
     rows = torch.randint(0, 64, (160,), generator=g, dtype=torch.int32)[::2]
     yield "int32", torch.randn(64, 256, generator=g).to(torch.bfloat16), rows, torch.tensor([16] * 5)
     # no rows at all
-    yield "empty", torch.randn(5, 48, generator=g).to(torch.bfloat16), torch.zeros(0, dtype=torch.int64), torch.zeros(3)
+    yield (
+        "empty",
+        torch.randn(5, 48, generator=g).to(torch.bfloat16),
+        torch.zeros(0, dtype=torch.int64),
+        torch.zeros(3, dtype=torch.int64),
+    )
 
 
 def _bits(q):
@@ -696,6 +702,27 @@ def test_rows_quantize_the_gathered_rows_bit_for_bit(rowwise, columnwise):
         assert _same(rw.quantize_activation(x, ends, pends, SPEC, rows=rows, **kw), want), name
         ignored = rw.quantize_activation(x.index_select(0, torch.arange(R) % len(x)), ends, pends, SPEC, **kw)
         assert R == 0 or not _same(ignored, want), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@MODES
+def test_triton_gather_matches_the_reference_on_cuda(rowwise, columnwise):
+    # (not run on the CPU: the interpreter's test below checks the same up to its FP8 cast)
+    from functional_dw.kernels import triton_rowwise
+
+    for name, x, rows, sizes in _gather_cases():
+        x, rows, kw = x.cuda(), rows.cuda(), dict(rowwise=rowwise, columnwise=columnwise)
+        ends, pends = sizes.cuda().cumsum(0).to(torch.int32), rw.padded_ends(sizes.cuda())
+        want = rw.quantize_activation(x.index_select(0, rows), ends, pends, SPEC, **kw)
+        got = triton_rowwise.quantize_activation(x, ends, pends, SPEC, rows=rows, **kw)
+        for name_, a in vars(want).items():
+            if isinstance(a, torch.Tensor):  # (NaN as NaN, whatever its byte)
+                af, bf = a.float(), getattr(got, name_).float()
+                assert torch.equal(af.isnan(), bf.isnan()) and torch.equal(af.nan_to_num(), bf.nan_to_num()), (
+                    name,
+                    name_,
+                )
 
 
 def test_rows_under_torch_compile_are_the_eager_bits():

@@ -63,15 +63,16 @@ __all__ = ["available", "quantize_activation", "quantize_weight"]
 
 # NOTE: [The gather as the load] An MoE's experts read ``x[rows]`` ``[R, H]`` (``rows``: each
 # sorted dispatch row's token, R = T * top_k). With ``rows`` both kernels load source row
-# ``rows[r]`` where they load row ``r`` (GATHER, a constexpr: without it the kernels are the
-# same instructions as before), and every store (row copy, row scales, row amax partials,
-# columnwise positions) stays at the gathered row r. So the gathered bf16 rows are never
-# written: the FP8 copies of x[rows] cost two reads of x through the index and the FP8 writes,
-# instead of the gather's read and write plus the two reads of its output. The index itself is
-# read once per row and 128-column block (8 bytes against the row's 256). Its values are not
-# checked on CUDA (that reads them on the host: a sync): one outside ``[0, T)`` reads outside x
-# (garbage rows or a memory fault), as NOTE: [Expert indices are not checked on CUDA] in
-# ``moe.py`` trusts its indices; on the CPU the reference's ``index_select`` raises IndexError.
+# ``rows[r]`` where they load row ``r`` (GATHER, a constexpr), and every store (row copy, row
+# scales, row amax partials, columnwise positions) stays at the gathered row r. So the gathered
+# bf16 rows are never written: the FP8 copies of x[rows] cost two reads of x through the index
+# and the FP8 writes, instead of the gather's read and write plus the two reads of its output.
+# The index is read once per row and 128-column block (8 bytes against the row's 256). Without
+# ``rows`` the kernels compile to the same sm_90 PTX as before, but for one unused pointer
+# parameter. The index's values are not checked on CUDA (that reads them on the host: a sync):
+# one outside ``[0, T)`` reads outside x (garbage rows or a memory fault), as NOTE: [Expert
+# indices are not checked on CUDA] in ``moe.py`` trusts its indices; on the CPU the reference's
+# ``index_select`` raises IndexError.
 
 
 def available(t: torch.Tensor) -> bool:
@@ -473,7 +474,7 @@ def quantize_activation(
         if act is not None:
             raise ValueError("rows and act together are not supported: quantize act's h, or gather fc1's output first")
         check_rows(rows, t_TD)
-        T, rows = rows.shape[0], rows.contiguous()  # (the kernels read index[r] at r)
+        T, rows = rows.shape[0], rows.contiguous()  # (the result's rows; the kernels read index[r] at r)
     if act is not None and get_activation(act[0]).gated:
         D //= 2
     E = ends_E.shape[0]
