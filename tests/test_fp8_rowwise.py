@@ -750,8 +750,11 @@ def test_rows_under_torch_compile_are_the_eager_bits():
         ([0, 1], TypeError, r"rows: .*got list: pass torch.as_tensor\(rows, dtype=torch.int64"),
         (torch.tensor([[0], [1]]), ValueError, r"rows: expected a 1-D tensor \[R\] .*shape \(2, 1\)"),
         (torch.tensor([0, 1], device="meta"), ValueError, r"rows is on meta and t on cpu: move rows"),
+        # (was: "pass rows.long()", which turns a mask into rows 0 and 1)
+        (torch.tensor([True, False]), TypeError, r"rows: .*got a bool mask: pass .* rows.nonzero\(\).squeeze\(1\)"),
+        (torch.tensor([0, 1]).to_sparse(), TypeError, r"rows: expected a dense tensor .*pass rows.to_dense\(\)"),
     ],
-    ids=["float", "int16", "list", "2d", "device"],
+    ids=["float", "int16", "list", "2d", "device", "bool", "sparse"],
 )
 def test_bad_rows_are_refused_naming_rows(bad, error, match):
     from functional_dw.kernels import triton_rowwise as tr  # (its checks run before any launch: no Triton needed)
@@ -774,9 +777,19 @@ def test_rows_out_of_range_on_the_cpu_and_rows_with_an_activation_are_refused():
     x, sizes = torch.randn(4, 16), torch.tensor([1, 1])
     splits = Splits(host=(1, 1), tensor=None, device=x.device, num_tokens=2, num_experts=2)
     for bad in ([0, 4], [-1, 0]):  # past the end, negative (index_select takes no negative index)
-        with pytest.raises(IndexError):
+        with pytest.raises(IndexError, match=r"rows: an index lies outside \[0, 4\) \(t's rows; negative"):
             RowwiseKernels().grouped_quantize(x, splits, SPEC, rows=torch.tensor(bad))
     ends, pends = sizes.cumsum(0).int(), rw.padded_ends(sizes)
+    # x of no rows: every index is out of range, refused before any kernel (on CUDA one would read
+    # outside x's empty allocation); was index_select's "self indexing axis dim should be positive"
+    for quantize in (
+        lambda: RowwiseKernels().grouped_quantize(x[:0], splits, SPEC, rows=torch.tensor([0, 1])),
+        lambda: tr.quantize_activation(
+            x[:0], ends, pends, SPEC, rowwise=True, columnwise=True, rows=torch.tensor([0, 1])
+        ),
+    ):
+        with pytest.raises(IndexError, match="rows: 2 indices into a t of no rows"):
+            quantize()
     with pytest.raises(ValueError, match="rows and act together are not supported"):
         tr.quantize_activation(
             x, ends, pends, SPEC, rowwise=True, columnwise=False, act=("silu", None), rows=torch.tensor([0, 1])

@@ -51,6 +51,7 @@ __all__ = [
     "OPTIMIZER_STEPS",
     "check_rows",
     "clear_weight_cache",
+    "gather_rows",
     "install_optimizer_hook",
     "remove_optimizer_hook",
     "padded_columns",
@@ -173,17 +174,25 @@ _register(RowwiseWeight)
 
 
 def check_rows(rows: Any, t: torch.Tensor) -> None:
-    """``rows``, the source rows of a gathered quantization, is an int64 (or int32) ``[R]`` on
-    ``t``'s device; else TypeError/ValueError. Its values are not read (no sync): on the CPU an
-    out-of-range one is ``index_select``'s IndexError, on CUDA it is not checked (NOTE: [The
-    gather as the load] in ``kernels/triton_rowwise.py``)."""
-    if not isinstance(rows, torch.Tensor) or rows.dtype not in (torch.int64, torch.int32):
-        tensor = isinstance(rows, torch.Tensor)
+    """``rows``, the source rows of a gathered quantization, is a dense int64 (or int32) ``[R]`` on
+    ``t``'s device; else TypeError/ValueError (IndexError: R indices into a ``t`` of no rows). Its
+    values are not read (no sync): on the CPU an out-of-range one is an IndexError
+    (:func:`gather_rows`), on CUDA it is not checked (NOTE: [The gather as the load] in
+    ``kernels/triton_rowwise.py``)."""
+    tensor = isinstance(rows, torch.Tensor)
+    if tensor and rows.dtype == torch.bool:
+        raise TypeError(
+            "rows: expected int64 (or int32) source row indices, got a bool mask: pass the indices it "
+            "selects, rows.nonzero().squeeze(1)"
+        )
+    if not tensor or rows.dtype not in (torch.int64, torch.int32):
         fix = "rows.long()" if tensor else "torch.as_tensor(rows, dtype=torch.int64, device=t.device)"
         raise TypeError(
             f"rows: expected an int64 (or int32) tensor of source row indices, got "
             f"{rows.dtype if tensor else type(rows).__name__}: pass {fix}"
         )
+    if rows.layout != torch.strided:
+        raise TypeError(f"rows: expected a dense tensor of indices, got layout {rows.layout}: pass rows.to_dense()")
     if rows.dim() != 1:
         raise ValueError(
             f"rows: expected a 1-D tensor [R] of indices into t's rows, got shape {tuple(rows.shape)}: "
@@ -191,6 +200,19 @@ def check_rows(rows: Any, t: torch.Tensor) -> None:
         )
     if rows.device != t.device:
         raise ValueError(f"rows is on {rows.device} and t on {t.device}: move rows to t's device (rows.to(t.device))")
+    if rows.shape[0] and t.dim() and t.shape[0] == 0:  # every index out of range (CUDA would read outside t)
+        raise IndexError(f"rows: {rows.shape[0]} indices into a t of no rows: pass rows of t's rows, or no rows")
+
+
+def gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``t[rows]`` (detached), whose out-of-range (or negative) index is an IndexError naming
+    ``rows`` (on the CPU: a CUDA tensor's is a device-side assert)."""
+    try:
+        return t.detach().index_select(0, rows)
+    except IndexError as e:
+        raise IndexError(
+            f"rows: an index lies outside [0, {t.shape[0]}) (t's rows; negative ones are not taken): {e}"
+        ) from e
 
 
 def quantize_activation(
@@ -211,7 +233,7 @@ def quantize_activation(
     index: NOTE: [The gather as the load] in ``kernels/triton_rowwise.py``)."""
     if rows is not None:
         check_rows(rows, t_TD)
-        t_TD = t_TD.detach().index_select(0, rows)
+        t_TD = gather_rows(t_TD, rows)
     T, D = t_TD.shape
     E = ends_E.shape[0]
     row_data = row_sinv = col_data = col_sinv = None
