@@ -796,6 +796,25 @@ def test_rows_out_of_range_on_the_cpu_and_rows_with_an_activation_are_refused():
         )
 
 
+def test_splits_that_do_not_count_the_gathered_rows_are_refused():
+    # With rows the splits are the groups of x[rows]: they must count R rows, as without rows they
+    # count x's. Was: R=3 against groups of 2 an IndexError of _token_columns ("index 2 is out of
+    # bounds for dimension 0 with size 2"), R=1 or splits counting x's 4 rows quantized silently
+    # (on CUDA, groups ending past R read past the index and write past the outputs).
+    x = torch.randn(4, 16)
+    for host, num_tokens, rows in [
+        ((1, 1), 2, [0, 1, 2]),  # R past the groups
+        ((1, 1), 3, [0, 1, 2]),  # num_tokens right, host counts not
+        ((1, 1), 2, [0]),  # R short of the groups
+        ((2, 2), 4, [0, 1]),  # the splits of x's rows, not of x[rows]
+        (None, 2, [0, 1, 2]),  # device counts (clamped to num_tokens): num_tokens checked
+    ]:
+        tensor = torch.tensor(host or (1, 1))
+        splits = Splits(host=host, tensor=tensor, device=x.device, num_tokens=num_tokens, num_experts=2)
+        with pytest.raises(ValueError, match=rf"rows holds {len(rows)} indices but splits count .* sum to rows"):
+            RowwiseKernels().grouped_quantize(x, splits, SPEC, rowwise=True, columnwise=True, rows=torch.tensor(rows))
+
+
 # --- the Triton kernels on the CPU (TRITON_INTERPRET=1), and their launch config ---------------
 
 _INTERPRET_PRELUDE = """

@@ -97,6 +97,7 @@ def quantize_activation(
     ``t[rows]`` is never written (NOTE: [The gather as the load] in ``triton_rowwise.py``)."""
     if rows is not None:
         ref.check_rows(rows, t_TD)
+        _check_rows_splits(rows, splits)
     ends, pends = _ends(splits)
     if torch.compiler.is_compiling():
         if rows is not None:  # compiled, the op quantizes the gathered rows: the gather is not fused there
@@ -104,6 +105,19 @@ def quantize_activation(
         tensors = rowwise_quantize(t_TD, ends, pends, spec.power_2_scale, spec.amax_epsilon, rowwise, columnwise)
         return RowwiseActivation(*_present(tensors, rowwise, columnwise), tuple(t_TD.shape), t_TD.dtype)
     return _quantize_activation(t_TD, ends, pends, spec, rowwise, columnwise, rows)
+
+
+def _check_rows_splits(rows: torch.Tensor, splits: Splits) -> None:
+    """``splits`` count the ``R`` gathered rows (host facts only, no sync), as they count x's rows
+    without ``rows`` (``check_sizes``); else ValueError. (On CUDA, groups ending past R would
+    read past the index and write past the R-row outputs.)"""
+    R = rows.shape[0]
+    counted = splits.num_tokens if splits.host is None else sum(splits.host)
+    if splits.num_tokens != R or counted != R:
+        raise ValueError(
+            f"rows holds {R} indices but splits count {counted} rows (num_tokens {splits.num_tokens}): "
+            "with rows the groups are those of x[rows], so splits must sum to rows.shape[0]"
+        )
 
 
 def quantize_activated(
