@@ -796,6 +796,34 @@ def test_rows_out_of_range_on_the_cpu_and_rows_with_an_activation_are_refused():
         )
 
 
+def test_vmap_over_rows_alone_quantizes_each_gather(monkeypatch):
+    # vmap over rows with x unbatched leaves x a plain tensor: on an sm_90 GPU fast(x) held and the
+    # wrapped rows went to the Triton kernels ("Cannot access data pointer of Tensor that doesn't
+    # have storage"). Here the CPU stands in for the GPU: plain tensors take the "Triton" path.
+    from functional_dw.kernels import rowwise as kr
+
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+    def triton_stand_in(t, *args, rows=None, **kw):
+        if rows is not None and wrapped(rows):
+            raise RuntimeError("Cannot access data pointer of Tensor that doesn't have storage")
+        return rw.quantize_activation(t, *args, rows=rows, **kw)
+
+    monkeypatch.setattr(kr, "fast", lambda t: not wrapped(t))
+    monkeypatch.setattr(kr.triton_rowwise, "quantize_activation", triton_stand_in)
+    g = torch.Generator().manual_seed(0)
+    x, rows_B = torch.randn(6, 16, generator=g), torch.randint(0, 6, (3, 8), generator=g)
+    splits = Splits(host=(3, 0, 5), tensor=None, device=x.device, num_tokens=8, num_experts=3)
+
+    def quantize(rows):
+        q = RowwiseKernels().grouped_quantize(x, splits, SPEC, rowwise=True, columnwise=True, rows=rows)
+        return q.rowwise_data.float(), q.rowwise_scale_inv, q.columnwise_data.float(), q.columnwise_scale_inv
+
+    got = torch.func.vmap(quantize)(rows_B)
+    for b, rows in enumerate(rows_B):
+        assert all(torch.equal(u[b], v) for u, v in zip(got, quantize(rows))), b
+
+
 def test_splits_that_do_not_count_the_gathered_rows_are_refused():
     # With rows the splits are the groups of x[rows]: they must count R rows, as without rows they
     # count x's. Was: R=3 against groups of 2 an IndexError of _token_columns ("index 2 is out of

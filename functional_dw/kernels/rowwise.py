@@ -143,7 +143,8 @@ def quantize_activated(
 
 
 def _quantize_activation(t_TD, ends, pends, spec, rowwise, columnwise, rows=None) -> RowwiseActivation:
-    impl = triton_rowwise if fast(t_TD) else ref
+    # (vmap over rows alone leaves t plain: rows is then the transform's wrapper, which Triton cannot read)
+    impl = triton_rowwise if fast(t_TD) and (rows is None or fast(rows)) else ref
     return impl.quantize_activation(t_TD, ends, pends, spec, rowwise=rowwise, columnwise=columnwise, rows=rows)
 
 
