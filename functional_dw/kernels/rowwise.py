@@ -93,8 +93,10 @@ def quantize_activation(
 ) -> RowwiseActivation:
     """x or dy ``[T, D]`` per the recipe: the copies asked for. ``rows`` (int64 or int32 ``[R]``
     on t's device, values in ``[0, T)``, not checked on CUDA): the copies of ``t[rows]`` ``[R,
-    D]``, whose groups ``splits`` gives; on CUDA the kernels read t through the index and
-    ``t[rows]`` is never written (NOTE: [The gather as the load] in ``triton_rowwise.py``)."""
+    D]``, whose groups ``splits`` gives (summing to R); eagerly on an sm_90 GPU the kernels read t
+    through the index and ``t[rows]`` is never written (NOTE: [The gather as the load] in
+    ``triton_rowwise.py``); compiled, under torch.func transforms and on the CPU ``t[rows]`` is
+    gathered first."""
     if rows is not None:
         ref.check_rows(rows, t_TD)
         _check_rows_splits(rows, splits)
@@ -318,8 +320,8 @@ class RowwiseKernels:
         self, x_TK, splits, spec, *, scales=None, amaxes=None, rowwise=True, columnwise=False, grouped=True, rows=None
     ) -> RowwiseActivation:
         """The whole group at once (no sync); RowwiseScaling has no state (no scales, no amaxes).
-        ``rows``: the group is ``x_TK[rows]``, gathered by the quantization's loads
-        (:func:`quantize_activation`)."""
+        ``rows``: the group is ``x_TK[rows]`` (``splits`` its groups), gathered by the
+        quantization's loads where the Triton kernels run eagerly (:func:`quantize_activation`)."""
         return quantize_activation(x_TK, splits, spec, rowwise=rowwise, columnwise=columnwise, rows=rows)
 
     def quantize_activated(self, fc1_out, probs, activation, splits, spec, *, rowwise: bool, columnwise: bool):

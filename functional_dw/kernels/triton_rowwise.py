@@ -72,7 +72,9 @@ __all__ = ["available", "quantize_activation", "quantize_weight"]
 # parameter. The index's values are not checked on CUDA (that reads them on the host: a sync):
 # one outside ``[0, T)`` reads outside x (garbage rows or a memory fault), as NOTE: [Expert
 # indices are not checked on CUDA] in ``moe.py`` trusts its indices; on the CPU the reference's
-# ``index_select`` raises IndexError.
+# ``index_select`` raises IndexError. Only eager launches fuse the gather: compiled (the
+# ``rowwise_quantize`` op of ``kernels/rowwise.py``) and under torch.func transforms, x[rows] is
+# gathered first.
 
 
 def available(t: torch.Tensor) -> bool:
