@@ -1,5 +1,5 @@
 """The gather as the load (issue 41): an MoE's expert input ``x[rows]`` quantized by RowwiseScaling,
-gathered first (what runs today) against read through the index (``rows=``), on one CUDA GPU.
+gathered first (what runs today) against read through the index (``rows=``), on one sm_90 GPU.
 
     python benchmarks/rows_quantize.py [--out DIR]
 
@@ -83,8 +83,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "rows_quantize"))
     args = p.parse_args(argv)
-    if not (torch.cuda.is_available() and tr.available(torch.empty(0, device="cuda"))):
-        sys.exit("rows_quantize.py needs CUDA and Triton")
+    if not (torch.cuda.is_available() and tr.triton is not None and torch.cuda.get_device_capability() == (9, 0)):
+        sys.exit("rows_quantize.py needs an sm_90 (Hopper) GPU and Triton: RowwiseScaling's kernels run only there")
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(),

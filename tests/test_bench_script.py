@@ -707,3 +707,28 @@ def test_moe_block_smoke_writes_every_contender(tmp_path):
     assert row["times"]["te"].startswith("n/a") and row["times"]["liger"].startswith("n/a")
     assert row["saved"]["fd"]["params_seen"] == 0 and row["saved"]["torch"]["params_seen"] == 3
     assert 0 < row["saved"]["fd"]["bytes_per_token"] < row["saved"]["torch"]["bytes_per_token"]
+
+
+# --- benchmarks/rows_quantize.py (GPU only) -----------------------------------------------------
+
+
+def test_rows_quantize_says_it_needs_an_sm90_gpu(monkeypatch):
+    # It imports anywhere and exits with its reason where RowwiseScaling's kernels cannot run:
+    # without CUDA, and on a GPU other than sm_90 (was: Triton's error compiling the FP8 cast there;
+    # on a CPU-only torch, "Torch not compiled with CUDA enabled" once CUDA is claimed).
+    if not torch.cuda.is_available():
+        run = subprocess.run(
+            [sys.executable, "benchmarks/rows_quantize.py"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=HERE.parent,
+        )
+        assert run.returncode == 1 and "needs an sm_90 (Hopper) GPU and Triton" in run.stderr, run.stderr[-2000:]
+    monkeypatch.syspath_prepend(str(HERE.parent / "benchmarks"))
+    import rows_quantize
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
+    with pytest.raises(SystemExit, match=r"needs an sm_90 \(Hopper\) GPU and Triton"):
+        rows_quantize.main([])
