@@ -259,6 +259,15 @@ class Plan:
         None: one GEMM (``quantize``), else per expert (``grouped_quantize``)."""
         return self._quantize(kernels, "input", self.x, x_TK, splits, grouped, rowwise=True, columnwise=keep)
 
+    def quantize_x_rows(
+        self, kernels: Any, x_TK: torch.Tensor, rows: torch.Tensor, splits: Any, grouped: bool, *, keep: bool
+    ) -> Any:
+        """``x[rows]`` per expert (``splits`` count its R rows) as :meth:`quantize_x` would
+        quantize the gathered rows, bit for bit, read through the index (grouped_mlp's ``rows``);
+        None where this family and these kernels cannot (TE's recipes here): then the caller
+        gathers the rows and quantizes them."""
+        return None
+
     def quantize_activated(
         self,
         kernels: Any,

@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _amp, _checks, _fp8, distributed_weight as dwp
+from . import _amp, _checks, _fp8, distributed_weight as dwp, mlp_rows
 from ._steps import differentiated
 from ._bridge_planned import run_planned
 from .custom_vjp import custom_vjp
@@ -106,6 +106,9 @@ class GroupedMLPResiduals:
     # otherwise its x_TK is None and backward recomputes h = act(fc1_out) * probs
     fc1_out: Any = saved()  # [T, 2F] (SwiGLU) or [T, F], the activation's input; None under "x_only" (recomputed)
     probs: Any = saved()  # [T] router weights, or None
+    x: Any = saved()  # with rows and a bf16 fc1: x [T, H] as given (fc1's record holds no input: its x[rows] is
+    # gathered again in backward, exact); else None (fc1's record holds x, or with FP8 x's FP8 copy)
+    rows: Any = saved()  # [R] int: fc1's input is x[rows] (grouped_mlp's rows: mlp_rows.py), or None
     activation: Activation  # the record forward ran ("swiglu", "gelu", "silu" or a registered one)
     save: str  # the policy: "default", "h" or "x_only"
     act: ActivationKernels  # the activation's kernels: the backend's fused ones, or the reference (each call
@@ -114,6 +117,8 @@ class GroupedMLPResiduals:
     bias1: Any  # fc1's bias as given, by reference (a parameter): to run fc1's GEMM again (x_only, second order)
     bias1_version: tuple  # bias1's versions at forward: checked where fc1's GEMM runs again
     h_kept: bool  # fc2's forward kept h for its wgrad (False only with FP8 and w2 frozen): rebuild it if not saved
+    num_tokens: int | None  # with rows: x's T (dx's rows); else None
+    x_version: _checks.Stamp  # with rows, x's version at forward (the pure API checks it in backward); else None
     needs: Any = needed()  # which gradients bwd computes, shaped like (x, w1, w2, splits, probs, bias1, bias2)
 
 
@@ -126,6 +131,10 @@ def _describe(self: GroupedMLPResiduals) -> str:
             inner = [line + "  (h: recomputed in backward)" if "] x_TK = " in line else line for line in inner]
         lines.append(f"  [saved] {name} = {inner[0]}")
         lines += [f"    {line}" for line in inner[1:]]
+    if self.rows is not None:
+        lines.append(f"  [saved] rows = {describe_value(self.rows)}: fc1's input is x[rows]")
+        if self.x is not None:
+            lines.append(f"  [saved] x = {describe_value(self.x)}: x[rows] gathered again in backward, for fc1's wgrad")
     width = "2F" if glu_width(self.activation) == 2 else "F"
     if self.fc1_out is not None:
         lines.append(f"  [saved] fc1_out = {describe_value(self.fc1_out)}")
@@ -150,17 +159,18 @@ GroupedMLPResiduals.__repr__ = _describe  # type: ignore[method-assign]
 # --- forward --------------------------------------------------------------------------------------
 
 
-def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
-    """Forward; with ``keep``, also the residual record (else None)."""
-    check_call(x, w1, w2, probs, opts.activation, opts.save, fp8=opts.fc1.fp8 is not None)
+def _run(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions, keep: bool):
+    """Forward; with ``keep``, also the residual record (else None). ``rows``: fc1's input is
+    ``x[rows]`` (mlp_rows.py)."""
+    if rows is not None:
+        mlp_rows.check(x, rows, splits)
+    x_in = x if rows is None else mlp_rows.like(x, rows)  # (with rows, a stand-in until fc1 reads them)
+    check_call(x_in, w1, w2, probs, opts.activation, opts.save, fp8=opts.fc1.fp8 is not None)
     activation = get_activation(opts.activation)  # (the record: backward runs what forward ran)
     weighted = probs is not None and bias2 is not None  # fc2's bias times probs, added after fc2
-    c1 = in_layer("fc1", prepare, x, w1, splits, bias1, opts.fc1)
+    c1 = in_layer("fc1", prepare, x_in, w1, splits, bias1, opts.fc1, rows is not None)
     act = select(c1.plan.kernels, x, activation)  # (fused on CUDA; each step below routes on its own operands)
-    if keep:
-        fc1_out, r1 = forward(c1, x, keep_x=_keep_x(opts.fc1))
-    else:
-        fc1_out, r1 = fprop(c1), None
+    fc1_out, r1 = mlp_rows.fc1(c1, x, rows, keep, _keep_x(opts.fc1))
     k = activation_kernels(act, fc1_out, probs)
     # fc2 is planned on a stand-in with h's shape, so that with FP8 its plan can quantize h
     # straight from fc1_out (NOTE: [The activation as the load]); else h is written and read
@@ -183,15 +193,20 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions, keep: bool):
         form = in_layer("fc2", check_bias, bias2, c2.plan.num_experts, c2.plan.out_features, y)
         pb = _ProbsBias(bias2, form)
         y = activation_kernels(act, y, probs).probs_bias_fwd(y, _bias_EH(pb), probs, c2.split)
-    return y, (_record(opts, activation, r1, r2, fc1_out, probs, act, pb, bias1) if keep else None)
+    return y, (_record(opts, activation, r1, r2, fc1_out, probs, act, pb, bias1, x, rows) if keep else None)
 
 
-def _record(opts: MLPOptions, activation: Activation, r1, r2, fc1_out, probs, act, pb, bias1) -> GroupedMLPResiduals:
+def _record(
+    opts: MLPOptions, activation: Activation, r1, r2, fc1_out, probs, act, pb, bias1, x, rows
+) -> GroupedMLPResiduals:
     """The MLP's residual record, nesting fc1's and fc2's (fc2's without h where the policy
-    recomputes it)."""
+    recomputes it; with rows, fc1's without its bf16 input x[rows]: x and rows are kept)."""
     h_kept = r2.x_TK is not None
     if opts.save != "h" and h_kept:  # h is recomputed in backward: fc2's record holds it not
         r2 = dataclasses.replace(r2, x_TK=None, x_version=None)
+    x_kept = rows is not None and r1.fp8 is None  # (with FP8, fc1 keeps x[rows]'s FP8 copy, and no x)
+    if x_kept:
+        r1 = dataclasses.replace(r1, x_TK=None, x_version=None)
     return GroupedMLPResiduals(
         fc1=r1,
         fc2=r2,
@@ -204,6 +219,10 @@ def _record(opts: MLPOptions, activation: Activation, r1, r2, fc1_out, probs, ac
         bias1=bias1,
         bias1_version=() if bias1 is None else dwp.versions((bias1,) if isinstance(bias1, torch.Tensor) else bias1),
         h_kept=h_kept,
+        x=x if x_kept else None,
+        rows=rows,
+        num_tokens=None if rows is None else x.shape[0],
+        x_version=_checks.stamp(x) if x_kept else None,
     )
 
 
@@ -237,9 +256,10 @@ def grouped_mlp_fwd(
     backend: str | Kernels | None = None,
     fuse_wgrad_accumulation: bool = False,
     use_grouped_tensor: bool | None = None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, GroupedMLPResiduals]:
-    """``y`` ``[T, H_out]`` and the residual record (fc1's and fc2's records nested in it).
-    Arguments as for :func:`grouped_mlp`."""
+    """``y`` ``[T, H_out]`` (``[R, H_out]`` with rows) and the residual record (fc1's and fc2's
+    records nested in it). Arguments as for :func:`grouped_mlp`."""
     opts, (w1, w2, splits, bias1, bias2) = _options(
         w1,
         w2,
@@ -256,7 +276,7 @@ def grouped_mlp_fwd(
         keep_x=(True, True),
     )
     with _amp.off(x):  # (in the dtypes given: NOTE: [Autocast] in _amp.py)
-        return _run(x, w1, w2, splits, probs, bias1, bias2, opts, keep=True)
+        return _run(x, w1, w2, splits, probs, bias1, bias2, rows, opts, keep=True)
 
 
 # --- backward -------------------------------------------------------------------------------------
@@ -267,15 +287,23 @@ def _wanted(res: GroupedMLPResiduals) -> tuple:
     (all True for a direct call)."""
     if res.needs is None:
         return True, True, True, True, True, True
-    x, w1, w2, _, p, b1, b2 = res.needs
+    x, w1, w2, _, p, b1, b2 = res.needs[:7]
     return x, w1, w2, p, b1, b2
 
 
-def _recompute_fc1(res: GroupedMLPResiduals) -> torch.Tensor:
+def _fc1_record(res: GroupedMLPResiduals) -> GroupedLinearResiduals:
+    """fc1's record as its backward reads it: with rows (bf16), with its input x[rows] gathered
+    again from the saved x (exact: the same bits; a torch op, so a differentiated backward sees it)."""
+    if res.x is None:
+        return res.fc1
+    _checks.check_stamp("x", res.x, res.x_version)
+    return dataclasses.replace(res.fc1, x_TK=mlp_rows.gather(res.x, res.rows))
+
+
+def _recompute_fc1(res: GroupedMLPResiduals, r1: GroupedLinearResiduals) -> torch.Tensor:
     """fc1's output again (``save="x_only"``): fc1's GEMM on the saved x with forward's plan,
-    kernels, path and split counts (fc1's record), so the same bits. Nothing is planned again;
-    a DistributedWeight is gathered for forward again."""
-    r1 = res.fc1
+    kernels, path and split counts (fc1's record ``r1``, with x[rows] gathered again: :func:`_fc1_record`),
+    so the same bits. Nothing is planned again; a DistributedWeight is gathered for forward again."""
     x_TK = saved_x(r1)
     full = dwp.materialize(r1.weights, r1.distributed, for_backward=False, like=x_TK, name="w1", amp=r1.plan.amp)
     dwp.check_materialized(full, r1.weight_shapes, "materialize_group_for_forward()", "w1")
@@ -293,7 +321,7 @@ def _fc1_inputs(res: GroupedMLPResiduals) -> tuple:
     which carries no grad), fc1's weights and bias, probs."""
     b1 = res.bias1
     bias = () if b1 is None else (b1,) if isinstance(b1, torch.Tensor) else tuple(b1)
-    return (res.fc1.x_TK, *res.fc1.weights, *bias, res.probs)
+    return (res.fc1.x_TK if res.x is None else res.x, *res.fc1.weights, *bias, res.probs)
 
 
 def _with_h(res: GroupedMLPResiduals, r2: GroupedLinearResiduals, fc1_out: torch.Tensor) -> GroupedLinearResiduals:
@@ -326,19 +354,21 @@ def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
 def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     _checks.record("grouped_mlp_bwd", res, GroupedMLPResiduals, "grouped_mlp_fwd")
     want_x, want_w1, want_w2, want_p, want_b1, want_b2 = _wanted(res)
-    r1, r2, act = res.fc1, res.fc2, res.act
+    r2, act = res.fc2, res.act
     # fc1's backward runs when it has a gradient to give, and always for a DistributedWeight (its
     # gathers and finalize match across ranks, as in grouped_linear); dh also feeds dprobs
-    fc1_side = bool(want_x) or any_needed(want_w1) or any_needed(want_b1) or r1.distributed
+    fc1_side = bool(want_x) or any_needed(want_w1) or any_needed(want_b1) or res.fc1.distributed
     need_dh = fc1_side or (res.probs is not None and bool(want_p))
-    second = differentiated(dy, _fc1_inputs(res), x_wanted=r1.fp8 is not None and bool(want_x))
-    if second and r1.fp8 is not None:
+    second = differentiated(dy, _fc1_inputs(res), x_wanted=res.fc1.fp8 is not None and bool(want_x))
+    if second and res.fc1.fp8 is not None:
         raise NotImplementedError(
             "grouped_mlp: a backward through FP8 layers cannot be differentiated again (create_graph=True, "
             "grad of grad, jacrev of jacrev): quantization has no derivative, so second-order terms would "
             "be silently missing. Take first-order gradients, or use recipe=None"
         )
-    fc1_out = res.fc1_out if res.fc1_out is not None and not second else _recompute_fc1(res)
+    recompute = res.fc1_out is None or second
+    r1 = _fc1_record(res) if fc1_side or recompute else res.fc1  # (with rows: x[rows] gathered at most once)
+    fc1_out = _recompute_fc1(res, r1) if recompute else res.fc1_out
     if (r2.x_TK is None and res.h_kept) or (second and r2.fp8 is None):
         r2 = _with_h(res, r2, fc1_out)
     dy = check_dy(r2, dy)
@@ -359,28 +389,30 @@ def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     if fc1_side:
         needs1 = None if res.needs is None else (want_x, want_w1, False, want_b1)
         dx, dw1, db1 = grouped_linear_bwd(dataclasses.replace(r1, needs=needs1), dfc1)
+        if dx is not None and res.rows is not None:  # the rows' grads summed into their tokens
+            dx = mlp_rows.scatter(dx, res.rows, res.num_tokens)
     return MLPGrads(dx, dw1, dw2, dprobs, db1, db2)
 
 
 # --- the op ---------------------------------------------------------------------------------------
 
 
-def _fwd(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions):
-    return _run(x, w1, w2, splits, probs, bias1, bias2, opts, keep=True)
+def _fwd(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions):
+    return _run(x, w1, w2, splits, probs, bias1, bias2, rows, opts, keep=True)
 
 
-def _primal(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions) -> torch.Tensor:
+def _primal(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions) -> torch.Tensor:
     """Forward alone, when no gradient can be taken: no residuals."""
-    return _run(x, w1, w2, splits, probs, bias1, bias2, opts, keep=False)[0]
+    return _run(x, w1, w2, splits, probs, bias1, bias2, rows, opts, keep=False)[0]
 
 
 def _bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> tuple:
-    """Cotangents of (x, w1, w2, splits, probs, bias1, bias2); the options are nondiff."""
+    """Cotangents of (x, w1, w2, splits, probs, bias1, bias2, rows); the options are nondiff."""
     g = grouped_mlp_bwd(res, dy)
-    return g.dx, g.dw1, g.dw2, None, g.dprobs, g.dbias1, g.dbias2
+    return g.dx, g.dw1, g.dw2, None, g.dprobs, g.dbias1, g.dbias2, None
 
 
-def _planned(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions) -> torch.Tensor | None:
+def _planned(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions) -> torch.Tensor | None:
     """y as one planned node (NOTE: [The plan's runner] in ``_bridge_planned.py``), or None where the
     call takes the bridge: FP8, DistributedWeights. Forward and backward are the pair's own."""
     if opts.fc1.fp8 is not None or not all(isinstance(w, (torch.Tensor, list)) for w in (w1, w2)):
@@ -389,21 +421,24 @@ def _planned(x, w1, w2, splits, probs, bias1, bias2, opts: MLPOptions) -> torch.
         return None
 
     fwd = functools.partial(_fwd, opts=opts)
-    return run_planned("grouped_mlp", fwd, _bwd, (x, w1, w2, None, probs, bias1, bias2), ((3, splits),))
+    return run_planned("grouped_mlp", fwd, _bwd, (x, w1, w2, None, probs, bias1, bias2, rows), ((3, splits),))
 
 
 def _jvp(res: GroupedMLPResiduals, tangents: tuple) -> torch.Tensor:
     """Forward mode: fc1's jvp rule, the activation's (``act_jvp``), fc2's, and the weighted
     bias's ``t_probs * b2_e + probs * t_b2_e``; what the policy did not save is recomputed."""
     _fp8.no_jvp(res.fc1.fp8, "grouped_mlp")
-    tx, tw1, tw2, _, tp, tb1, tb2 = tangents
-    fc1_out = res.fc1_out if res.fc1_out is not None else _recompute_fc1(res)
+    tx, tw1, tw2, _, tp, tb1, tb2 = tangents[:7]
+    r1 = _fc1_record(res)
+    if tx is not None and res.rows is not None:  # (fc1's input is x[rows]: its tangent is tx[rows])
+        tx = tx.index_select(0, res.rows)
+    fc1_out = res.fc1_out if res.fc1_out is not None else _recompute_fc1(res, r1)
     r2, pb = res.fc2, res.probs_bias
     if r2.x_TK is None:
         r2 = dataclasses.replace(r2, x_TK=act_fwd(fc1_out, res.probs, res.activation))
     t_fc1 = None
     if tx is not None or _any_tangent(tw1) or _any_tangent(tb1):
-        t_fc1 = grouped_linear_jvp(res.fc1, (tx, tw1, None, tb1))
+        t_fc1 = grouped_linear_jvp(r1, (tx, tw1, None, tb1))
     t_h = act_jvp(fc1_out, res.probs, t_fc1, tp, res.activation)
     ty = grouped_linear_jvp(r2, (t_h, tw2, None, tb2 if pb is None else None))
     if pb is not None:
@@ -424,7 +459,7 @@ def _any_tangent(t: Any) -> bool:
     return t is not None and not (isinstance(t, (list, tuple)) and all(u is None for u in t))
 
 
-_grouped_mlp = custom_vjp(_fwd, _bwd, nondiff_argnums=(7,), primal=_primal, jvp=_jvp, name="grouped_mlp")
+_grouped_mlp = custom_vjp(_fwd, _bwd, nondiff_argnums=(8,), primal=_primal, jvp=_jvp, name="grouped_mlp")
 _grouped_mlp_eager = torch.compiler.disable(_grouped_mlp, reason=dwp.NO_COMPILE)
 
 
@@ -496,6 +531,7 @@ def grouped_mlp(
     backend: str | Kernels | None = None,
     fuse_wgrad_accumulation: bool = False,
     use_grouped_tensor: bool | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable expert MLP: ``y = fc2(act(fc1(x)) * probs)`` per expert (Megatron's
     TEGroupedMLP), as one autograd node built from the two layers' pure pairs.
@@ -521,6 +557,12 @@ def grouped_mlp(
             states as a pair (fc1's, fc2's), each ``fp8.init_state(recipe, num_gemms=E, ...)``.
         backend, fuse_wgrad_accumulation, use_grouped_tensor: as for ``grouped_linear``, for both
             linears (``main_grad`` of w1's and w2's weights with fused accumulation).
+        rows: None, or an int64/int32 ``[R]`` index into x's T rows (an MoE's dispatch, sorted
+            by expert): the experts' input is ``x[rows]``, ``splits`` count its R rows, probs
+            is ``[R]``, y is ``[R, H_out]`` and dx ``[T, H]`` (the rows' grads summed into their
+            tokens): bitwise ``grouped_mlp(x.index_select(0, rows), ...)`` through autograd.
+            The record keeps x and rows, not the gathered rows (``functional_dw/mlp_rows.py``;
+            RowwiseScaling quantizes fc1's input through the index).
 
     Under ``torch.autocast``, x, the weights and the biases run in the autocast dtype (probs as
     given), the grads come in their inputs' dtypes (NOTE: [Autocast] in ``_amp.py``).
@@ -528,19 +570,23 @@ def grouped_mlp(
     fuse = _checks.fuse_flag(fuse_wgrad_accumulation)
     keep_x = _keep_x_args(w1, w2, recipe, fp8_state)
     amp = _amp.dtype(x)
+    if rows is not None and (
+        amp is not None or torch.compiler.is_compiling() or dwp.any_distributed(w1) or dwp.any_distributed(w2)
+    ):
+        x, rows = mlp_rows.gather_first(x, rows, splits)  # NOTE: [Rows gathered first] in mlp_rows.py
     args = (w1, w2, splits, bias1, bias2)
     opts, (w1, w2, splits, bias1, bias2) = _options(
         *args, activation, save, recipe, fp8_state, backend, fuse, use_grouped_tensor, keep_x, amp
     )
     if amp is None and not torch.compiler.is_compiling():
-        y = _planned(x, w1, w2, splits, probs, bias1, bias2, opts)
+        y = _planned(x, w1, w2, splits, probs, bias1, bias2, rows, opts)
         if y is not None:
             return y
     run = _grouped_mlp
     if torch.compiler.is_compiling() and (dwp.any_distributed(w1) or dwp.any_distributed(w2)):
         run = _grouped_mlp_eager
     if amp is None:
-        return run(x, w1, w2, splits, probs, bias1, bias2, opts)
+        return run(x, w1, w2, splits, probs, bias1, bias2, rows, opts)
     with _amp.off(x):  # NOTE: [Autocast] in _amp.py: x and the biases cast here (not probs), the weights where
         # materialized
-        return run(_amp.cast(x, amp), w1, w2, splits, probs, _amp.cast(bias1, amp), _amp.cast(bias2, amp), opts)
+        return run(_amp.cast(x, amp), w1, w2, splits, probs, _amp.cast(bias1, amp), _amp.cast(bias2, amp), None, opts)

@@ -1261,3 +1261,221 @@ def test_weights_of_the_wrong_kind_are_named(bad):
         fd.grouped_mlp(x, bad, w, [3, 0, 4], backend="torch")
     with pytest.raises(TypeError, match="grouped_mlp's fc2 .* got"):
         fd.grouped_mlp(x, w, bad, [3, 0, 4], activation="gelu", backend="torch")
+
+
+# --- rows: the experts' input gathered from x (issue 41) ---------------------------------------------
+
+T_X = 6  # x's tokens; ROWS gathers R = 10 rows from them (top-k repeats, token 2 once, SPLITS' expert 1 empty)
+ROWS = torch.tensor([0, 1, 1, 3, 5, 5, 5, 2, 4, 0])
+FALLBACK = fp8.RowwiseScaling(bf16_below=float("inf"))  # every call runs its bf16 plan (the per-call rule)
+ROWS_RECIPES = {"bf16": None, "rowwise": fp8.RowwiseScaling(bf16_below=0), "fallback": FALLBACK}
+
+
+def make_rows(activation="swiglu", dtype=torch.float32, *, probs=True, bias=False, seed=0):
+    """make()'s inputs with x of T_X tokens (probs, dy per gathered row: R = sum(SPLITS))."""
+    inp, dy = make(activation, dtype, probs=probs, bias=bias, seed=seed)
+    inp["x"] = _rand(T_X, H, seed=seed + 7, dtype=dtype).requires_grad_()
+    return inp, dy
+
+
+def run_rows(inp, dy, rows=ROWS, splits=SPLITS, gathered=False, **kw):
+    """(y, grads of leaves(inp)): grouped_mlp with rows, or (``gathered``) on x.index_select(0, rows)."""
+    if gathered:
+        y = call(dict(inp, x=inp["x"].index_select(0, rows)), splits, **kw)
+    else:
+        y = call(inp, splits, rows=rows, **kw)
+    return y, list(torch.autograd.grad(y, leaves(inp), dy))
+
+
+@pytest.mark.parametrize("recipe", list(ROWS_RECIPES))
+@pytest.mark.parametrize("probs, bias", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("save", POLICIES)
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_rows_is_the_gathered_call_bitwise(activation, save, probs, bias, recipe):
+    """y, dx (summed into the tokens), dw1, dw2, dprobs and the biases' grads: the bits of the
+    call on x.index_select(0, rows) through autograd, for every policy, bf16, RowwiseScaling and
+    its bf16 fallback."""
+    if recipe != "bf16" and save == "x_only":
+        pytest.skip("x_only is refused with a recipe")
+    inp, dy = make_rows(activation, probs=probs, bias=bias)
+    kw = dict(activation=activation, save=save, recipe=ROWS_RECIPES[recipe])
+    y, grads = run_rows(inp, dy, **kw)
+    y0, g0 = run_rows(inp, dy, gathered=True, **kw)
+    assert y.shape == (ROWS.shape[0], H) and grads[0].shape == (T_X, H)
+    assert_same(y, y0)
+    assert_same(grads, g0)
+    assert grads[0].abs().sum(1).ne(0).all()  # (every token has a row: each got its grads)
+
+
+def test_rows_rowwise_quantizes_through_the_index(monkeypatch):
+    """With RowwiseScaling, fc1's input is quantized from x through the index (its plan's
+    quantize_x_rows): forward gathers no bf16 rows; its bf16 fallback gathers them once."""
+    from functional_dw import mlp_rows
+
+    gathers, fused = [], []
+    gather = mlp_rows.gather
+    monkeypatch.setattr(mlp_rows, "gather", lambda x, r: gathers.append(r) or gather(x, r))
+    orig = fd.fp8_rowwise_plan.RowwisePlan.quantize_x_rows
+
+    def spy(self, *a, **k):
+        q = orig(self, *a, **k)
+        fused.append(q is not None)
+        return q
+
+    monkeypatch.setattr(fd.fp8_rowwise_plan.RowwisePlan, "quantize_x_rows", spy)
+    inp, dy = make_rows()
+    y = call(inp, rows=ROWS, recipe=ROWS_RECIPES["rowwise"])
+    assert fused == [True] and gathers == [], (fused, len(gathers))
+    torch.autograd.grad(y, leaves(inp), dy)
+    assert gathers == []  # (FP8 fc1 keeps x[rows]'s FP8 copy: backward gathers nothing either)
+    call(inp, rows=ROWS, recipe=FALLBACK)
+    assert fused == [True] and len(gathers) == 1
+
+
+def test_rows_te_recipe_gathers_first():
+    """A recipe whose family cannot quantize through the index (TE's current scaling, emulated)
+    gathers the rows, then quantizes: the gathered call's bits."""
+    splits, rows = [16, 0, 16, 16], torch.arange(48) % 20
+    inp, _ = make(probs=True, splits=splits)
+    inp["x"] = _rand(20, H, seed=9).requires_grad_()
+    dy = _rand(48, H, seed=10)
+    kw = dict(recipe=fp8.Float8CurrentScaling())
+    y, grads = run_rows(inp, dy, rows=rows, splits=splits, **kw)
+    y0, g0 = run_rows(inp, dy, rows=rows, splits=splits, gathered=True, **kw)
+    assert_same(y, y0)
+    assert_same(grads, g0)
+
+
+def test_rows_under_autocast_is_the_gathered_call():
+    inp, dy = make_rows(bias=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, grads = run_rows(inp, dy.bfloat16())
+        y0, g0 = run_rows(inp, dy.bfloat16(), gathered=True)
+    assert y.dtype == torch.bfloat16 and grads[0].dtype == torch.float32
+    assert_same(y, y0)
+    assert_same(grads, g0)
+
+
+def _saved(inp, dy, gathered, **kw):
+    """What the saved-tensor hooks see of a call with rows, or (``gathered``) on x[rows]."""
+    rec = HOOKS["identity"]()
+    with rec:
+        y = call(dict(inp, x=inp["x"].index_select(0, ROWS)), **kw) if gathered else call(inp, rows=ROWS, **kw)
+    torch.autograd.grad(y, leaves(inp), dy)
+    return rec.packed
+
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_rows_hooks_see_x_not_the_rows(save):
+    """The record keeps x [T, H] and rows [R], not x[rows] [R, H]: with R > T, fewer bytes
+    through the saved-tensor hooks than the gathered call's, by (R - T) * H elements."""
+    inp, dy = make_rows()
+    ours, gathered = _saved(inp, dy, False, save=save), _saved(inp, dy, True, save=save)
+    assert any(t is inp["x"] for t in ours) and any(t is ROWS for t in ours)
+    x_R = inp["x"].detach().index_select(0, ROWS)
+    assert any(t.shape == x_R.shape and torch.equal(t, x_R) for t in gathered)
+    assert not any(t.shape == x_R.shape and torch.equal(t, x_R) for t in ours), [tuple(t.shape) for t in ours]
+    saving = sum(t.numel() * t.element_size() for t in gathered) - sum(t.numel() * t.element_size() for t in ours)
+    assert saving == (ROWS.shape[0] - T_X) * H * 4
+
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_rows_retain_graph_twice(save):
+    inp, dy = make_rows(bias=True)
+    y = call(inp, rows=ROWS, save=save)
+    g1 = torch.autograd.grad(y, leaves(inp), dy, retain_graph=True)
+    g2 = torch.autograd.grad(y, leaves(inp), dy)
+    assert_same(list(g2), list(g1))
+
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_rows_pure_pair_is_the_op(save):
+    inp, dy = make_rows(bias=True)
+    y, grads = run_rows(inp, dy, save=save)
+    w = {k: inp[k] for k in ("probs", "bias1", "bias2")}
+    y2, res = fd.grouped_mlp_fwd(inp["x"].detach(), inp["w1"], inp["w2"], SPLITS, rows=ROWS, save=save, **w)
+    assert res.rows is ROWS and res.fc1.x_TK is None and res.x.shape == (T_X, H)
+    text = repr(res)
+    assert "fc1's input is x[rows]" in text and "gathered again in backward" in text
+    g = fd.grouped_mlp_bwd(res, dy)
+    assert_same(y2, y.detach())
+    assert_same(g.dx, grads[0])
+
+
+@pytest.mark.parametrize(
+    "rows, splits, err, match",
+    [
+        (ROWS.float(), SPLITS, TypeError, "rows must be an int64"),
+        (ROWS > 2, SPLITS, TypeError, "nonzero"),
+        (ROWS[None], SPLITS, ValueError, "rows must be a dense 1-D"),
+        (ROWS[:-1], SPLITS, ValueError, "rows holds 9 indices but splits count 10"),
+        (ROWS[:-1], torch.tensor(SPLITS), ValueError, "rows holds 9 indices but splits count 10"),
+        (ROWS.to("meta"), SPLITS, ValueError, "rows is on meta"),
+        (torch.tensor([0, 1, 1, 3, 5, 5, 6, 2, 4, 0]), SPLITS, IndexError, r"rows has an index outside \[0, 6\)"),
+        ([0, 1, 1, 3, 5, 5, 5, 2, 4, 0], SPLITS, TypeError, "rows must be an int64"),
+    ],
+    ids=["float", "bool", "2-D", "R-not-splits", "R-not-tensor-splits", "device", "range", "list"],
+)
+def test_rows_bad_rows_are_named(rows, splits, err, match):
+    inp, _ = make_rows()
+    with pytest.raises(err, match=match):
+        call(inp, splits, rows=rows)
+    with pytest.raises(err, match=match):
+        fd.grouped_mlp_fwd(inp["x"], inp["w1"], inp["w2"], splits, probs=inp["probs"], rows=rows)
+
+
+def test_rows_torch_compile_aot_eager_equals_eager():
+    torch._dynamo.reset()
+    inp, dy = make_rows(bias=True)
+    splits = torch.tensor(SPLITS)
+
+    def f(x, w1, w2, splits, p, b1, b2, rows):
+        return fd.grouped_mlp(x, w1, w2, splits, probs=p, bias1=b1, bias2=b2, rows=rows)
+
+    args = (inp["x"], inp["w1"], inp["w2"], splits, inp["probs"], inp["bias1"], inp["bias2"], ROWS)
+    y = f(*args)
+    grads = torch.autograd.grad(y, leaves(inp), dy)
+    y2 = torch.compile(f, backend="aot_eager", fullgraph=True)(*args)
+    assert_same(y2, y)
+    assert_same(list(torch.autograd.grad(y2, leaves(inp), dy)), list(grads))
+
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_rows_second_order_is_the_gathered_calls(save):
+    """Grad of grad (create_graph): the gathered call's, through the saved x (backward's gather
+    and sum are torch ops); FP8 refuses it, as without rows."""
+    inp, _ = make_rows("swiglu", torch.float64, bias=True)
+    x = inp["x"]
+
+    def hvp(gathered):
+        kw = dict(save=save, use_grouped_tensor=False)
+        y = call(dict(inp, x=x.index_select(0, ROWS)), **kw) if gathered else call(inp, rows=ROWS, **kw)
+        (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        return torch.autograd.grad(gx.sum(), [x, inp["probs"], *inp["w1"]])
+
+    got, want = hvp(False), hvp(True)
+    assert want[0].abs().sum() > 0
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    if save != "x_only":
+        inp8, _ = make_rows()
+        y = call(inp8, rows=ROWS, save=save, recipe=ROWS_RECIPES["rowwise"])
+        with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
+            torch.autograd.grad(y.sum(), inp8["x"], create_graph=True)
+
+
+def test_rows_jvp_is_the_gathered_calls():
+    inp, _ = make_rows("swiglu", torch.float64, bias=True)
+    primals = tuple(inp[k] for k in NAMES)
+    tangents = pytree.tree_map(lambda t: torch.randn_like(t), primals)
+
+    def ours(x, w1, w2, p, b1, b2):
+        return fd.grouped_mlp(x, w1, w2, SPLITS, probs=p, bias1=b1, bias2=b2, rows=ROWS)
+
+    def gathered(x, w1, w2, p, b1, b2):
+        return fd.grouped_mlp(x.index_select(0, ROWS), w1, w2, SPLITS, probs=p, bias1=b1, bias2=b2)
+
+    y, ty = torch.func.jvp(ours, primals, tangents)
+    y0, ty0 = torch.func.jvp(gathered, primals, tangents)
+    assert_same(y, y0)
+    assert_same(ty, ty0)
