@@ -10,6 +10,10 @@ record NESTS theirs: ``res.fc1`` and ``res.fc2`` are the two layers' ``GroupedLi
 ``grouped_linear_bwd``. ``grouped_mlp`` joins the pair through the one bridge, ``custom_vjp``,
 with the options as one nondiff argument (NOTE: [nondiff_argnums]).
 
+With ``rows`` (an ``[R]`` index into x's T rows) the experts' input is ``x[rows]``: y is ``[R, H_out]``,
+dx ``[T, H]``, bitwise the call on ``x.index_select(0, rows)``; the record keeps x and rows
+(``mlp_rows.py``).
+
 Legend: ``T`` tokens, ``H`` x's features (fc1's in), ``F`` the ffn width (fc2's in), ``H_out``
 fc2's out (usually H), ``E`` experts. w1 is E x ``[2F, H]`` for SwiGLU (gate rows, then up rows),
 E x ``[F, H]`` for GELU/SiLU; w2 is E x ``[H_out, F]``; each a list or one stacked tensor.

@@ -7,13 +7,7 @@ fc1's GEMM; RowwiseScaling's FP8: inside fc1's input quantization, through the i
 gathered bf16 rows are never written), backward gathers them again for fc1's wgrad (exact: the
 same bits) and sums the rows' grads into their tokens as ``index_select``'s backward does
 (:func:`scatter`: zeros, then ``index_add``).
-
-NOTE: [Rows gathered first] Where a path cannot take rows as they are, ``grouped_mlp`` gathers
-``x[rows]`` first and runs the call without rows (correct, just not fused, and the record keeps
-the gathered rows): under ``torch.autocast`` (the reference casts the gathered rows, and their
-grads are summed in x's dtype), while compiling, and with a DistributedWeight. The planned runner,
-forward mode (jvp) and a backward that is differentiated again take rows as they are (the gather
-and the sum are torch ops on the saved x, so second order is exact)."""
+"""
 
 from __future__ import annotations
 
@@ -23,6 +17,13 @@ import torch
 
 from . import _checks
 from .grouped_linear import GroupedCall, forward, fprop
+
+# NOTE: [Rows gathered first] Where a path cannot take rows as they are, ``grouped_mlp`` gathers
+#   ``x[rows]`` first and runs the call without rows (correct, just not fused, and the record keeps
+#   the gathered rows): under ``torch.autocast`` (the reference casts the gathered rows, and their
+#   grads are summed in x's dtype), while compiling, and with a DistributedWeight. The planned runner,
+#   forward mode (jvp) and a backward that is differentiated again take rows as they are (the gather
+#   and the sum are torch ops on the saved x, so second order is exact).
 
 __all__ = ["check", "fc1", "gather", "gather_first", "like", "scatter"]
 
