@@ -1479,3 +1479,26 @@ def test_rows_jvp_is_the_gathered_calls():
     y0, ty0 = torch.func.jvp(gathered, primals, tangents)
     assert_same(y, y0)
     assert_same(ty, ty0)
+
+
+def test_rows_distributed_weights_gather_first():
+    """FakeDW groups with rows: the rows are gathered first (NOTE: [Rows gathered first]); the
+    gathered call's y, dx and the shards' grads."""
+    inp, dy = make_rows(bias=True)
+
+    def grads(gathered):
+        w = {k: FakeDW.group_of([t.detach() for t in inp[k]]) for k in ("w1", "w2")}
+        d = dict(inp, **w)
+        y, g = run_rows(d, dy, gathered=gathered)
+        return [y, *g, *[t.grad for t in w["w1"] + w["w2"]]]
+
+    assert_same(grads(False), grads(True))
+
+
+def test_rows_pure_api_checks_x_version():
+    inp, dy = make_rows()
+    x = inp["x"].detach().clone()
+    _, res = fd.grouped_mlp_fwd(x, inp["w1"], inp["w2"], SPLITS, probs=inp["probs"], rows=ROWS)
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="x was modified in place"):
+        fd.grouped_mlp_bwd(res, dy)
