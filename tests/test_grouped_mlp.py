@@ -1502,3 +1502,21 @@ def test_rows_pure_api_checks_x_version():
     x.add_(1)
     with pytest.raises(RuntimeError, match="x was modified in place"):
         fd.grouped_mlp_bwd(res, dy)
+
+
+def test_rows_torch_func_grad_and_vmap_are_the_gathered_calls():
+    inp, dy = make_rows("swiglu", torch.float64)
+    w = (inp["w1"], inp["w2"], SPLITS)
+
+    def ours(x):
+        return fd.grouped_mlp(x, *w, probs=inp["probs"].detach(), rows=ROWS)
+
+    def gathered(x):
+        return fd.grouped_mlp(x.index_select(0, ROWS), *w, probs=inp["probs"].detach())
+
+    x = inp["x"].detach()
+    grad = [torch.func.grad(lambda x, f=f: (f(x) * dy).sum())(x) for f in (ours, gathered)]
+    assert_same(grad[0], grad[1])
+    assert grad[0].shape == (T_X, H)
+    xb = torch.stack([x, 2 * x, -x])
+    assert_same(torch.func.vmap(ours)(xb), torch.func.vmap(gathered)(xb))
