@@ -1520,3 +1520,33 @@ def test_rows_torch_func_grad_and_vmap_are_the_gathered_calls():
     assert grad[0].shape == (T_X, H)
     xb = torch.stack([x, 2 * x, -x])
     assert_same(torch.func.vmap(ours)(xb), torch.func.vmap(gathered)(xb))
+
+
+@gpu
+@pytest.mark.parametrize("save", ["default", "h"])
+def test_rows_on_cuda_quantize_through_the_index(save, monkeypatch):
+    """RowwiseScaling on CUDA with rows: fc1's input is quantized by the Triton kernels reading x
+    through the index (forward gathers no bf16 rows), bitwise the gathered call (index_add, which
+    sums the repeats' grads, made deterministic for the comparison)."""
+    pytest.importorskip("triton")
+    from functional_dw import mlp_rows
+
+    sizes = [40, 0, 88, 16]
+    inp, dy = _on(*make("swiglu", torch.bfloat16, splits=sizes, seed=9), "cuda")
+    inp["x"] = _rand(100, H, seed=11, dtype=torch.bfloat16).cuda().requires_grad_()
+    rows = torch.randint(0, 100, (sum(sizes),), generator=torch.Generator().manual_seed(3)).cuda()
+    splits = torch.tensor(sizes, device="cuda")
+    gathers, real = [], mlp_rows.gather
+    monkeypatch.setattr(mlp_rows, "gather", lambda x, r: gathers.append(r) or real(x, r))
+    kw = dict(recipe=fp8.RowwiseScaling(bf16_below=0), save=save)
+    prev = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        y = call(inp, splits, rows=rows, **kw)
+        assert gathers == []
+        grads = list(torch.autograd.grad(y, leaves(inp), dy))
+        y0, g0 = run_rows(inp, dy, rows=rows, splits=splits, gathered=True, **kw)
+    finally:
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+    assert_same(y, y0)
+    assert_same(grads, g0)
