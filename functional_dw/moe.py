@@ -29,7 +29,7 @@ from .custom_vjp import custom_vjp
 from .grouped_mlp import grouped_mlp, grouped_mlp_bwd, grouped_mlp_fwd
 from .linear import linear, linear_bwd, linear_fwd
 from .moe_ep import check_local_experts, check_permutation, from_experts, from_experts_bwd, from_experts_fwd, inverse
-from .moe_ep import to_experts, to_experts_bwd, to_experts_fwd
+from .moe_ep import per_token, to_experts, to_experts_bwd, to_experts_fwd
 from ._steps import differentiated
 from .residuals import residuals, saved
 
@@ -125,17 +125,12 @@ def dispatch_fwd(x: torch.Tensor, probs: torch.Tensor | None, indices: torch.Ten
     return out, DispatchResiduals(order, T, k, probs is not None)
 
 
-def _per_token(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
-    """``[T, k, ...]``: each token's ``k`` rows, in choice order."""
-    return rows.index_select(0, inverse(order)).unflatten(0, (-1, top_k))
-
-
 def dispatch_bwd(res: DispatchResiduals, d_out: tuple) -> tuple:
     """(dx, dprobs, None for the indices): each token's ``k`` row grads summed, choice by choice."""
     d_rows, d_probs_r = d_out[0], (d_out[1] if res.has_probs else None)
     dx = dprobs = None
     if d_rows is not None:
-        dx = _per_token(d_rows, res.order, res.top_k).sum(1)
+        dx = per_token(d_rows, res.order, res.top_k).sum(1)
     if d_probs_r is not None:
         dprobs = d_probs_r.index_select(0, inverse(res.order)).view(res.num_tokens, res.top_k)
     return dx, dprobs, None
@@ -152,7 +147,7 @@ def combine_fwd(rows: torch.Tensor, order: torch.Tensor, top_k: int):
     if type(top_k) is not int or top_k < 1 or rows.shape[0] % top_k:
         raise ValueError(f"combine: top_k must be a positive int dividing the {rows.shape[0]} rows, got {top_k!r}")
     check_permutation(order, "combine: order must be a permutation of the rows (the dispatch's fourth output)")
-    return _per_token(rows, order, top_k).sum(1), CombineResiduals(order, top_k)
+    return per_token(rows, order, top_k).sum(1), CombineResiduals(order, top_k)
 
 
 def combine_bwd(res: CombineResiduals, dy: torch.Tensor) -> tuple:

@@ -88,7 +88,14 @@ def inverse(perm: torch.Tensor) -> torch.Tensor:
     """``inv`` with ``inv[perm[i]] = i``: where each row went (zeros where ``perm`` is not a
     permutation: wrong rows, never a read of memory nothing wrote). The dispatch's ``order`` and
     the exchange's ``perm`` are undone by it."""
-    return torch.zeros_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+    return torch.zeros_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
+
+
+def per_token(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[T, k, ...]``: each token's ``k`` rows (sorted by the dispatch's ``order``), in choice
+    order: summed over dim 1, the deterministic sum the dispatch's backward and the combine give
+    (and grouped_mlp's ``TopkRows``)."""
+    return rows.index_select(0, inverse(order)).unflatten(0, (-1, top_k))
 
 
 def check_permutation(perm: torch.Tensor, message: str) -> None:
