@@ -19,6 +19,7 @@ from .grouped_linear import (
     grouped_linear_fwd,
 )
 from .grouped_mlp import GroupedMLPResiduals, MLPGrads, grouped_mlp, grouped_mlp_bwd, grouped_mlp_fwd
+from .mlp_rows import TopkRows
 from .linear import LinearResiduals, linear, linear_bwd, linear_bwd_dgrad, linear_bwd_wgrad, linear_fwd
 from .residuals import residuals, saved, saved_activations
 
@@ -49,5 +50,6 @@ __all__ = [
     "grouped_mlp_bwd",
     "GroupedMLPResiduals",
     "MLPGrads",
+    "TopkRows",
 ]
 __version__ = "0.1.0"

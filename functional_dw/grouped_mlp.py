@@ -112,7 +112,7 @@ class GroupedMLPResiduals:
     probs: Any = saved()  # [T] router weights, or None
     x: Any = saved()  # with rows and a bf16 fc1: x [T, H] as given (fc1's record holds no input: its x[rows] is
     # gathered again in backward, exact); else None (fc1's record holds x, or with FP8 x's FP8 copy)
-    rows: Any = saved()  # [R] int: fc1's input is x[rows] (grouped_mlp's rows: mlp_rows.py), or None
+    rows: Any = saved()  # IndexRows or TopkRows: fc1's input is x[rows.index()] (mlp_rows.py), or None
     activation: Activation  # the record forward ran ("swiglu", "gelu", "silu" or a registered one)
     save: str  # the policy: "default", "h" or "x_only"
     act: ActivationKernels  # the activation's kernels: the backend's fused ones, or the reference (each call
@@ -166,8 +166,8 @@ GroupedMLPResiduals.__repr__ = _describe  # type: ignore[method-assign]
 def _run(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions, keep: bool):
     """Forward; with ``keep``, also the residual record (else None). ``rows``: fc1's input is
     ``x[rows]`` (mlp_rows.py)."""
-    if rows is not None:
-        mlp_rows.check(x, rows, splits)
+    if rows is not None:  # (an index tensor wrapped: the record decides the gather and the sum)
+        rows = mlp_rows.record(x, rows, splits)
     x_in = x if rows is None else mlp_rows.like(x, rows)  # (with rows, a stand-in until fc1 reads them)
     check_call(x_in, w1, w2, probs, opts.activation, opts.save, fp8=opts.fc1.fp8 is not None)
     activation = get_activation(opts.activation)  # (the record: backward runs what forward ran)
@@ -301,7 +301,7 @@ def _fc1_record(res: GroupedMLPResiduals) -> GroupedLinearResiduals:
     if res.x is None:
         return res.fc1
     _checks.check_stamp("x", res.x, res.x_version)
-    return dataclasses.replace(res.fc1, x_TK=mlp_rows.gather(res.x, res.rows))
+    return dataclasses.replace(res.fc1, x_TK=mlp_rows.gather(res.x, res.rows.index()))
 
 
 def _recompute_fc1(res: GroupedMLPResiduals, r1: GroupedLinearResiduals) -> torch.Tensor:
@@ -394,7 +394,7 @@ def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
         needs1 = None if res.needs is None else (want_x, want_w1, False, want_b1)
         dx, dw1, db1 = grouped_linear_bwd(dataclasses.replace(r1, needs=needs1), dfc1)
         if dx is not None and res.rows is not None:  # the rows' grads summed into their tokens
-            dx = mlp_rows.scatter(dx, res.rows, res.num_tokens)
+            dx = res.rows.sum_rows(dx, res.num_tokens)
     return MLPGrads(dx, dw1, dw2, dprobs, db1, db2)
 
 
@@ -435,7 +435,7 @@ def _jvp(res: GroupedMLPResiduals, tangents: tuple) -> torch.Tensor:
     tx, tw1, tw2, _, tp, tb1, tb2 = tangents[:7]
     r1 = _fc1_record(res)
     if tx is not None and res.rows is not None:  # (fc1's input is x[rows]: its tangent is tx[rows])
-        tx = tx.index_select(0, res.rows)
+        tx = tx.index_select(0, res.rows.index())
     fc1_out = res.fc1_out if res.fc1_out is not None else _recompute_fc1(res, r1)
     r2, pb = res.fc2, res.probs_bias
     if r2.x_TK is None:

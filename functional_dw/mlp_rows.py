@@ -1,12 +1,20 @@
 """grouped_mlp's ``rows`` (issue 41): the experts' input is ``x[rows]``, an MoE's dispatch rows,
-sorted by expert, while the record keeps x (``[T, H]``) and the index (``[R]``), not the rows.
+sorted by expert, while the record keeps x (``[T, H]``) and the rows' record, not the rows.
 
-The semantics are ``grouped_mlp(x.index_select(0, rows), ...)`` with autograd through the
-``index_select``, bit for bit: forward gathers the rows where fc1 reads them (bf16: once, for
-fc1's GEMM; RowwiseScaling's FP8: inside fc1's input quantization, through the index, so the
-gathered bf16 rows are never written), backward gathers them again for fc1's wgrad (exact: the
-same bits) and sums the rows' grads into their tokens as ``index_select``'s backward does
-(:func:`scatter`: zeros, then ``index_add``).
+``rows`` is one of two records (a plain index tensor is wrapped into the first), and the record
+alone decides both ends: :meth:`index` (the gather index) and :meth:`sum_rows` (the rows' grads
+summed into their tokens):
+
+* an ``[R]`` index tensor (:class:`IndexRows`): ``grouped_mlp(x.index_select(0, rows), ...)``
+  through autograd, bit for bit; dx is ``index_select``'s backward (zeros, then ``index_add``),
+  whose sum order over a token's rows is not fixed on CUDA (atomics: not bitwise reproducible);
+* :class:`TopkRows` ``(order, top_k)``, a top-k dispatch: the rows are ``x[order // top_k]``
+  and dx sums each token's ``k`` rows in choice order (``moe_ep.per_token``), bit for bit what
+  :func:`functional_dw.moe.dispatch`'s backward gives: deterministic.
+
+Forward gathers the rows where fc1 reads them (bf16: once, for fc1's GEMM; RowwiseScaling's FP8:
+inside fc1's input quantization, through the index, so the gathered bf16 rows are never
+written), backward gathers them again for fc1's wgrad (exact: the same bits).
 """
 
 from __future__ import annotations
@@ -16,16 +24,94 @@ from typing import Any
 import torch
 
 from . import _checks
+from .custom_vjp import custom_vjp
 from .grouped_linear import GroupedCall, forward, fprop
+from .moe_ep import per_token
+from .residuals import residuals, saved
 
 # NOTE: [Rows gathered first] Where a path cannot take rows as they are, ``grouped_mlp`` gathers
-#   ``x[rows]`` first and runs the call without rows (correct, just not fused, and the record keeps
-#   the gathered rows): under ``torch.autocast`` (the reference casts the gathered rows, and their
+#   ``x[rows]`` first (the record's :meth:`gather`: differentiable, its backward the record's
+#   sum) and runs the call without rows (correct, just not fused, and the record keeps the
+#   gathered rows): under ``torch.autocast`` (the reference casts the gathered rows, and their
 #   grads are summed in x's dtype), while compiling, and with a DistributedWeight. The planned runner,
 #   forward mode (jvp) and a backward that is differentiated again take rows as they are (the gather
 #   and the sum are torch ops on the saved x, so second order is exact).
 
-__all__ = ["check", "fc1", "gather", "gather_first", "like", "scatter"]
+__all__ = ["IndexRows", "TopkRows", "check", "fc1", "gather", "gather_first", "like", "record"]
+
+
+@residuals
+class IndexRows:
+    """``rows`` as an ``[R]`` index into x's T rows: the gather is ``x.index_select(0, rows)``,
+    the sum back ``index_add`` (on CUDA atomic: a token's rows summed in no fixed order)."""
+
+    rows: torch.Tensor = saved()  # [R] int64/int32
+
+    def index(self) -> torch.Tensor:
+        return self.rows
+
+    def sum_rows(self, d_rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``[T, H]``: as ``index_select``'s backward sums (zeros, then ``index_add``: the same bits)."""
+        return d_rows.new_zeros((num_tokens, d_rows.shape[1])).index_add(0, self.rows, d_rows)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return gather(x, self.rows)
+
+
+@residuals
+class TopkRows:
+    """A top-k dispatch as grouped_mlp's ``rows``: ``order`` ``[T * k]`` int64 (or int32) is the
+    permutation of the (token, choice) pairs ``t * k + j`` sorted by expert
+    (:func:`functional_dw.moe.dispatch_fwd`'s ``order``), ``top_k`` is ``k``. The experts' rows
+    are ``x[order // k]``; x's grad sums each token's ``k`` rows in choice order, bit for bit
+    what ``moe.dispatch``'s backward gives (deterministic, also on CUDA)."""
+
+    order: torch.Tensor = saved()  # [T * k]: each sorted row's flat (token * k + choice) index
+    top_k: int
+
+    def index(self) -> torch.Tensor:
+        """``order // top_k``: each row's token (computed where it is read, not kept)."""
+        return torch.div(self.order, self.top_k, rounding_mode="floor")
+
+    def sum_rows(self, d_rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``[T, H]``: each token's ``k`` row grads summed in choice order (``moe.dispatch``'s backward)."""
+        return per_token(d_rows, self.order, self.top_k).sum(1)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[order // k]``, differentiable, with :meth:`sum_rows` as its backward."""
+        return _gather_topk(x, self)
+
+
+def _rows_repr(self: Any) -> str:
+    extra = f", top_k={self.top_k}" if isinstance(self, TopkRows) else ""
+    t = self.order if isinstance(self, TopkRows) else self.rows
+    return f"{type(self).__name__}([{t.shape[0]}] {str(t.dtype).removeprefix('torch.')}{extra})"
+
+
+IndexRows.__repr__ = TopkRows.__repr__ = _rows_repr  # type: ignore[method-assign]
+
+
+@residuals
+class _TopkGatherResiduals:
+    rows: TopkRows = saved()
+    num_tokens: int
+
+
+def _gather_topk_fwd(x: torch.Tensor, rows: TopkRows) -> tuple:
+    return gather(x, rows.index()), _TopkGatherResiduals(rows, x.shape[0])
+
+
+def _gather_topk_bwd(res: _TopkGatherResiduals, d_rows: torch.Tensor) -> tuple:
+    return res.rows.sum_rows(d_rows, res.num_tokens), None
+
+
+_gather_topk = custom_vjp(_gather_topk_fwd, _gather_topk_bwd, name="grouped_mlp_rows")
+
+
+def record(x: Any, rows: Any, splits: Any) -> IndexRows | TopkRows:
+    """``rows`` checked (:func:`check`) as its record: a TopkRows as given, an index tensor wrapped."""
+    check(x, rows, splits)
+    return rows if isinstance(rows, (IndexRows, TopkRows)) else IndexRows(rows)
 
 
 def check(x: Any, rows: Any, splits: Any) -> None:
@@ -34,6 +120,10 @@ def check(x: Any, rows: Any, splits: Any) -> None:
     TypeError/ValueError naming rows. Its values are read only by the gather (on the CPU an
     out-of-range one is an IndexError naming rows; on CUDA it is not checked: a sync)."""
     _checks.tensor("x", x, ndim=2)
+    if isinstance(rows, TopkRows):
+        return _check_topk(x, rows, splits)
+    if isinstance(rows, IndexRows):
+        rows = rows.rows
     if not isinstance(rows, torch.Tensor) or rows.dtype not in (torch.int64, torch.int32):
         got = rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__
         hint = ", not a bool mask: pass rows.nonzero().squeeze(1)" if got == torch.bool else ""
@@ -47,11 +137,38 @@ def check(x: Any, rows: Any, splits: Any) -> None:
         raise ValueError(f"grouped_mlp: rows is on {rows.device} but x on {x.device}: move rows to x's device")
     if rows.shape[0] and x.shape[0] == 0:
         raise IndexError(f"grouped_mlp: rows holds {rows.shape[0]} indices into an x of no rows")
-    total = _known_total(splits)
-    if total is not None and total != rows.shape[0]:
+    _check_total(rows.shape[0], splits)
+
+
+def _check_topk(x: torch.Tensor, rows: TopkRows, splits: Any) -> None:
+    """TopkRows: ``order`` a dense 1-D int64/int32 tensor on x's device, ``top_k`` a positive int,
+    ``order.numel() == T * top_k`` (shapes only: no sync)."""
+    order, k = rows.order, rows.top_k
+    if type(k) is not int or k < 1:
+        raise ValueError(f"grouped_mlp: rows (TopkRows) top_k must be a positive int, got {k!r}")
+    if not isinstance(order, torch.Tensor) or order.dtype not in (torch.int64, torch.int32):
+        got = order.dtype if isinstance(order, torch.Tensor) else type(order).__name__
+        raise TypeError(f"grouped_mlp: rows (TopkRows) order must be an int64 (or int32) tensor, got {got}")
+    if order.layout != torch.strided or order.dim() != 1:
         raise ValueError(
-            f"grouped_mlp: rows holds {rows.shape[0]} indices but splits count {total} rows: with rows the "
-            "experts' input is x[rows], so splits count its R rows (sum(splits) == rows.shape[0])"
+            f"grouped_mlp: rows (TopkRows) order must be a dense 1-D tensor, got shape {tuple(order.shape)}"
+        )
+    if order.device != x.device:
+        raise ValueError(f"grouped_mlp: rows (TopkRows) order is on {order.device} but x on {x.device}")
+    if order.shape[0] != x.shape[0] * k:
+        raise ValueError(
+            f"grouped_mlp: rows (TopkRows) order holds {order.shape[0]} rows but x's {x.shape[0]} tokens times "
+            f"top_k={k} make {x.shape[0] * k}: order is the dispatch's permutation of the T * k (token, choice) pairs"
+        )
+    _check_total(order.shape[0], splits)
+
+
+def _check_total(R: int, splits: Any) -> None:
+    total = _known_total(splits)
+    if total is not None and total != R:
+        raise ValueError(
+            f"grouped_mlp: rows holds {R} indices but splits count {total} rows: with rows the "
+            "experts' input is x[rows], so splits count its R rows (sum(splits) == rows' R)"
         )
 
 
@@ -66,10 +183,10 @@ def _known_total(splits: Any) -> int | None:
     return None
 
 
-def like(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def like(x: torch.Tensor, rows: IndexRows | TopkRows) -> torch.Tensor:
     """A stand-in with ``x[rows]``'s shape, dtype and device (its values are not the rows'): fc1
     is prepared on it before anything is gathered."""
-    R = rows.shape[0]
+    R = (rows.order if isinstance(rows, TopkRows) else rows.rows).shape[0]
     base = x.detach()
     return base[:1].expand(R, x.shape[1]) if base.shape[0] else base
 
@@ -84,29 +201,24 @@ def gather(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def gather_first(x: torch.Tensor, rows: Any, splits: Any) -> tuple[torch.Tensor, None]:
-    """``(x[rows], None)``, rows checked: the call without rows (NOTE: [Rows gathered first])."""
-    check(x, rows, splits)
-    return gather(x, rows), None
+    """``(x[rows], None)``, rows checked: the call without rows (NOTE: [Rows gathered first]),
+    x's grad summed back as the record sums it."""
+    return record(x, rows, splits).gather(x), None
 
 
-def fc1(c1: GroupedCall, x: torch.Tensor, rows: Any, keep: bool, keep_x: bool) -> tuple:
-    """fc1's output and, with ``keep``, its record. With ``rows``, its input is ``x[rows]``:
+def fc1(c1: GroupedCall, x: torch.Tensor, rows: IndexRows | TopkRows | None, keep: bool, keep_x: bool) -> tuple:
+    """fc1's output and, with ``keep``, its record. With ``rows`` (a record), its input is ``x[rows.index()]``:
     quantized through the index where fc1 runs FP8 and its plan can (``quantize_x_rows``: the
     gathered rows are never written), else gathered (differentiable: second order sees it)."""
     xq = x_in = None
     if rows is None:
         x_in = x
     else:
+        index = rows.index()
         if c1.fp8 is not None:
-            xq = c1.fp8.quantize_x_rows(c1.kernels, x, rows, c1.split, c1.path == "grouped", keep=keep and keep_x)
+            xq = c1.fp8.quantize_x_rows(c1.kernels, x, index, c1.split, c1.path == "grouped", keep=keep and keep_x)
         if xq is None:
-            x_in = gather(x, rows)
+            x_in = gather(x, index)
     if keep:
         return forward(c1, x_in, keep_x=keep_x, xq=xq)
     return fprop(c1, x_in, xq=xq), None
-
-
-def scatter(dx_R: torch.Tensor, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``[T, H]``: each gathered row's grad summed into its token, as ``index_select``'s backward
-    sums them (zeros, then ``index_add``: the same bits)."""
-    return dx_R.new_zeros((num_tokens, dx_R.shape[1])).index_add(0, rows, dx_R)

@@ -1394,7 +1394,7 @@ def test_rows_pure_pair_is_the_op(save):
     y, grads = run_rows(inp, dy, save=save)
     w = {k: inp[k] for k in ("probs", "bias1", "bias2")}
     y2, res = fd.grouped_mlp_fwd(inp["x"].detach(), inp["w1"], inp["w2"], SPLITS, rows=ROWS, save=save, **w)
-    assert res.rows is ROWS and res.fc1.x_TK is None and res.x.shape == (T_X, H)
+    assert res.rows.index() is ROWS and res.fc1.x_TK is None and res.x.shape == (T_X, H)
     text = repr(res)
     assert "fc1's input is x[rows]" in text and "gathered again in backward" in text
     g = fd.grouped_mlp_bwd(res, dy)
@@ -1520,6 +1520,124 @@ def test_rows_torch_func_grad_and_vmap_are_the_gathered_calls():
     assert grad[0].shape == (T_X, H)
     xb = torch.stack([x, 2 * x, -x])
     assert_same(torch.func.vmap(ours)(xb), torch.func.vmap(gathered)(xb))
+
+
+# --- rows as a top-k dispatch (TopkRows): dx is the dispatch's deterministic per-token sum -------
+
+TK_T, TK_K = 7, 3  # 7 tokens, 3 choices each: R = 21 rows; a token may pick an expert twice
+
+
+def make_topk(dtype=torch.float32, seed=0):
+    """make()'s weights, x [TK_T, H], router probs [T, k], expert indices [T, k] drawn with
+    repeats from experts 0, 2, 3 (expert 1 empty), and dy per dispatched row."""
+    inp, _ = make(dtype=dtype, probs=False, bias=True, seed=seed)
+    g = torch.Generator().manual_seed(seed + 11)
+    inp["x"] = _rand(TK_T, H, seed=seed + 7, dtype=dtype).requires_grad_()
+    inp["probs"] = torch.rand(TK_T, TK_K, generator=g).to(dtype).requires_grad_()
+    indices = torch.tensor([0, 2, 3])[torch.randint(0, 3, (TK_T, TK_K), generator=g)]
+    dy = _rand(TK_T * TK_K, H, seed=seed + 9, dtype=dtype)
+    return inp, indices, dy
+
+
+def run_topk(inp, indices, dy, how, **kw):
+    """(y, grads of leaves(inp)): the dispatch's rows into grouped_mlp (``how="parts"``), or
+    grouped_mlp on x with ``TopkRows(order, k)`` (``"topk"``) or the plain index ``order // k``
+    (``"index"``); probs through the dispatch in each."""
+    rows, probs_r, splits, order = fd.moe.dispatch(inp["x"], inp["probs"], indices, E)
+    x = rows if how == "parts" else inp["x"]
+    rows_arg = {"parts": None, "topk": fd.TopkRows(order, TK_K), "index": order // TK_K}[how]
+    y = fd.grouped_mlp(
+        x, inp["w1"], inp["w2"], splits, probs=probs_r, bias1=inp["bias1"], bias2=inp["bias2"], rows=rows_arg, **kw
+    )
+    return y, list(torch.autograd.grad(y, leaves(inp), dy))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("recipe", ["bf16", "rowwise"])
+@pytest.mark.parametrize("save", POLICIES)
+def test_rows_topk_is_the_dispatch_bitwise(save, recipe, dtype):
+    """grouped_mlp(x, rows=TopkRows(order, k)): y and every grad (x's the per-token sum in
+    choice order) are the bits of moe.dispatch's rows into grouped_mlp, for every policy, bf16
+    and RowwiseScaling (CPU emulation)."""
+    if recipe != "bf16" and save == "x_only":
+        pytest.skip("x_only is refused with a recipe")
+    inp, indices, dy = make_topk(DTYPES[dtype])
+    kw = dict(save=save, recipe=ROWS_RECIPES[recipe])
+    y, grads = run_topk(inp, indices, dy, "topk", **kw)
+    y0, g0 = run_topk(inp, indices, dy, "parts", **kw)
+    assert y.shape == (TK_T * TK_K, H) and grads[0].shape == (TK_T, H)
+    assert_same(y, y0)
+    assert_same(grads, g0)
+
+
+def test_rows_topk_and_index_agree_to_rounding_but_only_topk_is_the_dispatchs_bits():
+    """The plain index ``order // k`` (dx by index_add, in expert order) and TopkRows (the sum in
+    choice order) give the same y and weight grads, dx equal to rounding; only TopkRows' dx is
+    bit for bit the dispatch's (float32: a token's 3 rows summed in another order round otherwise)."""
+    inp, indices, dy = make_topk()
+    y, g = run_topk(inp, indices, dy, "topk")
+    y_i, g_i = run_topk(inp, indices, dy, "index")
+    _, g_p = run_topk(inp, indices, dy, "parts")
+    assert_same(y_i, y)
+    assert_same(g_i[1:], g[1:])
+    torch.testing.assert_close(g_i[0], g[0], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(g_i[0], g[0])  # (the index path sums in another order: other bits)
+    assert_same(g[0], g_p[0])
+
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_rows_topk_hooks_see_x_not_the_rows(save):
+    """The record keeps x [T, H] and order [T * k], not x[order // k]."""
+    inp, indices, dy = make_topk()
+    _, _, splits, order = fd.moe.dispatch(inp["x"].detach(), None, indices, E)
+    rec = HOOKS["identity"]()
+    with rec:
+        y = fd.grouped_mlp(inp["x"], inp["w1"], inp["w2"], splits, save=save, rows=fd.TopkRows(order, TK_K))
+    torch.autograd.grad(y, [inp["x"]], dy)
+    assert any(t is inp["x"] for t in rec.packed) and any(t is order for t in rec.packed)
+    x_R = inp["x"].detach().index_select(0, order // TK_K)
+    assert not any(t.shape == x_R.shape and torch.equal(t, x_R) for t in rec.packed), [
+        tuple(t.shape) for t in rec.packed
+    ]
+
+
+def test_rows_topk_under_autocast_is_the_dispatchs():
+    """Under autocast TopkRows gathers first (NOTE: [Rows gathered first]), x's grad still the
+    dispatch's per-token sum."""
+    inp, indices, dy = make_topk()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, g = run_topk(inp, indices, dy.bfloat16(), "topk")
+        y0, g0 = run_topk(inp, indices, dy.bfloat16(), "parts")
+    assert y.dtype == torch.bfloat16
+    assert_same(y, y0)
+    assert_same(g, g0)
+
+
+_ORDER = torch.arange(TK_T * TK_K)
+
+
+@pytest.mark.parametrize(
+    "order, k, err, match",
+    [
+        (_ORDER.float(), TK_K, TypeError, r"rows \(TopkRows\) order must be an int64"),
+        (_ORDER.view(TK_T, TK_K), TK_K, ValueError, r"rows \(TopkRows\) order must be a dense 1-D"),
+        (_ORDER[:-1], TK_K, ValueError, r"order holds 20 rows but x's 7 tokens times top_k=3 make 21"),
+        (_ORDER, 2, ValueError, r"order holds 21 rows but x's 7 tokens times top_k=2 make 14"),
+        (_ORDER, 0, ValueError, r"rows \(TopkRows\) top_k must be a positive int, got 0"),
+        (_ORDER, 3.0, ValueError, r"rows \(TopkRows\) top_k must be a positive int, got 3.0"),
+        (_ORDER.to("meta"), TK_K, ValueError, r"rows \(TopkRows\) order is on meta"),
+    ],
+    ids=["float", "2-D", "R", "k", "k=0", "k-float", "device"],
+)
+def test_rows_topk_bad_rows_are_named(order, k, err, match):
+    inp, _, _ = make_topk()
+    splits = [TK_T * TK_K - 1, 0, 0, 1]
+    with pytest.raises(err, match=match):
+        fd.grouped_mlp(inp["x"], inp["w1"], inp["w2"], splits, rows=fd.TopkRows(order, k))
+    with pytest.raises(err, match=match):
+        fd.grouped_mlp_fwd(inp["x"], inp["w1"], inp["w2"], splits, rows=fd.TopkRows(order, k))
+    with pytest.raises(ValueError, match="rows holds 21 indices but splits count 20"):
+        fd.grouped_mlp(inp["x"], inp["w1"], inp["w2"], [20, 0, 0, 0], rows=fd.TopkRows(_ORDER, TK_K))
 
 
 @gpu
