@@ -1613,6 +1613,46 @@ def test_rows_topk_under_autocast_is_the_dispatchs():
     assert_same(g, g0)
 
 
+def test_rows_topk_pure_pair_compile_and_transforms_are_the_dispatchs():
+    """TopkRows through the pure pair (its record says what it keeps), torch.compile
+    (aot_eager: gathered first), torch.func.grad and vmap: y and dx the dispatch's bits;
+    second order (create_graph) too for dx, its grad of grad to rounding."""
+    inp, indices, dy = make_topk()
+    x, w1, w2 = inp["x"], inp["w1"], inp["w2"]
+    _, _, splits, order = fd.moe.dispatch(x.detach(), None, indices, E)
+    rec = fd.TopkRows(order, TK_K)
+
+    def ours(x, order=order):
+        return fd.grouped_mlp(x, w1, w2, splits, rows=fd.TopkRows(order, TK_K))
+
+    def parts(x):
+        return fd.grouped_mlp(fd.moe.dispatch(x, None, indices, E)[0], w1, w2, splits)
+
+    y0 = parts(x)
+    (g0,) = torch.autograd.grad(y0, x, dy, create_graph=True)
+    y, res = fd.grouped_mlp_fwd(x.detach(), w1, w2, splits, rows=rec)
+    assert "rows = TopkRows([21] int64, top_k=3)" in repr(res) and res.rows is rec
+    assert_same(y, y0.detach())
+    assert_same(fd.grouped_mlp_bwd(res, dy).dx, g0.detach())
+    torch._dynamo.reset()
+    y2 = torch.compile(ours, backend="aot_eager", fullgraph=True)(x)
+    assert_same(y2, y0)
+    assert_same(torch.autograd.grad(y2, x, dy)[0], g0.detach())
+    w1, w2 = [w.detach() for w in w1], [w.detach() for w in w2]
+    xd = x.detach()
+    assert_same(
+        torch.func.grad(lambda x: (ours(x) * dy).sum())(xd), torch.func.grad(lambda x: (parts(x) * dy).sum())(xd)
+    )
+    xb = torch.stack([xd, 2 * xd, -xd])
+    assert_same(torch.func.vmap(ours)(xb), torch.func.vmap(parts)(xb))
+    w1, w2 = inp["w1"], inp["w2"]
+    (g,) = torch.autograd.grad(ours(x), x, dy, create_graph=True)
+    assert_same(g, g0)
+    torch.testing.assert_close(
+        torch.autograd.grad(g.square().sum(), x)[0], torch.autograd.grad(g0.square().sum(), x)[0]
+    )
+
+
 _ORDER = torch.arange(TK_T * TK_K)
 
 
