@@ -10,9 +10,9 @@ record NESTS theirs: ``res.fc1`` and ``res.fc2`` are the two layers' ``GroupedLi
 ``grouped_linear_bwd``. ``grouped_mlp`` joins the pair through the one bridge, ``custom_vjp``,
 with the options as one nondiff argument (NOTE: [nondiff_argnums]).
 
-With ``rows`` (an ``[R]`` index into x's T rows) the experts' input is ``x[rows]``: y is ``[R, H_out]``,
-dx ``[T, H]``, bitwise the call on ``x.index_select(0, rows)``; the record keeps x and rows
-(``mlp_rows.py``).
+With ``rows`` (an ``[R]`` index into x's T rows, or a :class:`TopkRows` dispatch) the experts'
+input is ``x[rows]``: y is ``[R, H_out]``, dx ``[T, H]`` summed back as the rows' record decides
+(``index_add``, or TopkRows' deterministic choice-order sum); the record keeps x and rows (``mlp_rows.py``).
 
 Legend: ``T`` tokens, ``H`` x's features (fc1's in), ``F`` the ffn width (fc2's in), ``H_out``
 fc2's out (usually H), ``E`` experts. w1 is E x ``[2F, H]`` for SwiGLU (gate rows, then up rows),
@@ -260,25 +260,12 @@ def grouped_mlp_fwd(
     backend: str | Kernels | None = None,
     fuse_wgrad_accumulation: bool = False,
     use_grouped_tensor: bool | None = None,
-    rows: torch.Tensor | None = None,
+    rows: Any = None,
 ) -> tuple[torch.Tensor, GroupedMLPResiduals]:
     """``y`` ``[T, H_out]`` (``[R, H_out]`` with rows) and the residual record (fc1's and fc2's
     records nested in it). Arguments as for :func:`grouped_mlp`."""
-    opts, (w1, w2, splits, bias1, bias2) = _options(
-        w1,
-        w2,
-        splits,
-        bias1,
-        bias2,
-        activation,
-        save,
-        recipe,
-        fp8_state,
-        backend,
-        fuse_wgrad_accumulation,
-        use_grouped_tensor,
-        keep_x=(True, True),
-    )
+    args = (w1, w2, splits, bias1, bias2, activation, save, recipe, fp8_state, backend, fuse_wgrad_accumulation)
+    opts, (w1, w2, splits, bias1, bias2) = _options(*args, use_grouped_tensor, keep_x=(True, True))
     with _amp.off(x):  # (in the dtypes given: NOTE: [Autocast] in _amp.py)
         return _run(x, w1, w2, splits, probs, bias1, bias2, rows, opts, keep=True)
 
@@ -535,7 +522,7 @@ def grouped_mlp(
     backend: str | Kernels | None = None,
     fuse_wgrad_accumulation: bool = False,
     use_grouped_tensor: bool | None = None,
-    rows: torch.Tensor | None = None,
+    rows: Any = None,
 ) -> torch.Tensor:
     """Differentiable expert MLP: ``y = fc2(act(fc1(x)) * probs)`` per expert (Megatron's
     TEGroupedMLP), as one autograd node built from the two layers' pure pairs.
@@ -564,9 +551,13 @@ def grouped_mlp(
         rows: None, or an int64/int32 ``[R]`` index into x's T rows (an MoE's dispatch, sorted
             by expert): the experts' input is ``x[rows]``, ``splits`` count its R rows, probs
             is ``[R]``, y is ``[R, H_out]`` and dx ``[T, H]`` (the rows' grads summed into their
-            tokens): bitwise ``grouped_mlp(x.index_select(0, rows), ...)`` through autograd.
-            The record keeps x and rows, not the gathered rows (``functional_dw/mlp_rows.py``;
-            RowwiseScaling quantizes fc1's input through the index).
+            tokens): bitwise ``grouped_mlp(x.index_select(0, rows), ...)`` through autograd
+            (dx by ``index_add``: on CUDA its sum order is not fixed). Or a
+            :class:`functional_dw.TopkRows` ``(order, top_k)``, a top-k dispatch: the rows are
+            ``x[order // top_k]`` and dx is bit for bit ``moe.dispatch``'s backward (each
+            token's rows summed in choice order: deterministic). The record keeps x and rows,
+            not the gathered rows (``functional_dw/mlp_rows.py``; RowwiseScaling quantizes
+            fc1's input through the index).
 
     Under ``torch.autocast``, x, the weights and the biases run in the autocast dtype (probs as
     given), the grads come in their inputs' dtypes (NOTE: [Autocast] in ``_amp.py``).
