@@ -28,6 +28,7 @@ import torch
 from .custom_vjp import custom_vjp
 from .grouped_mlp import grouped_mlp, grouped_mlp_bwd, grouped_mlp_fwd
 from .linear import linear, linear_bwd, linear_fwd
+from .mlp_rows import TopkRows
 from .moe_ep import check_local_experts, check_permutation, from_experts, from_experts_bwd, from_experts_fwd, inverse
 from .moe_ep import per_token, to_experts, to_experts_bwd, to_experts_fwd
 from ._steps import differentiated
@@ -395,8 +396,10 @@ def moe_layer(
         if group is not None:
             check_local_experts(w1, router_weight.shape[0], group)
 
-        def experts(rows, splits, probs_r):
-            return grouped_mlp(rows, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend)
+        def experts(x, splits, probs_r, rows=None):
+            return grouped_mlp(
+                x, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend, rows=rows
+            )
 
         logits = linear(x, router_weight, backend=backend)
         return layer_parts(x, logits, experts, top_k, score, router_weight.shape[0], group)
@@ -407,13 +410,16 @@ def layer_parts(
     x: torch.Tensor, logits: torch.Tensor, experts: Any, top_k: int, score: str, num_experts: int, group: Any = None
 ) -> torch.Tensor:
     """The layer after the router's GEMM as its parts' own autograd ops (what :class:`nn.MoE`
-    and a compiled :func:`moe_layer` run): :func:`topk_router`, :func:`dispatch`, (with an
-    expert-parallel ``group``, ``moe_ep.to_experts``), ``experts(rows, splits, probs_r) -> h``,
-    (``from_experts``), :func:`combine`."""
+    and a compiled :func:`moe_layer` run): :func:`topk_router`, :func:`dispatch`, the experts,
+    :func:`combine`. Without a ``group`` the experts read x through the dispatch's order:
+    ``experts(x, splits, probs_r, rows=TopkRows(order, top_k)) -> h`` (grouped_mlp's rows: x's
+    grad the dispatch's per-token sum, bitwise, and fc1 keeps x, not the rows); with an
+    expert-parallel ``group``, ``moe_ep.to_experts``, ``experts(rows, splits, probs_r)`` on the
+    exchanged rows, ``from_experts``."""
     probs, indices = topk_router(logits, top_k, score)
     rows, probs_r, splits, order = dispatch(x, probs, indices, num_experts)
     if group is None:
-        return combine(experts(rows, splits, probs_r), order, top_k)
+        return combine(experts(x, splits, probs_r, rows=TopkRows(order, top_k)), order, top_k)
     rows, probs_r, splits, perm, sizes = to_experts(rows, probs_r, splits, group)
     return combine(from_experts(experts(rows, splits, probs_r), perm, sizes, group), order, top_k)
 

@@ -400,9 +400,11 @@ class GroupedMLP(torch.nn.Module):
     ffn_hidden_size = property(lambda self: self.fc2.in_features)
 
     def forward(
-        self, x: torch.Tensor, splits: Sequence[int] | torch.Tensor, probs: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return run_grouped_mlp(self.fc1, self.fc2, x, splits, probs, activation=self.activation, save=self.save)
+        self, x: torch.Tensor, splits: Sequence[int] | torch.Tensor, probs: torch.Tensor | None = None, *, rows=None
+    ) -> torch.Tensor:  # rows: as for grouped_mlp (an index into x, or moe's TopkRows)
+        return run_grouped_mlp(
+            self.fc1, self.fc2, x, splits, probs, activation=self.activation, save=self.save, rows=rows
+        )
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}, save={self.save!r}"
@@ -417,6 +419,7 @@ def run_grouped_mlp(
     *,
     activation: str,
     save: str,
+    rows: Any = None,
 ) -> torch.Tensor:
     """One :func:`functional_dw.grouped_mlp` call on two :class:`GroupedLinear` modules'
     parameters (either layout, biases included): the recipe from fc1's (TE's autocast when it has
@@ -445,6 +448,7 @@ def run_grouped_mlp(
         backend=fc1.backend,
         fuse_wgrad_accumulation=fc1.fuse_wgrad_accumulation,
         use_grouped_tensor=fc1.use_grouped_tensor,
+        rows=rows,
     )
     fc1._fp8_end(y, state1)
     return fc2._fp8_end(y, state2)

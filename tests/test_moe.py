@@ -538,3 +538,39 @@ def test_nn_moe_runs_its_experts_in_fp8_with_a_recipe():
     assert ((y_fp8 - y).norm() / y.norm()) < 0.1
     y_fp8.square().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def _gathered_parts(m, x):
+    """nn.MoE's math with the experts on the dispatch's gathered rows (x's grad through the
+    dispatch's backward): what layer_parts ran before it handed the experts TopkRows."""
+    probs, indices = moe.topk_router(m.router(x), m.top_k, m.score)
+    rows, probs_r, splits, order = moe.dispatch(x, probs, indices, m.num_experts)
+    return moe.combine(m.experts(rows, splits, probs_r), order, m.top_k)
+
+
+@pytest.mark.parametrize("recipe", [None, "rowwise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("save", ["default", "h", "x_only"])
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_nn_moe_experts_read_x_through_topk_rows_bitwise(top_k, save, dtype, recipe):
+    """Without an expert-parallel group nn.MoE's experts read x through TopkRows(order, k)
+    (fc1 keeps x, not its k gathered copies): y and every grad the bits of the experts on the
+    dispatch's gathered rows; the saved-tensor hooks see no [T * k, H] rows of x."""
+    if recipe and save == "x_only":
+        pytest.skip("x_only is refused with a recipe")
+    torch.manual_seed(0)
+    fp8 = fd.fp8.RowwiseScaling(bf16_below=0) if recipe else None
+    m = fd.nn.MoE(6, 48, 16, top_k, backend="torch", save=save, params_dtype=dtype, recipe=fp8)
+    x = torch.randn(13, 48, dtype=dtype, requires_grad=True)
+    dy = torch.randn(13, 48, dtype=dtype)
+    params = [x, *m.parameters()]
+    rows_x = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: rows_x.append(t.shape) or t, lambda t: t):
+        y = m(x)
+    got = torch.autograd.grad(y, params, dy)
+    y0 = _gathered_parts(m, x)
+    want = torch.autograd.grad(y0, params, dy)
+    assert torch.equal(y, y0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if recipe is None and top_k > 1:  # (with top_k=1 the rows have x's shape)
+        assert (13 * top_k, 48) not in rows_x, rows_x
