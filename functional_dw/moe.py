@@ -8,7 +8,9 @@ token order, then choice order: what ``torch.argsort(stable=True)`` gives), and 
 
     rows[r] = x[order[r] // k]        probs_r[r] = probs.flatten()[order[r]]
 
-with ``splits[e]`` the rows of expert ``e``, counted on the device (no host sync). The combine
+with ``splits[e]`` the rows of expert ``e``, counted on the device (no host sync).
+:func:`sort_by_expert` is the dispatch without the rows (``probs_r``, ``splits``, ``order``: the
+same code), for experts that read x through ``TopkRows(order, k)``. The combine
 puts each token's ``k`` rows back and sums them: ``y[t] = sum_j rows[pos(t, j)]``, with
 ``pos`` the inverse of ``order``. Weighting by the router's probs happens between the two, in
 the experts (``grouped_mlp(..., probs=probs_r)``: Megatron's weighted activation), so neither
@@ -35,6 +37,7 @@ from ._steps import differentiated
 from .residuals import residuals, saved
 
 __all__ = ["DispatchResiduals", "CombineResiduals", "dispatch", "dispatch_fwd", "dispatch_bwd"]
+__all__ += ["sort_by_expert", "sort_by_expert_fwd", "sort_by_expert_bwd"]
 __all__ += [
     "combine",
     "combine_fwd",
@@ -60,7 +63,7 @@ class DispatchResiduals:
     order: torch.Tensor = saved()  # [R] int64: each sorted row's flat (token * k + choice) index
     num_tokens: int
     top_k: int
-    has_probs: bool
+    has_probs: bool  # (sort_by_expert's record: always True)
 
 
 @residuals
@@ -72,25 +75,30 @@ class CombineResiduals:
 def _check(x: Any, indices: Any, probs: Any, num_experts: Any) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         raise TypeError(f"dispatch: x must be a floating [T, H] tensor, got {_what(x)}")
+    _check_routing("dispatch", indices, probs, num_experts, x)
+
+
+def _check_routing(who: str, indices: Any, probs: Any, num_experts: Any, x: Any = None) -> None:
+    """The dispatch's and sort_by_expert's checks of the routing (``x``: the dispatch's, checked)."""
     if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"dispatch: indices must be a [T, k] int32/int64 tensor (torch.topk's), got {_what(indices)}")
-    if indices.shape[0] != x.shape[0] or indices.device != x.device:
+        raise TypeError(f"{who}: indices must be a [T, k] int32/int64 tensor (torch.topk's), got {_what(indices)}")
+    if x is not None and (indices.shape[0] != x.shape[0] or indices.device != x.device):
         raise ValueError(
-            f"dispatch: indices {tuple(indices.shape)} on {indices.device} must have x's {x.shape[0]} rows and device {x.device}"
+            f"{who}: indices {tuple(indices.shape)} on {indices.device} must have x's {x.shape[0]} rows and device {x.device}"
         )
     if probs is not None and (
         not isinstance(probs, torch.Tensor)
         or probs.shape != indices.shape
         or not probs.is_floating_point()
-        or probs.device != x.device
+        or probs.device != indices.device
     ):
         where = f" on {probs.device}" if isinstance(probs, torch.Tensor) else ""
         raise ValueError(
-            f"dispatch: probs must be None or a float tensor shaped like indices {tuple(indices.shape)} "
-            f"on x's device {x.device}, got {_what(probs)}{where}"
+            f"{who}: probs must be {'None or ' if x is not None else ''}a float tensor shaped like indices "
+            f"{tuple(indices.shape)} on their device {indices.device}, got {_what(probs)}{where}"
         )
     if type(num_experts) is not int or num_experts < 1:
-        raise ValueError(f"dispatch: num_experts must be a positive int, got {num_experts!r}")
+        raise ValueError(f"{who}: num_experts must be a positive int, got {num_experts!r}")
     if _on_host(indices) and indices.numel():  # NOTE: [Expert indices are not checked on CUDA]
         check_indices(indices, num_experts)
 
@@ -112,29 +120,56 @@ def check_indices(indices: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"expert indices must lie in [0, {num_experts}); got values from {lo} to {hi}")
 
 
+def _sort(probs: torch.Tensor | None, indices: torch.Tensor, num_experts: int) -> tuple:
+    """``(probs_r [R] or None, splits [E], order [R])``: the (token, choice) pairs sorted stably
+    by expert, their probs in that order, each expert's count (on the device). The one sort of
+    the dispatch and of sort_by_expert."""
+    flat = indices.reshape(-1).to(torch.int64).clamp(0, num_experts - 1)
+    order = torch.argsort(flat, stable=True)
+    probs_r = None if probs is None else probs.reshape(-1).index_select(0, order)
+    splits = torch.zeros(num_experts, dtype=torch.int64, device=indices.device)
+    return probs_r, splits.index_add_(0, flat, torch.ones_like(flat)), order
+
+
+def _probs_grad(res: DispatchResiduals, d_probs_r: torch.Tensor | None) -> torch.Tensor | None:
+    """``dprobs [T, k]``: each sorted prob's grad back at its (token, choice) place."""
+    if d_probs_r is None:
+        return None
+    return d_probs_r.index_select(0, inverse(res.order)).view(res.num_tokens, res.top_k)
+
+
 def dispatch_fwd(x: torch.Tensor, probs: torch.Tensor | None, indices: torch.Tensor, num_experts: int):
     """``((rows [R, H], probs_r [R], splits [E] int64, order [R] int64), residuals)``; without
     probs, ``(rows, splits, order)`` (an autograd output is a tensor, never None)."""
     _check(x, indices, probs, num_experts)
     T, k = indices.shape
-    flat = indices.reshape(-1).to(torch.int64).clamp(0, num_experts - 1)
-    order = torch.argsort(flat, stable=True)
+    probs_r, splits, order = _sort(probs, indices, num_experts)
     rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
-    probs_r = None if probs is None else probs.reshape(-1).index_select(0, order)
-    splits = torch.zeros(num_experts, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
     out = (rows, splits, order) if probs_r is None else (rows, probs_r, splits, order)
     return out, DispatchResiduals(order, T, k, probs is not None)
 
 
 def dispatch_bwd(res: DispatchResiduals, d_out: tuple) -> tuple:
     """(dx, dprobs, None for the indices): each token's ``k`` row grads summed, choice by choice."""
-    d_rows, d_probs_r = d_out[0], (d_out[1] if res.has_probs else None)
-    dx = dprobs = None
-    if d_rows is not None:
-        dx = per_token(d_rows, res.order, res.top_k).sum(1)
-    if d_probs_r is not None:
-        dprobs = d_probs_r.index_select(0, inverse(res.order)).view(res.num_tokens, res.top_k)
-    return dx, dprobs, None
+    d_rows = d_out[0]
+    dx = None if d_rows is None else per_token(d_rows, res.order, res.top_k).sum(1)
+    return dx, _probs_grad(res, d_out[1] if res.has_probs else None), None
+
+
+def sort_by_expert_fwd(probs: torch.Tensor, indices: torch.Tensor, num_experts: int):
+    """``((probs_r [R], splits [E] int64, order [R] int64), residuals)``: :func:`dispatch_fwd`
+    without the rows (the same sort, the same record)."""
+    if not isinstance(probs, torch.Tensor):
+        raise TypeError(f"sort_by_expert: probs must be the router's [T, k] float tensor, got {_what(probs)}")
+    _check_routing("sort_by_expert", indices, probs, num_experts)
+    T, k = indices.shape
+    out = _sort(probs, indices, num_experts)
+    return out, DispatchResiduals(out[2], T, k, True)
+
+
+def sort_by_expert_bwd(res: DispatchResiduals, d_out: tuple) -> tuple:
+    """(dprobs, None for the indices): :func:`dispatch_bwd`'s dprobs (the same code)."""
+    return _probs_grad(res, d_out[0]), None
 
 
 def combine_fwd(rows: torch.Tensor, order: torch.Tensor, top_k: int):
@@ -158,6 +193,7 @@ def combine_bwd(res: CombineResiduals, dy: torch.Tensor) -> tuple:
 
 _dispatch = custom_vjp(dispatch_fwd, dispatch_bwd, nondiff_argnums=(3,), name="dispatch")
 _combine = custom_vjp(combine_fwd, combine_bwd, nondiff_argnums=(2,), name="combine")
+_sort_by_expert = custom_vjp(sort_by_expert_fwd, sort_by_expert_bwd, nondiff_argnums=(2,), name="sort_by_expert")
 
 
 def dispatch(x: torch.Tensor, probs: torch.Tensor | None, indices: torch.Tensor, num_experts: int) -> tuple:
@@ -169,6 +205,14 @@ def dispatch(x: torch.Tensor, probs: torch.Tensor | None, indices: torch.Tensor,
     :func:`combine`. Differentiable in x and probs."""
     out = _dispatch(x, probs, indices, num_experts)
     return out if probs is not None else (out[0], None, *out[1:])
+
+
+def sort_by_expert(probs: torch.Tensor, indices: torch.Tensor, num_experts: int) -> tuple:
+    """The dispatch without the rows: ``(probs_r [T*k], splits [E], order [T*k])``, each what
+    :func:`dispatch` gives (the same sort), for experts that read x through the order
+    (``grouped_mlp(x, ..., rows=TopkRows(order, k))``) instead of gathered rows.
+    Differentiable in probs: its grad is the dispatch's, bit for bit (the same code)."""
+    return _sort_by_expert(probs, indices, num_experts)
 
 
 def combine(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -410,16 +454,17 @@ def layer_parts(
     x: torch.Tensor, logits: torch.Tensor, experts: Any, top_k: int, score: str, num_experts: int, group: Any = None
 ) -> torch.Tensor:
     """The layer after the router's GEMM as its parts' own autograd ops (what :class:`nn.MoE`
-    and a compiled :func:`moe_layer` run): :func:`topk_router`, :func:`dispatch`, the experts,
-    :func:`combine`. Without a ``group`` the experts read x through the dispatch's order:
-    ``experts(x, splits, probs_r, rows=TopkRows(order, top_k)) -> h`` (grouped_mlp's rows: x's
-    grad the dispatch's per-token sum, bitwise, and fc1 keeps x, not the rows); with an
-    expert-parallel ``group``, ``moe_ep.to_experts``, ``experts(rows, splits, probs_r)`` on the
-    exchanged rows, ``from_experts``."""
+    and a compiled :func:`moe_layer` run): :func:`topk_router`, the routing, the experts,
+    :func:`combine`. Without a ``group`` :func:`sort_by_expert` (no rows gathered) and the experts
+    read x through its order: ``experts(x, splits, probs_r, rows=TopkRows(order, top_k)) -> h``
+    (grouped_mlp's rows: x's grad the dispatch's per-token sum, bitwise, and fc1 keeps x, not
+    the rows); with an expert-parallel ``group``, :func:`dispatch`, ``moe_ep.to_experts``,
+    ``experts(rows, splits, probs_r)`` on the exchanged rows, ``from_experts``."""
     probs, indices = topk_router(logits, top_k, score)
-    rows, probs_r, splits, order = dispatch(x, probs, indices, num_experts)
     if group is None:
+        probs_r, splits, order = sort_by_expert(probs, indices, num_experts)
         return combine(experts(x, splits, probs_r, rows=TopkRows(order, top_k)), order, top_k)
+    rows, probs_r, splits, order = dispatch(x, probs, indices, num_experts)
     rows, probs_r, splits, perm, sizes = to_experts(rows, probs_r, splits, group)
     return combine(from_experts(experts(rows, splits, probs_r), perm, sizes, group), order, top_k)
 

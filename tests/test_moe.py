@@ -574,3 +574,75 @@ def test_nn_moe_experts_read_x_through_topk_rows_bitwise(top_k, save, dtype, rec
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     if recipe is None and top_k > 1:  # (with top_k=1 the rows have x's shape)
         assert (13 * top_k, 48) not in rows_x, rows_x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_sort_by_expert_is_the_dispatch_without_rows(top_k, dtype):
+    """probs_r, splits and order are the dispatch's, and so is the probs grad, bit for bit;
+    the record is a DispatchResiduals that keeps the order only (no rows, no x)."""
+    torch.manual_seed(0)
+    x = torch.randn(13, 48, dtype=dtype)
+    probs, indices = moe.topk_router(torch.randn(13, 6, requires_grad=True), top_k)
+    g = torch.randn(13 * top_k, dtype=probs.dtype)
+    got = moe.sort_by_expert(probs, indices, 6)
+    _, *want = moe.dispatch(x, probs, indices, 6)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    (d_got,) = torch.autograd.grad(got[0], probs, g)
+    (d_want,) = torch.autograd.grad(want[0], probs, g)
+    assert torch.equal(d_got, d_want)
+    _, res = moe.sort_by_expert_fwd(probs.detach(), indices, 6)
+    assert type(res) is moe.DispatchResiduals
+    assert [t.data_ptr() for t in fd.saved_activations(res)] == [res.order.data_ptr()]
+    with pytest.raises(TypeError, match="sort_by_expert: probs"):
+        moe.sort_by_expert(None, indices, 6)
+    with pytest.raises(ValueError, match="sort_by_expert: probs"):
+        moe.sort_by_expert(probs.t(), indices, 6)
+    with pytest.raises(ValueError, match=r"lie in \[0, 6\)"):
+        moe.sort_by_expert(probs, torch.full_like(indices, 6), 6)
+
+
+_GATHERS = {torch.ops.aten.index_select.default, torch.ops.aten.gather.default, torch.ops.aten.index.Tensor}
+
+
+class _CountRowGathers(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the gathers whose output is [R, H] (k gathered copies of x's rows)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.count += func in _GATHERS and tuple(out.shape) == self.shape
+        return out
+
+
+def test_nn_moe_without_a_group_gathers_no_rows_beyond_its_experts(monkeypatch):
+    """layer_parts without a group routes by sort_by_expert: no dispatch (refused here) and, in
+    forward and backward, no [T*k, H] gather beyond what the experts and the combine make when
+    called directly on sort_by_expert's output."""
+    torch.manual_seed(0)
+    m = fd.nn.MoE(6, 48, 16, 3, backend="torch")
+    x = torch.randn(13, 48, requires_grad=True)
+    dy = torch.randn(13, 48)
+
+    def parts():
+        probs, indices = moe.topk_router(m.router(x), 3)
+        probs_r, splits, order = moe.sort_by_expert(probs, indices, 6)
+        return moe.combine(m.experts(x, splits, probs_r, rows=fd.TopkRows(order, 3)), order, 3)
+
+    counts = []
+    for f in (parts, lambda: m(x)):
+        with _CountRowGathers((13 * 3, 48)) as mode:
+            torch.autograd.grad(f(), [x, *m.parameters()], dy)
+        counts.append(mode.count)
+    with _CountRowGathers((13 * 3, 48)) as mode:
+        _gathered_parts(m, x)
+    assert counts[0] == counts[1] and mode.count > 0, (counts, mode.count)
+
+    def refuse(*a, **k):
+        raise AssertionError("layer_parts gathered rows through moe.dispatch without a group")
+
+    monkeypatch.setattr(moe, "dispatch", refuse)
+    assert torch.equal(m(x), parts())
