@@ -26,7 +26,7 @@ import torch
 from . import _checks
 from .custom_vjp import custom_vjp
 from .grouped_linear import GroupedCall, forward, fprop
-from .moe_ep import per_token
+from .moe_ep import per_token, tokens
 from .residuals import residuals, saved
 
 # NOTE: [Rows gathered first] Where a path cannot take rows as they are, ``grouped_mlp`` gathers
@@ -71,7 +71,7 @@ class TopkRows:
 
     def index(self) -> torch.Tensor:
         """``order // top_k``: each row's token (computed where it is read, not kept)."""
-        return torch.div(self.order, self.top_k, rounding_mode="floor")
+        return tokens(self.order, self.top_k)
 
     def sum_rows(self, d_rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``[T, H]``: each token's ``k`` row grads summed in choice order (``moe.dispatch``'s backward)."""

@@ -32,7 +32,7 @@ from .grouped_mlp import grouped_mlp, grouped_mlp_bwd, grouped_mlp_fwd
 from .linear import linear, linear_bwd, linear_fwd
 from .mlp_rows import TopkRows
 from .moe_ep import check_local_experts, check_permutation, from_experts, from_experts_bwd, from_experts_fwd, inverse
-from .moe_ep import per_token, to_experts, to_experts_bwd, to_experts_fwd
+from .moe_ep import per_token, to_experts, to_experts_bwd, to_experts_fwd, tokens
 from ._steps import differentiated
 from .residuals import residuals, saved
 
@@ -144,7 +144,7 @@ def dispatch_fwd(x: torch.Tensor, probs: torch.Tensor | None, indices: torch.Ten
     _check(x, indices, probs, num_experts)
     T, k = indices.shape
     probs_r, splits, order = _sort(probs, indices, num_experts)
-    rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    rows = x.index_select(0, tokens(order, k))
     out = (rows, splits, order) if probs_r is None else (rows, probs_r, splits, order)
     return out, DispatchResiduals(order, T, k, probs is not None)
 
@@ -188,7 +188,7 @@ def combine_fwd(rows: torch.Tensor, order: torch.Tensor, top_k: int):
 
 def combine_bwd(res: CombineResiduals, dy: torch.Tensor) -> tuple:
     """(d_rows, None for the order): each row gets its token's dy."""
-    return dy.index_select(0, torch.div(res.order, res.top_k, rounding_mode="floor")), None
+    return dy.index_select(0, tokens(res.order, res.top_k)), None
 
 
 _dispatch = custom_vjp(dispatch_fwd, dispatch_bwd, nondiff_argnums=(3,), name="dispatch")
@@ -379,8 +379,7 @@ def _experts_record(res: MoEResiduals) -> Any:
     """The experts' record as backward reads it: with fc1's rows gathered again (NOTE: [Rows from x])."""
     if not res.rows_from_x:
         return res.experts
-    k = res.dispatch.top_k
-    rows = res.router.x.index_select(0, torch.div(res.dispatch.order, k, rounding_mode="floor"))
+    rows = res.router.x.index_select(0, tokens(res.dispatch.order, res.dispatch.top_k))
     return dataclasses.replace(res.experts, fc1=dataclasses.replace(res.experts.fc1, x_TK=rows))
 
 

@@ -91,6 +91,13 @@ def inverse(perm: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
 
 
+def tokens(order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``order // top_k``: the token of each of the dispatch's sorted rows (``order`` holds the
+    flat ``token * k + choice`` pairs); ``t.index_select(0, tokens(order, k))`` gathers the
+    rows, :func:`per_token` undoes it."""
+    return torch.div(order, top_k, rounding_mode="floor")
+
+
 def per_token(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
     """``[T, k, ...]``: each token's ``k`` rows (sorted by the dispatch's ``order``), in choice
     order: summed over dim 1, the deterministic sum the dispatch's backward and the combine give
