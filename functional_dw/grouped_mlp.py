@@ -412,7 +412,10 @@ def _planned(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions) -> 
         return None
 
     fwd = functools.partial(_fwd, opts=opts)
-    return run_planned("grouped_mlp", fwd, _bwd, (x, w1, w2, None, probs, bias1, bias2, rows), ((3, splits),))
+    static = ((3, splits),)
+    if isinstance(rows, mlp_rows.TopkRows):  # (no leaf: its order is an index, kept by the record as any bridge keeps it)
+        static, rows = ((3, splits), (7, rows)), None
+    return run_planned("grouped_mlp", fwd, _bwd, (x, w1, w2, None, probs, bias1, bias2, rows), static)
 
 
 def _jvp(res: GroupedMLPResiduals, tangents: tuple) -> torch.Tensor:

@@ -21,6 +21,9 @@ intermediate rounding travels.
 
 from __future__ import annotations
 
+import importlib
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1583,6 +1586,23 @@ def test_rows_topk_and_index_agree_to_rounding_but_only_topk_is_the_dispatchs_bi
     torch.testing.assert_close(g_i[0], g[0], atol=1e-5, rtol=1e-5)
     assert not torch.equal(g_i[0], g[0])  # (the index path sums in another order: other bits)
     assert_same(g[0], g_p[0])
+
+
+def test_rows_topk_runs_planned_and_bitwise_the_bridge():
+    """A bf16 TopkRows call runs as grouped_mlp's planned node (its record rides on the node, not
+    the bridge's generic path, as an index tensor's does): y and every grad the bridge's bits."""
+    bp = importlib.import_module("functional_dw._bridge_planned")
+    gm = importlib.import_module("functional_dw.grouped_mlp")
+    inp, indices, dy = make_topk()
+    for how in ("topk", "index"):
+        y, grads = run_topk(inp, indices, dy, how)
+        assert issubclass(type(y.grad_fn)._forward_cls, bp._PlannedRun), how
+        with mock.patch.object(gm, "run_planned", lambda *a, **k: None):
+            yb, gb = run_topk(inp, indices, dy, how)
+        assert not issubclass(type(yb.grad_fn)._forward_cls, bp._PlannedRun)
+        assert type(yb.grad_fn).__name__ == type(y.grad_fn).__name__
+        assert_same(y, yb)
+        assert_same(grads, gb)
 
 
 @pytest.mark.parametrize("save", POLICIES)
