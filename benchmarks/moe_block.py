@@ -62,11 +62,16 @@ BF16 = torch.bfloat16
 RECIPES = {"fd": None, "fd_rowwise": fp8.RowwiseScaling(), "fd_fp8": fp8.RowwiseScaling(bf16_below=0)}
 
 
+def router(x, wr, k):
+    """torch's router, every contender's but fd's: (fp32 softmax over the k chosen logits, their expert indices)."""
+    vals, idx = torch.topk(F.linear(x, wr), k, dim=-1)
+    return torch.softmax(vals.float(), -1), idx
+
+
 def torch_moe(x, wr, w1, w2, k):
     """torch's composition of the block (no host sync)."""
     E = wr.shape[0]
-    vals, idx = torch.topk(F.linear(x, wr), k, dim=-1)
-    probs = torch.softmax(vals.float(), -1)
+    probs, idx = router(x, wr, k)
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(E, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
@@ -153,8 +158,7 @@ class Block:
                 getattr(fc1, f"weight{e}").copy_(self.w1[e]), getattr(fc2, f"weight{e}").copy_(self.w2[e])
 
         def fwd(x):
-            vals, idx = torch.topk(F.linear(x, wr), k, dim=-1)
-            probs = torch.softmax(vals.float(), -1)
+            probs, idx = router(x, wr, k)
             rows, row_map = te.moe_permute(x, idx.to(torch.int32), num_out_tokens=x.shape[0] * k, map_type="index")
             splits = torch.bincount(idx.reshape(-1), minlength=E).tolist()  # TE's API: host counts (a sync)
             gate, up = fc1(rows, splits).chunk(2, -1)
@@ -176,9 +180,8 @@ class Block:
         wr, w1, w2 = p = self.params()
 
         def fwd(x):
-            vals, idx = torch.topk(F.linear(x, wr), self.k, dim=-1)
-            probs = torch.softmax(vals.float(), -1).to(x.dtype)
-            return LigerFusedMoEFunction.apply(x, w1, w2, idx.to(torch.int32), probs)
+            probs, idx = router(x, wr, self.k)
+            return LigerFusedMoEFunction.apply(x, w1, w2, idx.to(torch.int32), probs.to(x.dtype))
 
         return fwd, p
 
