@@ -259,13 +259,23 @@ class Plan:
         None: one GEMM (``quantize``), else per expert (``grouped_quantize``)."""
         return self._quantize(kernels, "input", self.x, x_TK, splits, grouped, rowwise=True, columnwise=keep)
 
-    def quantize_x_rows(
-        self, kernels: Any, x_TK: torch.Tensor, rows: torch.Tensor, splits: Any, grouped: bool, *, keep: bool
+    def quantize_rows(
+        self,
+        kernels: Any,
+        spec: fp8.TensorSpec,
+        t: torch.Tensor,
+        rows: torch.Tensor,
+        splits: Any,
+        grouped: bool,
+        *,
+        rowwise: bool,
+        columnwise: bool,
     ) -> Any:
-        """``x[rows]`` per expert (``splits`` count its R rows) as :meth:`quantize_x` would
-        quantize the gathered rows, bit for bit, read through the index (grouped_mlp's ``rows``);
-        None where this family and these kernels cannot (TE's recipes here): then the caller
-        gathers the rows and quantizes them."""
+        """``t[rows]`` per expert (``splits`` count its R rows) as :meth:`quantize_x` (``spec``
+        this plan's ``x``) or :meth:`quantize_dy` (its ``dy``) would quantize the gathered rows,
+        bit for bit, read through the index (grouped_mlp's ``rows``: fc1's input, and with
+        ``combine`` fc2's dy); None where this family and these kernels cannot (TE's recipes
+        here): then the caller gathers the rows and quantizes them."""
         return None
 
     def quantize_activated(

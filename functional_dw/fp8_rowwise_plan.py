@@ -125,14 +125,25 @@ class RowwisePlan(Plan):
             return None
         return fused(fc1_out, probs, activation, splits, self.x, rowwise=rowwise, columnwise=columnwise)
 
-    def quantize_x_rows(
-        self, kernels: Any, x_TK: torch.Tensor, rows: torch.Tensor, splits: Any, grouped: bool, *, keep: bool
+    def quantize_rows(
+        self,
+        kernels: Any,
+        spec: fp8.TensorSpec,
+        t: torch.Tensor,
+        rows: torch.Tensor,
+        splits: Any,
+        grouped: bool,
+        *,
+        rowwise: bool,
+        columnwise: bool,
     ) -> Any:
-        """See :meth:`Plan.quantize_x_rows`: on RowwiseScaling's own kernels, which gather in the
+        """See :meth:`Plan.quantize_rows`: on RowwiseScaling's own kernels, which gather in the
         quantization's loads (NOTE: [The gather as the load] in ``kernels/triton_rowwise.py``)."""
         if type(kernels) is not type(ROWWISE):
             return None
-        return kernels.grouped_quantize(x_TK, splits, self.x, rowwise=True, columnwise=keep, grouped=grouped, rows=rows)
+        return kernels.grouped_quantize(
+            t, splits, spec, rowwise=rowwise, columnwise=columnwise, grouped=grouped, rows=rows
+        )
 
     def quantize_weights(
         self, kernels: Any, w_ENK: Any, *, keep: bool = False, params: Sequence[torch.Tensor] | None = None

@@ -37,7 +37,8 @@ __all__ = [
 # own bridge (``_fwd``, ``_primal``, the jvp rule) and ``grouped_mlp`` (fc1 and fc2) both run:
 # :func:`prepare` (a checked call, :class:`GroupedCall`, from x or from a stand-in with x's
 # shape), :func:`fprop` and :func:`forward` (from x, or from x's ready FP8 copies), and for
-# backward :func:`check_dy`, :func:`saved_x`, :func:`one_buffer` and the jvp rule :func:`jvp`.
+# backward :func:`check_dy`, :func:`quantize_dy_rows` (dy's FP8 copies read through an index),
+# :func:`saved_x`, :func:`one_buffer` and the jvp rule :func:`jvp`.
 # The per-call-signature plan lives in ``grouped_plan.py``. Nothing else of this module is
 # read from outside it.
 
@@ -262,9 +263,14 @@ def _like(res: GroupedLinearResiduals) -> Any:
     return res.x_TK if res.fp8 is None else res.fp8
 
 
-def check_dy(res: GroupedLinearResiduals, dy: torch.Tensor) -> torch.Tensor:
-    """dy checked against the record (``[T, N]``, x's dtype and device), dense."""
-    return _checks.dense(_checks.cotangent("dy", dy, (res.splits.num_tokens, res.out_features), _like(res)))
+def check_dy(
+    res: GroupedLinearResiduals, dy: torch.Tensor, num_tokens: int | None = None, dense: bool = True
+) -> torch.Tensor:
+    """dy checked against the record (``[T, N]``, x's dtype and device; ``num_tokens`` rows where
+    given, else the record's T), dense unless ``dense`` is False (a stand-in: never densified)."""
+    T = res.splits.num_tokens if num_tokens is None else num_tokens
+    dy = _checks.cotangent("dy", dy, (T, res.out_features), _like(res))
+    return _checks.dense(dy) if dense else dy
 
 
 # NOTE: [Saved x] The residuals keep x as the caller gave it, not forward's dense copy:
@@ -284,10 +290,10 @@ class _Route(NamedTuple):
     grouped: bool
 
 
-def _checked(res: Any, dy: Any, fn: str) -> tuple[torch.Tensor, _Route]:
-    """The record, x's and the weights' versions and dy checked once; dy as ``[T, N]``, dense;
-    and where backward's products run."""
-    dy_TN = check_dy(_check_res(res, fn), dy)
+def _checked(res: Any, dy: Any, fn: str, dense: bool = True) -> tuple[torch.Tensor, _Route]:
+    """The record, x's and the weights' versions and dy checked once; dy as ``[T, N]``, dense
+    (unless ``dense`` is False: a stand-in beside an FP8 copy); and where backward's products run."""
+    dy_TN = check_dy(_check_res(res, fn), dy, dense=dense)
     dwp.check_versions(res.weights, res.weight_version, "weights")
     return dy_TN, _Route(
         *route(res.kernels, res.path == "grouped", dy_TN, res.x_TK, res.weights, one_path=_one_path(res.fp8))
@@ -314,14 +320,31 @@ def grouped_linear_bwd_wgrad(res: GroupedLinearResiduals, dy: torch.Tensor) -> t
         return _wgrad(res, dy_TN, _dy_fp8(res, dy_TN, k, dgrad=False, wgrad=True), k)
 
 
-def grouped_linear_bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
+def grouped_linear_bwd(res: GroupedLinearResiduals, dy: torch.Tensor, dyq: Any = None) -> tuple[torch.Tensor, Any, Any]:
     """(dx, dweights, dbiases): dgrad then wgrad, on one checked (and densified) dy (with FP8,
     quantized once for both). With autocast off, as every pure function (NOTE: [Autocast] in
-    ``_amp.py``)."""
+    ``_amp.py``). ``dyq``: with FP8, dy already quantized (:func:`quantize_dy_rows`; dy itself
+    may then be a stand-in of its shape, read only for dtype and device)."""
     with _amp.off(dy):
-        dy_TN, k = _checked(res, dy, "grouped_linear_bwd")
-        dyq = _dy_fp8(res, dy_TN, k, dgrad=True, wgrad=True)
+        dy_TN, k = _checked(res, dy, "grouped_linear_bwd", dense=dyq is None)
+        if dyq is None:
+            dyq = _dy_fp8(res, dy_TN, k, dgrad=True, wgrad=True)
         return (_dgrad(res, dy_TN, dyq, k), *_wgrad(res, dy_TN, dyq, k))
+
+
+def quantize_dy_rows(res: GroupedLinearResiduals, dy: torch.Tensor, rows: torch.Tensor) -> Any:
+    """``dy[rows]`` quantized for the GEMMs :func:`grouped_linear_bwd` runs on ``res`` (its
+    ``dyq``), read through the index where the plan can (``Plan.quantize_rows``: the gathered
+    rows are never written); None without FP8, without GEMMs to feed, or where the plan cannot
+    (then the caller gathers ``dy[rows]``). A backward that would be differentiated is refused
+    first, as :func:`grouped_linear_bwd` refuses it."""
+    dgrad, wgrad = bool(_wanted(res)[0]), not _frozen(res)
+    if res.fp8 is None or not (dgrad or wgrad) or (res.bias is not None and _wanted(res)[2]):
+        return None  # (a bias grad sums dy's rows in high precision: they are gathered)
+    _fp8.check_first_order("grouped_linear", dy, res.weights)
+    return res.fp8.quantize_rows(
+        res.kernels, res.fp8.dy, dy, rows, res.splits, res.path == "grouped", rowwise=dgrad, columnwise=wgrad
+    )
 
 
 def _frozen(res: GroupedLinearResiduals) -> bool:

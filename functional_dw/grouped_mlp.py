@@ -56,6 +56,7 @@ from ._steps import differentiated
 from ._bridge_planned import run_planned
 from .custom_vjp import custom_vjp
 from .grouped_linear import GroupedLinearResiduals, check_dy, forward, fprop, grouped_linear_bwd, one_buffer, prepare
+from .grouped_linear import quantize_dy_rows
 from .grouped_linear import jvp as grouped_linear_jvp
 from .grouped_linear import saved_x
 from .grouped_plan import SplitsArg, WeightsArg, check_bias, normalize_args
@@ -81,6 +82,7 @@ class MLPOptions(NamedTuple):
     save: str
     fc1: Options
     fc2: Options
+    combine: bool = False  # with rows: y's rows summed into x's tokens (mlp_rows.py)
 
 
 class MLPGrads(NamedTuple):
@@ -123,6 +125,7 @@ class GroupedMLPResiduals:
     h_kept: bool  # fc2's forward kept h for its wgrad (False only with FP8 and w2 frozen): rebuild it if not saved
     num_tokens: int | None  # with rows: x's T (dx's rows); else None
     x_version: _checks.Stamp  # with rows, x's version at forward (the pure API checks it in backward); else None
+    combine: bool  # with rows, y's rows were summed into x's tokens: dy is [T, H_out], fc2's dy[rows]
     needs: Any = needed()  # which gradients bwd computes, shaped like (x, w1, w2, splits, probs, bias1, bias2)
 
 
@@ -139,6 +142,8 @@ def _describe(self: GroupedMLPResiduals) -> str:
         lines.append(f"  [saved] rows = {describe_value(self.rows)}: fc1's input is x[rows]")
         if self.x is not None:
             lines.append(f"  [saved] x = {describe_value(self.x)}: x[rows] gathered again in backward, for fc1's wgrad")
+        if self.combine:
+            lines.append("  combine: y's rows summed into x's tokens; fc2's dy is dy[rows] (read through the index)")
     width = "2F" if glu_width(self.activation) == 2 else "F"
     if self.fc1_out is not None:
         lines.append(f"  [saved] fc1_out = {describe_value(self.fc1_out)}")
@@ -197,6 +202,8 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions, keep: b
         form = in_layer("fc2", check_bias, bias2, c2.plan.num_experts, c2.plan.out_features, y)
         pb = _ProbsBias(bias2, form)
         y = activation_kernels(act, y, probs).probs_bias_fwd(y, _bias_EH(pb), probs, c2.split)
+    if opts.combine:  # each token's rows summed (moe.combine's sum, the record's sum_rows)
+        y = rows.sum_rows(y, x.shape[0])
     return y, (_record(opts, activation, r1, r2, fc1_out, probs, act, pb, bias1, x, rows) if keep else None)
 
 
@@ -227,6 +234,7 @@ def _record(
         rows=rows,
         num_tokens=None if rows is None else x.shape[0],
         x_version=_checks.stamp(x) if x_kept else None,
+        combine=opts.combine,
     )
 
 
@@ -261,11 +269,14 @@ def grouped_mlp_fwd(
     fuse_wgrad_accumulation: bool = False,
     use_grouped_tensor: bool | None = None,
     rows: Any = None,
+    combine: bool = False,
 ) -> tuple[torch.Tensor, GroupedMLPResiduals]:
-    """``y`` ``[T, H_out]`` (``[R, H_out]`` with rows) and the residual record (fc1's and fc2's
-    records nested in it). Arguments as for :func:`grouped_mlp`."""
+    """``y`` ``[T, H_out]`` (``[R, H_out]`` with rows, unless ``combine``) and the residual record
+    (fc1's and fc2's records nested in it). Arguments as for :func:`grouped_mlp`."""
+    mlp_rows.check_combine(combine, rows)
     args = (w1, w2, splits, bias1, bias2, activation, save, recipe, fp8_state, backend, fuse_wgrad_accumulation)
     opts, (w1, w2, splits, bias1, bias2) = _options(*args, use_grouped_tensor, keep_x=(True, True))
+    opts = opts._replace(combine=combine)
     with _amp.off(x):  # (in the dtypes given: NOTE: [Autocast] in _amp.py)
         return _run(x, w1, w2, splits, probs, bias1, bias2, rows, opts, keep=True)
 
@@ -362,14 +373,15 @@ def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     fc1_out = _recompute_fc1(res, r1) if recompute else res.fc1_out
     if (r2.x_TK is None and res.h_kept) or (second and r2.fp8 is None):
         r2 = _with_h(res, r2, fc1_out)
-    dy = check_dy(r2, dy)
-    db2 = dprobs_b = None
     pb = res.probs_bias
+    needs2 = None if res.needs is None else (need_dh, want_w2, False, want_b2 if pb is None else None)
+    r2 = dataclasses.replace(r2, needs=needs2)
+    dy, dyq = _fc2_dy(res, r2, dy)
+    db2 = dprobs_b = None
     if pb is not None and (any_needed(want_b2) or need_dh):
         db_EH, dprobs_b = activation_kernels(act, dy, res.probs).probs_bias_bwd(dy, _bias_EH(pb), res.probs, r2.splits)
         db2 = db_EH if pb.form == "stacked" else list(db_EH.unbind(0))
-    needs2 = None if res.needs is None else (need_dh, want_w2, False, want_b2 if pb is None else None)
-    dh, dw2, db2_fc2 = grouped_linear_bwd(dataclasses.replace(r2, needs=needs2), dy)
+    dh, dw2, db2_fc2 = grouped_linear_bwd(r2, dy, dyq)
     if pb is None:
         db2 = db2_fc2
     dfc1 = dprobs = None
@@ -383,6 +395,19 @@ def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
         if dx is not None and res.rows is not None:  # the rows' grads summed into their tokens
             dx = res.rows.sum_rows(dx, res.num_tokens)
     return MLPGrads(dx, dw1, dw2, dprobs, db1, db2)
+
+
+def _fc2_dy(res: GroupedMLPResiduals, r2: GroupedLinearResiduals, dy: torch.Tensor) -> tuple:
+    """(fc2's dy, its FP8 copies or None), dy checked. With ``combine`` dy is ``[T, H_out]`` and
+    fc2's is ``dy[rows]`` (moe.combine's backward): quantized through the index where fc2 runs
+    FP8 and its plan can (``quantize_dy_rows``: fc2's dy is then a stand-in of its shape, and the
+    gathered rows are never written), else gathered (a torch op: second order sees it)."""
+    if not res.combine:
+        return check_dy(r2, dy), None
+    dy = check_dy(r2, dy, num_tokens=res.num_tokens)
+    index = res.rows.index()
+    dyq = None if res.probs_bias is not None else quantize_dy_rows(r2, dy, index)  # (probs * bias2: dy's rows read)
+    return (mlp_rows.like(dy, res.rows), dyq) if dyq is not None else (mlp_rows.gather(dy, index), None)
 
 
 # --- the op ---------------------------------------------------------------------------------------
@@ -413,7 +438,9 @@ def _planned(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions) -> 
 
     fwd = functools.partial(_fwd, opts=opts)
     static = ((3, splits),)
-    if isinstance(rows, mlp_rows.TopkRows):  # (no leaf: its order is an index, kept by the record as any bridge keeps it)
+    if isinstance(
+        rows, mlp_rows.TopkRows
+    ):  # (no leaf: its order is an index, kept by the record as any bridge keeps it)
         static, rows = ((3, splits), (7, rows)), None
     return run_planned("grouped_mlp", fwd, _bwd, (x, w1, w2, None, probs, bias1, bias2, rows), static)
 
@@ -446,7 +473,7 @@ def _jvp(res: GroupedMLPResiduals, tangents: tuple) -> torch.Tensor:
                 else stacked([torch.zeros_like(b) if t is None else t for t, b in zip(tb2, pb.bias)])
             )
             ty = ty + probs_bias_fwd(zeros, tb, res.probs, r2.splits)
-    return ty
+    return res.rows.sum_rows(ty, res.num_tokens) if res.combine else ty
 
 
 def _any_tangent(t: Any) -> bool:
@@ -526,6 +553,7 @@ def grouped_mlp(
     fuse_wgrad_accumulation: bool = False,
     use_grouped_tensor: bool | None = None,
     rows: Any = None,
+    combine: bool = False,
 ) -> torch.Tensor:
     """Differentiable expert MLP: ``y = fc2(act(fc1(x)) * probs)`` per expert (Megatron's
     TEGroupedMLP), as one autograd node built from the two layers' pure pairs.
@@ -561,21 +589,44 @@ def grouped_mlp(
             token's rows summed in choice order: deterministic). The record keeps x and rows,
             not the gathered rows (``functional_dw/mlp_rows.py``; RowwiseScaling quantizes
             fc1's input through the index).
+        combine: with ``rows``, sum each token's rows of y back into it (an MoE's combine): y is
+            ``[T, H_out]``, bitwise ``moe.combine(grouped_mlp(..., rows=TopkRows(order, k)),
+            order, k)`` (an index: ``index_add`` into zeros), and fc2's dy is ``dy[rows]``, which
+            RowwiseScaling quantizes through the index (the gathered dy rows are never written).
 
     Under ``torch.autocast``, x, the weights and the biases run in the autocast dtype (probs as
     given), the grads come in their inputs' dtypes (NOTE: [Autocast] in ``_amp.py``).
     """
     fuse = _checks.fuse_flag(fuse_wgrad_accumulation)
+    mlp_rows.check_combine(combine, rows)
     keep_x = _keep_x_args(w1, w2, recipe, fp8_state)
     amp = _amp.dtype(x)
     if rows is not None and (
         amp is not None or torch.compiler.is_compiling() or dwp.any_distributed(w1) or dwp.any_distributed(w2)
-    ):
-        x, rows = mlp_rows.gather_first(x, rows, splits)  # NOTE: [Rows gathered first] in mlp_rows.py
+    ):  # NOTE: [Rows gathered first] in mlp_rows.py
+        rec, T = mlp_rows.record(x, rows, splits), x.shape[0]
+        y = grouped_mlp(
+            rec.gather(x),
+            w1,
+            w2,
+            splits,
+            probs=probs,
+            activation=activation,
+            bias1=bias1,
+            bias2=bias2,
+            save=save,
+            recipe=recipe,
+            fp8_state=fp8_state,
+            backend=backend,
+            fuse_wgrad_accumulation=fuse,
+            use_grouped_tensor=use_grouped_tensor,
+        )
+        return rec.sum_rows(y, T) if combine else y  # (differentiable: its backward gathers dy's rows)
     args = (w1, w2, splits, bias1, bias2)
     opts, (w1, w2, splits, bias1, bias2) = _options(
         *args, activation, save, recipe, fp8_state, backend, fuse, use_grouped_tensor, keep_x, amp
     )
+    opts = opts._replace(combine=combine)
     if amp is None and not torch.compiler.is_compiling():
         y = _planned(x, w1, w2, splits, probs, bias1, bias2, rows, opts)
         if y is not None:

@@ -37,7 +37,7 @@ from .residuals import residuals, saved
 #   forward mode (jvp) and a backward that is differentiated again take rows as they are (the gather
 #   and the sum are torch ops on the saved x, so second order is exact).
 
-__all__ = ["IndexRows", "TopkRows", "check", "fc1", "gather", "gather_first", "like", "record"]
+__all__ = ["IndexRows", "TopkRows", "check", "check_combine", "fc1", "gather", "like", "record"]
 
 
 @residuals
@@ -200,15 +200,20 @@ def gather(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         raise IndexError(f"grouped_mlp: rows has an index outside [0, {x.shape[0]}) (x's rows): {e}") from e
 
 
-def gather_first(x: torch.Tensor, rows: Any, splits: Any) -> tuple[torch.Tensor, None]:
-    """``(x[rows], None)``, rows checked: the call without rows (NOTE: [Rows gathered first]),
-    x's grad summed back as the record sums it."""
-    return record(x, rows, splits).gather(x), None
+def check_combine(combine: Any, rows: Any) -> None:
+    """grouped_mlp's ``combine``: a bool, True only with rows (TypeError/ValueError naming it)."""
+    if type(combine) is not bool:
+        raise TypeError(f"grouped_mlp: combine must be a bool, got {type(combine).__name__}")
+    if combine and rows is None:
+        raise ValueError(
+            "grouped_mlp: combine=True sums y's rows into x's tokens, so it needs rows (an index into x, "
+            "or TopkRows(order, top_k)); without rows y is already one row per token: drop combine"
+        )
 
 
 def fc1(c1: GroupedCall, x: torch.Tensor, rows: IndexRows | TopkRows | None, keep: bool, keep_x: bool) -> tuple:
     """fc1's output and, with ``keep``, its record. With ``rows`` (a record), its input is ``x[rows.index()]``:
-    quantized through the index where fc1 runs FP8 and its plan can (``quantize_x_rows``: the
+    quantized through the index where fc1 runs FP8 and its plan can (``quantize_rows``: the
     gathered rows are never written), else gathered (differentiable: second order sees it)."""
     xq = x_in = None
     if rows is None:
@@ -216,7 +221,10 @@ def fc1(c1: GroupedCall, x: torch.Tensor, rows: IndexRows | TopkRows | None, kee
     else:
         index = rows.index()
         if c1.fp8 is not None:
-            xq = c1.fp8.quantize_x_rows(c1.kernels, x, index, c1.split, c1.path == "grouped", keep=keep and keep_x)
+            grouped, spec = c1.path == "grouped", c1.fp8.x
+            xq = c1.fp8.quantize_rows(
+                c1.kernels, spec, x, index, c1.split, grouped, rowwise=True, columnwise=keep and keep_x
+            )
         if xq is None:
             x_in = gather(x, index)
     if keep:

@@ -10,7 +10,8 @@ token order, then choice order: what ``torch.argsort(stable=True)`` gives), and 
 
 with ``splits[e]`` the rows of expert ``e``, counted on the device (no host sync).
 :func:`sort_by_expert` is the dispatch without the rows (``probs_r``, ``splits``, ``order``: the
-same code), for experts that read x through ``TopkRows(order, k)``. The combine
+same code), for experts that read x through ``TopkRows(order, k)`` (and, with grouped_mlp's
+``combine=True``, sum their rows back themselves: the same sum). The combine
 puts each token's ``k`` rows back and sums them: ``y[t] = sum_j rows[pos(t, j)]``, with
 ``pos`` the inverse of ``order``. Weighting by the router's probs happens between the two, in
 the experts (``grouped_mlp(..., probs=probs_r)``: Megatron's weighted activation), so neither
@@ -439,9 +440,18 @@ def moe_layer(
         if group is not None:
             check_local_experts(w1, router_weight.shape[0], group)
 
-        def experts(x, splits, probs_r, rows=None):
+        def experts(x, splits, probs_r, rows=None, combine=False):
             return grouped_mlp(
-                x, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend, rows=rows
+                x,
+                w1,
+                w2,
+                splits,
+                probs=probs_r,
+                activation=activation,
+                save=save,
+                backend=backend,
+                rows=rows,
+                combine=combine,
             )
 
         logits = linear(x, router_weight, backend=backend)
@@ -455,14 +465,16 @@ def layer_parts(
     """The layer after the router's GEMM as its parts' own autograd ops (what :class:`nn.MoE`
     and a compiled :func:`moe_layer` run): :func:`topk_router`, the routing, the experts,
     :func:`combine`. Without a ``group`` :func:`sort_by_expert` (no rows gathered) and the experts
-    read x through its order: ``experts(x, splits, probs_r, rows=TopkRows(order, top_k)) -> h``
-    (grouped_mlp's rows: x's grad the dispatch's per-token sum, bitwise, and fc1 keeps x, not
-    the rows); with an expert-parallel ``group``, :func:`dispatch`, ``moe_ep.to_experts``,
+    read x through its order and combine their rows themselves:
+    ``experts(x, splits, probs_r, rows=TopkRows(order, top_k), combine=True) -> y [T, H]``
+    (grouped_mlp's rows and combine: bitwise the dispatch and the combine around the experts;
+    fc1 keeps x, not the rows, and with RowwiseScaling x's and dy's FP8 copies are read through
+    the order); with an expert-parallel ``group``, :func:`dispatch`, ``moe_ep.to_experts``,
     ``experts(rows, splits, probs_r)`` on the exchanged rows, ``from_experts``."""
     probs, indices = topk_router(logits, top_k, score)
     if group is None:
         probs_r, splits, order = sort_by_expert(probs, indices, num_experts)
-        return combine(experts(x, splits, probs_r, rows=TopkRows(order, top_k)), order, top_k)
+        return experts(x, splits, probs_r, rows=TopkRows(order, top_k), combine=True)
     rows, probs_r, splits, order = dispatch(x, probs, indices, num_experts)
     rows, probs_r, splits, perm, sizes = to_experts(rows, probs_r, splits, group)
     return combine(from_experts(experts(rows, splits, probs_r), perm, sizes, group), order, top_k)

@@ -400,10 +400,16 @@ class GroupedMLP(torch.nn.Module):
     ffn_hidden_size = property(lambda self: self.fc2.in_features)
 
     def forward(
-        self, x: torch.Tensor, splits: Sequence[int] | torch.Tensor, probs: torch.Tensor | None = None, *, rows=None
-    ) -> torch.Tensor:  # rows: as for grouped_mlp (an index into x, or moe's TopkRows)
+        self,
+        x: torch.Tensor,
+        splits: Sequence[int] | torch.Tensor,
+        probs: torch.Tensor | None = None,
+        *,
+        rows: Any = None,
+        combine: bool = False,
+    ) -> torch.Tensor:  # rows, combine: as for grouped_mlp (an index into x, or moe's TopkRows)
         return run_grouped_mlp(
-            self.fc1, self.fc2, x, splits, probs, activation=self.activation, save=self.save, rows=rows
+            self.fc1, self.fc2, x, splits, probs, activation=self.activation, save=self.save, rows=rows, combine=combine
         )
 
     def extra_repr(self) -> str:
@@ -420,6 +426,7 @@ def run_grouped_mlp(
     activation: str,
     save: str,
     rows: Any = None,
+    combine: bool = False,
 ) -> torch.Tensor:
     """One :func:`functional_dw.grouped_mlp` call on two :class:`GroupedLinear` modules'
     parameters (either layout, biases included): the recipe from fc1's (TE's autocast when it has
@@ -449,6 +456,7 @@ def run_grouped_mlp(
         fuse_wgrad_accumulation=fc1.fuse_wgrad_accumulation,
         use_grouped_tensor=fc1.use_grouped_tensor,
         rows=rows,
+        combine=combine,
     )
     fc1._fp8_end(y, state1)
     return fc2._fp8_end(y, state2)

@@ -1312,20 +1312,20 @@ def test_rows_is_the_gathered_call_bitwise(activation, save, probs, bias, recipe
 
 def test_rows_rowwise_quantizes_through_the_index(monkeypatch):
     """With RowwiseScaling, fc1's input is quantized from x through the index (its plan's
-    quantize_x_rows): forward gathers no bf16 rows; its bf16 fallback gathers them once."""
+    quantize_rows): forward gathers no bf16 rows; its bf16 fallback gathers them once."""
     from functional_dw import mlp_rows
 
     gathers, fused = [], []
     gather = mlp_rows.gather
     monkeypatch.setattr(mlp_rows, "gather", lambda x, r: gathers.append(r) or gather(x, r))
-    orig = fd.fp8_rowwise_plan.RowwisePlan.quantize_x_rows
+    orig = fd.fp8_rowwise_plan.RowwisePlan.quantize_rows
 
     def spy(self, *a, **k):
         q = orig(self, *a, **k)
         fused.append(q is not None)
         return q
 
-    monkeypatch.setattr(fd.fp8_rowwise_plan.RowwisePlan, "quantize_x_rows", spy)
+    monkeypatch.setattr(fd.fp8_rowwise_plan.RowwisePlan, "quantize_rows", spy)
     inp, dy = make_rows()
     y = call(inp, rows=ROWS, recipe=ROWS_RECIPES["rowwise"])
     assert fused == [True] and gathers == [], (fused, len(gathers))
@@ -1671,6 +1671,190 @@ def test_rows_topk_pure_pair_compile_and_transforms_are_the_dispatchs():
     torch.testing.assert_close(
         torch.autograd.grad(g.square().sum(), x)[0], torch.autograd.grad(g0.square().sum(), x)[0]
     )
+
+
+# --- combine: the experts sum their rows back into the tokens (moe.combine inside grouped_mlp) ---
+
+
+def run_combined(inp, indices, dy_T, how, **kw):
+    """(y [T, H], grads of leaves(inp)): grouped_mlp(x, rows=..., combine=True) with
+    ``TopkRows(order, k)`` (``how="topk"``) or the index ``order // k`` (``"index"``), or the
+    dispatch's rows into grouped_mlp, then ``moe.combine`` (``"parts"``); probs through the
+    dispatch in each."""
+    rows, probs_r, splits, order = fd.moe.dispatch(inp["x"], inp["probs"], indices, E)
+    w = (inp["w1"], inp["w2"], splits)
+    b = dict(probs=probs_r, bias1=inp["bias1"], bias2=inp["bias2"], **kw)
+    if how == "parts":
+        y = fd.moe.combine(fd.grouped_mlp(rows, *w, **b), order, TK_K)
+    else:
+        r = fd.TopkRows(order, TK_K) if how == "topk" else order // TK_K
+        y = fd.grouped_mlp(inp["x"], *w, rows=r, combine=True, **b)
+    return y, list(torch.autograd.grad(y, leaves(inp), dy_T))
+
+
+def make_combined(dtype=torch.float32, bias=True, seed=0):
+    """make_topk's inputs (biases dropped unless ``bias``) and dy per token ``[TK_T, H]``."""
+    inp, indices, _ = make_topk(dtype, seed)
+    if not bias:
+        inp["bias1"] = inp["bias2"] = None
+    return inp, indices, _rand(TK_T, H, seed=seed + 13, dtype=dtype)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("recipe", list(ROWS_RECIPES))
+@pytest.mark.parametrize("save", POLICIES)
+def test_rows_combine_is_the_dispatch_and_combine_bitwise(save, recipe, dtype, bias):
+    """grouped_mlp(x, rows=TopkRows(order, k), combine=True): y [T, H] and every grad are the bits
+    of moe.dispatch, grouped_mlp and moe.combine through autograd, for every policy, bf16,
+    RowwiseScaling (dy quantized through the order) and its bf16 fallback, with and without
+    biases (probs * bias2 reads dy's rows: they are gathered)."""
+    if recipe != "bf16" and save == "x_only":
+        pytest.skip("x_only is refused with a recipe")
+    inp, indices, dy = make_combined(DTYPES[dtype], bias)
+    kw = dict(save=save, recipe=ROWS_RECIPES[recipe])
+    y, grads = run_combined(inp, indices, dy, "topk", **kw)
+    y0, g0 = run_combined(inp, indices, dy, "parts", **kw)
+    assert y.shape == (TK_T, H) and grads[0].shape == (TK_T, H)
+    assert_same(y, y0)
+    assert_same(grads, g0)
+
+
+def test_rows_combine_with_an_index_is_index_add():
+    """combine with a plain index: y is index_add of the rows into zeros (and dx index_add's too)."""
+    inp, indices, dy = make_combined()
+    _, probs_r, splits, order = fd.moe.dispatch(inp["x"], inp["probs"], indices, E)
+    y, g = run_combined(inp, indices, dy, "index")
+    r = order // TK_K
+    h = fd.grouped_mlp(
+        inp["x"].index_select(0, r), inp["w1"], inp["w2"], splits, probs=probs_r, bias1=inp["bias1"], bias2=inp["bias2"]
+    )
+    y0 = h.new_zeros(TK_T, H).index_add(0, r, h)
+    assert_same(y, y0)
+    assert_same(g, list(torch.autograd.grad(y0, leaves(inp), dy)))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_combine_rowwise_quantizes_dy_through_the_index(bias, monkeypatch):
+    """With RowwiseScaling fc2's dy[rows] is quantized from dy [T, H] through the order (its
+    plan's quantize_rows with the dy spec): no bf16 dy rows are gathered. A bias grad reads dy's
+    rows in high precision: then they are gathered once, and quantized as gathered."""
+    from functional_dw import mlp_rows
+
+    gathers, specs = [], []
+    gather = mlp_rows.gather
+    monkeypatch.setattr(mlp_rows, "gather", lambda t, r: gathers.append(tuple(t.shape)) or gather(t, r))
+    orig = fd.fp8_rowwise_plan.RowwisePlan.quantize_rows
+
+    def spy(self, kernels, spec, *a, **k):
+        specs.append("dy" if spec is self.dy else "x" if spec is self.x else "?")
+        return orig(self, kernels, spec, *a, **k)
+
+    monkeypatch.setattr(fd.fp8_rowwise_plan.RowwisePlan, "quantize_rows", spy)
+    inp, indices, dy = make_combined(bias=bias)
+    y, grads = run_combined(inp, indices, dy, "topk", recipe=ROWS_RECIPES["rowwise"])
+    want_specs = ["x"] if bias else ["x", "dy"]
+    assert specs == want_specs and gathers == ([(TK_T, H)] if bias else []), (specs, gathers)
+    monkeypatch.setattr(mlp_rows, "gather", gather)
+    monkeypatch.setattr(fd.fp8_rowwise_plan.RowwisePlan, "quantize_rows", orig)
+    y0, g0 = run_combined(inp, indices, dy, "parts", recipe=ROWS_RECIPES["rowwise"])
+    assert_same(y, y0)
+    assert_same(grads, g0)
+
+
+def test_rows_combine_gathers_first_under_autocast_compile_and_distributed_weights():
+    """Where rows are gathered first (NOTE: [Rows gathered first]), the sum runs after the call,
+    differentiably: y and every grad still the dispatch's and the combine's bits."""
+    inp, indices, dy = make_combined()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, g = run_combined(inp, indices, dy.bfloat16(), "topk")
+        y0, g0 = run_combined(inp, indices, dy.bfloat16(), "parts")
+    assert y.dtype == torch.bfloat16
+    assert_same([y, *g], [y0, *g0])
+
+    def dw_grads(how):
+        w = {k: FakeDW.group_of([t.detach() for t in inp[k]]) for k in ("w1", "w2")}
+        y, g = run_combined(dict(inp, **w), indices, dy, how)
+        return [y, *g, *[t.grad for t in w["w1"] + w["w2"]]]
+
+    assert_same(dw_grads("topk"), dw_grads("parts"))
+    x, w1, w2 = inp["x"], inp["w1"], inp["w2"]
+    _, _, splits, order = fd.moe.dispatch(x.detach(), None, indices, E)
+
+    def ours(x):
+        return fd.grouped_mlp(x, w1, w2, splits, rows=fd.TopkRows(order, TK_K), combine=True)
+
+    def parts(x):
+        return fd.moe.combine(fd.grouped_mlp(fd.moe.dispatch(x, None, indices, E)[0], w1, w2, splits), order, TK_K)
+
+    torch._dynamo.reset()
+    y2 = torch.compile(ours, backend="aot_eager", fullgraph=True)(x)
+    y0 = parts(x)
+    assert_same(y2, y0)
+    assert_same(torch.autograd.grad(y2, x, dy)[0], torch.autograd.grad(y0, x, dy)[0])
+
+
+def test_rows_combine_pure_pair_transforms_planned_run_and_retain_graph():
+    """The pure pair (its record says combine; bwd takes dy [T, H]), torch.func.jvp, grad and
+    vmap, the planned node (bitwise the bridge's), backward twice under retain_graph, and grad
+    of grad: the dispatch's and the combine's numbers."""
+    bp = importlib.import_module("functional_dw._bridge_planned")
+    inp, indices, dy = make_combined(torch.float64)
+    x, w1, w2 = inp["x"], inp["w1"], inp["w2"]
+    _, _, splits, order = fd.moe.dispatch(x.detach(), None, indices, E)
+    rec = fd.TopkRows(order, TK_K)
+
+    def ours(x, w1=w1):
+        return fd.grouped_mlp(x, w1, w2, splits, rows=rec, combine=True)
+
+    def parts(x, w1=w1):
+        return fd.moe.combine(fd.grouped_mlp(fd.moe.dispatch(x, None, indices, E)[0], w1, w2, splits), order, TK_K)
+
+    y0 = parts(x)
+    (g0,) = torch.autograd.grad(y0, x, dy, create_graph=True)
+    y, res = fd.grouped_mlp_fwd(x.detach(), w1, w2, splits, rows=rec, combine=True)
+    assert "combine: y's rows summed" in repr(res)
+    assert_same(y, y0.detach())
+    assert_same(fd.grouped_mlp_bwd(res, dy).dx, g0.detach())
+    ys = [ours(x) for _ in range(2)]
+    assert issubclass(type(ys[1].grad_fn)._forward_cls, bp._PlannedRun)
+    for yy in ys:
+        assert_same(yy, y0)
+        assert_same(torch.autograd.grad(yy, x, dy, retain_graph=True)[0], g0)
+        assert_same(torch.autograd.grad(yy, x, dy)[0], g0)
+    (g,) = torch.autograd.grad(ours(x), x, dy, create_graph=True)
+    torch.testing.assert_close(
+        torch.autograd.grad(g.square().sum(), x)[0], torch.autograd.grad(g0.square().sum(), x)[0]
+    )
+    xd = x.detach()
+    t = torch.randn_like(xd)
+
+    def torch_parts(x):  # (moe's pairs have no forward-mode rule: their ops in torch)
+        h = fd.grouped_mlp(x.index_select(0, order // TK_K), w1, w2, splits)
+        return h.index_select(0, order.argsort()).unflatten(0, (-1, TK_K)).sum(1)
+
+    assert_same(torch_parts(xd), parts(xd))
+    assert_same(torch.func.jvp(ours, (xd,), (t,)), torch.func.jvp(torch_parts, (xd,), (t,)))
+    assert_same(
+        torch.func.grad(lambda x: (ours(x) * dy).sum())(xd), torch.func.grad(lambda x: (parts(x) * dy).sum())(xd)
+    )
+    xb = torch.stack([xd, 2 * xd, -xd])
+    assert_same(torch.func.vmap(ours)(xb), torch.func.vmap(parts)(xb))
+
+
+def test_rows_combine_bad_arguments_are_named():
+    inp, indices, dy = make_combined()
+    _, _, splits, order = fd.moe.dispatch(inp["x"].detach(), None, indices, E)
+    w = (inp["w1"], inp["w2"], splits)
+    with pytest.raises(ValueError, match="combine=True sums y's rows into x's tokens, so it needs rows"):
+        fd.grouped_mlp(inp["x"], *w, combine=True)
+    with pytest.raises(ValueError, match="needs rows"):
+        fd.grouped_mlp_fwd(inp["x"], *w, combine=True)
+    with pytest.raises(TypeError, match="combine must be a bool, got int"):
+        fd.grouped_mlp(inp["x"], *w, rows=fd.TopkRows(order, TK_K), combine=1)
+    _, res = fd.grouped_mlp_fwd(inp["x"].detach(), *w, rows=fd.TopkRows(order, TK_K), combine=True)
+    with pytest.raises(ValueError, match="dy"):
+        fd.grouped_mlp_bwd(res, torch.ones(TK_T * TK_K, H))  # (the rows' dy, not the tokens')
 
 
 _ORDER = torch.arange(TK_T * TK_K)
