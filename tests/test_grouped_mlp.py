@@ -1912,3 +1912,33 @@ def test_rows_on_cuda_quantize_through_the_index(save, monkeypatch):
         torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
     assert_same(y, y0)
     assert_same(grads, g0)
+
+
+@gpu
+@pytest.mark.parametrize("save", ["default", "h"])
+def test_rows_combine_on_cuda_reads_x_and_dy_through_the_order(save, monkeypatch):
+    """RowwiseScaling on CUDA with TopkRows and combine: the Triton kernels read x (forward) and
+    dy (backward) through the order, so no bf16 rows are gathered; y and every grad the bits of
+    moe.dispatch, grouped_mlp and moe.combine (every sum deterministic: no index_add)."""
+    pytest.importorskip("triton")
+    from functional_dw import mlp_rows
+
+    T_, k = 96, 4
+    inp, _ = _on(*make("swiglu", torch.bfloat16, probs=False, seed=5), "cuda")
+    inp["x"] = _rand(T_, H, seed=6, dtype=torch.bfloat16).cuda().requires_grad_()
+    g = torch.Generator().manual_seed(8)
+    inp["probs"] = torch.rand(T_, k, generator=g).cuda().requires_grad_()
+    indices = torch.tensor([0, 2, 3])[torch.randint(0, 3, (T_, k), generator=g)].cuda()
+    dy = _rand(T_, H, seed=9, dtype=torch.bfloat16).cuda()
+    gathers, real = [], mlp_rows.gather
+    monkeypatch.setattr(mlp_rows, "gather", lambda t, r: gathers.append(tuple(t.shape)) or real(t, r))
+    kw = dict(recipe=fp8.RowwiseScaling(bf16_below=0), save=save)
+    rows, probs_r, splits, order = fd.moe.dispatch(inp["x"], inp["probs"], indices, E)
+    y = fd.grouped_mlp(
+        inp["x"], inp["w1"], inp["w2"], splits, probs=probs_r, rows=fd.TopkRows(order, k), combine=True, **kw
+    )
+    grads = list(torch.autograd.grad(y, leaves(inp), dy))
+    assert gathers == [] and y.shape == (T_, H)
+    y0 = fd.moe.combine(fd.grouped_mlp(rows, inp["w1"], inp["w2"], splits, probs=probs_r, **kw), order, k)
+    assert_same(y, y0)
+    assert_same(grads, list(torch.autograd.grad(y0, leaves(inp), dy)))
