@@ -26,7 +26,7 @@ import torch
 from . import _checks
 from .custom_vjp import custom_vjp
 from .grouped_linear import GroupedCall, forward, fprop
-from .moe_ep import per_token, tokens
+from .moe_ep import check_permutation, per_token, tokens
 from .residuals import residuals, saved
 
 # NOTE: [Rows gathered first] Where a path cannot take rows as they are, ``grouped_mlp`` gathers
@@ -142,7 +142,8 @@ def check(x: Any, rows: Any, splits: Any) -> None:
 
 def _check_topk(x: torch.Tensor, rows: TopkRows, splits: Any) -> None:
     """TopkRows: ``order`` a dense 1-D int64/int32 tensor on x's device, ``top_k`` a positive int,
-    ``order.numel() == T * top_k`` (shapes only: no sync)."""
+    ``order.numel() == T * top_k`` (shapes: no sync), and a permutation where that is free (a CPU
+    tensor in eager code, as ``moe.combine`` checks it): else x's grad would sum the wrong rows."""
     order, k = rows.order, rows.top_k
     if type(k) is not int or k < 1:
         raise ValueError(f"grouped_mlp: rows (TopkRows) top_k must be a positive int, got {k!r}")
@@ -160,6 +161,11 @@ def _check_topk(x: torch.Tensor, rows: TopkRows, splits: Any) -> None:
             f"grouped_mlp: rows (TopkRows) order holds {order.shape[0]} rows but x's {x.shape[0]} tokens times "
             f"top_k={k} make {x.shape[0] * k}: order is the dispatch's permutation of the T * k (token, choice) pairs"
         )
+    check_permutation(
+        order,
+        "grouped_mlp: rows (TopkRows) order must be a permutation of the T * k (token, choice) pairs (the "
+        "dispatch's order): a repeated or missing pair would sum the wrong rows' grads into x's",
+    )
     _check_total(order.shape[0], splits)
 
 

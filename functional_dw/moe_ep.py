@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from .custom_vjp import custom_vjp
 from .residuals import residuals, saved
@@ -107,8 +108,8 @@ def per_token(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tens
 
 def check_permutation(perm: torch.Tensor, message: str) -> None:
     """``ValueError(message)`` unless ``perm`` is a permutation of its positions, where that is
-    free to check: a CPU tensor in eager code (on CUDA a sync; on meta or while compiling no values)."""
-    if perm.device.type != "cpu" or torch.compiler.is_compiling() or not perm.numel():
+    free to check: a CPU tensor in eager code (on CUDA a sync; on meta, fake or while compiling no values)."""
+    if perm.device.type != "cpu" or torch.compiler.is_compiling() or not perm.numel() or is_fake(perm):
         return
     if not torch.equal(perm.sort().values, torch.arange(perm.numel())):
         raise ValueError(message)

@@ -1884,6 +1884,21 @@ def test_rows_topk_bad_rows_are_named(order, k, err, match):
         fd.grouped_mlp(inp["x"], inp["w1"], inp["w2"], [20, 0, 0, 0], rows=fd.TopkRows(_ORDER, TK_K))
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "rowwise"])
+def test_rows_topk_order_not_a_permutation_is_named(recipe):
+    """An order with a repeated (token, choice) pair and a missing one: refused on the CPU (as
+    moe.combine refuses it), not a dx summed from the wrong rows (inverse(order) has a hole)."""
+    inp, _, _ = make_topk()
+    order = torch.randperm(TK_T * TK_K, generator=torch.Generator().manual_seed(1))
+    order[order == 4] = 5  # (pair 5 twice, pair 4 never)
+    splits = [TK_T * TK_K - 1, 0, 0, 1]
+    kw = dict(recipe=ROWS_RECIPES[recipe], rows=fd.TopkRows(order, TK_K))
+    with pytest.raises(ValueError, match=r"rows \(TopkRows\) order must be a permutation"):
+        fd.grouped_mlp(inp["x"], inp["w1"], inp["w2"], splits, **kw)
+    with pytest.raises(ValueError, match=r"rows \(TopkRows\) order must be a permutation"):
+        fd.grouped_mlp_fwd(inp["x"], inp["w1"], inp["w2"], splits, **kw)
+
+
 @gpu
 @pytest.mark.parametrize("save", ["default", "h"])
 def test_rows_on_cuda_quantize_through_the_index(save, monkeypatch):
