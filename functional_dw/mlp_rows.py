@@ -105,7 +105,13 @@ def _gather_topk_bwd(res: _TopkGatherResiduals, d_rows: torch.Tensor) -> tuple:
     return res.rows.sum_rows(d_rows, res.num_tokens), None
 
 
-_gather_topk = custom_vjp(_gather_topk_fwd, _gather_topk_bwd, name="grouped_mlp_rows")
+def _gather_topk_jvp(res: _TopkGatherResiduals, tangents: tuple) -> torch.Tensor | None:
+    """Forward mode (a TopkRows call gathered first, then jvp'd): the rows' tangent is x's, gathered."""
+    tx = tangents[0]
+    return None if tx is None else tx.index_select(0, res.rows.index())
+
+
+_gather_topk = custom_vjp(_gather_topk_fwd, _gather_topk_bwd, jvp=_gather_topk_jvp, name="grouped_mlp_rows")
 
 
 def record(x: Any, rows: Any, splits: Any) -> IndexRows | TopkRows:

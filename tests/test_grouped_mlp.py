@@ -1899,6 +1899,26 @@ def test_rows_topk_order_not_a_permutation_is_named(recipe):
         fd.grouped_mlp_fwd(inp["x"], inp["w1"], inp["w2"], splits, **kw)
 
 
+def test_rows_topk_jvp_under_autocast_is_the_index_calls():
+    """Under autocast a TopkRows call gathers first (NOTE: [Rows gathered first]); forward mode
+    then runs through that gather too: the plain index's y and tangent, not a NotImplementedError."""
+    inp, indices, _ = make_topk()
+    _, _, splits, order = fd.moe.dispatch(inp["x"].detach(), None, indices, E)
+    w1, w2 = [w.detach() for w in inp["w1"]], [w.detach() for w in inp["w2"]]
+    x = inp["x"].detach()
+    t = torch.randn_like(x)
+
+    def jvp(rows):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.func.jvp(lambda x: fd.grouped_mlp(x, w1, w2, splits, rows=rows), (x,), (t,))
+
+    y, ty = jvp(fd.TopkRows(order, TK_K))
+    y0, ty0 = jvp(order // TK_K)
+    assert y.dtype == torch.bfloat16
+    assert_same(y, y0)
+    assert_same(ty, ty0)
+
+
 @gpu
 @pytest.mark.parametrize("save", ["default", "h"])
 def test_rows_on_cuda_quantize_through_the_index(save, monkeypatch):
