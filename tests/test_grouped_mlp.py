@@ -1919,6 +1919,22 @@ def test_rows_topk_jvp_under_autocast_is_the_index_calls():
     assert_same(ty, ty0)
 
 
+@pytest.mark.parametrize("rows", ["index", "topk"])
+def test_rows_fake_tensor_splits_are_named(rows):
+    """Under FakeTensorMode tensor splits hold no counts: the same ValueError as without rows
+    (rows' total check must not read them: a DataDependentOutputException)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.randn(TK_T, H)
+        w1, w2 = torch.randn(E, 2 * F_, H), torch.randn(E, H, F_)
+        order = torch.arange(TK_T * TK_K)
+        r = fd.TopkRows(order, TK_K) if rows == "topk" else order // TK_K
+        with pytest.raises(ValueError, match="splits is a fake tensor"):
+            fd.grouped_mlp(x, w1, w2, torch.tensor([TK_T * TK_K, 0, 0, 0]), rows=r)
+        assert fd.grouped_mlp(x, w1, w2, [TK_T * TK_K, 0, 0, 0], rows=r).shape == (TK_T * TK_K, H)
+
+
 @gpu
 @pytest.mark.parametrize("save", ["default", "h"])
 def test_rows_on_cuda_quantize_through_the_index(save, monkeypatch):
