@@ -174,7 +174,7 @@ def _run(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions, keep: b
     if rows is not None:  # (an index tensor wrapped: the record decides the gather and the sum)
         rows = mlp_rows.record(x, rows, splits)
     x_in = x if rows is None else mlp_rows.like(x, rows)  # (with rows, a stand-in until fc1 reads them)
-    check_call(x_in, w1, w2, probs, opts.activation, opts.save, fp8=opts.fc1.fp8 is not None)
+    check_call(x_in, w1, w2, probs, opts.activation, opts.save, fp8=opts.fc1.fp8 is not None, rows=rows is not None)
     activation = get_activation(opts.activation)  # (the record: backward runs what forward ran)
     weighted = probs is not None and bias2 is not None  # fc2's bias times probs, added after fc2
     c1 = in_layer("fc1", prepare, x_in, w1, splits, bias1, opts.fc1, rows is not None)

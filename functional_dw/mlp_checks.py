@@ -51,11 +51,11 @@ def check_options(activation: Any, save: Any) -> None:
         )
 
 
-def check_call(x: Any, w1: Any, w2: Any, probs: Any, activation: Any, save: Any, fp8: bool) -> None:
+def check_call(x: Any, w1: Any, w2: Any, probs: Any, activation: Any, save: Any, fp8: bool, rows: bool = False) -> None:
     """A grouped_mlp call's own checks, in order: the options, the arguments, and the policy
-    against FP8 (``fp8``: the call has a recipe or a state)."""
+    against FP8 (``fp8``: the call has a recipe or a state; ``rows``: x is x[rows]'s stand-in)."""
     check_options(activation, save)
-    check_args(x, w1, w2, probs, activation)
+    check_args(x, w1, w2, probs, activation, rows)
     if save == "x_only" and fp8:
         raise ValueError(
             "save='x_only' recomputes fc1's output from x, but with FP8 fc1 keeps only x's FP8 copy: "
@@ -63,8 +63,9 @@ def check_call(x: Any, w1: Any, w2: Any, probs: Any, activation: Any, save: Any,
         )
 
 
-def check_args(x: Any, w1: Any, w2: Any, probs: Any, activation: str) -> None:
-    """The MLP's own checks, before any GEMM: each names the argument and the fix."""
+def check_args(x: Any, w1: Any, w2: Any, probs: Any, activation: str, rows: bool = False) -> None:
+    """The MLP's own checks, before any GEMM: each names the argument and the fix (``rows``: x
+    stands in for x[rows], whose R rows probs weigh)."""
     _checks.tensor("x", x, ndim=2)
     E1, E2 = _experts("w1", w1), _experts("w2", w2)
     if E1 is not None and E2 is not None and E1 != E2:
@@ -100,8 +101,9 @@ def check_args(x: Any, w1: Any, w2: Any, probs: Any, activation: str) -> None:
         T = x.shape[0]
         if probs.dim() != 1 or probs.shape[0] != T:
             fix = " (probs.reshape(-1))" if probs.numel() == T else ""
+            per = f"[R] = [{T}], one router weight per row of x[rows] (R, not x's tokens)" if rows else ""
             raise ValueError(
-                f"probs must be [T] = [{T}], one router weight per row of x, got shape "
+                f"probs must be {per or f'[T] = [{T}], one router weight per row of x'}, got shape "
                 f"{tuple(probs.shape)}: pass a 1-D tensor of {T} values{fix}"
             )
         if probs.device != x.device:

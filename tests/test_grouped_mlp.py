@@ -1427,6 +1427,18 @@ def test_rows_bad_rows_are_named(rows, splits, err, match):
         fd.grouped_mlp_fwd(inp["x"], inp["w1"], inp["w2"], splits, probs=inp["probs"], rows=rows)
 
 
+@pytest.mark.parametrize("rows", ["index", "topk"])
+def test_rows_probs_of_x_tokens_are_named(rows):
+    """probs [T] (one per token of x) where the experts weigh R rows: the message says [R] and
+    x[rows], not "[T] = [R], one per row of x" (x has T rows)."""
+    inp, _ = make_rows()
+    r = fd.TopkRows(torch.arange(T_X * 2), 2) if rows == "topk" else ROWS
+    splits = [T_X * 2, 0, 0, 0] if rows == "topk" else SPLITS
+    R = T_X * 2 if rows == "topk" else ROWS.shape[0]
+    with pytest.raises(ValueError, match=rf"probs must be \[R\] = \[{R}\], one router weight per row of x\[rows\]"):
+        call(dict(inp, probs=torch.rand(T_X, requires_grad=True)), splits, rows=r)
+
+
 def test_rows_torch_compile_aot_eager_equals_eager():
     torch._dynamo.reset()
     inp, dy = make_rows(bias=True)
