@@ -126,6 +126,7 @@ class GroupedMLPResiduals:
     num_tokens: int | None  # with rows: x's T (dx's rows); else None
     x_version: _checks.Stamp  # with rows, x's version at forward (the pure API checks it in backward); else None
     combine: bool  # with rows, y's rows were summed into x's tokens: dy is [T, H_out], fc2's dy[rows]
+    rows_version: _checks.Stamp  # with rows, its index's (order's) version at forward, checked as x's is; else None
     needs: Any = needed()  # which gradients bwd computes, shaped like (x, w1, w2, splits, probs, bias1, bias2)
 
 
@@ -235,6 +236,7 @@ def _record(
         num_tokens=None if rows is None else x.shape[0],
         x_version=_checks.stamp(x) if x_kept else None,
         combine=opts.combine,
+        rows_version=None if rows is None else _checks.stamp(mlp_rows.index_of(rows)),
     )
 
 
@@ -356,6 +358,8 @@ def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
 def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     _checks.record("grouped_mlp_bwd", res, GroupedMLPResiduals, "grouped_mlp_fwd")
     want_x, want_w1, want_w2, want_p, want_b1, want_b2 = _wanted(res)
+    if res.rows is not None:  # (backward gathers and sums by it again)
+        _checks.check_stamp("rows", mlp_rows.index_of(res.rows), res.rows_version)
     r2, act = res.fc2, res.act
     # fc1's backward runs when it has a gradient to give, and always for a DistributedWeight (its
     # gathers and finalize match across ranks, as in grouped_linear); dh also feeds dprobs

@@ -38,7 +38,7 @@ from .residuals import residuals, saved
 #   forward mode (jvp) and a backward that is differentiated again take rows as they are (the gather
 #   and the sum are torch ops on the saved x, so second order is exact).
 
-__all__ = ["IndexRows", "TopkRows", "check", "check_combine", "fc1", "gather", "like", "record"]
+__all__ = ["IndexRows", "TopkRows", "check", "check_combine", "fc1", "gather", "index_of", "like", "record"]
 
 
 @residuals
@@ -83,9 +83,14 @@ class TopkRows:
         return _gather_topk(x, self)
 
 
+def index_of(rows: IndexRows | TopkRows) -> torch.Tensor:
+    """The tensor the record keeps: an IndexRows' index, a TopkRows' order."""
+    return rows.order if isinstance(rows, TopkRows) else rows.rows
+
+
 def _rows_repr(self: Any) -> str:
     extra = f", top_k={self.top_k}" if isinstance(self, TopkRows) else ""
-    t = self.order if isinstance(self, TopkRows) else self.rows
+    t = index_of(self)
     return f"{type(self).__name__}([{t.shape[0]}] {str(t.dtype).removeprefix('torch.')}{extra})"
 
 
@@ -199,7 +204,7 @@ def _known_total(splits: Any) -> int | None:
 def like(x: torch.Tensor, rows: IndexRows | TopkRows) -> torch.Tensor:
     """A stand-in with ``x[rows]``'s shape, dtype and device (its values are not the rows'): fc1
     is prepared on it before anything is gathered."""
-    R = (rows.order if isinstance(rows, TopkRows) else rows.rows).shape[0]
+    R = index_of(rows).shape[0]
     base = x.detach()
     return base[:1].expand(R, x.shape[1]) if base.shape[0] else base
 

@@ -1519,6 +1519,25 @@ def test_rows_pure_api_checks_x_version():
         fd.grouped_mlp_bwd(res, dy)
 
 
+@pytest.mark.parametrize("rows", ["index", "topk"])
+@pytest.mark.parametrize("recipe", ["bf16", "rowwise"])
+def test_rows_pure_api_checks_rows_version(rows, recipe):
+    """A routing buffer refilled between the pure forward and backward: backward gathers x[rows]
+    again (dw1) and sums dx by it, so the change is named as x's is, not a silently wrong dx, dw1."""
+    inp, dy = make_rows()
+    index = ROWS.clone() if rows == "index" else torch.arange(T_X * 2)
+    r = index if rows == "index" else fd.TopkRows(index, 2)
+    splits = SPLITS if rows == "index" else [T_X * 2, 0, 0, 0]
+    dy = dy if rows == "index" else _rand(T_X * 2, H, seed=3)
+    w = dict(probs=inp["probs"]) if rows == "index" else {}
+    _, res = fd.grouped_mlp_fwd(
+        inp["x"].detach(), inp["w1"], inp["w2"], splits, rows=r, recipe=ROWS_RECIPES[recipe], **w
+    )
+    index.copy_(index.flip(0))
+    with pytest.raises(RuntimeError, match="rows was modified in place"):
+        fd.grouped_mlp_bwd(res, dy)
+
+
 def test_rows_torch_func_grad_and_vmap_are_the_gathered_calls():
     inp, dy = make_rows("swiglu", torch.float64)
     w = (inp["w1"], inp["w2"], SPLITS)
