@@ -15,6 +15,11 @@ summed into their tokens):
 Forward gathers the rows where fc1 reads them (bf16: once, for fc1's GEMM; RowwiseScaling's FP8:
 inside fc1's input quantization, through the index, so the gathered bf16 rows are never
 written), backward gathers them again for fc1's wgrad (exact: the same bits).
+
+With ``combine=True`` the experts' output rows are summed back into the tokens by the same
+record (:meth:`sum_rows`: an MoE's combine, ``y [T, H_out]``), so fc2's dy is ``dy[rows]``:
+gathered in backward, or with RowwiseScaling quantized through the index as x is (the gathered
+bf16 dy rows are never written either).
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from .residuals import residuals, saved
 #   ``x[rows]`` first (the record's :meth:`gather`: differentiable, its backward the record's
 #   sum) and runs the call without rows (correct, just not fused, and the record keeps the
 #   gathered rows): under ``torch.autocast`` (the reference casts the gathered rows, and their
-#   grads are summed in x's dtype), while compiling, and with a DistributedWeight. The planned runner,
+#   grads are summed in x's dtype), while compiling, and with a DistributedWeight; with ``combine``
+#   y's rows are then summed after the call (the record's :meth:`sum_rows`, torch ops: their
+#   backward gathers dy's rows, the same bits as the combine's backward). The planned runner,
 #   forward mode (jvp) and a backward that is differentiated again take rows as they are (the gather
 #   and the sum are torch ops on the saved x, so second order is exact).
 
