@@ -2021,6 +2021,7 @@ def test_rows_combine_on_cuda_reads_x_and_dy_through_the_order(save, monkeypatch
     )
     grads = list(torch.autograd.grad(y, leaves(inp), dy))
     assert gathers == [] and y.shape == (T_, H)
+    rows, probs_r, splits, order = fd.moe.dispatch(inp["x"], inp["probs"], indices, E)  # (its own graph)
     y0 = fd.moe.combine(fd.grouped_mlp(rows, inp["w1"], inp["w2"], splits, probs=probs_r, **kw), order, k)
     assert_same(y, y0)
     assert_same(grads, list(torch.autograd.grad(y0, leaves(inp), dy)))
