@@ -28,7 +28,8 @@ only. Also: TFLOP/s (``18 * T * k * H * F`` per step: fc1, fc2, each three GEMMs
 through ``saved_tensors_hooks`` (the slope between T and T/2 tokens, unique storages, parameters apart),
 and the kernel timeline of one ``fd_fp8`` step (``torch.profiler``: the CUDA kernels by total time).
 ``--shapes smoke``: one tiny shape on the CPU (checks the script, measures nothing). Writes ``results.json``
-and ``results.md`` under ``--out`` (default ``benchmarks/results/moe_block/``).
+and ``results.md`` under ``--out`` (default ``benchmarks/results/moe_block/``), keeping the shapes this
+run did not measure from the previous results there (each row says the date of its run).
 """
 
 from __future__ import annotations
@@ -235,6 +236,8 @@ def markdown(result: dict) -> str:
     keys = [k for k in CONTENDERS if any(k in r["times"] for r in result["shapes"])]
     out = [f"# The MoE block, router to combine, forward+backward ({result['date']}, {result['device']})", ""]
     out += [f"`{result['command']}`", "", f"torch {result['torch']}. Cells: ms per step (host ms), TFLOP/s.", ""]
+    out += ["Each shape's row comes from its latest run [date]; shapes this command did not measure are kept"]
+    out += ["from the previous results (`merged`).", ""]
     out += ["| shape (E, H, F, top-k, T) | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for r in result["shapes"]:
         cells = []
@@ -245,7 +248,7 @@ def markdown(result: dict) -> str:
                 cells.append(f"{v['ms']:.3f}{host}, {r['flops'] / v['ms'] / 1e9:.0f}")
             else:
                 cells.append(str(v))
-        out.append(f"| {r['shape']} | " + " | ".join(cells) + " |")
+        out.append(f"| {r['shape']} [{r.get('run', result['date'])}] | " + " | ".join(cells) + " |")
     out += ["", "Speedups (time over time; > 1: the first is faster):", ""]
     pairs = [
         ("fd", "torch"),
@@ -269,6 +272,14 @@ def markdown(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def merged(result: dict, previous: dict | None) -> dict:
+    """``result`` with the previous results' shapes that it did not measure appended (the latest
+    data per shape), each tagged with the run that measured it (``run``: its date)."""
+    measured = {r["shape"] for r in result["shapes"]}
+    kept = [dict(r, run=r.get("run", previous["date"])) for r in (previous or {}).get("shapes", [])]
+    return dict(result, shapes=result["shapes"] + [r for r in kept if r["shape"] not in measured])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="all")
@@ -290,6 +301,8 @@ def main(argv=None):
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    prev_file = out / "results.json"
+    previous = json.loads(prev_file.read_text()) if prev_file.exists() and not smoke else None
     t_start = time.monotonic()
     for E, H, F_, k, T, name in shapes:
         if args.budget and time.monotonic() - t_start > args.budget:
@@ -310,10 +323,12 @@ def main(argv=None):
             {"shape": shape, "flops": 18 * T * k * H * F_, "times": times, "saved": saved, "timeline": timeline(block)}
         )
         result["shapes"][-1]["seconds"] = round(time.monotonic() - t_shape, 1)
+        result["shapes"][-1]["run"] = result["date"]
         del block, steps
         free(dev == "cuda")
-        (out / "results.json").write_text(json.dumps(result, indent=1))
-        (out / "results.md").write_text(markdown(result))
+        kept = merged(result, previous)
+        (out / "results.json").write_text(json.dumps(kept, indent=1))
+        (out / "results.md").write_text(markdown(kept))
     print(markdown(result))
 
 

@@ -709,6 +709,21 @@ def test_moe_block_smoke_writes_every_contender(tmp_path):
     assert 0 < row["saved"]["fd"]["bytes_per_token"] < row["saved"]["torch"]["bytes_per_token"]
 
 
+def test_moe_block_keeps_the_shapes_a_run_did_not_measure():
+    """The latest data per shape: a run's shapes replace the previous ones of the same shape,
+    the rest are kept, each tagged with the date of the run that measured it."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    try:
+        import moe_block
+    finally:
+        sys.path.remove(str(HERE.parent / "benchmarks"))
+    old = {"date": "then", "shapes": [{"shape": "a", "v": 1}, {"shape": "b", "v": 2}]}
+    new = {"date": "now", "shapes": [{"shape": "b", "v": 3, "run": "now"}]}
+    got = moe_block.merged(new, old)
+    assert got["shapes"] == [{"shape": "b", "v": 3, "run": "now"}, {"shape": "a", "v": 1, "run": "then"}]
+    assert moe_block.merged(new, None) == new
+
+
 # --- benchmarks/rows_quantize.py (GPU only) -----------------------------------------------------
 
 
