@@ -56,33 +56,19 @@ from ._steps import differentiated
 from ._bridge_planned import run_planned
 from .custom_vjp import custom_vjp
 from .grouped_linear import GroupedLinearResiduals, check_dy, forward, fprop, grouped_linear_bwd, one_buffer, prepare
-from .grouped_linear import quantize_dy_rows
 from .grouped_linear import jvp as grouped_linear_jvp
 from .grouped_linear import saved_x
-from .grouped_plan import SplitsArg, WeightsArg, check_bias, normalize_args
+from .grouped_plan import SplitsArg, WeightsArg, check_bias
 from .kernels import Kernels, stacked
 from .activations import Activation
 from .activations import get as get_activation
-from .mlp_checks import POLICIES, check_call, in_layer
+from .mlp_checks import POLICIES, MLPOptions, check_call, in_layer, keep_x_args, options
 from .kernels.activation import ActivationKernels, act_fwd, act_jvp, activation_kernels, glu_width
 from .kernels.activation import probs_bias_fwd, select
 from .plan import Options, route
 from .residuals import any_needed, describe_value, nbytes, needed, residuals, saved, saved_activations
 
 __all__ = ["GroupedMLPResiduals", "MLPGrads", "POLICIES", "grouped_mlp", "grouped_mlp_fwd", "grouped_mlp_bwd"]
-
-
-class MLPOptions(NamedTuple):
-    """A grouped_mlp call's static options: one nondiff argument of the bridge (NOTE:
-    [nondiff_argnums]); each layer's own ``plan.Options`` inside. (No tensors: ``_fdw_static``.)"""
-
-    _fdw_static = True
-
-    activation: str
-    save: str
-    fc1: Options
-    fc2: Options
-    combine: bool = False  # with rows: y's rows summed into x's tokens (mlp_rows.py)
 
 
 class MLPGrads(NamedTuple):
@@ -277,7 +263,7 @@ def grouped_mlp_fwd(
     (fc1's and fc2's records nested in it). Arguments as for :func:`grouped_mlp`."""
     mlp_rows.check_combine(combine, rows)
     args = (w1, w2, splits, bias1, bias2, activation, save, recipe, fp8_state, backend, fuse_wgrad_accumulation)
-    opts, (w1, w2, splits, bias1, bias2) = _options(*args, use_grouped_tensor, keep_x=(True, True))
+    opts, (w1, w2, splits, bias1, bias2) = options(*args, use_grouped_tensor, keep_x=(True, True))
     opts = opts._replace(combine=combine)
     with _amp.off(x):  # (in the dtypes given: NOTE: [Autocast] in _amp.py)
         return _run(x, w1, w2, splits, probs, bias1, bias2, rows, opts, keep=True)
@@ -380,7 +366,10 @@ def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     pb = res.probs_bias
     needs2 = None if res.needs is None else (need_dh, want_w2, False, want_b2 if pb is None else None)
     r2 = dataclasses.replace(r2, needs=needs2)
-    dy, dyq = _fc2_dy(res, r2, dy)
+    if res.combine:  # fc2's dy is dy[rows] (probs * bias2 reads its rows: then gathered, not quantized ahead)
+        dy, dyq = mlp_rows.fc2_dy(res.rows, res.num_tokens, r2, dy, quantize=pb is None)
+    else:
+        dy, dyq = check_dy(r2, dy), None
     db2 = dprobs_b = None
     if pb is not None and (any_needed(want_b2) or need_dh):
         db_EH, dprobs_b = activation_kernels(act, dy, res.probs).probs_bias_bwd(dy, _bias_EH(pb), res.probs, r2.splits)
@@ -399,19 +388,6 @@ def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
         if dx is not None and res.rows is not None:  # the rows' grads summed into their tokens
             dx = res.rows.sum_rows(dx, res.num_tokens)
     return MLPGrads(dx, dw1, dw2, dprobs, db1, db2)
-
-
-def _fc2_dy(res: GroupedMLPResiduals, r2: GroupedLinearResiduals, dy: torch.Tensor) -> tuple:
-    """(fc2's dy, its FP8 copies or None), dy checked. With ``combine`` dy is ``[T, H_out]`` and
-    fc2's is ``dy[rows]`` (moe.combine's backward): quantized through the index where fc2 runs
-    FP8 and its plan can (``quantize_dy_rows``: fc2's dy is then a stand-in of its shape, and the
-    gathered rows are never written), else gathered (a torch op: second order sees it)."""
-    if not res.combine:
-        return check_dy(r2, dy), None
-    dy = check_dy(r2, dy, num_tokens=res.num_tokens)
-    index = res.rows.index()
-    dyq = None if res.probs_bias is not None else quantize_dy_rows(r2, dy, index)  # (probs * bias2: dy's rows read)
-    return (mlp_rows.like(dy, res.rows), dyq) if dyq is not None else (mlp_rows.gather(dy, index), None)
 
 
 # --- the op ---------------------------------------------------------------------------------------
@@ -488,58 +464,6 @@ _grouped_mlp = custom_vjp(_fwd, _bwd, nondiff_argnums=(8,), primal=_primal, jvp=
 _grouped_mlp_eager = torch.compiler.disable(_grouped_mlp, reason=dwp.NO_COMPILE)
 
 
-def _options(
-    w1,
-    w2,
-    splits,
-    bias1,
-    bias2,
-    activation,
-    save,
-    recipe,
-    fp8_state,
-    backend,
-    fuse,
-    use_grouped_tensor,
-    keep_x: tuple[bool, bool],
-    amp: torch.dtype | None = None,
-) -> tuple[MLPOptions, tuple]:
-    """The call's options (each layer's ``plan.Options``) and its arguments normalized as the
-    layers normalize theirs."""
-    w1, splits, bias1 = normalize_args(w1, splits, bias1)
-    w2, _, bias2 = normalize_args(w2, splits, bias2)
-    args1 = args2 = None
-    if recipe is not None or fp8_state is not None:
-        if fp8_state is None:
-            s1 = s2 = None
-        elif isinstance(fp8_state, (list, tuple)) and len(fp8_state) == 2:
-            s1, s2 = fp8_state
-        else:
-            raise TypeError(
-                "fp8_state must be None or a pair (fc1's state, fc2's state), each "
-                "fp8.init_state(recipe, num_gemms=E, device=...), got "
-                f"{type(fp8_state).__name__}"
-            )
-        args1 = _fp8.Args(recipe, s1, keep_x=keep_x[0])
-        args2 = _fp8.Args(recipe, s2, keep_x=keep_x[1])
-    opts = MLPOptions(
-        activation,
-        save,
-        Options(fuse, use_grouped_tensor, backend, args1, amp),
-        Options(fuse, use_grouped_tensor, backend, args2, amp),
-    )
-    return opts, (w1, w2, splits, bias1, bias2)
-
-
-def _keep_x_args(w1: Any, w2: Any, recipe: Any, fp8_state: Any) -> tuple[bool, bool]:
-    """Whether fc1 and fc2 keep their x's FP8 copy (only where a weight may get a grad); FP8
-    refused while compiling, as the layers refuse it."""
-    if recipe is None and fp8_state is None:
-        return True, True
-    _fp8.refuse_compile(recipe)
-    return _fp8.wgrad_possible(w1), _fp8.wgrad_possible(w2)
-
-
 def grouped_mlp(
     x: torch.Tensor,
     w1: WeightsArg,
@@ -603,34 +527,25 @@ def grouped_mlp(
     """
     fuse = _checks.fuse_flag(fuse_wgrad_accumulation)
     mlp_rows.check_combine(combine, rows)
-    keep_x = _keep_x_args(w1, w2, recipe, fp8_state)
+    keep_x = keep_x_args(w1, w2, recipe, fp8_state)
     amp = _amp.dtype(x)
+    first = None  # with rows gathered first, their record (y's rows are summed after the call)
     if rows is not None and (
         amp is not None or torch.compiler.is_compiling() or dwp.any_distributed(w1) or dwp.any_distributed(w2)
     ):  # NOTE: [Rows gathered first] in mlp_rows.py
-        rec, T = mlp_rows.record(x, rows, splits), x.shape[0]
-        y = grouped_mlp(
-            rec.gather(x),
-            w1,
-            w2,
-            splits,
-            probs=probs,
-            activation=activation,
-            bias1=bias1,
-            bias2=bias2,
-            save=save,
-            recipe=recipe,
-            fp8_state=fp8_state,
-            backend=backend,
-            fuse_wgrad_accumulation=fuse,
-            use_grouped_tensor=use_grouped_tensor,
-        )
-        return rec.sum_rows(y, T) if combine else y  # (differentiable: its backward gathers dy's rows)
+        first, T = mlp_rows.record(x, rows, splits), x.shape[0]
+        x, rows = first.gather(x), None
     args = (w1, w2, splits, bias1, bias2)
-    opts, (w1, w2, splits, bias1, bias2) = _options(
+    opts, (w1, w2, splits, bias1, bias2) = options(
         *args, activation, save, recipe, fp8_state, backend, fuse, use_grouped_tensor, keep_x, amp
     )
-    opts = opts._replace(combine=combine)
+    y = _call(x, w1, w2, splits, probs, bias1, bias2, rows, opts._replace(combine=combine and first is None), amp)
+    return y if first is None or not combine else first.sum_rows(y, T)  # (differentiable: backward gathers dy)
+
+
+def _call(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions, amp: torch.dtype | None) -> torch.Tensor:
+    """y as one planned node where the call is planned (NOTE: [The plan's runner]), else through
+    the bridge (eagerly, with DistributedWeights while compiling); under autocast in its dtype."""
     if amp is None and not torch.compiler.is_compiling():
         y = _planned(x, w1, w2, splits, probs, bias1, bias2, rows, opts)
         if y is not None:

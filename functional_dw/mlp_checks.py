@@ -1,18 +1,21 @@
-"""grouped_mlp's own argument checks, before any GEMM (fc1's and fc2's are the layer's, their
+"""grouped_mlp's arguments: its own checks, before any GEMM (fc1's and fc2's are the layer's, their
 errors prefixed by :func:`in_layer`): the options, the experts and shapes of w1 and w2 against x
-and the activation, probs. Each error names the argument and the fix."""
+and the activation, probs, each error naming the argument and the fix; and the call's static
+options (:class:`MLPOptions`, each layer's ``plan.Options`` inside) from its arguments."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from . import _checks, distributed_weight as dwp
+from . import _checks, _fp8, distributed_weight as dwp
 from .activations import ACTIVATIONS, glu_width
 from .activations import get as get_activation
+from .grouped_plan import normalize_args
+from .plan import Options
 
-__all__ = ["POLICIES", "check_args", "check_call", "check_options", "in_layer"]
+__all__ = ["MLPOptions", "POLICIES", "check_args", "check_call", "check_options", "in_layer", "keep_x_args", "options"]
 
 POLICIES = ("default", "h", "x_only")  # grouped_mlp's save= policies
 
@@ -120,3 +123,71 @@ def in_layer(layer: str, fn: Any, *args: Any) -> Any:
         raise type(e)(
             f"grouped_mlp's {layer} (its x is {names[0]}, its weights {names[1]}, its bias {names[2]}): {e}"
         ) from e
+
+
+# --- the call's options ----------------------------------------------------------------------------
+
+
+class MLPOptions(NamedTuple):
+    """A grouped_mlp call's static options: one nondiff argument of the bridge (NOTE:
+    [nondiff_argnums]); each layer's own ``plan.Options`` inside. (No tensors: ``_fdw_static``.)"""
+
+    _fdw_static = True
+
+    activation: str
+    save: str
+    fc1: Options
+    fc2: Options
+    combine: bool = False  # with rows: y's rows summed into x's tokens (mlp_rows.py)
+
+
+def options(
+    w1,
+    w2,
+    splits,
+    bias1,
+    bias2,
+    activation,
+    save,
+    recipe,
+    fp8_state,
+    backend,
+    fuse,
+    use_grouped_tensor,
+    keep_x: tuple[bool, bool],
+    amp: torch.dtype | None = None,
+) -> tuple[MLPOptions, tuple]:
+    """The call's options (each layer's ``plan.Options``) and its arguments normalized as the
+    layers normalize theirs."""
+    w1, splits, bias1 = normalize_args(w1, splits, bias1)
+    w2, _, bias2 = normalize_args(w2, splits, bias2)
+    args1 = args2 = None
+    if recipe is not None or fp8_state is not None:
+        if fp8_state is None:
+            s1 = s2 = None
+        elif isinstance(fp8_state, (list, tuple)) and len(fp8_state) == 2:
+            s1, s2 = fp8_state
+        else:
+            raise TypeError(
+                "fp8_state must be None or a pair (fc1's state, fc2's state), each "
+                "fp8.init_state(recipe, num_gemms=E, device=...), got "
+                f"{type(fp8_state).__name__}"
+            )
+        args1 = _fp8.Args(recipe, s1, keep_x=keep_x[0])
+        args2 = _fp8.Args(recipe, s2, keep_x=keep_x[1])
+    opts = MLPOptions(
+        activation,
+        save,
+        Options(fuse, use_grouped_tensor, backend, args1, amp),
+        Options(fuse, use_grouped_tensor, backend, args2, amp),
+    )
+    return opts, (w1, w2, splits, bias1, bias2)
+
+
+def keep_x_args(w1: Any, w2: Any, recipe: Any, fp8_state: Any) -> tuple[bool, bool]:
+    """Whether fc1 and fc2 keep their x's FP8 copy (only where a weight may get a grad); FP8
+    refused while compiling, as the layers refuse it."""
+    if recipe is None and fp8_state is None:
+        return True, True
+    _fp8.refuse_compile(recipe)
+    return _fp8.wgrad_possible(w1), _fp8.wgrad_possible(w2)

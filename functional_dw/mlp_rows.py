@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import _checks
 from .custom_vjp import custom_vjp
-from .grouped_linear import GroupedCall, forward, fprop
+from .grouped_linear import GroupedCall, check_dy, forward, fprop, quantize_dy_rows
 from .moe_ep import check_permutation, per_token, tokens
 from .residuals import residuals, saved
 
@@ -45,7 +45,7 @@ from .residuals import residuals, saved
 #   forward mode (jvp) and a backward that is differentiated again take rows as they are (the gather
 #   and the sum are torch ops on the saved x, so second order is exact).
 
-__all__ = ["IndexRows", "TopkRows", "check", "check_combine", "fc1", "gather", "index_of", "like", "record"]
+__all__ = ["IndexRows", "TopkRows", "check", "check_combine", "fc1", "fc2_dy", "gather", "index_of", "like", "record"]
 
 
 @residuals
@@ -234,6 +234,18 @@ def check_combine(combine: Any, rows: Any) -> None:
             "grouped_mlp: combine=True sums y's rows into x's tokens, so it needs rows (an index into x, "
             "or TopkRows(order, top_k)); without rows y is already one row per token: drop combine"
         )
+
+
+def fc2_dy(rows: IndexRows | TopkRows, num_tokens: int, r2: Any, dy: torch.Tensor, quantize: bool) -> tuple:
+    """(fc2's dy, its FP8 copies or None) where y's rows were summed into x's tokens (``combine``):
+    dy ``[T, H_out]`` checked, and fc2's is ``dy[rows]`` (moe.combine's backward): quantized
+    through the index where ``quantize`` allows it, fc2 runs FP8 and its plan can
+    (``quantize_dy_rows``: fc2's dy is then a stand-in of its shape and the gathered rows are
+    never written), else gathered (a torch op: second order sees it)."""
+    dy = check_dy(r2, dy, num_tokens=num_tokens)
+    index = rows.index()
+    dyq = quantize_dy_rows(r2, dy, index) if quantize else None
+    return (like(dy, rows), dyq) if dyq is not None else (gather(dy, index), None)
 
 
 def fc1(c1: GroupedCall, x: torch.Tensor, rows: IndexRows | TopkRows | None, keep: bool, keep_x: bool) -> tuple:
