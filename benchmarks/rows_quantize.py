@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's functional_dw
 
+from bench_timing import cuda_times  # noqa: E402
 from functional_dw import fp8  # noqa: E402
 from functional_dw.fp8 import rowwise as ref  # noqa: E402
 from functional_dw.kernels import triton_rowwise as tr  # noqa: E402
@@ -40,19 +41,6 @@ SPEC = fp8.tensor_spec(fp8.RowwiseScaling(), "input")
 NAMES = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 
 
-def us(fn, n: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / n * 1e3
-
-
 def case(T: int, H: int, E: int, k: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -61,21 +49,22 @@ def case(T: int, H: int, E: int, k: int) -> dict:
     counts = torch.bincount(experts, minlength=E)
     ends, pends = counts.cumsum(0).to(torch.int32), ref.padded_ends(counts)
 
-    def gathered():
+    def gathered(_=None):
         return tr.quantize_activation(x.index_select(0, rows), ends, pends, SPEC, rowwise=True, columnwise=True)
 
-    def fused():
+    def fused(_=None):
         return tr.quantize_activation(x, ends, pends, SPEC, rowwise=True, columnwise=True, rows=rows)
 
     a, b = gathered(), fused()
     same = all(torch.equal(getattr(a, n).view(torch.uint8 if n.endswith("data") else torch.float32),
                            getattr(b, n).view(torch.uint8 if n.endswith("data") else torch.float32))
                for n in NAMES)  # fmt: skip
-    t = {
-        "bf16 gather": us(lambda: x.index_select(0, rows)),
-        "gather + quantize": us(gathered),
-        "quantize through rows": us(fused),
+    steps = {
+        "bf16 gather": lambda _: x.index_select(0, rows),
+        "gather + quantize": gathered,
+        "quantize through rows": fused,
     }
+    t = {name: ms * 1e3 for name, ms in cuda_times(steps, [None], repeats=20).items()}  # (interleaved medians)
     return {"shape": f"T={T}, H={H}, E={E}, top-{k} (rows {T * k})", "us": t, "bitwise": same}
 
 
