@@ -418,9 +418,7 @@ def _planned(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions) -> 
 
     fwd = functools.partial(_fwd, opts=opts)
     static = ((3, splits),)
-    if isinstance(
-        rows, mlp_rows.TopkRows
-    ):  # (no leaf: its order is an index, kept by the record as any bridge keeps it)
+    if isinstance(rows, mlp_rows.TopkRows):  # no leaf: static (its order is kept by the record as any bridge keeps it)
         static, rows = ((3, splits), (7, rows)), None
     return run_planned("grouped_mlp", fwd, _bwd, (x, w1, w2, None, probs, bias1, bias2, rows), static)
 
