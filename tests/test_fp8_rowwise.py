@@ -857,6 +857,19 @@ SPEC = fp8.tensor_spec(fp8.RowwiseScaling(), "input")
 """
 
 
+_ICAST = """
+import triton, triton.language as tl
+@triton.jit
+def _k(x, y, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + i, tl.load(x + i, mask=i < n).to(tl.float8e4nv), mask=i < n)
+def icast(t):  # fp32 -> e4m3 as Triton's interpreter casts
+    t = t.contiguous().float(); out = torch.empty(t.shape, dtype=torch.float8_e4m3fn)
+    if t.numel(): _k[(triton.cdiv(t.numel(), 1024),)](t, out, t.numel(), BLOCK=1024)
+    return out
+"""
+
+
 def _interpret(body: str) -> str:
     pytest.importorskip("triton")
     env = dict(
@@ -919,17 +932,10 @@ def test_triton_kernels_match_the_reference_up_to_the_interpreters_fp8_cast():
     # no saturation), so the kernels' FP8 bytes are compared with the reference's saturated
     # fp32 values cast by the interpreter; the scales bit for bit. Boundaries inside a tile,
     # empty experts, NaN/inf, strided rows.
-    out = _interpret("""
-        import triton, triton.language as tl
+    out = _interpret(
+        _ICAST
+        + textwrap.dedent("""
         from functional_dw.fp8.quantize import amax_of
-        @triton.jit
-        def _k(x, y, n, BLOCK: tl.constexpr):
-            i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-            tl.store(y + i, tl.load(x + i, mask=i < n).to(tl.float8e4nv), mask=i < n)
-        def icast(t):
-            t = t.contiguous().float(); out = torch.empty(t.shape, dtype=torch.float8_e4m3fn)
-            if t.numel(): _k[(triton.cdiv(t.numel(), 1024),)](t, out, t.numel(), BLOCK=1024)
-            return out
         def same(a, b):
             a, b = a.float(), b.float()
             return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
@@ -956,21 +962,16 @@ def test_triton_kernels_match_the_reference_up_to_the_interpreters_fp8_cast():
                   not got.columnwise_data[:, :int(pends[-1])].float().nan_to_num().abs().sum(0)[
                       [c for c in range(int(pends[-1])) if c not in set(column.tolist())]].any())
     """)
+    )
     assert out.split() == ["True"] * 15, out
 
 
-_INTERPRETER_CAST = """
-import triton, triton.language as tl
-@triton.jit
-def _k(x, y, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(y + i, tl.load(x + i, mask=i < n).to(tl.float8e4nv), mask=i < n)
-def icast(t):
-    t = t.contiguous().float(); out = torch.empty(t.shape, dtype=torch.float8_e4m3fn)
-    if t.numel(): _k[(triton.cdiv(t.numel(), 1024),)](t, out, t.numel(), BLOCK=1024)
-    return out
+_INTERPRETER_CAST = (
+    _ICAST
+    + """
 rw._cast = lambda v, spec: icast(v.clamp(-spec.fp8_max, spec.fp8_max))  # the reference, cast as the interpreter casts
 """
+)
 
 
 @pytest.mark.usefixtures("empty_weight_cache")
