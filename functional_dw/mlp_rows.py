@@ -143,17 +143,7 @@ def check(x: Any, rows: Any, splits: Any) -> None:
         return _check_topk(x, rows, splits)
     if isinstance(rows, IndexRows):
         rows = rows.rows
-    if not isinstance(rows, torch.Tensor) or rows.dtype not in (torch.int64, torch.int32):
-        got = rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__
-        hint = ", not a bool mask: pass rows.nonzero().squeeze(1)" if got == torch.bool else ""
-        raise TypeError(f"grouped_mlp: rows must be an int64 (or int32) tensor of x's row indices{hint}, got {got}")
-    if rows.layout != torch.strided or rows.dim() != 1:
-        raise ValueError(
-            f"grouped_mlp: rows must be a dense 1-D [R] tensor of indices into x's {x.shape[0]} rows, got "
-            f"shape {tuple(rows.shape)}, layout {rows.layout}"
-        )
-    if rows.device != x.device:
-        raise ValueError(f"grouped_mlp: rows is on {rows.device} but x on {x.device}: move rows to x's device")
+    _check_index(x, rows, "rows")
     if rows.shape[0] and x.shape[0] == 0:
         raise IndexError(f"grouped_mlp: rows holds {rows.shape[0]} indices into an x of no rows")
     _check_total(rows.shape[0], splits)
@@ -166,15 +156,7 @@ def _check_topk(x: torch.Tensor, rows: TopkRows, splits: Any) -> None:
     order, k = rows.order, rows.top_k
     if type(k) is not int or k < 1:
         raise ValueError(f"grouped_mlp: rows (TopkRows) top_k must be a positive int, got {k!r}")
-    if not isinstance(order, torch.Tensor) or order.dtype not in (torch.int64, torch.int32):
-        got = order.dtype if isinstance(order, torch.Tensor) else type(order).__name__
-        raise TypeError(f"grouped_mlp: rows (TopkRows) order must be an int64 (or int32) tensor, got {got}")
-    if order.layout != torch.strided or order.dim() != 1:
-        raise ValueError(
-            f"grouped_mlp: rows (TopkRows) order must be a dense 1-D tensor, got shape {tuple(order.shape)}"
-        )
-    if order.device != x.device:
-        raise ValueError(f"grouped_mlp: rows (TopkRows) order is on {order.device} but x on {x.device}")
+    _check_index(x, order, "rows (TopkRows) order")
     if order.shape[0] != x.shape[0] * k:
         raise ValueError(
             f"grouped_mlp: rows (TopkRows) order holds {order.shape[0]} rows but x's {x.shape[0]} tokens times "
@@ -186,6 +168,21 @@ def _check_topk(x: torch.Tensor, rows: TopkRows, splits: Any) -> None:
         "dispatch's order): a repeated or missing pair would sum the wrong rows' grads into x's",
     )
     _check_total(order.shape[0], splits)
+
+
+def _check_index(x: torch.Tensor, t: Any, name: str) -> None:
+    """``t``, an index record's tensor (``name`` in the errors), is a dense 1-D int64/int32
+    tensor on x's device; else TypeError/ValueError naming it."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.int32):
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        hint = ", not a bool mask: pass the indices it selects, mask.nonzero().squeeze(1)" if got == torch.bool else ""
+        raise TypeError(f"grouped_mlp: {name} must be an int64 (or int32) tensor of indices{hint}, got {got}")
+    if t.layout != torch.strided or t.dim() != 1:
+        raise ValueError(
+            f"grouped_mlp: {name} must be a dense 1-D tensor, got shape {tuple(t.shape)}, layout {t.layout}"
+        )
+    if t.device != x.device:
+        raise ValueError(f"grouped_mlp: {name} is on {t.device} but x on {x.device}: move it to x's device")
 
 
 def _check_total(R: int, splits: Any) -> None:
