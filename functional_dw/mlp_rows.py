@@ -9,7 +9,7 @@ summed into their tokens):
   through autograd, bit for bit; dx is ``index_select``'s backward (zeros, then ``index_add``),
   whose sum order over a token's rows is not fixed on CUDA (atomics: not bitwise reproducible);
 * :class:`TopkRows` ``(order, top_k)``, a top-k dispatch: the rows are ``x[order // top_k]``
-  and dx sums each token's ``k`` rows in choice order (``moe_ep.per_token``), bit for bit what
+  and dx sums each token's ``k`` rows in choice order (``moe_ep.token_sum``), bit for bit what
   :func:`functional_dw.moe.dispatch`'s backward gives: deterministic.
 
 Forward gathers the rows where fc1 reads them (bf16: once, for fc1's GEMM; RowwiseScaling's FP8:
@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import is_fake
 from . import _checks
 from .custom_vjp import custom_vjp
 from .grouped_linear import GroupedCall, check_dy, forward, fprop, quantize_dy_rows
-from .moe_ep import check_permutation, per_token, tokens
+from .moe_ep import check_permutation, token_sum, tokens
 from .residuals import residuals, saved
 
 # NOTE: [Rows gathered first] Where a path cannot take rows as they are, ``grouped_mlp`` gathers
@@ -83,7 +83,7 @@ class TopkRows:
 
     def sum_rows(self, d_rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``[T, H]``: each token's ``k`` row grads summed in choice order (``moe.dispatch``'s backward)."""
-        return per_token(d_rows, self.order, self.top_k).sum(1)
+        return token_sum(d_rows, self.order, self.top_k)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """``x[order // k]``, differentiable, with :meth:`sum_rows` as its backward."""

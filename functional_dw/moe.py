@@ -33,7 +33,7 @@ from .grouped_mlp import grouped_mlp, grouped_mlp_bwd, grouped_mlp_fwd
 from .linear import linear, linear_bwd, linear_fwd
 from .mlp_rows import TopkRows
 from .moe_ep import check_local_experts, check_permutation, from_experts, from_experts_bwd, from_experts_fwd, inverse
-from .moe_ep import per_token, to_experts, to_experts_bwd, to_experts_fwd, tokens
+from .moe_ep import to_experts, to_experts_bwd, to_experts_fwd, token_sum, tokens
 from ._steps import differentiated
 from .residuals import residuals, saved
 
@@ -153,7 +153,7 @@ def dispatch_fwd(x: torch.Tensor, probs: torch.Tensor | None, indices: torch.Ten
 def dispatch_bwd(res: DispatchResiduals, d_out: tuple) -> tuple:
     """(dx, dprobs, None for the indices): each token's ``k`` row grads summed, choice by choice."""
     d_rows = d_out[0]
-    dx = None if d_rows is None else per_token(d_rows, res.order, res.top_k).sum(1)
+    dx = None if d_rows is None else token_sum(d_rows, res.order, res.top_k)
     return dx, _probs_grad(res, d_out[1] if res.has_probs else None), None
 
 
@@ -184,7 +184,7 @@ def combine_fwd(rows: torch.Tensor, order: torch.Tensor, top_k: int):
     if type(top_k) is not int or top_k < 1 or rows.shape[0] % top_k:
         raise ValueError(f"combine: top_k must be a positive int dividing the {rows.shape[0]} rows, got {top_k!r}")
     check_permutation(order, "combine: order must be a permutation of the rows (the dispatch's fourth output)")
-    return per_token(rows, order, top_k).sum(1), CombineResiduals(order, top_k)
+    return token_sum(rows, order, top_k), CombineResiduals(order, top_k)
 
 
 def combine_bwd(res: CombineResiduals, dy: torch.Tensor) -> tuple:

@@ -95,15 +95,15 @@ def inverse(perm: torch.Tensor) -> torch.Tensor:
 def tokens(order: torch.Tensor, top_k: int) -> torch.Tensor:
     """``order // top_k``: the token of each of the dispatch's sorted rows (``order`` holds the
     flat ``token * k + choice`` pairs); ``t.index_select(0, tokens(order, k))`` gathers the
-    rows, :func:`per_token` undoes it."""
+    rows, :func:`token_sum` sums them back."""
     return torch.div(order, top_k, rounding_mode="floor")
 
 
-def per_token(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
-    """``[T, k, ...]``: each token's ``k`` rows (sorted by the dispatch's ``order``), in choice
-    order: summed over dim 1, the deterministic sum the dispatch's backward and the combine give
-    (and grouped_mlp's ``TopkRows``)."""
-    return rows.index_select(0, inverse(order)).unflatten(0, (-1, top_k))
+def token_sum(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[T, ...]``: each token's ``k`` rows (sorted by the dispatch's ``order``) summed, in
+    choice order: the one deterministic sum the dispatch's backward, the combine and grouped_mlp's
+    ``TopkRows`` take (never an atomic ``index_add``)."""
+    return rows.index_select(0, inverse(order)).unflatten(0, (-1, top_k)).sum(1)
 
 
 def check_permutation(perm: torch.Tensor, message: str) -> None:
