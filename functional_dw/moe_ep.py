@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
 from .custom_vjp import custom_vjp
+from .kernels import triton_tokens
 from .residuals import residuals, saved
 
 __all__ = [
@@ -100,10 +101,20 @@ def tokens(order: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def token_sum(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
-    """``[T, ...]``: each token's ``k`` rows (sorted by the dispatch's ``order``) summed, in
-    choice order: the one deterministic sum the dispatch's backward, the combine and grouped_mlp's
-    ``TopkRows`` take (never an atomic ``index_add``)."""
-    return rows.index_select(0, inverse(order)).unflatten(0, (-1, top_k)).sum(1)
+    """``[T, ...]``: each token's ``k`` rows (sorted by the dispatch's ``order``) summed in choice
+    order, the adds in float32 (float64 stays float64) and rounded once to rows' dtype: the
+    deterministic sum the dispatch's backward, the combine and grouped_mlp's ``TopkRows`` take.
+    On CUDA, where nothing records it (``triton_tokens.available``), one Triton launch reads the
+    rows through the order and adds in the same order (no ``[T * k, H]`` copy in token order);
+    elsewhere torch ops: the same bits."""
+    pos = inverse(order)
+    if triton_tokens.available(rows):
+        return triton_tokens.token_sum(rows, pos, top_k)
+    per = rows.index_select(0, pos).unflatten(0, (-1, top_k))
+    acc = per[:, 0].to(torch.promote_types(rows.dtype, torch.float32))
+    for j in range(1, top_k):
+        acc = acc + per[:, j]
+    return acc.to(rows.dtype)
 
 
 def check_permutation(perm: torch.Tensor, message: str) -> None:

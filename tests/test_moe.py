@@ -646,3 +646,77 @@ def test_nn_moe_without_a_group_gathers_no_rows_beyond_its_experts(monkeypatch):
 
     monkeypatch.setattr(moe, "dispatch", refuse)
     assert torch.equal(m(x), parts())
+
+
+# --- the per-token sum (moe_ep.token_sum: the combine's, the dispatch's backward's) -------------
+
+
+def _routed(T, k, H, dtype, seed=0):
+    """rows [T * k, H] and the dispatch's order for T tokens of k choices over 4 experts."""
+    g = torch.Generator().manual_seed(seed)
+    indices = torch.randint(0, 4, (T, k), generator=g)
+    order = torch.argsort(indices.flatten(), stable=True)
+    return (torch.randn(T * k, H, generator=g) * 3).to(dtype), order
+
+
+def test_token_sum_adds_in_float32_in_choice_order_and_rounds_once():
+    """Each token's rows are added in choice order in float32 ((r0 + r1) + r2: no pairwise or
+    reordered sum), and rounded to rows' dtype once; with two rows that is exactly torch's sum."""
+    order = torch.arange(3)
+    rows = torch.tensor([[1.0], [1e8], [-1e8]])  # choice order loses the 1: (1 + 1e8) - 1e8 = 0
+    assert moe_ep.token_sum(rows, order, 3).item() == 0.0
+    assert moe_ep.token_sum(rows.flip(0), order, 3).item() == 1.0  # (-1e8 + 1e8) + 1
+    assert moe_ep.token_sum(rows, torch.tensor([2, 0, 1]), 3).item() == 1.0  # choices 1e8, -1e8, 1
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        rows, order = _routed(6, 2, 5, dtype)
+        want = rows.index_select(0, moe_ep.inverse(order)).view(6, 2, 5).sum(1)
+        assert torch.equal(moe_ep.token_sum(rows, order, 2), want), dtype
+        rows, order = _routed(6, 4, 5, dtype)
+        got = moe_ep.token_sum(rows, order, 4)
+        per = rows.index_select(0, moe_ep.inverse(order)).view(6, 4, 5)
+        acc = torch.promote_types(dtype, torch.float32)
+        want = ((per[:, 0].to(acc) + per[:, 1].to(acc)) + per[:, 2].to(acc)) + per[:, 3].to(acc)
+        assert got.dtype == dtype and torch.equal(got, want.to(dtype)), dtype
+
+
+def test_token_sum_kernel_in_the_interpreter_is_the_torch_ops_bitwise():
+    """The Triton kernel (run by Triton's CPU interpreter) against the torch ops, bit for bit:
+    bf16, fp16, fp32; one, three and eight choices; widths across its column tiles; no tokens;
+    rows with a row stride and broadcast rows (stride 0, as autograd's expanded grads). (The
+    interpreter casts float32 to bf16 by truncation, the GPU to nearest: for bf16 the float32
+    sum is compared, truncated; the GPU test compares the bf16 bits.)"""
+    from test_fp8_rowwise import _interpret
+
+    out = _interpret("""
+        from functional_dw import moe_ep
+        from functional_dw.kernels import triton_tokens as tt
+        g = torch.Generator().manual_seed(0)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for T, k, H in ((5, 1, 33), (7, 3, 300), (3, 8, 16), (0, 2, 8), (4, 3, 1)):
+                order = torch.argsort(torch.randint(0, 4, (T * k,), generator=g), stable=True)
+                base = (torch.randn(T * k, H + 3, generator=g) * 5).to(dtype)
+                for rows in (base[:, :H].contiguous(), base[:, :H], base[:1, :H].expand(T * k, H)):
+                    got = tt.token_sum(rows, moe_ep.inverse(order), k)
+                    want = moe_ep.token_sum(rows, order, k)  # (CPU tensors: the torch ops)
+                    if dtype == torch.bfloat16:  # the sum in float32, cast as the interpreter casts
+                        acc = moe_ep.token_sum(rows.float(), order, k)
+                        want = (acc.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+                    print(got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want))
+    """)
+    assert out.split() == ["True"] * 45, out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_token_sum_on_cuda_is_the_torch_ops_bitwise():
+    """On CUDA the kernel runs where nothing records the rows; where autograd records them the
+    torch ops run (differentiable): the same bits, k = 1, 2, 8, bf16 and fp32."""
+    pytest.importorskip("triton")
+    for dtype in (torch.bfloat16, torch.float32):
+        for T, k, H in ((1000, 1, 2048), (4096, 2, 4096), (777, 8, 2048 + 64)):
+            rows, order = _routed(T, k, H, dtype)
+            rows, order = rows.cuda(), order.cuda()
+            got = moe_ep.token_sum(rows, order, k)
+            ops = moe_ep.token_sum(rows.clone().requires_grad_(), order, k)
+            assert got.grad_fn is None and ops.grad_fn is not None
+            assert torch.equal(got, ops.detach()), (dtype, T, k, H)
