@@ -706,6 +706,28 @@ def test_token_sum_kernel_in_the_interpreter_is_the_torch_ops_bitwise():
     assert out.split() == ["True"] * 45, out
 
 
+def test_token_sum_kernel_keeps_signed_zeros_and_copies_one_choice():
+    """Bitwise includes the sign of zero: the kernel starts from choice 0 as loaded, as the torch
+    ops do, not from 0.0 (0.0 + -0.0 is +0.0: a token whose rows are all -0.0, common in grads,
+    would come out +0.0, which torch.equal does not see); with k = 1 the row is copied, bits and
+    all. (In Triton's interpreter; the GPU test runs the same rows.)"""
+    from test_fp8_rowwise import _interpret
+
+    out = _interpret("""
+        from functional_dw import moe_ep
+        from functional_dw.kernels import triton_tokens as tt
+        ints = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for k in (1, 2, 3):
+                rows = torch.tensor([[-0.0, 0.0, -0.0, 2.0]] * (3 * k)).to(dtype)
+                order = torch.randperm(3 * k, generator=torch.Generator().manual_seed(k))
+                got = tt.token_sum(rows, moe_ep.inverse(order), k)
+                want = moe_ep.token_sum(rows, order, k)
+                print(torch.equal(got.view(ints[dtype]), want.view(ints[dtype])))
+    """)
+    assert out.split() == ["True"] * 9, out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_token_sum_on_cuda_is_the_torch_ops_bitwise():

@@ -46,8 +46,10 @@ if triton is not None:
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         t_ok = t < T
         mask = t_ok[:, None] & (h < H)[None, :]
-        acc = tl.zeros((BT, BH), dtype=tl.float32)
-        for j in range(0, K):  # choice order: ((r_0 + r_1) + r_2) + ... in float32
+        r = tl.load(pos_ptr + t.to(tl.int64) * K, mask=t_ok, other=0).to(tl.int64)
+        # choice 0 as loaded, not 0.0 + r_0 (which turns -0.0 into +0.0): the torch ops' first term
+        acc = tl.load(rows_ptr + r[:, None] * stride_r + h[None, :], mask=mask, other=0.0).to(tl.float32)
+        for j in range(1, K):  # choice order: ((r_0 + r_1) + r_2) + ... in float32
             r = tl.load(pos_ptr + t.to(tl.int64) * K + j, mask=t_ok, other=0).to(tl.int64)
             acc += tl.load(rows_ptr + r[:, None] * stride_r + h[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + t.to(tl.int64)[:, None] * H + h[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
