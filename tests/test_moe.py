@@ -728,6 +728,43 @@ def test_token_sum_kernel_keeps_signed_zeros_and_copies_one_choice():
     assert out.split() == ["True"] * 9, out
 
 
+def test_token_sum_gate_asks_whether_compiling_before_anything_dynamo_cannot_trace(monkeypatch):
+    """Under torch.compile (dynamo traces the combine's forward and the dispatch's backward, on
+    fake CUDA tensors) ``available`` must say no before it reaches ``is_fake`` or functorch's
+    queries, which dynamo cannot trace: on CUDA that is a graph break inside the autograd.Function
+    (fullgraph=True: an error). Here on the CPU: rows that pass as CUDA, a compile that pretends."""
+    from functional_dw.kernels import triton_tokens
+
+    def untraceable(*args):
+        raise AssertionError("dynamo cannot trace this: available reached it while compiling")
+
+    monkeypatch.setattr(triton_tokens, "triton", triton_tokens.triton or object())
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(triton_tokens, "is_fake", untraceable)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert triton_tokens.available(torch.ones(4, 2)) is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_token_sum_on_cuda_compiles_fullgraph():
+    """The combine and the dispatch's backward compiled in one graph on CUDA: the torch ops run
+    there (the gate says no before anything dynamo cannot trace), the same bits as eager."""
+    rows, order = _routed(64, 2, 256, torch.float32)
+    x = rows[::2].clone().cuda().requires_grad_()
+    indices = torch.randint(0, 4, (64, 2), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def f(x):
+        r, _, _, order = moe.dispatch(x, None, indices, 4)
+        return moe.combine(r * 2, order, 2)
+
+    y = f(x)
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    y2 = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+    (dx2,) = torch.autograd.grad(y2, x, torch.ones_like(y2))
+    assert torch.equal(y, y2) and torch.equal(dx, dx2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_token_sum_on_cuda_is_the_torch_ops_bitwise():

@@ -62,6 +62,7 @@ def available(rows: torch.Tensor) -> bool:
     AD, a torch.func transform or a compile, where the torch ops run: the same adds, the same bits)."""
     return (
         triton is not None
+        and not torch.compiler.is_compiling()  # first: dynamo cannot trace is_fake (a graph break)
         and rows.is_cuda
         and rows.dtype in _FLOATS
         and rows.dim() == 2
@@ -71,7 +72,6 @@ def available(rows: torch.Tensor) -> bool:
         and not (torch.is_grad_enabled() and rows.requires_grad)
         and torch.autograd.forward_ad._current_level < 0
         and torch._C._functorch.peek_interpreter_stack() is None
-        and not torch.compiler.is_compiling()
     )
 
 
