@@ -107,6 +107,11 @@ def token_sum(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tens
     On CUDA, where nothing records it (``triton_tokens.available``), one Triton launch reads the
     rows through the order and adds in the same order (no ``[T * k, H]`` copy in token order);
     elsewhere torch ops: the same bits."""
+    if order.shape != rows.shape[:1] or rows.shape[0] % top_k:  # (the kernel reads by these: checked on the host)
+        raise ValueError(
+            f"token_sum: order {tuple(order.shape)} must hold one entry per row of rows {tuple(rows.shape)}, "
+            f"whose count top_k={top_k} divides"
+        )
     pos = inverse(order)
     if triton_tokens.available(rows):
         return triton_tokens.token_sum(rows, pos, top_k)

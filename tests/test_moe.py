@@ -679,6 +679,14 @@ def test_token_sum_adds_in_float32_in_choice_order_and_rounds_once():
         assert got.dtype == dtype and torch.equal(got, want.to(dtype)), dtype
 
 
+def test_token_sum_refuses_an_order_of_other_rows():
+    rows, order = _routed(4, 2, 3, torch.float32)
+    with pytest.raises(ValueError, match=r"token_sum: order \(7,\) must hold one entry per row of rows \(8, 3\)"):
+        moe_ep.token_sum(rows, order[:-1], 2)
+    with pytest.raises(ValueError, match="top_k=3 divides"):
+        moe_ep.token_sum(rows, order, 3)
+
+
 def test_token_sum_kernel_in_the_interpreter_is_the_torch_ops_bitwise():
     """The Triton kernel (run by Triton's CPU interpreter) against the torch ops, bit for bit:
     bf16, fp16, fp32; one, three and eight choices; widths across its column tiles; no tokens;
@@ -730,8 +738,8 @@ def test_token_sum_kernel_keeps_signed_zeros_and_copies_one_choice():
 
 def test_token_sum_gate_asks_whether_compiling_before_anything_dynamo_cannot_trace(monkeypatch):
     """Under torch.compile (dynamo traces the combine's forward and the dispatch's backward, on
-    fake CUDA tensors) ``available`` must say no before it reaches ``is_fake`` or functorch's
-    queries, which dynamo cannot trace: on CUDA that is a graph break inside the autograd.Function
+    fake CUDA tensors) ``available`` must say no before it reaches functorch's queries, which
+    dynamo cannot trace: on CUDA that is a graph break inside the autograd.Function
     (fullgraph=True: an error). Here on the CPU: rows that pass as CUDA, a compile that pretends."""
     from functional_dw.kernels import triton_tokens
 
@@ -740,7 +748,7 @@ def test_token_sum_gate_asks_whether_compiling_before_anything_dynamo_cannot_tra
 
     monkeypatch.setattr(triton_tokens, "triton", triton_tokens.triton or object())
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(triton_tokens, "is_fake", untraceable)
+    monkeypatch.setattr(torch._C._functorch, "is_functorch_wrapped_tensor", untraceable)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert triton_tokens.available(torch.ones(4, 2)) is False
 
@@ -778,4 +786,5 @@ def test_token_sum_on_cuda_is_the_torch_ops_bitwise():
             got = moe_ep.token_sum(rows, order, k)
             ops = moe_ep.token_sum(rows.clone().requires_grad_(), order, k)
             assert got.grad_fn is None and ops.grad_fn is not None
-            assert torch.equal(got, ops.detach()), (dtype, T, k, H)
+            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # (bits: -0.0 is not 0.0)
+            assert torch.equal(got.view(bits), ops.detach().view(bits)), (dtype, T, k, H)

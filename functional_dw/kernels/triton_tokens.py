@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 try:
     import triton
@@ -56,18 +55,18 @@ if triton is not None:
 
 
 def available(rows: torch.Tensor) -> bool:
-    """Whether the kernel runs on ``rows`` here: a plain CUDA tensor (no fake, no functorch
+    """Whether the kernel runs on ``rows`` here: a plain CUDA tensor (no subclass, no functorch
     wrapper) of bf16/fp16/fp32, 2-D with unit column stride, Triton importable, and nothing to
     record (the kernel has no derivative: not while autograd records rows, under forward-mode
     AD, a torch.func transform or a compile, where the torch ops run: the same adds, the same bits)."""
     return (
         triton is not None
-        and not torch.compiler.is_compiling()  # first: dynamo cannot trace is_fake (a graph break)
+        and not torch.compiler.is_compiling()  # first: dynamo cannot trace what follows (a graph break)
+        and type(rows) is torch.Tensor  # (no subclass: fake tensors, DTensor, a wrapper's data pointer)
         and rows.is_cuda
         and rows.dtype in _FLOATS
         and rows.dim() == 2
         and (rows.stride(1) == 1 or rows.shape[1] <= 1)
-        and not is_fake(rows)
         and not torch._C._functorch.is_functorch_wrapped_tensor(rows)
         and not (torch.is_grad_enabled() and rows.requires_grad)
         and torch.autograd.forward_ad._current_level < 0
