@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})  # no subclass: attributes read in C loops mean the same
 _INT = frozenset({int})
@@ -200,3 +201,9 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
 
 
 _INTERNAL = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+
+
+def values_free(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values can be read for free, to check them: a CPU tensor in eager code (on
+    CUDA reading them is a host sync; meta and fake tensors, and tensors being compiled, hold none)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(t)

@@ -96,22 +96,33 @@ def differentiated(dy: Any, inputs: Any, x_wanted: bool = False) -> bool:
     else a second-order gradient silently misses their terms (for x: NOTE: [Saved x]). A direct
     pure ``*_bwd`` call is never differentiated here. ``x_wanted``: autograd asks for x's grad
     where the record holds no x (FP8 keeps its FP8 copy), so x requires grad."""
+
+    # NOTE: [A transform's dead level] ``torch.func.vjp``'s vjp_fn (and jacrev, which vmaps it)
+    # runs autograd with ``create_graph=True`` after vjp's grad level has exited: the saved
+    # inputs are then dead wrappers of that level, still ``requires_grad``, whose results the
+    # vjp_fn unwraps, so nothing can differentiate them at that level. Only what lies below
+    # (a live level, or plain autograd on the base tensor) counts: a first-order vjp or jacrev
+    # is not a second-order gradient.
     if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(dy, torch.Tensor):
         return False
-    tensors = [t for t in (dy, *inputs) if isinstance(t, torch.Tensor)]
     func = torch._C._functorch
     top = func.peek_interpreter_stack()
+    own = top.level() if top is not None and top.key() == func.TransformType.Grad else None
+    # a jvp level (jvp of grad, hessian's jacfwd) carries tangents, not requires_grad
+    jvp = {i.level() for i in retrieve_all_functorch_interpreters() if i.key() == func.TransformType.Jvp}
+    bases = []
+    for t in (t for t in (dy, *inputs) if isinstance(t, torch.Tensor)):
+        while func.is_functorch_wrapped_tensor(t):
+            if func.is_dead_tensor_wrapper(t):  # NOTE: [A transform's dead level]
+                t = func.unwrap_if_dead(t)
+                continue
+            if func.is_gradtrackingtensor(t) and (level := func.maybe_get_level(t)) != own:
+                if t.requires_grad or level in jvp:
+                    return True
+            t = func.get_unwrapped(t)
+        bases.append(t)
     if top is not None:
-        own = top.level() if top.key() == func.TransformType.Grad else None
-        # a jvp level (jvp of grad, hessian's jacfwd) carries tangents, not requires_grad
-        jvp = {i.level() for i in retrieve_all_functorch_interpreters() if i.key() == func.TransformType.Jvp}
-        for t in tensors:
-            while func.is_functorch_wrapped_tensor(t):
-                if func.is_gradtrackingtensor(t) and (level := func.maybe_get_level(t)) != own:
-                    if t.requires_grad or level in jvp:
-                        return True
-                t = func.get_unwrapped(t)
         return False
     if torch._C._current_autograd_node() is None:
         return False  # the pure API called directly, not autograd's backward
-    return x_wanted or any(t.requires_grad for t in tensors)
+    return x_wanted or any(t.requires_grad for t in bases)

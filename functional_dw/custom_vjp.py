@@ -332,7 +332,11 @@ class _Bridge(torch.autograd.Function):
     def jvp(ctx: Any, _: Any, *tangents: Any) -> tuple:  # NOTE: [jvp]
         call = ctx.call
         if call.rules.jvp is None:
-            raise NotImplementedError(f"custom_vjp({call.rules.name}) has no forward-mode rule: pass jvp=...")
+            raise NotImplementedError(
+                f"custom_vjp({call.rules.name}) has no forward-mode rule, so torch.func.jvp, jacfwd and hessian "
+                "cannot run through it: use reverse mode (vjp, jacrev, jacrev(jacrev)) there, or, where the pair is "
+                "yours, pass jvp=... to custom_vjp"
+            )
         if sum(i.key() == _JVP for i in retrieve_all_functorch_interpreters()) > 1:
             raise NotImplementedError(_JVP_OF_JVP.format(name=call.rules.name))
         if call.elements is not None:  # NOTE: [vmap]

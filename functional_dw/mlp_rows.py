@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from . import _checks
 from .custom_vjp import custom_vjp
@@ -197,7 +196,7 @@ def _check_total(R: int, splits: Any) -> None:
 def _known_total(splits: Any) -> int | None:
     """The splits' total where it is known for free, else None (the layer's checks see the rest)."""
     if isinstance(splits, torch.Tensor):
-        if splits.device.type != "cpu" or torch.compiler.is_compiling() or splits.dim() != 1 or is_fake(splits):
+        if not _checks.values_free(splits) or splits.dim() != 1:
             return None  # (a fake tensor holds no counts: as_splits names it)
         return int(splits.sum()) if not splits.is_floating_point() else None
     if isinstance(splits, (list, tuple)) and all(type(s) is int for s in splits):

@@ -28,12 +28,14 @@ from typing import Any
 
 import torch
 
+from . import _amp
 from .custom_vjp import custom_vjp
 from .grouped_mlp import grouped_mlp, grouped_mlp_bwd, grouped_mlp_fwd
 from .linear import linear, linear_bwd, linear_fwd
 from .mlp_rows import TopkRows
 from .moe_ep import check_local_experts, check_permutation, from_experts, from_experts_bwd, from_experts_fwd, inverse
 from .moe_ep import to_experts, to_experts_bwd, to_experts_fwd, token_sum, tokens
+from ._checks import values_free
 from ._steps import differentiated
 from .residuals import residuals, saved
 
@@ -100,14 +102,8 @@ def _check_routing(who: str, indices: Any, probs: Any, num_experts: Any, x: Any 
         )
     if type(num_experts) is not int or num_experts < 1:
         raise ValueError(f"{who}: num_experts must be a positive int, got {num_experts!r}")
-    if _on_host(indices) and indices.numel():  # NOTE: [Expert indices are not checked on CUDA]
+    if values_free(indices) and indices.numel():  # NOTE: [Expert indices are not checked on CUDA]
         check_indices(indices, num_experts)
-
-
-def _on_host(t: torch.Tensor) -> bool:
-    """A CPU tensor in eager code: its values can be read for free (not on CUDA: a sync; not on
-    meta nor while compiling: no values)."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _what(v: Any) -> str:
@@ -223,6 +219,17 @@ def combine(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor
     return _combine(rows, order, top_k)
 
 
+def check_logits(logits: Any, who: str) -> None:
+    """TypeError/ValueError unless ``logits`` is a ``[T, E]`` floating-point tensor."""
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"{who}: logits must be a floating-point tensor [T, E], got {_what(logits)}")
+    if logits.dim() != 2:
+        raise ValueError(
+            f"{who}: logits must be [T, E] (one row of expert logits per token), got shape {tuple(logits.shape)}: "
+            "flatten the tokens first (logits.reshape(-1, E))"
+        )
+
+
 def check_router(top_k: Any, score: Any, num_experts: int, who: str) -> None:
     """ValueError unless ``top_k`` is an int in ``[1, num_experts]`` and ``score`` is known."""
     if num_experts < 1:
@@ -245,6 +252,7 @@ class TopkResiduals:
 
 def topk_router_fwd(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, score: str = "softmax"):
     """``((probs [T, k], indices [T, k]), residuals)``: :func:`topk_router`'s math."""
+    check_logits(logits, "topk_router")
     check_router(top_k, score, logits.shape[-1], "topk_router")
     if expert_bias is not None and score != "sigmoid":
         raise ValueError("topk_router: expert_bias (DeepSeek-V3's selection bias) goes with score='sigmoid'")
@@ -275,7 +283,7 @@ def topk_router_bwd(res: TopkResiduals, d_out: tuple) -> tuple:
         s = res.scores
         ds = dp if s.shape[-1] == 1 else (dp - (dp * p).sum(-1, keepdim=True)) / (s.sum(-1, keepdim=True) + 1e-20)
         dv = ds * s * (1 - s)
-    d_logits = dv.new_zeros(p.shape[0], res.num_experts).scatter_(1, res.indices, dv)
+    d_logits = dv.new_zeros(p.shape[0], res.num_experts).scatter(1, res.indices, dv)
     return d_logits.to(res.logits_dtype), None
 
 
@@ -310,8 +318,16 @@ def load_balancing_loss(
     that go to expert ``e`` (counted, no gradient) and ``P_e`` the mean over tokens of the
     router's full score for ``e`` (softmax over all experts; for ``"sigmoid"``, the sigmoid
     scores normalized over all experts). Differentiable in the logits."""
+    check_logits(logits, "load_balancing_loss")
     T, E = logits.shape
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.shape[0] != T:
+        raise ValueError(
+            f"load_balancing_loss: indices must be [T, k] with the logits' T = {T} tokens "
+            f"(topk_router's indices for these logits), got {_what(indices)}"
+        )
     check_router(indices.shape[-1], score, E, "load_balancing_loss")
+    if values_free(indices) and indices.numel():  # NOTE: [Expert indices are not checked on CUDA]
+        check_indices(indices, E)
     if score == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     else:
@@ -352,12 +368,12 @@ def moe_layer_fwd(
     expert-parallel ``group``: :func:`functional_dw.moe_ep.to_experts`), the experts
     (:func:`functional_dw.grouped_mlp` weighted by the sorted probs), (``from_experts``),
     :func:`combine`, each by its own pure ``*_fwd``; the record nests theirs."""
+    check_local_experts(w1, router_weight.shape[0], group)
     logits, r_router = linear_fwd(x, router_weight, backend=backend)
     (probs, indices), r_topk = topk_router_fwd(logits, None, top_k, score)
     (rows, probs_r, splits, order), r_dispatch = dispatch_fwd(x, probs, indices, router_weight.shape[0])
     r_to = r_from = None
     if group is not None:
-        check_local_experts(w1, router_weight.shape[0], group)
         (rows, probs_r, splits, perm, sizes), r_to = to_experts_fwd(rows, probs_r, splits, group)
     h, r_experts = grouped_mlp_fwd(
         rows, w1, w2, splits, probs=probs_r, activation=activation, save=save, backend=backend
@@ -431,14 +447,15 @@ def moe_layer(
     bitwise what one rank holding every rank's tokens and every expert computes, wherever the
     router's GEMM rounds a token's logits alike at both batch sizes (``functional_dw/moe_ep.py``).
     Its backward cannot be differentiated again (refused); the parts' ops (:class:`nn.MoE`) can.
+    Under ``torch.autocast`` and ``torch.compile`` it runs as those parts (NOTE: [The MoE layer
+    as its parts]).
 
     ``router_weight [E, H]`` (its GEMM by :func:`functional_dw.linear`'s pair: the weight stays
     out of saved-tensor hooks), ``w1``/``w2`` the experts' weights as for
     :func:`functional_dw.grouped_mlp`, ``score``/``top_k`` as for :func:`topk_router`. No host
     sync on CUDA: the splits stay on the device."""
-    if torch.compiler.is_compiling():  # NOTE: [The MoE layer under torch.compile]
-        if group is not None:
-            check_local_experts(w1, router_weight.shape[0], group)
+    check_local_experts(w1, router_weight.shape[0], group)  # (before the branch: dynamo reruns a frame that raised)
+    if torch.compiler.is_compiling() or _amp.dtype(x) is not None:  # NOTE: [The MoE layer as its parts]
 
         def experts(x, splits, probs_r, rows=None, combine=False):
             return grouped_mlp(
@@ -480,9 +497,12 @@ def layer_parts(
     return combine(from_experts(experts(rows, splits, probs_r), perm, sizes, group), order, top_k)
 
 
-# NOTE: [The MoE layer under torch.compile]
+# NOTE: [The MoE layer as its parts]
 #   Dynamo (2.11 and 2.13) fails inside the one Function of the whole layer ("Placeholder node
 #   not found in env"), while each part's own Function traces. So a compiled call runs the
-#   parts as five autograd ops (the router GEMM, topk_router, dispatch, grouped_mlp, combine):
-#   the same pure functions, hence the same numbers; eagerly the layer is one node (its host
-#   cost is one bridge, not five).
+#   parts as five autograd ops (the router GEMM, topk_router, the routing, the experts, the
+#   combine: :func:`layer_parts`): the same pure functions, hence the same numbers; eagerly the
+#   layer is one node (its host cost is one bridge, not five). Under ``torch.autocast`` the
+#   parts run too, eagerly as compiled: each differentiable part casts as every layer does
+#   (NOTE: [Autocast] in ``_amp.py``: the router's GEMM and the experts in the autocast dtype),
+#   where the one node's pure functions compute in the dtypes given.

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import is_fake
 
+from ._checks import values_free
 from .custom_vjp import custom_vjp
 from .kernels import triton_tokens
 from .residuals import residuals, saved
@@ -69,13 +69,20 @@ def local_experts(num_experts: int, group: Any) -> int:
 
 
 def check_local_experts(w1: Any, num_experts: int, group: Any) -> None:
-    """ValueError unless ``w1`` (a list or one stacked tensor) holds this rank's ``E / P`` experts."""
-    E_l = local_experts(num_experts, group)
+    """ValueError unless ``w1`` (a list or one stacked tensor) holds this rank's ``E / P`` experts
+    (without a ``group``: all ``E``, one per row of the router's weight)."""
+    E_l = num_experts if group is None else local_experts(num_experts, group)
     have = len(w1) if isinstance(w1, (list, tuple)) else w1.shape[0] if isinstance(w1, torch.Tensor) else None
     if have is not None and have != E_l:
+        where = (
+            ""
+            if group is None
+            else f"; with an expert-parallel group of {dist.get_world_size(group)} ranks each rank holds {E_l} "
+            f"(rank p: experts p * {E_l} on)"
+        )
         raise ValueError(
-            f"moe_layer: with an expert-parallel group of {dist.get_world_size(group)} ranks each rank holds "
-            f"{E_l} of the {num_experts} experts (rank p: experts p * {E_l} on); w1 holds {have}"
+            f"moe_layer: the router's weight [E, H] routes to E = {num_experts} experts{where}, so w1 must hold "
+            f"{E_l} experts; it holds {have}"
         )
 
 
@@ -107,11 +114,16 @@ def token_sum(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tens
     On CUDA, where nothing records it (``triton_tokens.available``), one Triton launch reads the
     rows through the order and adds in the same order (no ``[T * k, H]`` copy in token order);
     elsewhere torch ops: the same bits."""
-    if order.shape != rows.shape[:1] or rows.shape[0] % top_k:  # (the kernel reads by these: checked on the host)
+    # (the kernel reads by these: checked on the host)
+    if type(top_k) is not int or top_k < 1:
+        raise ValueError(f"token_sum: top_k must be a positive int (each token's choices), got {top_k!r}")
+    if order.shape != rows.shape[:1] or rows.shape[0] % top_k:
         raise ValueError(
             f"token_sum: order {tuple(order.shape)} must hold one entry per row of rows {tuple(rows.shape)}, "
             f"whose count top_k={top_k} divides"
         )
+    if order.device != rows.device:
+        raise ValueError(f"token_sum: order is on {order.device} and rows on {rows.device}: move order to rows' device")
     pos = inverse(order)
     if triton_tokens.available(rows):
         return triton_tokens.token_sum(rows, pos, top_k)
@@ -125,7 +137,7 @@ def token_sum(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tens
 def check_permutation(perm: torch.Tensor, message: str) -> None:
     """``ValueError(message)`` unless ``perm`` is a permutation of its positions, where that is
     free to check: a CPU tensor in eager code (on CUDA a sync; on meta, fake or while compiling no values)."""
-    if perm.device.type != "cpu" or torch.compiler.is_compiling() or not perm.numel() or is_fake(perm):
+    if not values_free(perm) or not perm.numel():
         return
     if not torch.equal(perm.sort().values, torch.arange(perm.numel())):
         raise ValueError(message)

@@ -568,8 +568,10 @@ class MoE(torch.nn.Module):
             E_local, hidden_size, ffn_hidden_size, activation=activation, save=save, recipe=recipe, **kw
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> y [..., H]
-        x2 = x.reshape(-1, x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() > 2 else x
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> y [..., H] (a [H] x: one token)
+        if isinstance(x, torch.Tensor) and x.dim() == 0:
+            raise ValueError("nn.MoE: x must be [..., hidden_size] (tokens by features), got a 0-dim tensor")
+        x2 = x.reshape(-1, x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() != 2 else x
         y = moe.layer_parts(x2, self.router(x2), self.experts, self.top_k, self.score, self.num_experts, self.ep_group)
         return y.view_as(x)
 

@@ -1074,7 +1074,9 @@ def test_bridge_errors_name_the_pair_and_the_problem():
     for run in (lambda: f(x).sum().backward(), lambda: grad(lambda x: f(x).sum())(x.detach())):
         with pytest.raises(TypeError, match=r"^custom_vjp\(op\): bwd must return one cotangent per argument of fwd"):
             run()
-    with pytest.raises(NotImplementedError, match=r"^custom_vjp\(op\) has no forward-mode rule: pass jvp=\.\.\.$"):
+    with pytest.raises(
+        NotImplementedError, match=r"^custom_vjp\(op\) has no forward-mode rule, .*jacrev.*pass jvp=\.\.\."
+    ):
         jvp(f, (x.detach(),), (torch.ones(2),))
 
 

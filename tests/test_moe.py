@@ -41,6 +41,15 @@ def _reference(x, wr, w1, w2, top_k, score="softmax"):
     return torch.stack(out)
 
 
+def _experts(w1, w2):
+    """moe.layer_parts' experts on the torch backend, as moe_layer runs them (swiglu)."""
+
+    def experts(x, splits, probs_r, rows=None, combine=False):
+        return fd.grouped_mlp(x, w1, w2, splits, probs=probs_r, backend="torch", rows=rows, combine=combine)
+
+    return experts
+
+
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_moe_layer_matches_the_per_token_reference(score, top_k):
@@ -162,6 +171,23 @@ def test_dispatch_names_what_is_wrong(args, err, match):
 
 
 def test_router_and_module_refuse_bad_options():
+    with pytest.raises(ValueError, match=r"topk_router: logits must be \[T, E\].*got shape \(4,\)"):
+        moe.topk_router(torch.zeros(4), 2)  # (was refused only in backward, by a scatter)
+    with pytest.raises(TypeError, match="floating-point"):
+        moe.topk_router(torch.zeros(3, 4, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match=r"load_balancing_loss: indices must be \[T, k\] with the logits' T = 6"):
+        moe.load_balancing_loss(torch.zeros(6, 4), torch.zeros(3, 2, dtype=torch.long))  # (was a silent number)
+    with pytest.raises(ValueError, match=r"expert indices must lie in \[0, 4\)"):
+        moe.load_balancing_loss(torch.zeros(2, 4), torch.tensor([[0, 7], [1, 2]]))  # (was a raw IndexError)
+    x, wr, w1, w2 = _params()
+    for w1_, w2_ in ((w1[:-1], w2[:-1]), (list(w1[:-1]), list(w2[:-1]))):  # (was a message about splits)
+        for run in (moe.moe_layer, torch.compile(moe.moe_layer, backend="eager")):
+            with pytest.raises(
+                ValueError, match=f"routes to E = {E} experts, so w1 must hold {E} experts; it holds {E - 1}"
+            ):
+                run(x, wr, w1_, w2_, K, backend="torch")
+    with pytest.raises(ValueError, match="0-dim"):
+        fd.nn.MoE(E, H, FF, K, backend="torch")(torch.tensor(1.0))
     with pytest.raises(ValueError, match="score"):
         moe.topk_router(torch.zeros(3, 4), 2, "relu")
     with pytest.raises(ValueError, match="top_k"):
@@ -190,6 +216,21 @@ def test_compile_fullgraph_and_meta_tensors():
     m = fd.nn.MoE(E, H, FF, K, backend="torch", params_dtype=F64)
     x3 = torch.randn(2, T, H, dtype=F64)
     torch.testing.assert_close(m(x3), m(x3.reshape(-1, H)).view(2, T, H))  # leading dims as nn.Linear's
+    assert torch.equal(m(x3[0, 0]), m(x3[0, :1])[0])  # and one token as [H]
+
+
+def test_routing_under_fake_tensor_mode():
+    """Shape inference under a plain FakeTensorMode: the CPU-only value checks skip fake tensors
+    (they hold no values: a DataDependentOutputException before)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, idx, p = torch.randn(T, H), torch.randint(0, E, (T, K)), torch.rand(T, K)
+        rows, probs_r, splits, order = moe.dispatch(x, p, idx, E)
+        assert rows.shape == (T * K, H) and probs_r.shape == (T * K,) and splits.shape == (E,)
+        probs_r, splits, order = moe.sort_by_expert(p, idx, E)
+        assert order.shape == (T * K,) and moe.combine(rows, order, K).shape == (T, H)
+        assert moe.load_balancing_loss(torch.randn(T, E), idx).shape == ()
 
 
 def test_combine_refuses_an_order_that_is_not_a_permutation():
@@ -439,6 +480,45 @@ def test_expert_parallel_gradient_penalty_is_one_ranks():
         assert r["ok"] == [True, True, True]
 
 
+def test_first_order_vjp_and_jacrev_of_the_one_node_layer():
+    """torch.func.vjp's vjp_fn runs autograd with create_graph=True after its level exited (and
+    jacrev vmaps it): first order, not a second-order gradient (NOTE: [A transform's dead
+    level]); it was refused as "differentiated again". The grads are the parts'."""
+    x, wr, w1, w2 = (t.detach() for t in _params())
+    xs = x[:4]
+
+    def layer(*a):
+        return moe.moe_layer(*a, K, backend="torch")
+
+    def parts(x, wr, w1, w2):
+        return moe.layer_parts(x, fd.linear(x, wr, backend="torch"), _experts(w1, w2), K, "softmax", E)
+
+    dy = torch.randn(T, H, dtype=F64)
+    got = torch.func.vjp(layer, x, wr, w1, w2)[1](dy)
+    want = torch.func.vjp(parts, x, wr, w1, w2)[1](dy)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(
+        torch.func.jacrev(lambda x: layer(x, wr, w1, w2))(xs), torch.func.jacrev(lambda x: parts(x, wr, w1, w2))(xs)
+    )
+
+
+def test_the_one_node_layer_under_autocast_runs_as_its_parts():
+    """Under torch.autocast the eager layer computes what a compiled call and nn.MoE's parts do
+    (each part casts as every layer does); it returned float32 before, the compiled one bf16."""
+    x, wr, w1, w2 = (t.detach().float() for t in _params())
+
+    def parts(x, wr, w1, w2):
+        return moe.layer_parts(x, fd.linear(x, wr, backend="torch"), _experts(w1, w2), K, "softmax", E)
+
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe.moe_layer(x, wr, w1, w2, K, backend="torch")
+        yc = torch.compile(lambda *a: moe.moe_layer(*a, K, backend="torch"), backend="eager")(x, wr, w1, w2)
+        yp = parts(x, wr, w1, w2)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, yc) and torch.equal(y, yp)
+
+
 def test_the_one_node_layer_refuses_to_be_differentiated_twice():
     """moe_layer's one node saves rows with no graph back to x: differentiating its backward is
     refused (before, second-order terms went silently missing); the parts differentiate twice."""
@@ -522,7 +602,7 @@ def test_expert_parallel_refuses_what_cannot_split():
     assert "from_experts" in errors[1]
     assert "perm must be a permutation" in errors[2]
     assert "splits count 2 rows but rows has 3" in errors[3]
-    assert "each rank holds 2 of the 4 experts" in errors[4] and "w1 holds 4" in errors[4]
+    assert "each rank holds 2 (rank p: experts p * 2 on), so w1 must hold 2 experts; it holds 4" in errors[4]
 
 
 def test_nn_moe_runs_its_experts_in_fp8_with_a_recipe():
@@ -685,6 +765,14 @@ def test_token_sum_refuses_an_order_of_other_rows():
         moe_ep.token_sum(rows, order[:-1], 2)
     with pytest.raises(ValueError, match="top_k=3 divides"):
         moe_ep.token_sum(rows, order, 3)
+    for k in (0, -2, 2.0):  # (was a ZeroDivisionError, an unflatten error)
+        with pytest.raises(ValueError, match="top_k must be a positive int"):
+            moe_ep.token_sum(rows, order, k)
+    # the kernel reads the order where the rows are: an order elsewhere is refused, not launched
+    # (on the CPU, an order on meta gave uninitialized memory); combine takes the same check
+    for f in (moe_ep.token_sum, moe.combine):
+        with pytest.raises(ValueError, match="order is on meta and rows on cpu: move order to rows' device"):
+            f(rows, order.to("meta"), 2)
 
 
 def test_token_sum_kernel_in_the_interpreter_is_the_torch_ops_bitwise():
