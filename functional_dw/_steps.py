@@ -85,6 +85,16 @@ def bias_grad(
     return db if db is not None else sums(dy_TN)
 
 
+def _has_dead_wrapper(t: torch.Tensor) -> bool:
+    """Whether a functorch wrapper of an exited level wraps ``t`` (or is ``t``)."""
+    func = torch._C._functorch
+    while func.is_functorch_wrapped_tensor(t):
+        if func.is_dead_tensor_wrapper(t):
+            return True
+        t = func.get_unwrapped(t)
+    return False
+
+
 def differentiated(dy: Any, inputs: Any, x_wanted: bool = False) -> bool:
     """Whether this backward will itself be differentiated (autograd's ``create_graph=True``, or
     under ``torch.func`` a dy or saved input tracked by another grad or jvp level than the one
@@ -100,20 +110,26 @@ def differentiated(dy: Any, inputs: Any, x_wanted: bool = False) -> bool:
     # NOTE: [A transform's dead level] ``torch.func.vjp``'s vjp_fn (and jacrev, which vmaps it)
     # runs autograd with ``create_graph=True`` after vjp's grad level has exited: the saved
     # inputs are then dead wrappers of that level, still ``requires_grad``, whose results the
-    # vjp_fn unwraps, so nothing can differentiate them at that level. Only what lies below
-    # (a live level, or plain autograd on the base tensor) counts: a first-order vjp or jacrev
-    # is not a second-order gradient.
+    # vjp_fn unwraps, so nothing can differentiate them at that level: a first-order vjp or
+    # jacrev is not a second-order gradient. The backward then runs at that dead level, so every
+    # live level is outside it, the innermost grad level included (a vjp_fn called inside a
+    # ``grad``: grad of vjp): a tensor any live level tracks, or plain autograd's base tensor
+    # requiring grad, counts. Where no input is a dead wrapper the innermost grad level is the
+    # one running the backward (``torch.func.grad``) and its own wrappers do not count.
     if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(dy, torch.Tensor):
         return False
     func = torch._C._functorch
+    tensors = [t for t in (dy, *inputs) if isinstance(t, torch.Tensor)]
     top = func.peek_interpreter_stack()
     own = top.level() if top is not None and top.key() == func.TransformType.Grad else None
+    if own is not None and any(_has_dead_wrapper(t) for t in tensors):  # NOTE: [A transform's dead level]
+        own = None
     # a jvp level (jvp of grad, hessian's jacfwd) carries tangents, not requires_grad
     jvp = {i.level() for i in retrieve_all_functorch_interpreters() if i.key() == func.TransformType.Jvp}
     bases = []
-    for t in (t for t in (dy, *inputs) if isinstance(t, torch.Tensor)):
+    for t in tensors:
         while func.is_functorch_wrapped_tensor(t):
-            if func.is_dead_tensor_wrapper(t):  # NOTE: [A transform's dead level]
+            if func.is_dead_tensor_wrapper(t):
                 t = func.unwrap_if_dead(t)
                 continue
             if func.is_gradtrackingtensor(t) and (level := func.maybe_get_level(t)) != own:

@@ -325,6 +325,8 @@ def load_balancing_loss(
             f"load_balancing_loss: indices must be [T, k] with the logits' T = {T} tokens "
             f"(topk_router's indices for these logits), got {_what(indices)}"
         )
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"load_balancing_loss: indices must be int64 or int32 (topk_router's), got {indices.dtype}")
     check_router(indices.shape[-1], score, E, "load_balancing_loss")
     if values_free(indices) and indices.numel():  # NOTE: [Expert indices are not checked on CUDA]
         check_indices(indices, E)
@@ -337,6 +339,8 @@ def load_balancing_loss(
     counts = torch.zeros(E, dtype=scores.dtype, device=logits.device).index_add_(
         0, flat, torch.ones_like(flat, dtype=scores.dtype)
     )
+    if T == 0:  # no tokens, no imbalance (a graph kept to the logits, as for any T)
+        return scores.sum() * 0.0
     return (scores.sum(0) * counts).sum() * (E * coeff / (indices.shape[-1] * T * T))
 
 
@@ -400,9 +404,17 @@ def _experts_record(res: MoEResiduals) -> Any:
     return dataclasses.replace(res.experts, fc1=dataclasses.replace(res.experts.fc1, x_TK=rows))
 
 
+def _inputs(res: MoEResiduals) -> tuple:
+    """The layer's inputs its saved intermediates were computed from (x, the router's and the
+    experts' weights): with a graph back to none of them, a backward differentiated in any of
+    them would miss terms."""
+    e = res.experts
+    return (res.router.x, res.router.weight, *e.fc1.weights, *e.fc2.weights)
+
+
 def moe_layer_bwd(res: MoEResiduals, dy: torch.Tensor) -> tuple:
     """(dx, d_router_weight, dw1, dw2): each part's ``*_bwd`` in reverse, x's two grads summed."""
-    if differentiated(dy, (res.router.x, res.topk.probs)):
+    if differentiated(dy, _inputs(res)):
         raise NotImplementedError(
             "moe_layer: a backward through the one-node layer cannot be differentiated again (create_graph=True, "
             "grad of grad, jacrev of jacrev): the rows it saved carry no graph back to x and the router, so "

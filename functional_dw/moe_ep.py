@@ -122,6 +122,8 @@ def token_sum(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tens
             f"token_sum: order {tuple(order.shape)} must hold one entry per row of rows {tuple(rows.shape)}, "
             f"whose count top_k={top_k} divides"
         )
+    if order.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"token_sum: order must be int64 or int32 (the dispatch's), got {order.dtype}")
     if order.device != rows.device:
         raise ValueError(f"token_sum: order is on {order.device} and rows on {rows.device}: move order to rows' device")
     pos = inverse(order)

@@ -511,6 +511,41 @@ def test_second_order(save):
 
 
 @pytest.mark.parametrize("save", POLICIES)
+def test_grad_of_a_vjp_fn_is_second_order(save):
+    """torch.func.vjp's vjp_fn called inside a grad (grad of vjp): the backward runs at vjp's
+    exited level and the grad level differentiates it, so it recomputes like any second order
+    (NOTE: [A transform's dead level]); vjp over x with grad over x, over w1, over probs. And
+    vjp_fn called outside any transform is first order: the same grads as autograd's."""
+    g = torch.Generator().manual_seed(7)
+    x, p = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.rand(6, generator=g, dtype=torch.float64)
+    w1 = torch.randn(3, 4, 4, generator=g, dtype=torch.float64)
+    w2 = torch.randn(3, 4, 2, generator=g, dtype=torch.float64)
+    v = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    args = (x, w1, p)
+
+    def f(x, w1, p):
+        return fd.grouped_mlp(x, w1, w2, [2, 0, 4], probs=p, save=save, use_grouped_tensor=False)
+
+    def ref(x, w1, p):
+        return ref_mlp(x, w1, w2, [2, 0, 4], p, None, None, ACT["swiglu"])
+
+    for i, name in enumerate(("x", "w1", "p")):
+
+        def outer(t, fn, i=i):
+            a = list(args)
+            a[i] = t
+            dx = torch.func.vjp(lambda x: fn(x, *a[1:]), a[0])[1](v)[0]
+            return dx.square().sum()
+
+        got = torch.func.grad(outer)(args[i], f)
+        assert_close(got, torch.func.grad(outer)(args[i], ref), torch.float64, f"grad over {name} of vjp over x")
+    y, vjp_fn = torch.func.vjp(f, *args)
+    xs = [t.clone().requires_grad_() for t in args]
+    for a, b, name in zip(vjp_fn(v), torch.autograd.grad(ref(*xs), xs, v), ("x", "w1", "p")):
+        assert_close(a, b, torch.float64, f"first-order vjp, d{name}")
+
+
+@pytest.mark.parametrize("save", POLICIES)
 def test_second_order_through_dx_with_a_constant_cotangent(save):
     """A gradient penalty (dy constant, the weights frozen, only x and probs requiring grad):
     dx depends on x through the activation, so its derivative is recomputed from x like any

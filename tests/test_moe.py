@@ -179,6 +179,12 @@ def test_router_and_module_refuse_bad_options():
         moe.load_balancing_loss(torch.zeros(6, 4), torch.zeros(3, 2, dtype=torch.long))  # (was a silent number)
     with pytest.raises(ValueError, match=r"expert indices must lie in \[0, 4\)"):
         moe.load_balancing_loss(torch.zeros(2, 4), torch.tensor([[0, 7], [1, 2]]))  # (was a raw IndexError)
+    with pytest.raises(TypeError, match="indices must be int64 or int32"):
+        moe.load_balancing_loss(torch.zeros(2, 4), torch.zeros(2, 2))  # (was a silent number)
+    logits = torch.zeros(0, 4, requires_grad=True)  # no tokens: 0, with a graph (was a ZeroDivisionError)
+    loss = moe.load_balancing_loss(logits, torch.zeros(0, 2, dtype=torch.long))
+    loss.backward()
+    assert loss.item() == 0.0 and logits.grad.shape == (0, 4)
     x, wr, w1, w2 = _params()
     for w1_, w2_ in ((w1[:-1], w2[:-1]), (list(w1[:-1]), list(w2[:-1]))):  # (was a message about splits)
         for run in (moe.moe_layer, torch.compile(moe.moe_layer, backend="eager")):
@@ -503,6 +509,33 @@ def test_first_order_vjp_and_jacrev_of_the_one_node_layer():
     )
 
 
+def test_the_one_node_layer_refuses_second_order_through_any_input():
+    """Its saved intermediates carry no graph back to x, the router's weight or the experts'
+    weights: a backward differentiated in any of them is refused, also where torch.func.vjp's
+    vjp_fn runs inside a grad (grad of vjp: NOTE: [A transform's dead level]). Before, grad of
+    vjp over x and autograd's second order in the router's weight came back silently wrong (or
+    as a raw autograd error)."""
+    x, wr, w1, w2 = (t.detach() for t in _params())
+    dy = torch.randn(T, H, dtype=F64)
+
+    def layer(*a):
+        return moe.moe_layer(*a, K, backend="torch")
+
+    for i in range(4):
+
+        def outer(t, i=i):
+            a = [x, wr, w1, w2]
+            a[i] = t
+            return torch.func.vjp(lambda x: layer(x, *a[1:]), a[0])[1](dy)[0].square().sum()
+
+        with pytest.raises(NotImplementedError, match="differentiated again"):
+            torch.func.grad(outer)((x, wr, w1, w2)[i])
+    for which in ((1,), (2,), (3,), (1, 2)):  # a weight's second order by autograd (dy constant)
+        a = [t.clone().requires_grad_(i in which) for i, t in enumerate((x, wr, w1, w2))]
+        with pytest.raises(NotImplementedError, match="differentiated again"):
+            torch.autograd.grad(layer(*a), [a[i] for i in which], dy, create_graph=True)
+
+
 def test_the_one_node_layer_under_autocast_runs_as_its_parts():
     """Under torch.autocast the eager layer computes what a compiled call and nn.MoE's parts do
     (each part casts as every layer does); it returned float32 before, the compiled one bf16."""
@@ -768,6 +801,8 @@ def test_token_sum_refuses_an_order_of_other_rows():
     for k in (0, -2, 2.0):  # (was a ZeroDivisionError, an unflatten error)
         with pytest.raises(ValueError, match="top_k must be a positive int"):
             moe_ep.token_sum(rows, order, k)
+    with pytest.raises(TypeError, match="order must be int64 or int32"):
+        moe_ep.token_sum(rows, order.float(), 2)
     # the kernel reads the order where the rows are: an order elsewhere is refused, not launched
     # (on the CPU, an order on meta gave uninitialized memory); combine takes the same check
     for f in (moe_ep.token_sum, moe.combine):
