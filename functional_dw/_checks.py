@@ -207,3 +207,15 @@ def values_free(t: torch.Tensor) -> bool:
     """Whether ``t``'s values can be read for free, to check them: a CPU tensor in eager code (on
     CUDA reading them is a host sync; meta and fake tensors, and tensors being compiled, hold none)."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(t)
+
+
+def has_dead_wrapper(t: torch.Tensor) -> bool:
+    """Whether a torch.func wrapper of an exited level wraps ``t`` (or is ``t``): a backward run
+    by ``torch.func.vjp``'s vjp_fn after vjp returned (NOTE: [A transform's dead level] in
+    ``_steps.py``)."""
+    func = torch._C._functorch
+    while func.is_functorch_wrapped_tensor(t):
+        if func.is_dead_tensor_wrapper(t):
+            return True
+        t = func.get_unwrapped(t)
+    return False

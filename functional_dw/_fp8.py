@@ -7,12 +7,14 @@ kernels by family]).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-from . import fp8_rowwise_plan, fp8_te_plan  # noqa: F401  (each registers its recipes' family)
+from . import _checks, fp8_rowwise_plan, fp8_te_plan  # noqa: F401  (each registers its recipes' family)
 from .fp8_plan import (
     FAMILIES,
     Plan,
@@ -88,7 +90,19 @@ def no_jvp(p: Plan | None, layer: str) -> None:
         )
 
 
-def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
+def _tensors(saved: Any) -> list:
+    """The tensors of a saved FP8 copy (a tensor, a dataclass of them: RowwiseActivation, or a
+    list of either: one per expert)."""
+    if isinstance(saved, torch.Tensor):
+        return [saved]
+    if isinstance(saved, (list, tuple)):
+        return [t for v in saved for t in _tensors(v)]
+    if dataclasses.is_dataclass(saved):
+        return [v for f in dataclasses.fields(saved) if isinstance(v := getattr(saved, f.name), torch.Tensor)]
+    return []
+
+
+def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tensor], saved: Any = None) -> None:
     """Raise when a backward through an FP8 layer would itself be differentiated: autograd's
     backward with ``create_graph=True`` where dy or a weight requires grad, or under
     ``torch.func`` a dy tracked by a grad level other than the one running this backward (grad
@@ -96,6 +110,7 @@ def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tens
     a second-order result would silently miss their terms. A single ``torch.func.grad``/``vjp``
     level (which runs backward with a graph of its own) and direct calls of the pure ``*_bwd``
     pass. (Forward mode over an FP8 layer, e.g. ``hessian``, is refused by the jvp rule.)
+    ``saved``: the record's copy of x, whose wrappers tell a vjp_fn run inside a live transform.
 
     Also refused: a dy batched by autograd's legacy vmap (``is_grads_batched=True``,
     ``torch.autograd.functional.jacobian(vectorize=True)``), which has no rules for the
@@ -114,11 +129,19 @@ def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tens
     top = func.peek_interpreter_stack()
     if top is not None:
         own = top.level() if top.key() == func.TransformType.Grad else None  # grad(): backward runs at its level
-        higher, t = False, dy
-        while func.is_functorch_wrapped_tensor(t):
-            if func.is_gradtrackingtensor(t) and func.maybe_get_level(t) != own and t.requires_grad:
-                higher = True
-            t = func.get_unwrapped(t)
+        if any(_checks.has_dead_wrapper(t) for t in (dy, *weights, *_tensors(saved))):
+            # a vjp_fn run inside a live transform (NOTE: [A transform's dead level] in _steps.py):
+            # every live level is outside this backward and may differentiate it through x, which
+            # the record holds only as its FP8 copy (not asked here): refused while one can
+            live = retrieve_all_functorch_interpreters()
+            higher = any(i.key() in (func.TransformType.Grad, func.TransformType.Jvp) for i in live)
+        else:
+            higher = False
+            for t in (dy, *weights):  # (the weights: dgrad reads their FP8 copies, with no graph back)
+                while func.is_functorch_wrapped_tensor(t):
+                    if func.is_gradtrackingtensor(t) and func.maybe_get_level(t) != own and t.requires_grad:
+                        higher = True
+                    t = func.get_unwrapped(t)
     elif torch._C._current_autograd_node() is None:
         return  # the pure API called directly, not autograd's backward
     else:  # autograd's backward with create_graph=True

@@ -44,13 +44,14 @@ def quantize_dy(
     wgrad: bool,
     splits: Any = None,
     grouped: bool = False,
+    saved: Any = None,
 ) -> Any:
     """With FP8, dy quantized for the GEMMs that run (rowwise for dgrad, columnwise for wgrad;
     per expert when ``splits`` is given), after refusing a backward that would itself be
     differentiated; None without FP8 or without GEMMs."""
     if plan is None:
         return None
-    _fp8.check_first_order(layer, dy_TN, params)
+    _fp8.check_first_order(layer, dy_TN, params, saved)
     if splits is None:
         return plan.quantize_dy(kernels, dy_TN, dgrad=dgrad, wgrad=wgrad)
     return plan.quantize_dy(kernels, dy_TN, splits, grouped, dgrad=dgrad, wgrad=wgrad)
@@ -85,16 +86,6 @@ def bias_grad(
     return db if db is not None else sums(dy_TN)
 
 
-def _has_dead_wrapper(t: torch.Tensor) -> bool:
-    """Whether a functorch wrapper of an exited level wraps ``t`` (or is ``t``)."""
-    func = torch._C._functorch
-    while func.is_functorch_wrapped_tensor(t):
-        if func.is_dead_tensor_wrapper(t):
-            return True
-        t = func.get_unwrapped(t)
-    return False
-
-
 def differentiated(dy: Any, inputs: Any, x_wanted: bool = False) -> bool:
     """Whether this backward will itself be differentiated (autograd's ``create_graph=True``, or
     under ``torch.func`` a dy or saved input tracked by another grad or jvp level than the one
@@ -122,7 +113,7 @@ def differentiated(dy: Any, inputs: Any, x_wanted: bool = False) -> bool:
     tensors = [t for t in (dy, *inputs) if isinstance(t, torch.Tensor)]
     top = func.peek_interpreter_stack()
     own = top.level() if top is not None and top.key() == func.TransformType.Grad else None
-    if own is not None and any(_has_dead_wrapper(t) for t in tensors):  # NOTE: [A transform's dead level]
+    if own is not None and any(_checks.has_dead_wrapper(t) for t in tensors):  # NOTE: [A transform's dead level]
         own = None
     # a jvp level (jvp of grad, hessian's jacfwd) carries tangents, not requires_grad
     jvp = {i.level() for i in retrieve_all_functorch_interpreters() if i.key() == func.TransformType.Jvp}

@@ -341,7 +341,7 @@ def quantize_dy_rows(res: GroupedLinearResiduals, dy: torch.Tensor, rows: torch.
     dgrad, wgrad = bool(_wanted(res)[0]), not _frozen(res)
     if res.fp8 is None or not (dgrad or wgrad) or (res.bias is not None and _wanted(res)[2]):
         return None  # (a bias grad sums dy's rows in high precision: they are gathered)
-    _fp8.check_first_order("grouped_linear", dy, res.weights)
+    _fp8.check_first_order("grouped_linear", dy, res.weights, res.x_TK)
     return res.fp8.quantize_rows(
         res.kernels, res.fp8.dy, dy, rows, res.splits, res.path == "grouped", rowwise=dgrad, columnwise=wgrad
     )
@@ -362,6 +362,7 @@ def _dy_fp8(res: GroupedLinearResiduals, dy_TN: torch.Tensor, k: _Route, dgrad: 
         grouped=k.grouped,
         dgrad=dgrad and _wanted(res)[0],
         wgrad=wgrad and not _frozen(res),
+        saved=res.x_TK,
     )
 
 

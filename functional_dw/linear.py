@@ -272,7 +272,14 @@ def _frozen(res: LinearResiduals) -> bool:
 
 def _dy_fp8(res: LinearResiduals, dy_TN: torch.Tensor, k: Kernels, dgrad: bool, wgrad: bool) -> Any:
     return _steps.quantize_dy(
-        res.fp8, "linear", dy_TN, [res.weight], k, dgrad=dgrad and _wanted(res)[0], wgrad=wgrad and not _frozen(res)
+        res.fp8,
+        "linear",
+        dy_TN,
+        [res.weight],
+        k,
+        dgrad=dgrad and _wanted(res)[0],
+        wgrad=wgrad and not _frozen(res),
+        saved=res.x,
     )
 
 

@@ -692,6 +692,23 @@ def test_forward_mode_and_second_order_raise(layer):
     y = _call(layer, None, xr, ws, None, recipe, None)
     (dx,) = torch.autograd.grad(y, xr, dy, create_graph=True)
     assert not dx.requires_grad
+    # second order in the weights or through a vjp_fn run inside a grad: refused (both came back
+    # silently zero: only dy was asked under torch.func; NOTE: [A transform's dead level])
+    c = torch.randn_like(f(x))
+
+    def grad_w_of_grad_x(w0):
+        return grad(lambda x: (_call(layer, None, x, [w0, *ws[1:]], bs, recipe, None) * c).sum())(x).square().sum()
+
+    def grad_x_of_vjp_w(x):
+        return torch.func.vjp(lambda w0: _call(layer, None, x, [w0, *ws[1:]], bs, recipe, None), ws[0])[1](c)[0]
+
+    with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
+        grad(grad_w_of_grad_x)(ws[0])
+    with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
+        grad(lambda x: grad_x_of_vjp_w(x).square().sum())(x)
+    # first order through a vjp_fn (called after vjp returned, and vmapped by jacrev) runs
+    y, vjp_fn = torch.func.vjp(f, x)
+    assert vjp_fn(c)[0].shape == x.shape and jacrev(f)(x).shape == (*y.shape, *x.shape)
 
 
 # --- 1, 6. arguments and errors ------------------------------------------------------------
