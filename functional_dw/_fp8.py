@@ -137,9 +137,17 @@ def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tens
             higher = any(i.key() in (func.TransformType.Grad, func.TransformType.Jvp) for i in live)
         else:
             higher = False
-            for t in (dy, *weights):  # (the weights: dgrad reads their FP8 copies, with no graph back)
+            copies = _tensors(saved)
+            for t in (dy, *weights, *copies):  # (the weights: dgrad reads their FP8 copies, with no graph back)
+                saved_copy = any(t is c for c in copies)
                 while func.is_functorch_wrapped_tensor(t):
-                    if func.is_gradtrackingtensor(t) and func.maybe_get_level(t) != own and t.requires_grad:
+                    # a copy of x tracked by another level: that level differentiates through x,
+                    # which the quantization cut (the copy itself never requires grad)
+                    if (
+                        func.is_gradtrackingtensor(t)
+                        and func.maybe_get_level(t) != own
+                        and (t.requires_grad or saved_copy)
+                    ):
                         higher = True
                     t = func.get_unwrapped(t)
     elif torch._C._current_autograd_node() is None:

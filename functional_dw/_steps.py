@@ -128,8 +128,8 @@ def differentiated(dy: Any, inputs: Any, x_wanted: bool = False) -> bool:
                     return True
             t = func.get_unwrapped(t)
         bases.append(t)
-    if top is not None:
-        return False
     if torch._C._current_autograd_node() is None:
         return False  # the pure API called directly, not autograd's backward
-    return x_wanted or any(t.requires_grad for t in bases)
+    # Under a transform plain autograd may still differentiate what it returns (a loss on
+    # torch.func.grad's result, then backward()): base tensors requiring grad count there too.
+    return (x_wanted and top is None) or any(t.requires_grad for t in bases)

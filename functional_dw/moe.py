@@ -419,7 +419,10 @@ def moe_layer_bwd(res: MoEResiduals, dy: torch.Tensor) -> tuple:
             "moe_layer: a backward through the one-node layer cannot be differentiated again (create_graph=True, "
             "grad of grad, jacrev of jacrev): the rows it saved carry no graph back to x and the router, so "
             "second-order terms would be silently missing. Run the parts as separate ops (fd.nn.MoE, or "
-            "moe.topk_router, moe.dispatch, fd.grouped_mlp and moe.combine), which differentiate twice"
+            "moe.topk_router, moe.dispatch, fd.grouped_mlp and moe.combine), which differentiate twice. Under "
+            "torch.func, inputs that require grad outside the transform (nn.Parameters closed over or passed "
+            "as they are) could be differentiated by autograd afterwards: for first-order gradients pass them "
+            "detached (torch.func.functional_call with {name: p.detach()})"
         )
     d_h, _ = combine_bwd(res.combine, dy)
     if res.from_experts is not None:

@@ -704,6 +704,12 @@ def test_forward_mode_and_second_order_raise(layer):
 
     with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
         grad(grad_w_of_grad_x)(ws[0])
+
+    def grad_x_of_grad_w(x):  # (the inner level's own weight; x's copy tracked by the outer level)
+        return grad(lambda w0: (_call(layer, None, x, [w0, *ws[1:]], bs, recipe, None) * c).sum())(ws[0]).square().sum()
+
+    with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
+        grad(grad_x_of_grad_w)(x)
     with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
         grad(lambda x: grad_x_of_vjp_w(x).square().sum())(x)
     # first order through a vjp_fn (called after vjp returned, and vmapped by jacrev) runs

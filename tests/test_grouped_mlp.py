@@ -546,6 +546,29 @@ def test_grad_of_a_vjp_fn_is_second_order(save):
 
 
 @pytest.mark.parametrize("save", POLICIES)
+def test_autograd_over_a_torch_func_grad_is_second_order(save):
+    """A penalty on torch.func.grad's result, then plain autograd (x and w1 leaves requiring
+    grad outside the transform): the backward run by the grad level is differentiated by autograd
+    below it, so it recomputes (it came back wrong by up to 27 before: a live transform ended the
+    check before plain autograd's requires_grad was asked)."""
+    g = torch.Generator().manual_seed(8)
+    x, p = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.rand(6, generator=g, dtype=torch.float64)
+    w1 = torch.randn(3, 4, 4, generator=g, dtype=torch.float64)
+    w2 = torch.randn(3, 4, 2, generator=g, dtype=torch.float64)
+
+    def total(fn):
+        xs, w1s = x.clone().requires_grad_(), w1.clone().requires_grad_()
+        loss = lambda x: fn(x, w1s).square().sum()  # noqa: E731
+        t = loss(xs) + torch.func.grad(loss)(xs).square().sum()
+        return torch.autograd.grad(t, [xs, w1s])
+
+    got = total(lambda x, w1: fd.grouped_mlp(x, w1, w2, [2, 0, 4], probs=p, save=save, use_grouped_tensor=False))
+    want = total(lambda x, w1: ref_mlp(x, w1, w2, [2, 0, 4], p, None, None, ACT["swiglu"]))
+    for a, b, name in zip(got, want, ("x", "w1")):
+        assert_close(a, b, torch.float64, f"d/d{name} of the penalty")
+
+
+@pytest.mark.parametrize("save", POLICIES)
 def test_second_order_through_dx_with_a_constant_cotangent(save):
     """A gradient penalty (dy constant, the weights frozen, only x and probs requiring grad):
     dx depends on x through the activation, so its derivative is recomputed from x like any

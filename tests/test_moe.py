@@ -349,13 +349,17 @@ def test_the_one_node_keeps_x_once():
 def test_torch_func_grad_of_the_layer(score):
     x, wr, w1, w2 = _params()
 
-    def loss(x, wr):
+    def loss(x, wr, w1=w1.detach(), w2=w2.detach()):
         return moe.moe_layer(x, wr, w1, w2, K, score=score, backend="torch").square().sum()
 
     got = torch.func.grad(loss, argnums=(0, 1))(x.detach(), wr.detach())
     want = torch.autograd.grad(_reference(x, wr, w1, w2, K, score).square().sum(), (x, wr))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+    # weights that require grad outside the transform: autograd could differentiate the result
+    # afterwards (a loss on it, then backward), where the one node's terms would be missing
+    with pytest.raises(NotImplementedError, match=r"pass them detached \(torch.func.functional_call"):
+        torch.func.grad(lambda x: loss(x, wr.detach(), w1, w2))(x.detach())
 
 
 def test_vmap_over_tokens_and_over_an_ensemble_of_experts():
