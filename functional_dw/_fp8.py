@@ -102,6 +102,27 @@ def _tensors(saved: Any) -> list:
     return []
 
 
+def _transform_differentiates(top: Any, dy: torch.Tensor, weights: Sequence[torch.Tensor], copies: list) -> bool:
+    """Under torch.func (``top``: the innermost level): whether a level other than the one running
+    this backward tracks dy, a weight (dgrad reads their FP8 copies, with no graph back) or the
+    record's copies of x (that level differentiates through x, which quantization cut: the copy
+    itself never requires grad)."""
+    func = torch._C._functorch
+    if any(_checks.has_dead_wrapper(t) for t in (dy, *weights, *copies)):
+        # a vjp_fn run inside a live transform (NOTE: [A transform's dead level] in _steps.py):
+        # every live level is outside this backward and may differentiate it through x
+        live = retrieve_all_functorch_interpreters()
+        return any(i.key() in (func.TransformType.Grad, func.TransformType.Jvp) for i in live)
+    own = top.level() if top.key() == func.TransformType.Grad else None  # grad(): backward runs at its level
+    for t in (dy, *weights, *copies):
+        copy = any(t is c for c in copies)
+        while func.is_functorch_wrapped_tensor(t):
+            if func.is_gradtrackingtensor(t) and func.maybe_get_level(t) != own and (t.requires_grad or copy):
+                return True
+            t = func.get_unwrapped(t)
+    return False
+
+
 def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tensor], saved: Any = None) -> None:
     """Raise when a backward through an FP8 layer would itself be differentiated: autograd's
     backward with ``create_graph=True`` where dy or a weight requires grad, or under
@@ -125,31 +146,9 @@ def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tens
         )
     if not torch.is_grad_enabled():
         return
-    func = torch._C._functorch
-    top = func.peek_interpreter_stack()
+    top = torch._C._functorch.peek_interpreter_stack()
     if top is not None:
-        own = top.level() if top.key() == func.TransformType.Grad else None  # grad(): backward runs at its level
-        if any(_checks.has_dead_wrapper(t) for t in (dy, *weights, *_tensors(saved))):
-            # a vjp_fn run inside a live transform (NOTE: [A transform's dead level] in _steps.py):
-            # every live level is outside this backward and may differentiate it through x, which
-            # the record holds only as its FP8 copy (not asked here): refused while one can
-            live = retrieve_all_functorch_interpreters()
-            higher = any(i.key() in (func.TransformType.Grad, func.TransformType.Jvp) for i in live)
-        else:
-            higher = False
-            copies = _tensors(saved)
-            for t in (dy, *weights, *copies):  # (the weights: dgrad reads their FP8 copies, with no graph back)
-                saved_copy = any(t is c for c in copies)
-                while func.is_functorch_wrapped_tensor(t):
-                    # a copy of x tracked by another level: that level differentiates through x,
-                    # which the quantization cut (the copy itself never requires grad)
-                    if (
-                        func.is_gradtrackingtensor(t)
-                        and func.maybe_get_level(t) != own
-                        and (t.requires_grad or saved_copy)
-                    ):
-                        higher = True
-                    t = func.get_unwrapped(t)
+        higher = _transform_differentiates(top, dy, weights, _tensors(saved))
     elif torch._C._current_autograd_node() is None:
         return  # the pure API called directly, not autograd's backward
     else:  # autograd's backward with create_graph=True
