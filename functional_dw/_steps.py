@@ -86,7 +86,7 @@ def bias_grad(
     return db if db is not None else sums(dy_TN)
 
 
-def differentiated(dy: Any, inputs: Any, x_wanted: bool = False) -> bool:
+def differentiated(dy: Any, inputs: Any, x_wanted: bool = False, below: bool = True) -> bool:
     """Whether this backward will itself be differentiated (autograd's ``create_graph=True``, or
     under ``torch.func`` a dy or saved input tracked by another grad or jvp level than the one
     running it: grad of grad, ``jacrev(jacrev)``, jvp of grad), as ``_fp8.check_first_order``
@@ -96,7 +96,11 @@ def differentiated(dy: Any, inputs: Any, x_wanted: bool = False) -> bool:
     backward that is differentiated must recompute them (grouped_mlp) or refuse (moe_layer):
     else a second-order gradient silently misses their terms (for x: NOTE: [Saved x]). A direct
     pure ``*_bwd`` call is never differentiated here. ``x_wanted``: autograd asks for x's grad
-    where the record holds no x (FP8 keeps its FP8 copy), so x requires grad."""
+    where the record holds no x (FP8 keeps its FP8 copy), so x requires grad. ``below``: under a
+    transform, also count plain autograd beneath it (inputs' base tensors requiring grad: a loss
+    on ``torch.func.grad``'s result, then ``backward()``); a caller that can only refuse passes
+    False, or it would refuse every first-order ``torch.func.grad`` over a module whose
+    parameters require grad (that composition is then not caught: docs/fp8.md, docs/moe.md)."""
 
     # NOTE: [A transform's dead level] ``torch.func.vjp``'s vjp_fn (and jacrev, which vmaps it)
     # runs autograd with ``create_graph=True`` after vjp's grad level has exited: the saved
@@ -128,8 +132,8 @@ def differentiated(dy: Any, inputs: Any, x_wanted: bool = False) -> bool:
                     return True
             t = func.get_unwrapped(t)
         bases.append(t)
-    if torch._C._current_autograd_node() is None:
-        return False  # the pure API called directly, not autograd's backward
+    if torch._C._current_autograd_node() is None or (top is not None and not below):
+        return False  # (None: the pure API called directly, not autograd's backward)
     # Under a transform plain autograd may still differentiate what it returns (a loss on
     # torch.func.grad's result, then backward()): base tensors requiring grad count there too.
     return (x_wanted and top is None) or any(t.requires_grad for t in bases)

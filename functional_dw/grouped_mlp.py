@@ -351,8 +351,9 @@ def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     # gathers and finalize match across ranks, as in grouped_linear); dh also feeds dprobs
     fc1_side = bool(want_x) or any_needed(want_w1) or any_needed(want_b1) or res.fc1.distributed
     need_dh = fc1_side or (res.probs is not None and bool(want_p))
-    second = differentiated(dy, _fc1_inputs(res), x_wanted=res.fc1.fp8 is not None and bool(want_x))
-    if second and res.fc1.fp8 is not None:
+    fp8 = res.fc1.fp8 is not None  # (FP8 refuses where bf16 recomputes: plain autograd below a transform not asked)
+    second = differentiated(dy, _fc1_inputs(res), x_wanted=fp8 and bool(want_x), below=not fp8)
+    if second and fp8:
         raise NotImplementedError(
             "grouped_mlp: a backward through FP8 layers cannot be differentiated again (create_graph=True, "
             "grad of grad, jacrev of jacrev): quantization has no derivative, so second-order terms would "

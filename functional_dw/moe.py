@@ -414,15 +414,12 @@ def _inputs(res: MoEResiduals) -> tuple:
 
 def moe_layer_bwd(res: MoEResiduals, dy: torch.Tensor) -> tuple:
     """(dx, d_router_weight, dw1, dw2): each part's ``*_bwd`` in reverse, x's two grads summed."""
-    if differentiated(dy, _inputs(res)):
+    if differentiated(dy, _inputs(res), below=False):
         raise NotImplementedError(
             "moe_layer: a backward through the one-node layer cannot be differentiated again (create_graph=True, "
             "grad of grad, jacrev of jacrev): the rows it saved carry no graph back to x and the router, so "
             "second-order terms would be silently missing. Run the parts as separate ops (fd.nn.MoE, or "
-            "moe.topk_router, moe.dispatch, fd.grouped_mlp and moe.combine), which differentiate twice. Under "
-            "torch.func, inputs that require grad outside the transform (nn.Parameters closed over or passed "
-            "as they are) could be differentiated by autograd afterwards: for first-order gradients pass them "
-            "detached (torch.func.functional_call with {name: p.detach()})"
+            "moe.topk_router, moe.dispatch, fd.grouped_mlp and moe.combine), which differentiate twice"
         )
     d_h, _ = combine_bwd(res.combine, dy)
     if res.from_experts is not None:

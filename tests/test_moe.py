@@ -356,10 +356,9 @@ def test_torch_func_grad_of_the_layer(score):
     want = torch.autograd.grad(_reference(x, wr, w1, w2, K, score).square().sum(), (x, wr))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
-    # weights that require grad outside the transform: autograd could differentiate the result
-    # afterwards (a loss on it, then backward), where the one node's terms would be missing
-    with pytest.raises(NotImplementedError, match=r"pass them detached \(torch.func.functional_call"):
-        torch.func.grad(lambda x: loss(x, wr.detach(), w1, w2))(x.detach())
+    # closed-over weights that require grad (an nn.Module's): first order runs, the same grads
+    got = torch.func.grad(lambda x: loss(x, wr.detach(), w1, w2))(x.detach())
+    assert torch.equal(got, torch.func.grad(loss)(x.detach(), wr.detach()))
 
 
 def test_vmap_over_tokens_and_over_an_ensemble_of_experts():
