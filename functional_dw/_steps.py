@@ -86,6 +86,15 @@ def bias_grad(
     return db if db is not None else sums(dy_TN)
 
 
+# NOTE: [A transform's dead level] ``torch.func.vjp``'s vjp_fn (and jacrev, which vmaps it)
+# runs autograd with ``create_graph=True`` after vjp's grad level has exited: the saved
+# inputs are then dead wrappers of that level, still ``requires_grad``, whose results the
+# vjp_fn unwraps, so nothing can differentiate them at that level: a first-order vjp or
+# jacrev is not a second-order gradient. The backward then runs at that dead level, so every
+# live level is outside it, the innermost grad level included (a vjp_fn called inside a
+# ``grad``: grad of vjp): a tensor any live level tracks, or plain autograd's base tensor
+# requiring grad, counts. Where no input is a dead wrapper the innermost grad level is the
+# one running the backward (``torch.func.grad``) and its own wrappers do not count.
 def differentiated(dy: Any, inputs: Any, x_wanted: bool = False, below: bool = True) -> bool:
     """Whether this backward will itself be differentiated (autograd's ``create_graph=True``, or
     under ``torch.func`` a dy or saved input tracked by another grad or jvp level than the one
@@ -102,15 +111,6 @@ def differentiated(dy: Any, inputs: Any, x_wanted: bool = False, below: bool = T
     False, or it would refuse every first-order ``torch.func.grad`` over a module whose
     parameters require grad (that composition is then not caught: docs/fp8.md, docs/moe.md)."""
 
-    # NOTE: [A transform's dead level] ``torch.func.vjp``'s vjp_fn (and jacrev, which vmaps it)
-    # runs autograd with ``create_graph=True`` after vjp's grad level has exited: the saved
-    # inputs are then dead wrappers of that level, still ``requires_grad``, whose results the
-    # vjp_fn unwraps, so nothing can differentiate them at that level: a first-order vjp or
-    # jacrev is not a second-order gradient. The backward then runs at that dead level, so every
-    # live level is outside it, the innermost grad level included (a vjp_fn called inside a
-    # ``grad``: grad of vjp): a tensor any live level tracks, or plain autograd's base tensor
-    # requiring grad, counts. Where no input is a dead wrapper the innermost grad level is the
-    # one running the backward (``torch.func.grad``) and its own wrappers do not count.
     if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(dy, torch.Tensor):
         return False
     func = torch._C._functorch
