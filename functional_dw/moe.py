@@ -81,13 +81,15 @@ def _check(x: Any, indices: Any, probs: Any, num_experts: Any) -> None:
     _check_routing("dispatch", indices, probs, num_experts, x)
 
 
-def _check_routing(who: str, indices: Any, probs: Any, num_experts: Any, x: Any = None) -> None:
-    """The dispatch's and sort_by_expert's checks of the routing (``x``: the dispatch's, checked)."""
+def _check_routing(who: str, indices: Any, probs: Any, num_experts: Any, x: Any = None, x_name: str = "x's") -> None:
+    """The routing's checks in the dispatch, sort_by_expert and load_balancing_loss (``x``: the
+    tensor whose rows the indices route, ``x_name``: its possessive in the messages)."""
     if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{who}: indices must be a [T, k] int32/int64 tensor (torch.topk's), got {_what(indices)}")
     if x is not None and (indices.shape[0] != x.shape[0] or indices.device != x.device):
         raise ValueError(
-            f"{who}: indices {tuple(indices.shape)} on {indices.device} must have x's {x.shape[0]} rows and device {x.device}"
+            f"{who}: indices {tuple(indices.shape)} on {indices.device} must have {x_name} {x.shape[0]} rows and "
+            f"device {x.device}"
         )
     if probs is not None and (
         not isinstance(probs, torch.Tensor)
@@ -320,16 +322,8 @@ def load_balancing_loss(
     scores normalized over all experts). Differentiable in the logits."""
     check_logits(logits, "load_balancing_loss")
     T, E = logits.shape
-    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.shape[0] != T:
-        raise ValueError(
-            f"load_balancing_loss: indices must be [T, k] with the logits' T = {T} tokens "
-            f"(topk_router's indices for these logits), got {_what(indices)}"
-        )
-    if indices.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"load_balancing_loss: indices must be int64 or int32 (topk_router's), got {indices.dtype}")
+    _check_routing("load_balancing_loss", indices, None, E, logits, "the logits'")
     check_router(indices.shape[-1], score, E, "load_balancing_loss")
-    if values_free(indices) and indices.numel():  # NOTE: [Expert indices are not checked on CUDA]
-        check_indices(indices, E)
     if score == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     else:
