@@ -35,6 +35,8 @@ __all__ = [
     "as_recipe",
     "check_dims",
     "check_first_order",
+    "NOT_TWICE",
+    "tensors_of",
     "family",
     "no_jvp",
     "plan",
@@ -90,13 +92,13 @@ def no_jvp(p: Plan | None, layer: str) -> None:
         )
 
 
-def _tensors(saved: Any) -> list:
-    """The tensors of a saved FP8 copy (a tensor, a dataclass of them: RowwiseActivation, or a
-    list of either: one per expert)."""
+def tensors_of(saved: Any) -> list:
+    """The tensors of a saved input or its FP8 copy (a tensor, a dataclass of them:
+    RowwiseActivation, or a list or tuple of either: one per expert); [] for anything else."""
     if isinstance(saved, torch.Tensor):
         return [saved]
     if isinstance(saved, (list, tuple)):
-        return [t for v in saved for t in _tensors(v)]
+        return [t for v in saved for t in tensors_of(v)]
     if dataclasses.is_dataclass(saved):
         return [v for f in dataclasses.fields(saved) if isinstance(v := getattr(saved, f.name), torch.Tensor)]
     return []
@@ -123,6 +125,12 @@ def _transform_differentiates(top: Any, dy: torch.Tensor, weights: Sequence[torc
     return False
 
 
+NOT_TWICE = (  # ({how}: what differentiates it)
+    "a backward through an FP8 layer cannot be differentiated again{how}: quantization has no derivative, so "
+    "second-order terms would be silently missing. Take first-order gradients, or use recipe=None"
+)
+
+
 def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tensor], saved: Any = None) -> None:
     """Raise when a backward through an FP8 layer would itself be differentiated: autograd's
     backward with ``create_graph=True`` where dy or a weight requires grad, or under
@@ -147,15 +155,16 @@ def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tens
     if not torch.is_grad_enabled():
         return
     top = torch._C._functorch.peek_interpreter_stack()
+    copies = tensors_of(saved)
     if top is not None:
-        higher = _transform_differentiates(top, dy, weights, _tensors(saved))
+        higher = _transform_differentiates(top, dy, weights, copies)
     elif torch._C._current_autograd_node() is None:
         return  # the pure API called directly, not autograd's backward
+    elif any(_checks.has_dead_wrapper(t) for t in (dy, *weights, *copies)):
+        return  # a vjp_fn run after vjp returned: refused lazily (NOTE: [Refused lazily] in _steps.py)
     else:  # autograd's backward with create_graph=True
         higher = dy.requires_grad or any(w.requires_grad for w in weights)
     if higher:
         raise NotImplementedError(
-            f"{layer}: a backward through an FP8 layer cannot be differentiated again (create_graph=True, "
-            "grad of grad, jacrev of jacrev): quantization has no derivative, so second-order terms would "
-            "be silently missing. Take first-order gradients, or use recipe=None"
+            f"{layer}: " + NOT_TWICE.format(how=" (create_graph=True, grad of grad, jacrev of jacrev)")
         )

@@ -13,11 +13,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from . import _checks, _fp8, distributed_weight as dwp
+from .custom_vjp import custom_vjp
 
-__all__ = ["check_record", "frozen", "quantize_dy", "dgrad_weights", "bias_grad", "differentiated"]
+__all__ = [
+    "check_record",
+    "frozen",
+    "quantize_dy",
+    "dgrad_weights",
+    "bias_grad",
+    "differentiated",
+    "refused_later",
+]
 
 
 def check_record(fn: str, res: Any, cls: type, fwd: str, x_field: str) -> None:
@@ -107,33 +117,79 @@ def differentiated(dy: Any, inputs: Any, x_wanted: bool = False, below: bool = T
     pure ``*_bwd`` call is never differentiated here. ``x_wanted``: autograd asks for x's grad
     where the record holds no x (FP8 keeps its FP8 copy), so x requires grad. ``below``: under a
     transform, also count plain autograd beneath it (inputs' base tensors requiring grad: a loss
-    on ``torch.func.grad``'s result, then ``backward()``); a caller that can only refuse passes
-    False, or it would refuse every first-order ``torch.func.grad`` over a module whose
-    parameters require grad (that composition is then not caught: docs/fp8.md, docs/moe.md)."""
+    on ``torch.func.grad``'s result, then ``backward()``; likewise beneath a vjp_fn's dead level);
+    a caller that can only refuse passes False, or it would refuse every first-order
+    ``torch.func.grad`` over a module whose parameters require grad, and refuses there lazily
+    instead (:func:`refused_later`)."""
 
     if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(dy, torch.Tensor):
         return False
     func = torch._C._functorch
-    tensors = [t for t in (dy, *inputs) if isinstance(t, torch.Tensor)]
+    tensors = [t for v in (dy, *inputs) for t in _fp8.tensors_of(v)]  # (FP8 copies: their tensors)
     top = func.peek_interpreter_stack()
     own = top.level() if top is not None and top.key() == func.TransformType.Grad else None
     if own is not None and any(_checks.has_dead_wrapper(t) for t in tensors):  # NOTE: [A transform's dead level]
         own = None
     # a jvp level (jvp of grad, hessian's jacfwd) carries tangents, not requires_grad
     jvp = {i.level() for i in retrieve_all_functorch_interpreters() if i.key() == func.TransformType.Jvp}
-    bases = []
+    bases, dead = [], False
     for t in tensors:
         while func.is_functorch_wrapped_tensor(t):
             if func.is_dead_tensor_wrapper(t):
-                t = func.unwrap_if_dead(t)
+                t, dead = func.unwrap_if_dead(t), True
                 continue
             if func.is_gradtrackingtensor(t) and (level := func.maybe_get_level(t)) != own:
                 if t.requires_grad or level in jvp:
                     return True
             t = func.get_unwrapped(t)
         bases.append(t)
-    if torch._C._current_autograd_node() is None or (top is not None and not below):
-        return False  # (None: the pure API called directly, not autograd's backward)
-    # Under a transform plain autograd may still differentiate what it returns (a loss on
-    # torch.func.grad's result, then backward()): base tensors requiring grad count there too.
-    return (x_wanted and top is None) or any(t.requires_grad for t in bases)
+    if torch._C._current_autograd_node() is None:
+        return False  # the pure API called directly, not autograd's backward
+    if top is None and not dead:  # autograd's own create_graph=True
+        return x_wanted or any(t.requires_grad for t in bases)
+    # Beneath a transform (or a vjp_fn's dead level) plain autograd may still differentiate what
+    # it returns (a loss on torch.func.grad's result, then backward()): NOTE: [Refused lazily]
+    return below and any(t.requires_grad for t in bases)
+
+
+# NOTE: [Refused lazily] A backward that cannot be differentiated (FP8: quantization has no
+# derivative; moe_layer's one node: rows saved with no graph back to x) refuses at once where
+# a torch.func level or autograd's own ``create_graph=True`` will differentiate it
+# (:func:`differentiated`, ``_fp8.check_first_order``). Plain autograd beneath a transform
+# cannot be told apart there: a first-order ``torch.func.grad`` over a module whose parameters
+# require grad, or a vjp_fn run after vjp returned, records this backward's ops in autograd's
+# graph of those parameters whether or not anything differentiates them later, so refusing at
+# once refused first-order uses. There the grads are handed back through an identity op whose
+# own backward raises (one node; the FP8 grads, made from quantized copies, have no graph of
+# their own, so a second-order result used to miss every term silently).
+def _refusal_fwd(grads: tuple, sources: tuple, message: str) -> tuple:
+    return grads, message
+
+
+def _refusal_bwd(message: str, _: Any) -> tuple:
+    raise NotImplementedError(message)
+
+
+_refusal = custom_vjp(_refusal_fwd, _refusal_bwd, nondiff_argnums=(2,), name="refused_later")
+
+
+def refused_later(layer: str, why: str, grads: Any, sources: Sequence[Any]) -> Any:
+    """``grads`` (a backward's cotangents, a pytree) as given, or, where plain autograd beneath a
+    torch.func transform records them (a tensor of ``sources``, the saved inputs and dy, requires
+    grad under its wrappers), through an op whose backward raises ``NotImplementedError`` with
+    ``layer`` and ``why`` (its ``{how}`` filled in: NOTE: [Refused lazily]). Autograd's own ``create_graph=True`` is
+    refused at once by the caller."""
+    if not torch.is_grad_enabled() or torch._C._current_autograd_node() is None or torch.compiler.is_compiling():
+        return grads
+    tensors = [t for v in sources for t in _fp8.tensors_of(v)]
+    if torch._C._functorch.peek_interpreter_stack() is None and not any(map(_checks.has_dead_wrapper, tensors)):
+        return grads
+    bases = tuple(t for t in map(_checks.bottom, tensors) if t.requires_grad)
+    if not bases:
+        return grads
+    leaves, spec = pytree.tree_flatten(grads)
+    at = [i for i, g in enumerate(leaves) if isinstance(g, torch.Tensor)]
+    message = f"{layer}: " + why.format(how=" (here autograd differentiates what a torch.func transform returned)")
+    for i, g in zip(at, _refusal(tuple(leaves[i] for i in at), bases, message)):
+        leaves[i] = g
+    return pytree.tree_unflatten(leaves, spec)

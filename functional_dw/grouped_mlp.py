@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _amp, _checks, _fp8, distributed_weight as dwp, mlp_rows
-from ._steps import differentiated
+from ._steps import differentiated, refused_later
 from ._bridge_planned import run_planned
 from .custom_vjp import custom_vjp
 from .grouped_linear import GroupedLinearResiduals, check_dy, forward, fprop, grouped_linear_bwd, one_buffer, prepare
@@ -355,9 +355,7 @@ def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     second = differentiated(dy, _fc1_inputs(res), x_wanted=fp8 and bool(want_x), below=not fp8)
     if second and fp8:
         raise NotImplementedError(
-            "grouped_mlp: a backward through FP8 layers cannot be differentiated again (create_graph=True, "
-            "grad of grad, jacrev of jacrev): quantization has no derivative, so second-order terms would "
-            "be silently missing. Take first-order gradients, or use recipe=None"
+            "grouped_mlp: " + _fp8.NOT_TWICE.format(how=" (create_graph=True, grad of grad, jacrev of jacrev)")
         )
     recompute = res.fc1_out is None or second
     r1 = _fc1_record(res) if fc1_side or recompute else res.fc1  # (with rows: x[rows] gathered at most once)
@@ -406,7 +404,10 @@ def _primal(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions) -> t
 def _bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> tuple:
     """Cotangents of (x, w1, w2, splits, probs, bias1, bias2, rows); the options are nondiff."""
     g = grouped_mlp_bwd(res, dy)
-    return g.dx, g.dw1, g.dw2, None, g.dprobs, g.dbias1, g.dbias2, None
+    grads = g.dx, g.dw1, g.dw2, None, g.dprobs, g.dbias1, g.dbias2, None
+    if res.fc1.fp8 is None and res.fc2.fp8 is None:
+        return grads
+    return refused_later("grouped_mlp", _fp8.NOT_TWICE, grads, (dy, *_fc1_inputs(res), *res.fc2.weights))
 
 
 def _planned(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions) -> torch.Tensor | None:

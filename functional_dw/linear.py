@@ -316,7 +316,8 @@ def _wgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: Kernels) -> t
 
 def _bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple:
     """Cotangents of (x, weight, bias); the options are nondiff (NOTE: [nondiff_argnums])."""
-    return linear_bwd(res, dy)
+    grads = linear_bwd(res, dy)
+    return grads if res.fp8 is None else _steps.refused_later("linear", _fp8.NOT_TWICE, grads, (dy, res.weight, res.x))
 
 
 def _fwd(x, weight, bias, opts: Options):  # positional form for custom_vjp

@@ -36,7 +36,7 @@ from .mlp_rows import TopkRows
 from .moe_ep import check_local_experts, check_permutation, from_experts, from_experts_bwd, from_experts_fwd, inverse
 from .moe_ep import to_experts, to_experts_bwd, to_experts_fwd, token_sum, tokens
 from ._checks import values_free
-from ._steps import differentiated
+from ._steps import differentiated, refused_later
 from .residuals import residuals, saved
 
 __all__ = ["DispatchResiduals", "CombineResiduals", "dispatch", "dispatch_fwd", "dispatch_bwd"]
@@ -410,10 +410,7 @@ def moe_layer_bwd(res: MoEResiduals, dy: torch.Tensor) -> tuple:
     """(dx, d_router_weight, dw1, dw2): each part's ``*_bwd`` in reverse, x's two grads summed."""
     if differentiated(dy, _inputs(res), below=False):
         raise NotImplementedError(
-            "moe_layer: a backward through the one-node layer cannot be differentiated again (create_graph=True, "
-            "grad of grad, jacrev of jacrev): the rows it saved carry no graph back to x and the router, so "
-            "second-order terms would be silently missing. Run the parts as separate ops (fd.nn.MoE, or "
-            "moe.topk_router, moe.dispatch, fd.grouped_mlp and moe.combine), which differentiate twice"
+            "moe_layer: " + _NOT_TWICE.format(how=" (create_graph=True, grad of grad, jacrev of jacrev)")
         )
     d_h, _ = combine_bwd(res.combine, dy)
     if res.from_experts is not None:
@@ -425,7 +422,15 @@ def moe_layer_bwd(res: MoEResiduals, dy: torch.Tensor) -> tuple:
     dx_rows, d_probs, _ = dispatch_bwd(res.dispatch, (d_rows, d_probs_r))
     d_logits, _ = topk_router_bwd(res.topk, (d_probs, None))
     dx_router, d_wr, _ = linear_bwd(res.router, d_logits)
-    return dx_rows + dx_router, d_wr, g.dw1, g.dw2
+    return refused_later("moe_layer", _NOT_TWICE, (dx_rows + dx_router, d_wr, g.dw1, g.dw2), (dy, *_inputs(res)))
+
+
+_NOT_TWICE = (  # ({how}: what differentiates it)
+    "a backward through the one-node layer cannot be differentiated again{how}: the rows it saved carry no "
+    "graph back to x and the router, so second-order terms would be silently missing. Run the parts as "
+    "separate ops (fd.nn.MoE, or moe.topk_router, moe.dispatch, fd.grouped_mlp and moe.combine), which "
+    "differentiate twice"
+)
 
 
 _moe_layer = custom_vjp(moe_layer_fwd, moe_layer_bwd, nondiff_argnums=(4, 5, 6, 7, 8, 9), name="moe_layer")

@@ -717,6 +717,31 @@ def test_forward_mode_and_second_order_raise(layer):
     assert vjp_fn(c)[0].shape == x.shape and jacrev(f)(x).shape == (*y.shape, *x.shape)
 
 
+@pytest.mark.parametrize("layer", ["linear", "grouped"])
+def test_autograd_over_a_torch_func_result_is_refused_when_it_differentiates(layer):
+    """A module's weights require grad outside a torch.func transform: first-order grad, vjp
+    (its vjp_fn called after vjp returned) and jacrev run and give what frozen weights give
+    (the vjp_fn was refused as "differentiated again" before); a loss on their result, then
+    autograd, raises there (NOTE: [Refused lazily]): the result was silently the loss's gradient
+    alone, or a raw "does not require grad" error."""
+    recipe = RECIPES["current"]
+    x, ws, bs, _ = _inputs(layer, dtype=torch.float32)
+    c = torch.randn(*x.shape[:-1], N, generator=torch.Generator().manual_seed(3))
+    live = [w.clone().requires_grad_() for w in ws]
+
+    def f(x, ws):
+        return _call(layer, None, x, ws, bs, recipe, None)
+
+    def results(ws):
+        gx = torch.func.grad(lambda x: (f(x, ws) * c).square().sum())(x)
+        return gx, torch.func.vjp(lambda x: f(x, ws), x)[1](c)[0], torch.func.jacrev(lambda x: f(x, ws)[..., :2])(x)
+
+    for got, want in zip(results(live), results(ws)):
+        assert torch.equal(got, want) and got.requires_grad
+        with pytest.raises(NotImplementedError, match="here autograd differentiates what a torch.func transform"):
+            torch.autograd.grad(f(x, live).sum() + got.square().sum(), live)
+
+
 # --- 1, 6. arguments and errors ------------------------------------------------------------
 
 

@@ -566,13 +566,24 @@ def test_autograd_over_a_torch_func_grad_is_second_order(save):
     want = total(lambda x, w1: ref_mlp(x, w1, w2, [2, 0, 4], p, None, None, ACT["swiglu"]))
     for a, b, name in zip(got, want, ("x", "w1")):
         assert_close(a, b, torch.float64, f"d/d{name} of the penalty")
-    if save != "x_only":  # FP8 refuses instead of recomputing, so it does not ask plain autograd there:
-        # a first-order torch.func.grad over x with weights requiring grad (a module's) runs
+    if save != "x_only":  # FP8 cannot recompute: first order over weights requiring grad (a module's)
+        # runs, as with frozen weights; autograd over its result raises (NOTE: [Refused lazily])
         xf = torch.randn(32, 16, generator=g)
-        w1f, w2f = torch.randn(2, 32, 16, generator=g).requires_grad_(), torch.randn(2, 16, 16, generator=g)
+        w1f, w2f = torch.randn(2, 32, 16, generator=g), torch.randn(2, 16, 16, generator=g)
         rec = fp8.RowwiseScaling(bf16_below=0)
-        gx = torch.func.grad(lambda x: fd.grouped_mlp(x, w1f, w2f, [16, 16], save=save, recipe=rec).square().sum())(xf)
-        assert gx.shape == xf.shape and torch.isfinite(gx).all()
+
+        def mlp(x, w1):
+            return fd.grouped_mlp(x, w1, w2f, [16, 16], save=save, recipe=rec)
+
+        def results(w1):
+            vjp_fn = torch.func.vjp(lambda x: mlp(x, w1), xf)[1]
+            return torch.func.grad(lambda x: mlp(x, w1).square().sum())(xf), vjp_fn(torch.ones(32, 16))[0]
+
+        live = w1f.clone().requires_grad_()
+        for got, want in zip(results(live), results(w1f)):
+            assert torch.equal(got, want)
+            with pytest.raises(NotImplementedError, match="^grouped_mlp: .*here autograd differentiates"):
+                torch.autograd.grad(mlp(xf, live).sum() + got.square().sum(), live)
 
 
 @pytest.mark.parametrize("save", POLICIES)
