@@ -209,6 +209,28 @@ def values_free(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(t)
 
 
+def live(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without the torch.func wrappers of exited levels around it (NOTE: [A transform's
+    dead level] in ``_steps.py``): what a Function applied now may take as an input."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t) and torch._C._functorch.is_dead_tensor_wrapper(t):
+        t = torch._C._functorch.unwrap_if_dead(t)
+    return t
+
+
+def tracked(t: torch.Tensor) -> bool:
+    """Whether autograd records ops on ``t`` at any level: a live torch.func grad level's wrapper
+    of it, or the tensor under every wrapper, requires grad."""
+    func = torch._C._functorch
+    while func.is_functorch_wrapped_tensor(t):
+        if func.is_dead_tensor_wrapper(t):
+            t = func.unwrap_if_dead(t)
+            continue
+        if func.is_gradtrackingtensor(t) and t.requires_grad:
+            return True
+        t = func.get_unwrapped(t)
+    return t.requires_grad
+
+
 def has_dead_wrapper(t: torch.Tensor) -> bool:
     """Whether a torch.func wrapper of an exited level wraps ``t`` (or is ``t``): a backward run
     by ``torch.func.vjp``'s vjp_fn after vjp returned (NOTE: [A transform's dead level] in

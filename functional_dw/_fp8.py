@@ -7,6 +7,8 @@ kernels by family]).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +39,7 @@ __all__ = [
     "check_first_order",
     "NOT_TWICE",
     "tensors_of",
+    "dead_level",
     "family",
     "no_jvp",
     "plan",
@@ -125,6 +128,29 @@ def _transform_differentiates(top: Any, dy: torch.Tensor, weights: Sequence[torc
     return False
 
 
+_DEAD_LEVEL: contextvars.ContextVar[bool] = contextvars.ContextVar("functional_dw_dead_level", default=False)
+
+
+def dead_level(saved: Any) -> contextlib.AbstractContextManager:
+    """Around a composite's backward (grouped_mlp): where its record's ``saved`` tensors are
+    wrappers of an exited torch.func level (a vjp_fn's backward: NOTE: [A transform's dead
+    level] in _steps.py), its layers' :func:`check_first_order` know it too, on the records it
+    rebuilt in backward (a recomputed h carries no wrapper) and would take for autograd's own
+    ``create_graph=True``. A no-op elsewhere."""
+    if not torch.is_grad_enabled() or not any(_checks.has_dead_wrapper(t) for t in tensors_of(saved)):
+        return contextlib.nullcontext()
+    return _set(_DEAD_LEVEL)
+
+
+@contextlib.contextmanager
+def _set(var: contextvars.ContextVar[bool]) -> Any:
+    token = var.set(True)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 NOT_TWICE = (  # ({how}: what differentiates it)
     "a backward through an FP8 layer cannot be differentiated again{how}: quantization has no derivative, so "
     "second-order terms would be silently missing. Take first-order gradients, or use recipe=None"
@@ -160,7 +186,7 @@ def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tens
         higher = _transform_differentiates(top, dy, weights, copies)
     elif torch._C._current_autograd_node() is None:
         return  # the pure API called directly, not autograd's backward
-    elif any(_checks.has_dead_wrapper(t) for t in (dy, *weights, *copies)):
+    elif _DEAD_LEVEL.get() or any(_checks.has_dead_wrapper(t) for t in (dy, *weights, *copies)):
         return  # a vjp_fn run after vjp returned: refused lazily (NOTE: [Refused lazily] in _steps.py)
     else:  # autograd's backward with create_graph=True
         higher = dy.requires_grad or any(w.requires_grad for w in weights)

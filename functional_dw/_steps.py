@@ -104,7 +104,10 @@ def bias_grad(
 # live level is outside it, the innermost grad level included (a vjp_fn called inside a
 # ``grad``: grad of vjp): a tensor any live level tracks, or plain autograd's base tensor
 # requiring grad, counts. Where no input is a dead wrapper the innermost grad level is the
-# one running the backward (``torch.func.grad``) and its own wrappers do not count.
+# one running the backward: ``torch.func.grad``'s own, never differentiated again, or a
+# ``torch.autograd.grad(create_graph=True)`` inside the transform, which that level does
+# differentiate afterwards. The two look alike here, so its own wrappers count for a caller
+# that can recompute (``below``) and are refused lazily otherwise (NOTE: [Refused lazily]).
 def differentiated(dy: Any, inputs: Any, x_wanted: bool = False, below: bool = True) -> bool:
     """Whether this backward will itself be differentiated (autograd's ``create_graph=True``, or
     under ``torch.func`` a dy or saved input tracked by another grad or jvp level than the one
@@ -116,11 +119,13 @@ def differentiated(dy: Any, inputs: Any, x_wanted: bool = False, below: bool = T
     else a second-order gradient silently misses their terms (for x: NOTE: [Saved x]). A direct
     pure ``*_bwd`` call is never differentiated here. ``x_wanted``: autograd asks for x's grad
     where the record holds no x (FP8 keeps its FP8 copy), so x requires grad. ``below``: under a
-    transform, also count plain autograd beneath it (inputs' base tensors requiring grad: a loss
-    on ``torch.func.grad``'s result, then ``backward()``; likewise beneath a vjp_fn's dead level);
-    a caller that can only refuse passes False, or it would refuse every first-order
-    ``torch.func.grad`` over a module whose parameters require grad, and refuses there lazily
-    instead (:func:`refused_later`)."""
+    transform, also count the innermost grad level's own wrappers (``torch.autograd.grad`` with
+    ``create_graph=True`` inside it) and plain autograd beneath it (inputs' base tensors
+    requiring grad: a loss on ``torch.func.grad``'s result, then ``backward()``; likewise
+    beneath a vjp_fn's dead level), so grouped_mlp recomputes under any ``torch.func.grad``
+    whose inputs require grad. A caller that can only refuse passes False, or it would refuse
+    every first-order ``torch.func.grad``, and refuses there lazily instead
+    (:func:`refused_later`)."""
 
     if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(dy, torch.Tensor):
         return False
@@ -138,7 +143,7 @@ def differentiated(dy: Any, inputs: Any, x_wanted: bool = False, below: bool = T
             if func.is_dead_tensor_wrapper(t):
                 t, dead = func.unwrap_if_dead(t), True
                 continue
-            if func.is_gradtrackingtensor(t) and (level := func.maybe_get_level(t)) != own:
+            if func.is_gradtrackingtensor(t) and ((level := func.maybe_get_level(t)) != own or below):
                 if t.requires_grad or level in jvp:
                     return True
             t = func.get_unwrapped(t)
@@ -155,15 +160,18 @@ def differentiated(dy: Any, inputs: Any, x_wanted: bool = False, below: bool = T
 # NOTE: [Refused lazily] A backward that cannot be differentiated (FP8: quantization has no
 # derivative; moe_layer's one node: rows saved with no graph back to x) refuses at once where
 # a torch.func level or autograd's own ``create_graph=True`` will differentiate it
-# (:func:`differentiated`, ``_fp8.check_first_order``). Plain autograd beneath a transform
-# cannot be told apart there: a first-order ``torch.func.grad`` over a module whose parameters
-# require grad, or a vjp_fn run after vjp returned, records this backward's ops in autograd's
-# graph of those parameters whether or not anything differentiates them later, so refusing at
-# once refused first-order uses. There the grads are handed back through an identity op whose
-# own backward raises (one node; the FP8 grads, made from quantized copies, have no graph of
-# their own, so a second-order result used to miss every term silently).
+# (:func:`differentiated`, ``_fp8.check_first_order``). Two cannot be told from first-order
+# use there: plain autograd beneath a transform (a first-order ``torch.func.grad`` over a
+# module whose parameters require grad, or a vjp_fn run after vjp returned, records this
+# backward's ops in autograd's graph of those parameters whether or not anything
+# differentiates them later), and the grad level running the backward (its own final
+# backward, or a ``torch.autograd.grad(create_graph=True)`` inside the transform, which it
+# then differentiates). There the grads are handed back through an identity op whose own
+# backward raises: one node where first order never reaches it. (The FP8 grads, made from
+# quantized copies, have no graph of their own, so a second-order result used to miss every
+# term silently, or came back exactly 0.)
 def _refusal_fwd(grads: tuple, sources: tuple, message: str) -> tuple:
-    return grads, message
+    return tuple(g.detach() for g in grads), message  # (new tensors, not views: in-place ops on them run)
 
 
 def _refusal_bwd(message: str, _: Any) -> tuple:
@@ -184,12 +192,12 @@ def refused_later(layer: str, why: str, grads: Any, sources: Sequence[Any]) -> A
     tensors = [t for v in sources for t in _fp8.tensors_of(v)]
     if torch._C._functorch.peek_interpreter_stack() is None and not any(map(_checks.has_dead_wrapper, tensors)):
         return grads
-    bases = tuple(t for t in map(_checks.bottom, tensors) if t.requires_grad)
-    if not bases:
+    live = tuple(map(_checks.live, tensors))
+    if not any(map(_checks.tracked, live)):
         return grads
     leaves, spec = pytree.tree_flatten(grads)
     at = [i for i, g in enumerate(leaves) if isinstance(g, torch.Tensor)]
-    message = f"{layer}: " + why.format(how=" (here autograd differentiates what a torch.func transform returned)")
-    for i, g in zip(at, _refusal(tuple(leaves[i] for i in at), bases, message)):
+    message = f"{layer}: " + why.format(how=" (here by autograd beneath or inside a torch.func transform)")
+    for i, g in zip(at, _refusal(tuple(leaves[i] for i in at), live, message)):
         leaves[i] = g
     return pytree.tree_unflatten(leaves, spec)

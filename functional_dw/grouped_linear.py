@@ -432,10 +432,10 @@ def _primal(x, weights, splits, bias, opts: Options) -> torch.Tensor:
 
 def _bwd(res: GroupedLinearResiduals, dy: torch.Tensor) -> tuple:
     """Cotangents of (x, weights, splits, bias); the options are nondiff (NOTE: [nondiff_argnums])."""
-    grads = (*grouped_linear_bwd(res, dy),)
-    if res.fp8 is not None:
-        grads = _steps.refused_later("grouped_linear", _fp8.NOT_TWICE, grads, (dy, *res.weights, res.x_TK))
-    dx, dweights, dbias = grads
+    dx, dweights, dbias = grouped_linear_bwd(res, dy)
+    if res.fp8 is not None:  # (dbias sums the unquantized dy: differentiable as it is)
+        sources = (dy, *res.weights, res.x_TK)
+        dx, dweights = _steps.refused_later("grouped_linear", _fp8.NOT_TWICE, (dx, dweights), sources)
     return dx, dweights, None, dbias
 
 

@@ -337,12 +337,12 @@ def grouped_mlp_bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
     on fc2's record, the activation's backward, fc1's ``grouped_linear_bwd`` on fc1's record; what
     the policy did not save is recomputed first. With autocast off, as every pure function (NOTE:
     [Autocast] in ``_amp.py``)."""
-    with _amp.off(dy):
+    _checks.record("grouped_mlp_bwd", res, GroupedMLPResiduals, "grouped_mlp_fwd")
+    with _amp.off(dy), _fp8.dead_level(_fc1_inputs(res) if res.fc2.fp8 is not None else ()):
         return _backward(res, dy)
 
 
 def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
-    _checks.record("grouped_mlp_bwd", res, GroupedMLPResiduals, "grouped_mlp_fwd")
     want_x, want_w1, want_w2, want_p, want_b1, want_b2 = _wanted(res)
     if res.rows is not None:  # (backward gathers and sums by it again)
         _checks.check_stamp("rows", mlp_rows.index_of(res.rows), res.rows_version)
@@ -407,7 +407,8 @@ def _bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> tuple:
     grads = g.dx, g.dw1, g.dw2, None, g.dprobs, g.dbias1, g.dbias2, None
     if res.fc1.fp8 is None and res.fc2.fp8 is None:
         return grads
-    return refused_later("grouped_mlp", _fp8.NOT_TWICE, grads, (dy, *_fc1_inputs(res), *res.fc2.weights))
+    sources = (dy, *_fc1_inputs(res), *res.fc2.weights)
+    return refused_later("grouped_mlp", _fp8.NOT_TWICE, grads, sources)
 
 
 def _planned(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions) -> torch.Tensor | None:

@@ -316,8 +316,10 @@ def _wgrad(res: LinearResiduals, dy_TN: torch.Tensor, dyq: Any, k: Kernels) -> t
 
 def _bwd(res: LinearResiduals, dy: torch.Tensor) -> tuple:
     """Cotangents of (x, weight, bias); the options are nondiff (NOTE: [nondiff_argnums])."""
-    grads = linear_bwd(res, dy)
-    return grads if res.fp8 is None else _steps.refused_later("linear", _fp8.NOT_TWICE, grads, (dy, res.weight, res.x))
+    dx, dw, db = linear_bwd(res, dy)
+    if res.fp8 is not None:  # (db sums the unquantized dy: differentiable as it is)
+        dx, dw = _steps.refused_later("linear", _fp8.NOT_TWICE, (dx, dw), (dy, res.weight, res.x))
+    return dx, dw, db
 
 
 def _fwd(x, weight, bias, opts: Options):  # positional form for custom_vjp

@@ -736,10 +736,41 @@ def test_autograd_over_a_torch_func_result_is_refused_when_it_differentiates(lay
         gx = torch.func.grad(lambda x: (f(x, ws) * c).square().sum())(x)
         return gx, torch.func.vjp(lambda x: f(x, ws), x)[1](c)[0], torch.func.jacrev(lambda x: f(x, ws)[..., :2])(x)
 
-    for got, want in zip(results(live), results(ws)):
+    for i, (got, want) in enumerate(zip(results(live), results(ws))):
         assert torch.equal(got, want) and got.requires_grad
-        with pytest.raises(NotImplementedError, match="here autograd differentiates what a torch.func transform"):
+        with pytest.raises(NotImplementedError, match="here by autograd beneath or inside a torch.func transform"):
             torch.autograd.grad(f(x, live).sum() + got.square().sum(), live)
+        if i < 2:  # grad's and vjp's are new tensors, not views: in place (an optimizer, .grad += ...) runs
+            got.mul_(2)
+
+
+@pytest.mark.parametrize("layer", ["linear", "grouped"])
+def test_autograd_grad_with_create_graph_inside_a_transform_is_refused(layer):
+    """torch.autograd.grad(..., create_graph=True) inside torch.func.grad runs the backward at
+    the grad level's own level, which then differentiates it: refused when it does (it came back
+    exactly 0, where the bf16 answer is ~1e5). The bias grad sums the unquantized dy, so a
+    penalty on it alone differentiates (as the same layer without FP8 does, to FP8's error)."""
+    x, ws, bs, _ = _inputs(layer, dtype=torch.float32)
+    c = torch.randn(*x.shape[:-1], N, generator=torch.Generator().manual_seed(4))
+
+    def outer(w0, recipe):
+        y = _call(layer, None, x, [w0, *ws[1:]], bs, recipe, None)
+        (gw,) = torch.autograd.grad((y * c).square().sum(), w0, create_graph=True)
+        return gw.square().sum()
+
+    assert torch.func.grad(outer)(ws[0], None).abs().sum() > 0
+    with pytest.raises(NotImplementedError, match="^(grouped_)?linear: .*inside a torch.func transform"):
+        torch.func.grad(outer)(ws[0], RECIPES["current"])
+
+    def bias_penalty(recipe):
+        live = ws[0].clone().requires_grad_()
+        db = torch.func.grad(
+            lambda b: (_call(layer, None, x, [live, *ws[1:]], [b, *bs[1:]], recipe, None) * c).square().sum()
+        )(bs[0])
+        return torch.autograd.grad(db.square().sum(), live)[0]
+
+    want = bias_penalty(None)
+    torch.testing.assert_close(bias_penalty(RECIPES["current"]), want, rtol=0, atol=0.1 * want.abs().max().item())
 
 
 # --- 1, 6. arguments and errors ------------------------------------------------------------

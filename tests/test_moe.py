@@ -558,10 +558,21 @@ def test_autograd_over_a_torch_func_grad_of_the_one_node_layer_is_refused_there(
     got = torch.func.grad(loss(layer, live))(x)
     assert torch.equal(got, torch.func.grad(loss(layer, w1))(x))
     assert torch.equal(got, torch.func.grad(loss(parts, live))(x))
-    with pytest.raises(NotImplementedError, match="^moe_layer: .*here autograd differentiates"):
+    with pytest.raises(NotImplementedError, match="^moe_layer: .*here by autograd beneath"):
         torch.autograd.grad(got.square().sum(), live)
     penalty = torch.func.grad(loss(parts, live))(x).square().sum()  # the parts differentiate it
     assert torch.autograd.grad(penalty, live)[0].abs().sum() > 0
+
+    def inside(f):  # torch.autograd.grad inside the transform: the grad level differentiates it
+        def outer(xx):
+            (gx,) = torch.autograd.grad(f(xx, wr, w1, w2).square().sum(), xx, create_graph=True)
+            return gx.square().sum()
+
+        return torch.func.grad(outer)(x)
+
+    with pytest.raises(NotImplementedError, match="^moe_layer: .*inside a torch.func transform"):
+        inside(layer)  # (it came back silently 0)
+    assert inside(parts).abs().sum() > 0
 
 
 def test_the_one_node_layer_under_autocast_runs_as_its_parts():
