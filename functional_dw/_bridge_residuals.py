@@ -21,6 +21,7 @@ from torch._C._functorch import (
     unwrap_if_dead,
 )
 
+from ._checks import in_transforms_backward
 from ._bridge_tree import flatten_cotangents, output_leaves, unflatten_out
 from .distributed_weight import is_distributed_weight
 from .residuals import RecordSpec, with_needs
@@ -267,8 +268,9 @@ class _PerElement(torch.autograd.Function):
         # reaches the looping level below.
         mine = torch._C._functorch.maybe_current_level() == job.call.level
         columns = []
-        for i in range(info.batch_size):
-            sliced = [t if d is None or t is None else t.select(d, i) for t, d in zip(leaves, in_dims[1:])]
-            columns.append(job.run(job.call.elements[i], sliced) if mine else _PerElement.apply(job, *sliced))
+        with in_transforms_backward():  # (the rule's create_graph is the transform's; this op refuses lazily)
+            for i in range(info.batch_size):
+                sliced = [t if d is None or t is None else t.select(d, i) for t, d in zip(leaves, in_dims[1:])]
+                columns.append(job.run(job.call.elements[i], sliced) if mine else _PerElement.apply(job, *sliced))
         out = tuple(None if c[0] is None else torch.stack(c) for c in zip(*columns))
         return out, tuple(None if o is None else 0 for o in out)

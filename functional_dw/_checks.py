@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
 import os
 import sys
@@ -229,6 +231,29 @@ def tracked(t: torch.Tensor) -> bool:
             return True
         t = func.get_unwrapped(t)
     return t.requires_grad
+
+
+_TRANSFORMS_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "functional_dw_transforms_backward", default=False
+)
+
+
+def transforms_backward() -> bool:
+    """Whether the backward running now is a torch.func transform's where nothing else shows it:
+    a vmap rule's per-element run (the interpreter stack is lowered there), a composite's layers
+    at a vjp_fn's dead level. Its ``create_graph=True`` is then not autograd's own (NOTE: [A
+    transform's dead level] in ``_steps.py``)."""
+    return _TRANSFORMS_BACKWARD.get()
+
+
+@contextlib.contextmanager
+def in_transforms_backward() -> Any:
+    """Context for :func:`transforms_backward` (per thread and task: a ContextVar)."""
+    token = _TRANSFORMS_BACKWARD.set(True)
+    try:
+        yield
+    finally:
+        _TRANSFORMS_BACKWARD.reset(token)
 
 
 def has_dead_wrapper(t: torch.Tensor) -> bool:

@@ -8,7 +8,6 @@ kernels by family]).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -128,27 +127,15 @@ def _transform_differentiates(top: Any, dy: torch.Tensor, weights: Sequence[torc
     return False
 
 
-_DEAD_LEVEL: contextvars.ContextVar[bool] = contextvars.ContextVar("functional_dw_dead_level", default=False)
-
-
 def dead_level(saved: Any) -> contextlib.AbstractContextManager:
     """Around a composite's backward (grouped_mlp): where its record's ``saved`` tensors are
     wrappers of an exited torch.func level (a vjp_fn's backward: NOTE: [A transform's dead
     level] in _steps.py), its layers' :func:`check_first_order` know it too, on the records it
     rebuilt in backward (a recomputed h carries no wrapper) and would take for autograd's own
-    ``create_graph=True``. A no-op elsewhere."""
+    ``create_graph=True`` (:func:`_checks.transforms_backward`). A no-op elsewhere."""
     if not torch.is_grad_enabled() or not any(_checks.has_dead_wrapper(t) for t in tensors_of(saved)):
         return contextlib.nullcontext()
-    return _set(_DEAD_LEVEL)
-
-
-@contextlib.contextmanager
-def _set(var: contextvars.ContextVar[bool]) -> Any:
-    token = var.set(True)
-    try:
-        yield
-    finally:
-        var.reset(token)
+    return _checks.in_transforms_backward()
 
 
 NOT_TWICE = (  # ({how}: what differentiates it)
@@ -186,8 +173,8 @@ def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tens
         higher = _transform_differentiates(top, dy, weights, copies)
     elif torch._C._current_autograd_node() is None:
         return  # the pure API called directly, not autograd's backward
-    elif _DEAD_LEVEL.get() or any(_checks.has_dead_wrapper(t) for t in (dy, *weights, *copies)):
-        return  # a vjp_fn run after vjp returned: refused lazily (NOTE: [Refused lazily] in _steps.py)
+    elif _checks.transforms_backward() or any(_checks.has_dead_wrapper(t) for t in (dy, *weights, *copies)):
+        return  # a transform's backward (a vjp_fn's, a vmap rule's): refused lazily (NOTE: [Refused lazily])
     else:  # autograd's backward with create_graph=True
         higher = dy.requires_grad or any(w.requires_grad for w in weights)
     if higher:

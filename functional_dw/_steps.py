@@ -150,7 +150,7 @@ def differentiated(dy: Any, inputs: Any, x_wanted: bool = False, below: bool = T
         bases.append(t)
     if torch._C._current_autograd_node() is None:
         return False  # the pure API called directly, not autograd's backward
-    if top is None and not dead:  # autograd's own create_graph=True
+    if top is None and not dead and not _checks.transforms_backward():  # autograd's own create_graph=True
         return x_wanted or any(t.requires_grad for t in bases)
     # Beneath a transform (or a vjp_fn's dead level) plain autograd may still differentiate what
     # it returns (a loss on torch.func.grad's result, then backward()): NOTE: [Refused lazily]
@@ -190,8 +190,9 @@ def refused_later(layer: str, why: str, grads: Any, sources: Sequence[Any]) -> A
     if not torch.is_grad_enabled() or torch._C._current_autograd_node() is None or torch.compiler.is_compiling():
         return grads
     tensors = [t for v in sources for t in _fp8.tensors_of(v)]
-    if torch._C._functorch.peek_interpreter_stack() is None and not any(map(_checks.has_dead_wrapper, tensors)):
-        return grads
+    if torch._C._functorch.peek_interpreter_stack() is None and not _checks.transforms_backward():
+        if not any(map(_checks.has_dead_wrapper, tensors)):
+            return grads  # autograd's own create_graph=True: refused at once by the caller
     live = tuple(map(_checks.live, tensors))
     if not any(map(_checks.tracked, live)):
         return grads

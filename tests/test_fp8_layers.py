@@ -720,8 +720,8 @@ def test_forward_mode_and_second_order_raise(layer):
 @pytest.mark.parametrize("layer", ["linear", "grouped"])
 def test_autograd_over_a_torch_func_result_is_refused_when_it_differentiates(layer):
     """A module's weights require grad outside a torch.func transform: first-order grad, vjp
-    (its vjp_fn called after vjp returned) and jacrev run and give what frozen weights give
-    (the vjp_fn was refused as "differentiated again" before); a loss on their result, then
+    (its vjp_fn called after vjp returned), jacrev and vmap(grad) run and give what frozen
+    weights give (the vjp_fn and vmap(grad) were refused as "differentiated again" before); a loss on their result, then
     autograd, raises there (NOTE: [Refused lazily]): the result was silently the loss's gradient
     alone, or a raw "does not require grad" error."""
     recipe = RECIPES["current"]
@@ -734,7 +734,10 @@ def test_autograd_over_a_torch_func_result_is_refused_when_it_differentiates(lay
 
     def results(ws):
         gx = torch.func.grad(lambda x: (f(x, ws) * c).square().sum())(x)
-        return gx, torch.func.vjp(lambda x: f(x, ws), x)[1](c)[0], torch.func.jacrev(lambda x: f(x, ws)[..., :2])(x)
+        per_copy = torch.func.vmap(torch.func.grad(lambda x: (f(x, ws) * c).square().sum()))
+        xs = x.expand(2, *x.shape)  # (vmap(grad) runs an FP8 layer once per element: its backward was refused)
+        vjp = torch.func.vjp(lambda x: f(x, ws), x)[1](c)[0]
+        return gx, vjp, torch.func.jacrev(lambda x: f(x, ws)[..., :2])(x), per_copy(xs)
 
     for i, (got, want) in enumerate(zip(results(live), results(ws))):
         assert torch.equal(got, want) and got.requires_grad

@@ -560,6 +560,10 @@ def test_autograd_over_a_torch_func_grad_of_the_one_node_layer_is_refused_there(
     assert torch.equal(got, torch.func.grad(loss(parts, live))(x))
     with pytest.raises(NotImplementedError, match="^moe_layer: .*here by autograd beneath"):
         torch.autograd.grad(got.square().sum(), live)
+    per_copy = [torch.func.vmap(torch.func.grad(loss(layer, w)))(x.expand(2, *x.shape)) for w in (live, w1)]
+    assert torch.equal(*per_copy)  # (vmap(grad): one call per element, its backward was refused)
+    with pytest.raises(NotImplementedError, match="differentiated again"):
+        torch.autograd.grad(per_copy[0].square().sum(), live)
     penalty = torch.func.grad(loss(parts, live))(x).square().sum()  # the parts differentiate it
     assert torch.autograd.grad(penalty, live)[0].abs().sum() > 0
 
