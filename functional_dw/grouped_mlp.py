@@ -357,6 +357,8 @@ def _backward(res: GroupedMLPResiduals, dy: torch.Tensor) -> MLPGrads:
         raise NotImplementedError(
             "grouped_mlp: " + _fp8.NOT_TWICE.format(how=" (create_graph=True, grad of grad, jacrev of jacrev)")
         )
+    if fp8 or r2.fp8 is not None:  # FP8's own rule on the saved x (fc2's record may hold a recomputed h, unwrapped)
+        _fp8.check_first_order("grouped_mlp", dy, (*res.fc1.weights, *r2.weights), _fc1_inputs(res)[0])
     recompute = res.fc1_out is None or second
     r1 = _fc1_record(res) if fc1_side or recompute else res.fc1  # (with rows: x[rows] gathered at most once)
     fc1_out = _recompute_fc1(res, r1) if recompute else res.fc1_out
