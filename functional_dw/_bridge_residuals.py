@@ -15,13 +15,15 @@ from typing import Any
 
 import torch
 from torch._C._functorch import (
+    TransformType,
     get_unwrapped,
     is_batchedtensor,
     is_functorch_wrapped_tensor,
     unwrap_if_dead,
 )
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-from ._checks import in_transforms_backward
+from ._checks import has_dead_wrapper, in_transforms_backward
 from ._bridge_tree import flatten_cotangents, output_leaves, unflatten_out
 from .distributed_weight import is_distributed_weight
 from .residuals import RecordSpec, with_needs
@@ -202,25 +204,34 @@ def per_element(ctx: Any, rule: str, grads: tuple) -> tuple:
     tangent leaves) of a call vmap ran per element (NOTE: [vmap])."""
     refs = getattr(ctx, "element_refs", None) or {}
     saved = ctx.saved_tensors  # (read once: unpack hooks run on every read)
-    job = _Job(ctx.call, rule, autograd_mask(ctx), len(saved), len(grads), tuple(refs))
+    job = _Job(ctx.call, rule, autograd_mask(ctx), len(saved), len(grads), tuple(refs), _outside(saved))
     return _PerElement.apply(job, *saved, *grads, *refs.values())
+
+
+def _outside(saved: tuple) -> bool:
+    """A vjp_fn's backward (saved tensors of its exited level) with live grad or jvp levels
+    around it, which the per-element run will no longer show (:func:`_checks.transforms_outside`)."""
+    live = (TransformType.Grad, TransformType.Jvp)
+    if not any(i.key() in live for i in retrieve_all_functorch_interpreters()):
+        return False
+    return any(has_dead_wrapper(t) for t in saved if isinstance(t, torch.Tensor))
 
 
 class _Job:
     """One per-element rule: the call and how :class:`_PerElement`'s inputs split."""
 
-    __slots__ = ("call", "rule", "mask", "n_saved", "n_grads", "ref_positions")
+    __slots__ = ("call", "rule", "mask", "n_saved", "n_grads", "ref_positions", "outside")
 
-    def __init__(self, call: Any, rule: str, mask: Any, n_saved: int, n_grads: int, ref_positions: tuple) -> None:
+    def __init__(self, call: Any, rule: str, mask: Any, n_saved: int, n_grads: int, refs: tuple, outside: bool) -> None:
         self.call, self.rule, self.mask, self.n_saved, self.n_grads = call, rule, mask, n_saved, n_grads
-        self.ref_positions = ref_positions
+        self.ref_positions, self.outside = refs, outside
 
     def run(self, element: Any, leaves: Any) -> tuple:
         """The rule on one element: its saved tensors, grads (or tangents) and refs."""
         saved, grads = leaves[: self.n_saved], leaves[self.n_saved : self.n_saved + self.n_grads]
         refs = dict(zip(self.ref_positions, leaves[self.n_saved + self.n_grads :]))
         if element.elements is not None:  # vmap of vmap: this element was itself run per element
-            job = _Job(element, self.rule, self.mask, self.n_saved, self.n_grads, self.ref_positions)
+            job = _Job(element, self.rule, self.mask, self.n_saved, self.n_grads, self.ref_positions, self.outside)
             return _PerElement.apply(job, *saved, *grads, *refs.values())
         res = rebuild(element, saved, self.mask)
         res = _rebind(res, {element.in_ids[k]: live(t) for k, t in refs.items()})
@@ -233,9 +244,10 @@ class _Job:
 
 _AGAIN = (
     "custom_vjp: differentiating the backward (or jvp) of a layer that vmap ran once per batch element "
-    "(batched weights or splits, e.g. an ensemble) again inside that vmap is not supported (e.g. "
-    "vmap(grad(gradient penalty)) over an ensemble); batch x only, or take the outer derivative outside "
-    "the vmap (grad(vmap(...)) works)"
+    "again inside that vmap is not supported (e.g. vmap(grad(gradient penalty))). vmap runs a call per "
+    "element where its weights or splits are batched (an ensemble) or the pair has no rule that folds "
+    "the batch (grouped_mlp, moe_layer, FP8 layers). Take the outer derivative outside the vmap "
+    "(grad(vmap(...)) works), or batch only x through linear or grouped_linear without FP8"
 )
 
 
@@ -268,7 +280,9 @@ class _PerElement(torch.autograd.Function):
         # reaches the looping level below.
         mine = torch._C._functorch.maybe_current_level() == job.call.level
         columns = []
-        with in_transforms_backward():  # (the rule's create_graph is the transform's; this op refuses lazily)
+        with in_transforms_backward(
+            job.outside
+        ):  # (the rule's create_graph is the transform's; this op refuses lazily)
             for i in range(info.batch_size):
                 sliced = [t if d is None or t is None else t.select(d, i) for t, d in zip(leaves, in_dims[1:])]
                 columns.append(job.run(job.call.elements[i], sliced) if mine else _PerElement.apply(job, *sliced))

@@ -233,7 +233,7 @@ def tracked(t: torch.Tensor) -> bool:
     return t.requires_grad
 
 
-_TRANSFORMS_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar(
+_TRANSFORMS_BACKWARD: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "functional_dw_transforms_backward", default=False
 )
 
@@ -242,14 +242,24 @@ def transforms_backward() -> bool:
     """Whether the backward running now is a torch.func transform's where nothing else shows it:
     a vmap rule's per-element run (the interpreter stack is lowered there), a composite's layers
     at a vjp_fn's dead level. Its ``create_graph=True`` is then not autograd's own (NOTE: [A
-    transform's dead level] in ``_steps.py``)."""
-    return _TRANSFORMS_BACKWARD.get()
+    transform's dead level] in ``_steps.py``). Only for the autograd node that was running when
+    the context was entered: a ``torch.autograd.grad`` inside it (a user's bwd) is autograd's own."""
+    got = _TRANSFORMS_BACKWARD.get()
+    return got is not False and got[0] is torch._C._current_autograd_node()
+
+
+def transforms_outside() -> bool:
+    """Within :func:`transforms_backward`: whether live grad or jvp levels the stack no longer
+    shows are outside it (a vjp_fn's backward run per element inside a grad: they may
+    differentiate it through tensors that carry no graph, as an FP8 copy of x)."""
+    return transforms_backward() and _TRANSFORMS_BACKWARD.get()[1]
 
 
 @contextlib.contextmanager
-def in_transforms_backward() -> Any:
-    """Context for :func:`transforms_backward` (per thread and task: a ContextVar)."""
-    token = _TRANSFORMS_BACKWARD.set(True)
+def in_transforms_backward(outside: bool = False) -> Any:
+    """Context for :func:`transforms_backward` and :func:`transforms_outside` (per thread and
+    task: a ContextVar), bound to the autograd node running now."""
+    token = _TRANSFORMS_BACKWARD.set((torch._C._current_autograd_node(), outside))
     try:
         yield
     finally:

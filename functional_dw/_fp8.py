@@ -174,7 +174,9 @@ def check_first_order(layer: str, dy: torch.Tensor, weights: Sequence[torch.Tens
     elif torch._C._current_autograd_node() is None:
         return  # the pure API called directly, not autograd's backward
     elif _checks.transforms_backward() or any(_checks.has_dead_wrapper(t) for t in (dy, *weights, *copies)):
-        return  # a transform's backward (a vjp_fn's, a vmap rule's): refused lazily (NOTE: [Refused lazily])
+        # a transform's backward (a vjp_fn's, a vmap rule's): refused lazily (NOTE: [Refused lazily]),
+        # or at once where live levels outside it may differentiate it through x (as above)
+        higher = _checks.transforms_outside()
     else:  # autograd's backward with create_graph=True
         higher = dy.requires_grad or any(w.requires_grad for w in weights)
     if higher:

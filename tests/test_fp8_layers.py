@@ -712,6 +712,18 @@ def test_forward_mode_and_second_order_raise(layer):
         grad(grad_x_of_grad_w)(x)
     with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
         grad(lambda x: grad_x_of_vjp_w(x).square().sum())(x)
+    # the same over an ensemble of weights (vmap runs FP8 once per element: it came back exactly 0)
+    member = (
+        lambda w0: grad(  # noqa: E731
+            lambda x: (
+                torch.func.vjp(lambda w: _call(layer, None, x, [w, *ws[1:]], bs, recipe, None), w0)[1](c)[0]
+                .square()
+                .sum()
+            )
+        )(x)
+    )
+    with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
+        torch.func.vmap(member)(torch.stack([ws[0], ws[0]]))
     # first order through a vjp_fn (called after vjp returned, and vmapped by jacrev) runs
     y, vjp_fn = torch.func.vjp(f, x)
     assert vjp_fn(c)[0].shape == x.shape and jacrev(f)(x).shape == (*y.shape, *x.shape)

@@ -613,6 +613,35 @@ def test_autograd_over_a_torch_func_grad_is_second_order(save):
         assert torch.equal(vjp[0](c)[0], vjp[1](c)[0])
 
 
+def test_a_users_create_graph_inside_a_per_element_vmap_is_refused():
+    """A user's pair (no vmap rule: vmap runs it per element) whose bwd takes a second derivative
+    in x through FP8 grouped_mlp, under vmap(grad): refused as without vmap. It returned the
+    other term alone: that create_graph was read as the per-element run's own."""
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = torch.randn(2, 64, 32, generator=g) * 0.2, torch.randn(2, 32, 32, generator=g) * 0.2
+    c, xs = torch.randn(32, 32, generator=g), torch.randn(2, 32, 32, generator=g)
+
+    def fwd(x):
+        return x.sum() * 0, (x,)
+
+    def bwd(res, gy):
+        with torch.enable_grad():
+            x = res[0].detach().requires_grad_()
+            y = fd.grouped_mlp(x, w1, w2, [16, 16], recipe=fp8.RowwiseScaling(bf16_below=0))
+            (gx,) = torch.autograd.grad((y * c).sum(), x, create_graph=True)
+            (hx,) = torch.autograd.grad(gx.square().sum() + x.square().sum(), x)
+        return (gy * hx,)
+
+    op = fd.custom_vjp(fwd, bwd, name="user_hvp")
+    x0 = xs[0].clone().requires_grad_()
+    for run in (
+        lambda: torch.autograd.grad(op(x0), x0),
+        lambda: torch.func.vmap(torch.func.grad(op))(xs),
+    ):
+        with pytest.raises(NotImplementedError, match="^grouped_mlp: .*cannot be differentiated again"):
+            run()
+
+
 @pytest.mark.parametrize("save", POLICIES)
 def test_autograd_grad_inside_a_torch_func_grad_is_second_order(save):
     """torch.autograd.grad(..., create_graph=True) inside torch.func.grad: the backward runs at
