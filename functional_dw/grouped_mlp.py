@@ -60,6 +60,7 @@ from .grouped_linear import jvp as grouped_linear_jvp
 from .grouped_linear import saved_x
 from .grouped_plan import SplitsArg, WeightsArg, check_bias
 from .kernels import Kernels, stacked
+from .kernels.splits import row_expert
 from .activations import Activation
 from .activations import get as get_activation
 from .mlp_checks import POLICIES, MLPOptions, check_call, in_layer, keep_x_args, options
@@ -303,6 +304,9 @@ def _recompute_fc1(res: GroupedMLPResiduals, r1: GroupedLinearResiduals) -> torc
         dwp.check_versions((b1,) if isinstance(b1, torch.Tensor) else b1, res.bias1_version, "bias1")
     b_EN = None if b1 is None else (b1 if r1.plan.bias_form == "stacked" else stacked(b1))
     kernels, grouped = route(r1.kernels, r1.path == "grouped", x_TK, w_ENK)
+    if r1.path == "grouped" and not grouped and b_EN is not None:  # rerouted under a transform: the
+        # grouped path's bias add after the product, as forward ran it (F.linear's fused add rounds once)
+        return kernels.grouped_fprop(x_TK, w_ENK, None, r1.splits, False) + b_EN[row_expert(r1.splits)]
     return kernels.grouped_fprop(x_TK, w_ENK, b_EN, r1.splits, grouped)
 
 
@@ -406,11 +410,17 @@ def _primal(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions) -> t
 def _bwd(res: GroupedMLPResiduals, dy: torch.Tensor) -> tuple:
     """Cotangents of (x, w1, w2, splits, probs, bias1, bias2, rows); the options are nondiff."""
     g = grouped_mlp_bwd(res, dy)
-    grads = g.dx, g.dw1, g.dw2, None, g.dprobs, g.dbias1, g.dbias2, None
     if res.fc1.fp8 is None and res.fc2.fp8 is None:
-        return grads
-    sources = (dy, *_fc1_inputs(res), *res.fc2.weights)
-    return refused_later("grouped_mlp", _fp8.NOT_TWICE, grads, sources)
+        return g.dx, g.dw1, g.dw2, None, g.dprobs, g.dbias1, g.dbias2, None
+    # (dbias2 sums the unquantized dy, as the layers' bias grads: differentiable as it is)
+    grads = refused_later(
+        "grouped_mlp",
+        _fp8.NOT_TWICE,
+        (g.dx, g.dw1, g.dw2, g.dprobs, g.dbias1),
+        (dy, *_fc1_inputs(res), *res.fc2.weights),
+    )
+    dx, dw1, dw2, dprobs, dbias1 = grads
+    return dx, dw1, dw2, None, dprobs, dbias1, g.dbias2, None
 
 
 def _planned(x, w1, w2, splits, probs, bias1, bias2, rows, opts: MLPOptions) -> torch.Tensor | None:

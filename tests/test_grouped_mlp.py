@@ -642,6 +642,43 @@ def test_a_users_create_graph_inside_a_per_element_vmap_is_refused():
             run()
 
 
+def test_a_penalty_on_bias2s_grad_differentiates_through_fp8():
+    """bias2's grad sums the unquantized dy, so a penalty on it differentiates with FP8 layers
+    as without them (to FP8's error); it was refused along with the grads FP8 made."""
+    g = torch.Generator().manual_seed(6)
+    x0, c = torch.randn(32, 16, generator=g), torch.randn(32, 16, generator=g)
+    w1, w2 = torch.randn(2, 32, 16, generator=g) * 0.3, torch.randn(2, 16, 16, generator=g) * 0.3
+    b2 = torch.randn(2, 16, generator=g) * 0.3
+
+    def dx_of_penalty(recipe):
+        x = x0.clone().requires_grad_()
+        loss = lambda b: (fd.grouped_mlp(x, w1, w2, [16, 16], bias2=b, recipe=recipe) * c).square().sum()  # noqa: E731
+        return torch.autograd.grad(torch.func.grad(loss)(b2).square().sum(), x)[0]
+
+    want = dx_of_penalty(None)
+    got = dx_of_penalty(fp8.RowwiseScaling(bf16_below=0))
+    assert (got - want).norm() < 0.1 * want.norm()
+
+
+@pytest.mark.parametrize("save", POLICIES)
+def test_torch_func_grad_recomputes_forwards_bits(save):
+    """Under torch.func.grad fc1 runs again (its level may differentiate it) on the reference's
+    split path: with bf16 biases its bias add follows the product as on forward's grouped path,
+    so the grads are .backward()'s bitwise (F.linear's fused add rounded once: up to 0.5 off)."""
+    g = torch.Generator().manual_seed(5)
+    bf = torch.bfloat16
+    x, c = torch.randn(32, 16, generator=g).to(bf), torch.randn(32, 16, generator=g).to(bf)
+    w1, w2 = (torch.randn(2, 48, 16, generator=g) * 0.2).to(bf), (torch.randn(2, 16, 24, generator=g) * 0.2).to(bf)
+    b1 = (torch.randn(2, 48, generator=g) * 0.1).to(bf)
+
+    def loss(w1):
+        return (fd.grouped_mlp(x, w1, w2, [12, 20], bias1=b1, save=save) * c).square().sum()
+
+    w = w1.clone().requires_grad_()
+    loss(w).backward()
+    assert torch.equal(torch.func.grad(loss)(w1), w.grad)
+
+
 @pytest.mark.parametrize("save", POLICIES)
 def test_autograd_grad_inside_a_torch_func_grad_is_second_order(save):
     """torch.autograd.grad(..., create_graph=True) inside torch.func.grad: the backward runs at
