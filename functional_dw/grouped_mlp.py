@@ -304,8 +304,9 @@ def _recompute_fc1(res: GroupedMLPResiduals, r1: GroupedLinearResiduals) -> torc
         dwp.check_versions((b1,) if isinstance(b1, torch.Tensor) else b1, res.bias1_version, "bias1")
     b_EN = None if b1 is None else (b1 if r1.plan.bias_form == "stacked" else stacked(b1))
     kernels, grouped = route(r1.kernels, r1.path == "grouped", x_TK, w_ENK)
-    if r1.path == "grouped" and not grouped and b_EN is not None:  # rerouted under a transform: the
-        # grouped path's bias add after the product, as forward ran it (F.linear's fused add rounds once)
+    if r1.path == "grouped" and not grouped and kernels is r1.kernels and b_EN is not None:  # the reference's
+        # grouped path rerouted under a transform: its bias add after the product, as forward ran it
+        # (F.linear's fused add rounds once; TE's kernels reroute to the reference, other numerics anyway)
         return kernels.grouped_fprop(x_TK, w_ENK, None, r1.splits, False) + b_EN[row_expert(r1.splits)]
     return kernels.grouped_fprop(x_TK, w_ENK, b_EN, r1.splits, grouped)
 
